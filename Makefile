@@ -1,0 +1,35 @@
+# The front door: `make demo` and `make test`. Each installs what is missing
+# first (Debian/Ubuntu), then builds and runs.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+PKGS := libucx-dev libhwloc-dev libudev-dev libclang-dev pkg-config
+# Engine tests drive busy-poll threads: keep them from starving a 2-core box.
+TEST_THREADS ?= 2
+
+.PHONY: deps demo test loom bench fmt clippy
+
+deps:
+	@./scripts/deps.sh $(PKGS)
+
+demo: deps
+	$(CARGO) run --release --bin kvpoll -- demo
+
+test: deps
+	$(CARGO) test --workspace --all-targets -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test --workspace --doc
+	$(MAKE) --no-print-directory loom
+
+# loom explores every interleaving of the bitmap-and-publish protocol. It uses
+# its own target dir so that the `--cfg loom` build does not evict the normal one.
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test --release --lib --tests loom -- --test-threads=1
+
+bench: deps
+	$(CARGO) bench
+
+fmt:
+	$(CARGO) fmt --all
+
+clippy:
+	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -1,0 +1,4 @@
+//! kvpoll: moves KV-cache blocks between prefill and decode ranks over UCX and
+//! reports, exactly once and without locks, which requests finished and which
+//! failed.
+pub mod transport;

@@ -1,0 +1,2 @@
+//! Transports: real UCX, and a deterministic simulator.
+pub mod ucx;

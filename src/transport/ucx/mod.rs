@@ -1,0 +1,1 @@
+//! Safe UCX layer.

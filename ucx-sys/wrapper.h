@@ -1,0 +1,2 @@
+#include <ucp/api/ucp.h>
+#include <ucs/type/status.h>
