@@ -1,1 +1,48 @@
-fn main() {}
+//! The `kvpoll` tool: `demo` (the main job), and a UCX peer process used by
+//! the two-process tests.
+
+mod cli;
+mod demo;
+mod peer;
+
+use std::process::ExitCode;
+
+use cli::{Args, CliError};
+
+const USAGE: &str = "\
+usage: kvpoll <command> [options]
+
+commands:
+  demo                  move KV blocks between two UCX workers and report bytes and rate
+        --tls LIST        UCX transports (default: posix,sysv,cma)
+        --blocks N        blocks per round (default 4096)
+        --block-size B    bytes per block (default 16384)
+        --rounds N        rounds (default 8)
+  ucx-peer              serve a UCX region to a parent process (used by tests)
+";
+
+fn run(mut args: Args) -> Result<(), CliError> {
+    match args.command()?.as_str() {
+        "demo" => demo::run(args),
+        "ucx-peer" => peer::run(args),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => Err(CliError::UnknownCommand(other.to_owned())),
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Args::from_env()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Failed(msg)) => {
+            eprintln!("kvpoll: {msg}");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("kvpoll: {e}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}

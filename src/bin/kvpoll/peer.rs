@@ -1,0 +1,75 @@
+//! `kvpoll ucx-peer`: a process that registers a region filled with a known
+//! pattern, prints its worker address and rkey on one line, and serves UCX
+//! until its standard input closes. The two-process tests drive it.
+//!
+//! Output: `READY <hex worker address> <hex packed rkey>`.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker};
+use kvpoll::wire::to_hex;
+
+use crate::cli::{Args, CliError};
+
+pub fn run(mut args: Args) -> Result<(), CliError> {
+    let tls: String = args
+        .option("--tls", "a UCX transport list")?
+        .unwrap_or_else(|| "tcp".into());
+    let blocks: u64 = args.option("--blocks", "a block count")?.unwrap_or(64);
+    let block_size: u64 = args
+        .option("--block-size", "a size in bytes")?
+        .unwrap_or(16384);
+    let seed: u64 = args.option("--seed", "an integer")?.unwrap_or(1);
+    args.finish()?;
+    let fail = |e: kvpoll::transport::ucx::UcxError| CliError::Failed(e.to_string());
+
+    let ctx = Context::new(&ContextOptions::with_transports(&tls)).map_err(fail)?;
+    let worker = Worker::new(&ctx).map_err(fail)?;
+    let len = blocks
+        .checked_mul(block_size)
+        .filter(|&l| l > 0 && l <= 1 << 34)
+        .ok_or_else(|| CliError::Failed("region size out of range".into()))?;
+    let region = MemoryRegion::allocate(&ctx, len as usize).map_err(fail)?;
+    let mut block = vec![0u8; block_size as usize];
+    for b in 0..blocks {
+        kvpoll::pattern::fill(seed, b, &mut block);
+        region.write(b * block_size, &block).map_err(fail)?;
+    }
+    let addr = worker.address().map_err(fail)?;
+    let rkey = region.pack_rkey().map_err(fail)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "READY {} {}",
+        to_hex(addr.as_bytes()),
+        to_hex(rkey.as_bytes())
+    )
+    .and_then(|_| out.flush())
+    .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
+    drop(out);
+
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        flag.store(true, Ordering::Release);
+    });
+    // Over tcp the target of a get must progress to answer it. Spin while
+    // there is work, nap when there is none, so a 2-core box is not starved.
+    let mut idle = 0u32;
+    while !closed.load(Ordering::Acquire) {
+        if worker.progress() > 0 {
+            idle = 0;
+        } else {
+            idle += 1;
+            if idle > 1000 {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+    Ok(())
+}

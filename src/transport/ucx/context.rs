@@ -1,0 +1,155 @@
+use std::ffi::CString;
+use std::ptr;
+use std::rc::Rc;
+
+use ucx_sys as sys;
+
+use super::error::{check, UcxError, UcxStatus};
+use super::request;
+
+/// How a [`Context`] is configured. Options are set with
+/// `ucp_config_modify`, so they override the environment for this context
+/// only (`UCX_*` variables still apply to anything not named here).
+#[derive(Debug, Clone)]
+pub struct ContextOptions {
+    /// The transport list (`UCX_TLS`), e.g. `"tcp"` or `"posix,sysv,cma"`.
+    /// `None` lets UCX choose.
+    pub transports: Option<String>,
+    /// Let shared-memory transports run with peer error handling
+    /// (`MM_ERROR_HANDLING=y`). Without it, UCX silently excludes shared
+    /// memory from every endpoint created in peer error mode.
+    pub shared_memory_error_handling: bool,
+    /// Further `(name, value)` pairs, names without the `UCX_` prefix.
+    pub extra: Vec<(String, String)>,
+}
+
+impl Default for ContextOptions {
+    fn default() -> Self {
+        Self {
+            transports: None,
+            shared_memory_error_handling: true,
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl ContextOptions {
+    /// Options restricted to the given transport list.
+    pub fn with_transports(tls: &str) -> Self {
+        Self {
+            transports: Some(tls.to_owned()),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the transport list can include a shared-memory (mm) transport;
+    /// only then is `MM_ERROR_HANDLING` set (UCX warns about an option that
+    /// no selected transport reads).
+    fn may_use_shared_memory(&self) -> bool {
+        match &self.transports {
+            None => true,
+            Some(list) => {
+                list.starts_with('^')
+                    || list.split(',').any(|t| {
+                        matches!(
+                            t.trim(),
+                            "all" | "mm" | "sm" | "shm" | "posix" | "sysv" | "xpmem"
+                        )
+                    })
+            }
+        }
+    }
+
+    /// Adds one option (name without the `UCX_` prefix).
+    pub fn option(mut self, name: &str, value: &str) -> Self {
+        self.extra.push((name.to_owned(), value.to_owned()));
+        self
+    }
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) handle: sys::ucp_context_h,
+}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ucp_init and every worker and memory
+        // region holds an Rc to this inner, so nothing uses it any more.
+        unsafe { sys::ucp_cleanup(self.handle) }
+    }
+}
+
+/// A UCP context with the RMA and active-message features.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Rc<ContextInner>,
+}
+
+struct Config(*mut sys::ucp_config_t);
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        // SAFETY: read by ucp_config_read, released once.
+        unsafe { sys::ucp_config_release(self.0) }
+    }
+}
+
+impl Config {
+    fn set(&mut self, name: &str, value: &str) -> Result<(), UcxError> {
+        let n = CString::new(name).map_err(|_| UcxError::NulInOption(name.to_owned()))?;
+        let v = CString::new(value).map_err(|_| UcxError::NulInOption(value.to_owned()))?;
+        // SAFETY: the config is live; both strings are NUL-terminated and
+        // outlive the call (UCX copies them).
+        let status = unsafe { sys::ucp_config_modify(self.0, n.as_ptr(), v.as_ptr()) };
+        if status == sys::ucs_status_t::UCS_OK {
+            Ok(())
+        } else {
+            Err(UcxError::BadOption {
+                name: name.to_owned(),
+                value: value.to_owned(),
+                status: UcxStatus(status),
+            })
+        }
+    }
+}
+
+impl Context {
+    /// Creates a context with the given options.
+    pub fn new(options: &ContextOptions) -> Result<Self, UcxError> {
+        let mut raw_cfg = ptr::null_mut();
+        // SAFETY: NULL env prefix and filename mean "the defaults plus UCX_*
+        // environment variables"; raw_cfg receives the new config.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw_cfg)
+        })?;
+        let mut cfg = Config(raw_cfg);
+        if let Some(tls) = &options.transports {
+            cfg.set("TLS", tls)?;
+        }
+        if options.shared_memory_error_handling && options.may_use_shared_memory() {
+            cfg.set("MM_ERROR_HANDLING", "y")?;
+        }
+        for (name, value) in &options.extra {
+            cfg.set(name, value)?;
+        }
+
+        let params = sys::ucp_params_t {
+            field_mask: (sys::UCP_PARAM_FIELD_FEATURES
+                | sys::UCP_PARAM_FIELD_REQUEST_SIZE
+                | sys::UCP_PARAM_FIELD_REQUEST_INIT) as u64,
+            features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM) as u64,
+            request_size: request::REQUEST_SIZE,
+            request_init: Some(request::request_init),
+            ..Default::default()
+        };
+        let mut handle = ptr::null_mut();
+        // SAFETY: params and cfg are valid for the call; handle receives the
+        // context on success.
+        check("ucp_init", unsafe {
+            sys::ucp_init(&params, cfg.0, &mut handle)
+        })?;
+        Ok(Self {
+            inner: Rc::new(ContextInner { handle }),
+        })
+    }
+}

@@ -1,0 +1,332 @@
+use std::cell::Cell;
+use std::ffi::c_void;
+use std::ptr;
+use std::rc::Rc;
+
+use thiserror::Error;
+use ucx_sys as sys;
+
+use super::error::{UcxError, UcxStatus};
+use super::memory::{MemoryRegion, RemoteKey};
+use super::request;
+use super::worker::{Sink, Worker, WorkerAddress, WorkerInner};
+use super::MAX_AM_PAYLOAD;
+
+/// One block copy of a batch: `len` bytes between `local_offset` in the local
+/// region and `remote_offset` in the remote one. `token` comes back in the
+/// operation's [`super::Completion`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockOp {
+    /// Offset in the local [`MemoryRegion`].
+    pub local_offset: u64,
+    /// Offset in the remote region the [`RemoteKey`] names.
+    pub remote_offset: u64,
+    /// Bytes to move.
+    pub len: usize,
+    /// Caller's token for the completion.
+    pub token: u64,
+}
+
+/// A batch stopped part way: the first `posted` operations were posted and
+/// will complete through the worker; the others were not posted at all.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("posted {posted} operations, then: {error}")]
+pub struct PostError {
+    /// How many operations of the batch were posted.
+    pub posted: usize,
+    /// Why the next one was not.
+    pub error: UcxError,
+}
+
+/// The error callback's argument: boxed so its address is stable.
+struct EndpointState {
+    sink: *const Sink,
+    id: u64,
+    /// 0 while healthy, else the failure status.
+    failed: Cell<i8>,
+}
+
+unsafe extern "C" fn error_callback(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::Status) {
+    // SAFETY: arg is the boxed EndpointState of an endpoint of this worker; it
+    // lives until the endpoint is closed, after which UCX calls no error
+    // callback. Runs on the worker's thread. Records only: the sink reserved
+    // room for this failure when the endpoint was created, so no allocation.
+    unsafe {
+        let state = &*(arg as *const EndpointState);
+        if state.failed.get() == 0 {
+            state.failed.set(status);
+            (*state.sink).endpoint_failed(state.id, UcxStatus(status));
+        }
+    }
+}
+
+pub(crate) struct EndpointInner {
+    handle: Cell<sys::ucp_ep_h>,
+    state: Box<EndpointState>,
+    pub(crate) worker: Rc<WorkerInner>,
+}
+
+impl EndpointInner {
+    fn live_handle(&self) -> Result<sys::ucp_ep_h, UcxError> {
+        let h = self.handle.get();
+        if h.is_null() {
+            let f = self.state.failed.get();
+            return Err(UcxError::EndpointClosed((f != 0).then_some(UcxStatus(f))));
+        }
+        Ok(h)
+    }
+
+    pub(crate) fn raw(&self) -> sys::ucp_ep_h {
+        self.handle.get()
+    }
+}
+
+impl Drop for EndpointInner {
+    fn drop(&mut self) {
+        let h = self.handle.replace(ptr::null_mut());
+        if h.is_null() {
+            return;
+        }
+        // A forced close is local and bounded: it does not wait for a peer
+        // that may be gone. Outstanding operations complete with
+        // UCS_ERR_CANCELED into the worker's completion list.
+        let params = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+            flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
+            ..Default::default()
+        };
+        // SAFETY: h is a live endpoint of this (live) worker, closed once.
+        let req = unsafe { sys::ucp_ep_close_nbx(h, &params) };
+        if sys::UCS_PTR_IS_PTR(req) {
+            // SAFETY: req is a live request with no callback; we poll it to
+            // completion on this thread and free it once.
+            unsafe {
+                while sys::ucp_request_check_status(req) == sys::ucs_status_t::UCS_INPROGRESS {
+                    sys::ucp_worker_progress(self.worker.handle);
+                }
+                sys::ucp_request_free(req);
+            }
+        }
+    }
+}
+
+/// A connection to a peer worker, in peer error mode: a peer failure is
+/// reported (see [`Worker::take_endpoint_failures`]) and every operation on
+/// it completes with an error instead of hanging.
+pub struct Endpoint {
+    pub(crate) inner: Rc<EndpointInner>,
+}
+
+impl Endpoint {
+    /// Connects `worker` to the worker at `address`. `id` names this
+    /// endpoint in [`super::EndpointFailure`] reports.
+    pub fn connect(worker: &Worker, address: &WorkerAddress, id: u64) -> Result<Self, UcxError> {
+        let state = Box::new(EndpointState {
+            sink: &*worker.inner.sink,
+            id,
+            failed: Cell::new(0),
+        });
+        worker.inner.sink.reserve_failure();
+        let raw = address.raw();
+        let params = sys::ucp_ep_params_t {
+            field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
+            address: raw.as_ptr() as *const sys::ucp_address_t,
+            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler: sys::ucp_err_handler_t {
+                cb: Some(error_callback),
+                arg: &*state as *const EndpointState as *mut c_void,
+            },
+            ..Default::default()
+        };
+        let mut handle = ptr::null_mut();
+        // SAFETY: the worker is live; the address bytes passed the frame
+        // check and live for the call; the state box outlives the endpoint.
+        let status = unsafe { sys::ucp_ep_create(worker.inner.handle, &params, &mut handle) };
+        super::error::check("ucp_ep_create", status)?;
+        Ok(Self {
+            inner: Rc::new(EndpointInner {
+                handle: Cell::new(handle),
+                state,
+                worker: worker.inner.clone(),
+            }),
+        })
+    }
+
+    /// The failure UCX reported for this endpoint, if any.
+    pub fn failure(&self) -> Option<UcxStatus> {
+        let f = self.inner.state.failed.get();
+        (f != 0).then_some(UcxStatus(f))
+    }
+
+    /// Whether the endpoint was closed ([`Endpoint::force_close`]).
+    pub fn is_closed(&self) -> bool {
+        self.inner.handle.get().is_null()
+    }
+
+    /// Posts a batch of gets: remote → local.
+    pub fn get_batch(
+        &self,
+        local: &MemoryRegion,
+        rkey: &RemoteKey,
+        ops: &[BlockOp],
+    ) -> Result<(), PostError> {
+        self.post_batch(local, rkey, ops, Direction::Get)
+    }
+
+    /// Posts a batch of puts: local → remote. A completed put only means the
+    /// source may be reused; [`Endpoint::flush`] before telling the consumer.
+    pub fn put_batch(
+        &self,
+        local: &MemoryRegion,
+        rkey: &RemoteKey,
+        ops: &[BlockOp],
+    ) -> Result<(), PostError> {
+        self.post_batch(local, rkey, ops, Direction::Put)
+    }
+
+    fn post_batch(
+        &self,
+        local: &MemoryRegion,
+        rkey: &RemoteKey,
+        ops: &[BlockOp],
+        dir: Direction,
+    ) -> Result<(), PostError> {
+        let fail = |posted, error| Err(PostError { posted, error });
+        let ep = match self.inner.live_handle() {
+            Ok(h) => h,
+            Err(e) => return fail(0, e),
+        };
+        if !Rc::ptr_eq(&rkey.endpoint, &self.inner) {
+            return fail(
+                0,
+                UcxError::Call {
+                    op: "rkey check (rkey unpacked on another endpoint)",
+                    status: UcxStatus(sys::ucs_status_t::UCS_ERR_INVALID_PARAM),
+                },
+            );
+        }
+        let sink = &*self.inner.worker.sink;
+        let params = request::params(sink, local.memh());
+        for (i, op) in ops.iter().enumerate() {
+            let (lptr, raddr) = match (
+                local.range_ptr(op.local_offset, op.len),
+                rkey.range_addr(op.remote_offset, op.len),
+            ) {
+                (Ok(l), Ok(r)) => (l, r),
+                (Err(e), _) | (_, Err(e)) => return fail(i, e),
+            };
+            // SAFETY: ep is live; lptr..lptr+len lies in the registered local
+            // region (checked), raddr..raddr+len in the remote one (checked
+            // against the bounds the peer packed); the rkey belongs to this
+            // endpoint; params point at this worker's sink.
+            let ret = unsafe {
+                match dir {
+                    Direction::Get => sys::ucp_get_nbx(
+                        ep,
+                        lptr as *mut c_void,
+                        op.len,
+                        raddr,
+                        rkey.raw(),
+                        &params,
+                    ),
+                    Direction::Put => sys::ucp_put_nbx(
+                        ep,
+                        lptr as *const c_void,
+                        op.len,
+                        raddr,
+                        rkey.raw(),
+                        &params,
+                    ),
+                }
+            };
+            if let Err(status) = request::finish(sink, ret, op.token, 0) {
+                let op_name = match dir {
+                    Direction::Get => "ucp_get_nbx",
+                    Direction::Put => "ucp_put_nbx",
+                };
+                return fail(
+                    i,
+                    UcxError::Call {
+                        op: op_name,
+                        status,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Flushes the endpoint: completes (with `token`) once every operation
+    /// posted on it before is complete at the target.
+    pub fn flush(&self, token: u64) -> Result<(), UcxError> {
+        let ep = self.inner.live_handle()?;
+        let sink = &*self.inner.worker.sink;
+        let params = request::params(sink, ptr::null_mut());
+        // SAFETY: ep is live; params point at this worker's sink.
+        let ret = unsafe { sys::ucp_ep_flush_nbx(ep, &params) };
+        request::finish(sink, ret, token, 0).map_err(|status| UcxError::Call {
+            op: "ucp_ep_flush_nbx",
+            status,
+        })
+    }
+
+    /// Sends `payload` as an eager active message to `id` on the peer. The
+    /// payload is copied, so the caller's buffer is free at once.
+    pub fn send_active_message(&self, id: u16, payload: &[u8], token: u64) -> Result<(), UcxError> {
+        if payload.len() > MAX_AM_PAYLOAD {
+            return Err(UcxError::MessageTooLong(payload.len()));
+        }
+        let ep = self.inner.live_handle()?;
+        let sink = &*self.inner.worker.sink;
+        let (buffer, data) = sink.take_send_buffer(payload);
+        let mut params = request::params(sink, ptr::null_mut());
+        params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+        params.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+        // SAFETY: ep is live; the send buffer stays allocated and untouched
+        // until the completion gives it back; params point at the sink.
+        let ret = unsafe {
+            sys::ucp_am_send_nbx(
+                ep,
+                id.into(),
+                ptr::null(),
+                0,
+                data as *const c_void,
+                payload.len(),
+                &params,
+            )
+        };
+        request::finish(sink, ret, token, buffer).map_err(|status| {
+            sink.return_send_buffer(buffer);
+            UcxError::Call {
+                op: "ucp_am_send_nbx",
+                status,
+            }
+        })
+    }
+
+    /// Force-closes the endpoint: UCX completes every outstanding operation
+    /// on it with `UCS_ERR_CANCELED`, and the close itself completes with
+    /// `token`. Nothing more can be posted; reconnect with a new endpoint.
+    pub fn force_close(&self, token: u64) -> Result<(), UcxError> {
+        let ep = self.inner.live_handle()?;
+        self.inner.handle.set(ptr::null_mut());
+        let sink = &*self.inner.worker.sink;
+        let mut params = request::params(sink, ptr::null_mut());
+        params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+        params.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: ep was live and is closed once (the handle is cleared).
+        let ret = unsafe { sys::ucp_ep_close_nbx(ep, &params) };
+        request::finish(sink, ret, token, 0).map_err(|status| UcxError::Call {
+            op: "ucp_ep_close_nbx",
+            status,
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Direction {
+    Get,
+    Put,
+}

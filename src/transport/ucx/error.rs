@@ -1,0 +1,106 @@
+use std::fmt;
+
+use thiserror::Error;
+use ucx_sys::ucs_status_t as st;
+
+use crate::wire::FrameError;
+
+/// A UCX status code (`ucs_status_t`, one signed byte).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UcxStatus(pub i8);
+
+impl UcxStatus {
+    /// `UCS_OK`.
+    pub const OK: Self = Self(st::UCS_OK);
+    /// `UCS_ERR_CANCELED`: what a forced endpoint close gives every
+    /// outstanding operation.
+    pub const CANCELED: Self = Self(st::UCS_ERR_CANCELED);
+    /// `UCS_ERR_ENDPOINT_TIMEOUT`: a peer that stopped answering.
+    pub const ENDPOINT_TIMEOUT: Self = Self(st::UCS_ERR_ENDPOINT_TIMEOUT);
+    /// `UCS_ERR_CONNECTION_RESET`.
+    pub const CONNECTION_RESET: Self = Self(st::UCS_ERR_CONNECTION_RESET);
+    /// `UCS_ERR_UNREACHABLE`.
+    pub const UNREACHABLE: Self = Self(st::UCS_ERR_UNREACHABLE);
+
+    /// Whether this is `UCS_OK`.
+    pub fn is_ok(self) -> bool {
+        self.0 == st::UCS_OK
+    }
+
+    /// UCX's own text for the status.
+    pub fn as_str(self) -> &'static str {
+        ucx_sys::status_str(self.0)
+    }
+}
+
+impl fmt::Debug for UcxStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.as_str(), self.0)
+    }
+}
+
+impl fmt::Display for UcxStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (ucs_status_t {})", self.as_str(), self.0)
+    }
+}
+
+/// Every way the UCX layer can fail. Each variant says what was attempted.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum UcxError {
+    /// A UCX call returned an error status.
+    #[error("{op} failed: {status}")]
+    Call {
+        /// The UCX function that failed.
+        op: &'static str,
+        /// The status it returned.
+        status: UcxStatus,
+    },
+    /// Worker address bytes from a peer did not check out.
+    #[error("invalid worker address: {0}")]
+    BadWorkerAddress(FrameError),
+    /// Packed rkey bytes from a peer did not check out.
+    #[error("invalid remote key: {0}")]
+    BadRemoteKey(FrameError),
+    /// A configuration option could not be set.
+    #[error("UCX option {name}={value} rejected: {status}")]
+    BadOption {
+        /// Option name, without the `UCX_` prefix.
+        name: String,
+        /// The value given.
+        value: String,
+        /// What `ucp_config_modify` said.
+        status: UcxStatus,
+    },
+    /// An option name or value contained a NUL byte.
+    #[error("UCX option {0:?} contains a NUL byte")]
+    NulInOption(String),
+    /// The endpoint was closed or failed; nothing more can be posted on it.
+    #[error("endpoint is closed{}", match .0 { Some(s) => format!(" after an error: {s}"), None => String::new() })]
+    EndpointClosed(Option<UcxStatus>),
+    /// An operation's local range lies outside the registered region.
+    #[error("local range {offset}+{len} is outside the {region_len}-byte region")]
+    OutOfRange {
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: usize,
+        /// Size of the region.
+        region_len: usize,
+    },
+    /// An active message payload over [`super::MAX_AM_PAYLOAD`].
+    #[error("active message of {0} bytes exceeds the {max}-byte limit", max = super::MAX_AM_PAYLOAD)]
+    MessageTooLong(usize),
+}
+
+/// Turns a status into `Ok(())` or a [`UcxError::Call`] naming `op`.
+pub(crate) fn check(op: &'static str, status: ucx_sys::Status) -> Result<(), UcxError> {
+    if status == st::UCS_OK {
+        Ok(())
+    } else {
+        Err(UcxError::Call {
+            op,
+            status: UcxStatus(status),
+        })
+    }
+}

@@ -1,0 +1,263 @@
+use std::ffi::c_void;
+use std::ptr;
+use std::rc::Rc;
+
+use ucx_sys as sys;
+
+use super::context::Context;
+use super::endpoint::{Endpoint, EndpointInner};
+use super::error::{check, UcxError, UcxStatus};
+use crate::wire::{self, FrameError, Kind};
+
+/// Memory registered with UCX, either mapped from the caller or allocated
+/// by UCX (which, on one host, makes puts and gets truly one-sided over
+/// shared memory).
+pub struct MemoryRegion {
+    context: Context,
+    memh: sys::ucp_mem_h,
+    base: *mut u8,
+    len: usize,
+}
+
+impl MemoryRegion {
+    /// Lets UCX allocate and register `len` bytes of host memory.
+    pub fn allocate(context: &Context, len: usize) -> Result<Self, UcxError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            address: ptr::null_mut(),
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        // SAFETY: params ask UCX for fresh memory; no caller memory involved.
+        unsafe { Self::map_params(context, &params) }
+    }
+
+    /// Registers `len` bytes at `base`, which the caller owns.
+    ///
+    /// # Safety
+    /// `base..base+len` must be valid, writable host memory that stays
+    /// allocated, and is not freed or moved, until this region is dropped.
+    pub unsafe fn map(context: &Context, base: *mut u8, len: usize) -> Result<Self, UcxError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+                as u64,
+            address: base as *mut c_void,
+            length: len,
+            ..Default::default()
+        };
+        // SAFETY: the caller guarantees the range (see above).
+        unsafe { Self::map_params(context, &params) }
+    }
+
+    /// # Safety
+    /// If `params` names caller memory, it must satisfy [`MemoryRegion::map`].
+    pub(crate) unsafe fn map_params(
+        context: &Context,
+        params: &sys::ucp_mem_map_params_t,
+    ) -> Result<Self, UcxError> {
+        let mut memh = ptr::null_mut();
+        // SAFETY: the context is live; params are valid for the call.
+        check("ucp_mem_map", unsafe {
+            sys::ucp_mem_map(context.inner.handle, params, &mut memh)
+        })?;
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
+            ..Default::default()
+        };
+        // SAFETY: memh was just mapped.
+        let status = unsafe { sys::ucp_mem_query(memh, &mut attr) };
+        if status != sys::ucs_status_t::UCS_OK {
+            // SAFETY: unmapping what we mapped, once.
+            unsafe { sys::ucp_mem_unmap(context.inner.handle, memh) };
+            return Err(UcxError::Call {
+                op: "ucp_mem_query",
+                status: UcxStatus(status),
+            });
+        }
+        Ok(Self {
+            context: context.clone(),
+            memh,
+            base: attr.address as *mut u8,
+            len: params.length.min(attr.length),
+        })
+    }
+
+    /// Start of the region.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn memh(&self) -> sys::ucp_mem_h {
+        self.memh
+    }
+
+    /// The address of `offset..offset+len`, if inside the region.
+    pub(crate) fn range_ptr(&self, offset: u64, len: usize) -> Result<*mut u8, UcxError> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len as u64 => {
+                // SAFETY: offset + len <= self.len, so the result stays
+                // inside the allocation.
+                Ok(unsafe { self.base.add(offset as usize) })
+            }
+            _ => Err(UcxError::OutOfRange {
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+
+    /// Copies `src` into the region at `offset` (local writes, e.g. to fill
+    /// blocks before a transfer).
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), UcxError> {
+        let dst = self.range_ptr(offset, src.len())?;
+        // SAFETY: dst..dst+len is inside the region (checked); src cannot
+        // overlap it (it is a Rust slice the caller owns).
+        unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
+
+    /// Copies the region's bytes at `offset` into `dst`.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), UcxError> {
+        let src = self.range_ptr(offset, dst.len())?;
+        // SAFETY: src..src+len is inside the region (checked).
+        unsafe { ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Packs a remote key for a peer: framed, with the region's bounds, so
+    /// the peer can check every remote range before posting.
+    pub fn pack_rkey(&self) -> Result<PackedRkey, UcxError> {
+        let mut buf = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: context and memh are live; UCX allocates buf, released below.
+        check("ucp_rkey_pack", unsafe {
+            sys::ucp_rkey_pack(self.context.inner.handle, self.memh, &mut buf, &mut size)
+        })?;
+        let mut payload = Vec::with_capacity(16 + size);
+        payload.extend_from_slice(&(self.base as u64).to_le_bytes());
+        payload.extend_from_slice(&(self.len as u64).to_le_bytes());
+        // SAFETY: UCX gave `size` readable bytes at buf.
+        payload.extend_from_slice(unsafe { std::slice::from_raw_parts(buf as *const u8, size) });
+        // SAFETY: releasing the buffer ucp_rkey_pack allocated, once.
+        unsafe { sys::ucp_rkey_buffer_release(buf) };
+        Ok(PackedRkey(wire::encode(Kind::RemoteKey, &payload)))
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: memh was mapped on this (live) context and is unmapped once.
+        // Endpoints that posted into it hold no reference: the caller must not
+        // drop a region with operations outstanding (the poller's ledger
+        // guarantees quiescence before regions go).
+        unsafe { sys::ucp_mem_unmap(self.context.inner.handle, self.memh) };
+    }
+}
+
+/// A packed remote key as a peer sends it: framed and checksummed, carrying
+/// the remote region's base address and length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedRkey(Vec<u8>);
+
+impl PackedRkey {
+    /// Checks bytes received from a peer.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, UcxError> {
+        let payload = wire::decode(bytes, Kind::RemoteKey).map_err(UcxError::BadRemoteKey)?;
+        if payload.len() <= 16 {
+            return Err(UcxError::BadRemoteKey(FrameError::Truncated {
+                got: payload.len(),
+                need: 17,
+            }));
+        }
+        Ok(Self(bytes.to_vec()))
+    }
+
+    /// The framed bytes to send to a peer.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn parts(&self) -> (u64, u64, &[u8]) {
+        // Checked at construction.
+        let p = wire::decode(&self.0, Kind::RemoteKey).unwrap_or(&[0; 17]);
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&p[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        (word(0), word(8), &p[16..])
+    }
+}
+
+/// A remote key unpacked on one endpoint; only that endpoint may use it.
+pub struct RemoteKey {
+    rkey: sys::ucp_rkey_h,
+    base: u64,
+    len: u64,
+    pub(crate) endpoint: Rc<EndpointInner>,
+}
+
+impl RemoteKey {
+    /// Unpacks `packed` for use on `endpoint`.
+    pub fn unpack(endpoint: &Endpoint, packed: &PackedRkey) -> Result<Self, UcxError> {
+        let (base, len, raw) = packed.parts();
+        let ep = endpoint.inner.raw();
+        if ep.is_null() {
+            return Err(UcxError::EndpointClosed(endpoint.failure()));
+        }
+        let mut rkey = ptr::null_mut();
+        // SAFETY: ep is live; raw is a UCX packed rkey that passed the frame
+        // checksum, so it is what a kvpoll peer's ucp_rkey_pack produced.
+        check("ucp_ep_rkey_unpack", unsafe {
+            sys::ucp_ep_rkey_unpack(ep, raw.as_ptr() as *const c_void, &mut rkey)
+        })?;
+        Ok(Self {
+            rkey,
+            base,
+            len,
+            endpoint: endpoint.inner.clone(),
+        })
+    }
+
+    pub(crate) fn raw(&self) -> sys::ucp_rkey_h {
+        self.rkey
+    }
+
+    /// Size of the remote region.
+    pub fn remote_len(&self) -> u64 {
+        self.len
+    }
+
+    pub(crate) fn range_addr(&self, offset: u64, len: usize) -> Result<u64, UcxError> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len => Ok(self.base + offset),
+            _ => Err(UcxError::OutOfRange {
+                offset,
+                len,
+                region_len: self.len as usize,
+            }),
+        }
+    }
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        // SAFETY: unpacked once, destroyed once, while the endpoint's worker
+        // is alive (we hold the endpoint, which holds the worker).
+        unsafe { sys::ucp_rkey_destroy(self.rkey) }
+    }
+}

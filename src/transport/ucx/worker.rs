@@ -1,0 +1,302 @@
+use std::cell::{Cell, RefCell};
+use std::ffi::c_void;
+use std::ptr;
+use std::rc::Rc;
+
+use ucx_sys as sys;
+
+use super::context::Context;
+use super::error::{check, UcxError, UcxStatus};
+use super::MAX_AM_PAYLOAD;
+use crate::wire::{self, Kind};
+
+/// One finished operation: the caller's token and how it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The token given when the operation was posted.
+    pub token: u64,
+    /// `UcxStatus::OK`, or why it failed (`CANCELED` after a forced close).
+    pub status: UcxStatus,
+}
+
+/// An endpoint that UCX declared failed (peer gone, link down).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointFailure {
+    /// The id given when the endpoint was created.
+    pub endpoint: u64,
+    /// Why it failed.
+    pub status: UcxStatus,
+}
+
+/// A received active message, borrowed until the next progress.
+#[derive(Debug, Clone, Copy)]
+pub struct ActiveMessage<'a> {
+    /// The active-message id it was sent to.
+    pub id: u16,
+    /// Its payload.
+    pub payload: &'a [u8],
+}
+
+/// Where callbacks leave what they saw. One per worker, boxed so that its
+/// address (given to UCX as callback argument) never moves.
+///
+/// Callbacks run on the worker's thread inside UCX calls; no `RefCell`
+/// borrow is ever held across a UCX call, so the borrows below never clash.
+pub(crate) struct Sink {
+    completions: RefCell<Vec<Completion>>,
+    failures: RefCell<Vec<EndpointFailure>>,
+    am_bytes: RefCell<Vec<u8>>,
+    am_index: RefCell<Vec<(u16, usize, usize)>>,
+    am_rejected: Cell<u64>,
+    // Boxed: UCX keeps each handler's address as its callback argument, so
+    // it must not move when the list grows.
+    #[allow(clippy::vec_box)]
+    am_handlers: RefCell<Vec<Box<AmHandler>>>,
+    send_buffers: RefCell<Vec<Box<[u8]>>>,
+    free_buffers: RefCell<Vec<u32>>,
+    worker: Cell<sys::ucp_worker_h>,
+}
+
+pub(crate) struct AmHandler {
+    sink: *const Sink,
+    id: u16,
+}
+
+impl Sink {
+    pub(crate) fn complete(&self, token: u64, status: UcxStatus, am_buffer: u32) {
+        self.completions
+            .borrow_mut()
+            .push(Completion { token, status });
+        if am_buffer != 0 {
+            self.free_buffers.borrow_mut().push(am_buffer - 1);
+        }
+    }
+
+    pub(crate) fn endpoint_failed(&self, endpoint: u64, status: UcxStatus) {
+        self.failures
+            .borrow_mut()
+            .push(EndpointFailure { endpoint, status });
+    }
+
+    /// Makes room for one more endpoint failure so that the error callback
+    /// never allocates.
+    pub(crate) fn reserve_failure(&self) {
+        self.failures.borrow_mut().reserve(1);
+    }
+
+    /// Copies `payload` into a send buffer that lives until the send
+    /// completes; returns its index + 1 (the request area's encoding).
+    pub(crate) fn take_send_buffer(&self, payload: &[u8]) -> (u32, *const u8) {
+        let mut bufs = self.send_buffers.borrow_mut();
+        let idx = match self.free_buffers.borrow_mut().pop() {
+            Some(i) => i,
+            None => {
+                bufs.push(vec![0u8; MAX_AM_PAYLOAD].into_boxed_slice());
+                (bufs.len() - 1) as u32
+            }
+        };
+        let buf = &mut bufs[idx as usize];
+        buf[..payload.len()].copy_from_slice(payload);
+        (idx + 1, buf.as_ptr())
+    }
+
+    /// Gives back a send buffer whose send was never posted.
+    pub(crate) fn return_send_buffer(&self, encoded: u32) {
+        self.free_buffers.borrow_mut().push(encoded - 1);
+    }
+}
+
+unsafe extern "C" fn am_callback(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::Status {
+    let _ = header;
+    // SAFETY: arg is the boxed AmHandler registered with this worker, alive
+    // as long as the worker; param is valid for the duration of the call.
+    unsafe {
+        let handler = &*(arg as *const AmHandler);
+        let sink = &*handler.sink;
+        let attr = (*param).recv_attr;
+        if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
+            // kvpoll only sends small eager messages; a rendezvous one is
+            // foreign. Release its descriptor and count it.
+            sink.am_rejected.set(sink.am_rejected.get() + 1);
+            sys::ucp_am_data_release(sink.worker.get(), data);
+            return sys::ucs_status_t::UCS_OK;
+        }
+        if header_length != 0 || length > MAX_AM_PAYLOAD || (length > 0 && data.is_null()) {
+            sink.am_rejected.set(sink.am_rejected.get() + 1);
+            return sys::ucs_status_t::UCS_OK;
+        }
+        let bytes = std::slice::from_raw_parts(data as *const u8, length);
+        let mut store = sink.am_bytes.borrow_mut();
+        let start = store.len();
+        store.extend_from_slice(bytes);
+        sink.am_index.borrow_mut().push((handler.id, start, length));
+        // UCS_OK: we copied the data, UCX may release it.
+        sys::ucs_status_t::UCS_OK
+    }
+}
+
+pub(crate) struct WorkerInner {
+    pub(crate) handle: sys::ucp_worker_h,
+    pub(crate) sink: Box<Sink>,
+    _context: Context,
+}
+
+impl Drop for WorkerInner {
+    fn drop(&mut self) {
+        // SAFETY: every endpoint and rkey holds an Rc to this inner, so none
+        // is left; the sink (callback argument) is freed after this returns.
+        unsafe { sys::ucp_worker_destroy(self.handle) }
+    }
+}
+
+/// A UCP worker in single-thread mode. Only the thread that created it may
+/// use it (the type is neither `Send` nor `Sync`).
+pub struct Worker {
+    pub(crate) inner: Rc<WorkerInner>,
+}
+
+impl Worker {
+    /// Creates a worker on `context`.
+    pub fn new(context: &Context) -> Result<Self, UcxError> {
+        let params = sys::ucp_worker_params_t {
+            field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut handle = ptr::null_mut();
+        // SAFETY: the context is live; handle receives the worker.
+        check("ucp_worker_create", unsafe {
+            sys::ucp_worker_create(context.inner.handle, &params, &mut handle)
+        })?;
+        let sink = Box::new(Sink {
+            completions: RefCell::new(Vec::with_capacity(1024)),
+            failures: RefCell::new(Vec::new()),
+            am_bytes: RefCell::new(Vec::with_capacity(16 * 1024)),
+            am_index: RefCell::new(Vec::with_capacity(256)),
+            am_rejected: Cell::new(0),
+            am_handlers: RefCell::new(Vec::new()),
+            send_buffers: RefCell::new(Vec::new()),
+            free_buffers: RefCell::new(Vec::new()),
+            worker: Cell::new(handle),
+        });
+        Ok(Self {
+            inner: Rc::new(WorkerInner {
+                handle,
+                sink,
+                _context: context.clone(),
+            }),
+        })
+    }
+
+    /// This worker's address, framed for a peer's [`WorkerAddress::from_bytes`].
+    pub fn address(&self) -> Result<WorkerAddress, UcxError> {
+        let mut addr = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: the worker is live; UCX allocates the address, released below.
+        check("ucp_worker_get_address", unsafe {
+            sys::ucp_worker_get_address(self.inner.handle, &mut addr, &mut len)
+        })?;
+        // SAFETY: UCX returned `len` readable bytes at `addr`.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        let framed = wire::encode(Kind::WorkerAddress, bytes);
+        // SAFETY: releasing the address obtained above, once.
+        unsafe { sys::ucp_worker_release_address(self.inner.handle, addr) };
+        Ok(WorkerAddress(framed))
+    }
+
+    /// Progresses UCX communication; returns the number of events processed
+    /// (0 means nothing happened). Completion callbacks run in here.
+    #[inline]
+    pub fn progress(&self) -> u32 {
+        // SAFETY: the worker is live and used only from this thread.
+        unsafe { sys::ucp_worker_progress(self.inner.handle) }
+    }
+
+    /// Moves the completions seen so far into `out` (appended). Keeps the
+    /// capacity of both lists, so steady state does not allocate.
+    pub fn take_completions(&self, out: &mut Vec<Completion>) {
+        out.append(&mut self.inner.sink.completions.borrow_mut());
+    }
+
+    /// Moves the endpoint failures seen so far into `out` (appended).
+    pub fn take_endpoint_failures(&self, out: &mut Vec<EndpointFailure>) {
+        out.append(&mut self.inner.sink.failures.borrow_mut());
+    }
+
+    /// Accepts active messages sent to `id` on this worker; read them with
+    /// [`Worker::take_active_messages`].
+    pub fn listen_active_messages(&self, id: u16) -> Result<(), UcxError> {
+        let handler = Box::new(AmHandler {
+            sink: &*self.inner.sink,
+            id,
+        });
+        let params = sys::ucp_am_handler_param_t {
+            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64,
+            id: id.into(),
+            cb: Some(am_callback),
+            arg: &*handler as *const AmHandler as *mut c_void,
+            ..Default::default()
+        };
+        // SAFETY: the worker is live; the handler box is kept in the sink for
+        // the worker's lifetime, so the argument stays valid.
+        check("ucp_worker_set_am_recv_handler", unsafe {
+            sys::ucp_worker_set_am_recv_handler(self.inner.handle, &params)
+        })?;
+        self.inner.sink.am_handlers.borrow_mut().push(handler);
+        Ok(())
+    }
+
+    /// Hands each active message received so far to `f`, then forgets them.
+    pub fn take_active_messages(&self, mut f: impl FnMut(ActiveMessage<'_>)) {
+        let sink = &self.inner.sink;
+        let mut index = sink.am_index.borrow_mut();
+        let mut bytes = sink.am_bytes.borrow_mut();
+        for &(id, start, len) in index.iter() {
+            f(ActiveMessage {
+                id,
+                payload: &bytes[start..start + len],
+            });
+        }
+        index.clear();
+        bytes.clear();
+    }
+
+    /// Active messages dropped because they were not kvpoll's (rendezvous,
+    /// with a header, or over [`MAX_AM_PAYLOAD`]).
+    pub fn rejected_active_messages(&self) -> u64 {
+        self.inner.sink.am_rejected.get()
+    }
+}
+
+/// A worker address as a peer sends it: framed and checksummed, so garbage
+/// is refused before UCX sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerAddress(Vec<u8>);
+
+impl WorkerAddress {
+    /// Checks bytes received from a peer.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, UcxError> {
+        wire::decode(bytes, Kind::WorkerAddress).map_err(UcxError::BadWorkerAddress)?;
+        Ok(Self(bytes.to_vec()))
+    }
+
+    /// The framed bytes to send to a peer.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The raw UCX address inside the frame.
+    pub(crate) fn raw(&self) -> &[u8] {
+        // The frame was checked when this value was made.
+        wire::decode(&self.0, Kind::WorkerAddress).unwrap_or(&[])
+    }
+}
