@@ -248,3 +248,25 @@ fn garbage_worker_address_and_rkey_give_typed_errors() {
     w.take_completions(&mut none);
     assert!(none.is_empty());
 }
+
+#[test]
+fn get_into_user_mapped_memory_over_tcp_matches_byte_for_byte() {
+    let (ctx_a, a) = worker("tcp");
+    let (ctx_b, b) = worker("tcp");
+    let src = pattern_bytes(13, 8, BLOCK);
+    let remote = MemoryRegion::allocate(&ctx_b, src.len()).unwrap();
+    remote.write(0, &src).unwrap();
+    let mut user = vec![0u8; src.len()];
+    // SAFETY: `user` outlives `local` (dropped at the end of this function,
+    // after `local`) and is not moved or resized meanwhile.
+    let local = unsafe { MemoryRegion::map(&ctx_a, user.as_mut_ptr(), user.len()) }.unwrap();
+    let ep = Endpoint::connect(&a, &b.address().unwrap(), 1).unwrap();
+    let rkey = RemoteKey::unpack(&ep, &remote.pack_rkey().unwrap()).unwrap();
+    ep.get_batch(&local, &rkey, &ops(8)).unwrap();
+    let done = wait_completions(&[&a, &b], 8, LIMIT);
+    assert!(done.iter().all(|c| c.status.is_ok()), "{done:?}");
+    drop(rkey);
+    drop(ep);
+    drop(local);
+    assert!(user == expected_after_reversal(&src, 8), "bytes differ");
+}
