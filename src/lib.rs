@@ -3,6 +3,7 @@
 //! failed.
 #![warn(missing_docs)]
 
+pub mod metadata;
 pub mod pattern;
 pub mod transport;
 pub mod wire;

@@ -191,6 +191,11 @@ impl PackedRkey {
         &self.0
     }
 
+    /// Size of the region the key opens, as its owner packed it.
+    pub fn region_len(&self) -> u64 {
+        self.parts().1
+    }
+
     fn parts(&self) -> (u64, u64, &[u8]) {
         // Checked at construction.
         let p = wire::decode(&self.0, Kind::RemoteKey).unwrap_or(&[0; 17]);

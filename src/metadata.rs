@@ -1,0 +1,208 @@
+//! Peer metadata: what one kvpoll engine tells another so that it can read
+//! or write its blocks — the worker address, the registered regions' rkeys
+//! and the block layout — as one versioned, checksummed byte string. The
+//! caller moves it by its own side channel (the `kvpoll` tool uses TCP).
+//!
+//! Payload inside a [`crate::wire`] frame of kind `PeerMetadata`:
+//!
+//! ```text
+//! u64  instance      random per engine start: tells a restarted peer apart
+//! u64  block_size
+//! u32  address_len,  then the framed worker address
+//! u16  region_count, then per region:
+//!      u32 id, u64 blocks, u32 rkey_len, then the framed packed rkey
+//! ```
+//! All integers little endian. Every length is checked against what is
+//! left, every inner frame is checked, and nothing is kept from bytes that
+//! fail.
+
+use thiserror::Error;
+
+use crate::transport::ucx::{PackedRkey, UcxError, WorkerAddress};
+use crate::wire::{self, FrameError, Kind};
+
+/// Most regions one peer may announce.
+pub const MAX_REGIONS: usize = 1024;
+
+/// How blocks are laid out in every region of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLayout {
+    /// Bytes per block.
+    pub block_size: u64,
+}
+
+/// One registered region as a peer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionDescriptor {
+    /// The region id used in block descriptors.
+    pub id: u32,
+    /// Number of blocks in the region.
+    pub blocks: u64,
+    /// The packed remote key.
+    pub rkey: PackedRkey,
+}
+
+/// Everything a peer needs to move blocks to or from this engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerMetadata {
+    /// Random per engine start.
+    pub instance: u64,
+    /// Block layout.
+    pub layout: BlockLayout,
+    /// The worker to connect to.
+    pub worker: WorkerAddress,
+    /// The regions blocks live in.
+    pub regions: Vec<RegionDescriptor>,
+}
+
+/// Why peer metadata was refused. Nothing is changed by refused metadata.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum MetadataError {
+    /// The outer frame is damaged, truncated or of another version.
+    #[error("peer metadata: {0}")]
+    Frame(#[from] FrameError),
+    /// The payload ends before a field.
+    #[error("peer metadata truncated while reading {0}")]
+    Truncated(&'static str),
+    /// Bytes left after the last region.
+    #[error("peer metadata has {0} bytes after the last region")]
+    TrailingBytes(usize),
+    /// The worker address inside is invalid.
+    #[error("peer metadata worker address: {0}")]
+    Address(UcxError),
+    /// A region's rkey is invalid.
+    #[error("peer metadata region {region}: {error}")]
+    RemoteKey {
+        /// The region id.
+        region: u32,
+        /// What was wrong with its rkey.
+        error: UcxError,
+    },
+    /// A region id appears twice.
+    #[error("peer metadata announces region {0} twice")]
+    DuplicateRegion(u32),
+    /// More regions than [`MAX_REGIONS`].
+    #[error("peer metadata announces {0} regions, at most {MAX_REGIONS} are accepted")]
+    TooManyRegions(usize),
+    /// A zero block size, or a region whose blocks do not fit its rkey.
+    #[error("peer metadata layout is invalid: {0}")]
+    BadLayout(String),
+    /// The peer's block size differs from ours.
+    #[error("peer block size {theirs} is incompatible with ours ({ours})")]
+    IncompatibleLayout {
+        /// Our block size.
+        ours: u64,
+        /// The peer's.
+        theirs: u64,
+    },
+}
+
+impl PeerMetadata {
+    /// The bytes to hand to a peer.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut p = Vec::new();
+        p.extend_from_slice(&self.instance.to_le_bytes());
+        p.extend_from_slice(&self.layout.block_size.to_le_bytes());
+        let addr = self.worker.as_bytes();
+        p.extend_from_slice(&(addr.len() as u32).to_le_bytes());
+        p.extend_from_slice(addr);
+        p.extend_from_slice(&(self.regions.len() as u16).to_le_bytes());
+        for r in &self.regions {
+            p.extend_from_slice(&r.id.to_le_bytes());
+            p.extend_from_slice(&r.blocks.to_le_bytes());
+            let k = r.rkey.as_bytes();
+            p.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            p.extend_from_slice(k);
+        }
+        wire::encode(Kind::PeerMetadata, &p)
+    }
+
+    /// Checks bytes from a peer. On error nothing is kept.
+    pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
+        let payload = wire::decode(bytes, Kind::PeerMetadata)?;
+        let mut r = Reader(payload);
+        let instance = r.u64("instance")?;
+        let block_size = r.u64("block size")?;
+        if block_size == 0 {
+            return Err(MetadataError::BadLayout("block size 0".into()));
+        }
+        let alen = r.u32("address length")? as usize;
+        let worker = WorkerAddress::from_bytes(r.take(alen, "worker address")?)
+            .map_err(MetadataError::Address)?;
+        let count = r.u16("region count")? as usize;
+        if count > MAX_REGIONS {
+            return Err(MetadataError::TooManyRegions(count));
+        }
+        let mut regions: Vec<RegionDescriptor> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = r.u32("region id")?;
+            let blocks = r.u64("region block count")?;
+            let klen = r.u32("rkey length")? as usize;
+            let rkey = PackedRkey::from_bytes(r.take(klen, "rkey")?)
+                .map_err(|error| MetadataError::RemoteKey { region: id, error })?;
+            if regions.iter().any(|x| x.id == id) {
+                return Err(MetadataError::DuplicateRegion(id));
+            }
+            match blocks.checked_mul(block_size) {
+                Some(bytes) if bytes <= rkey.region_len() => {}
+                _ => {
+                    return Err(MetadataError::BadLayout(format!(
+                        "region {id}: {blocks} blocks of {block_size} bytes exceed its {} registered bytes",
+                        rkey.region_len()
+                    )))
+                }
+            }
+            regions.push(RegionDescriptor { id, blocks, rkey });
+        }
+        if !r.0.is_empty() {
+            return Err(MetadataError::TrailingBytes(r.0.len()));
+        }
+        Ok(Self {
+            instance,
+            layout: BlockLayout { block_size },
+            worker,
+            regions,
+        })
+    }
+
+    /// Refuses a peer whose layout differs from `ours`.
+    pub fn check_compatible(&self, ours: BlockLayout) -> Result<(), MetadataError> {
+        if self.layout.block_size != ours.block_size {
+            return Err(MetadataError::IncompatibleLayout {
+                ours: ours.block_size,
+                theirs: self.layout.block_size,
+            });
+        }
+        Ok(())
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], MetadataError> {
+        if self.0.len() < n {
+            return Err(MetadataError::Truncated(what));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u16(&mut self, what: &'static str) -> Result<u16, MetadataError> {
+        let b = self.take(2, what)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, MetadataError> {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(self.take(4, what)?);
+        Ok(u32::from_le_bytes(w))
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, MetadataError> {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(self.take(8, what)?);
+        Ok(u64::from_le_bytes(w))
+    }
+}

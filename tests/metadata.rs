@@ -1,0 +1,120 @@
+//! Peer metadata built from a real UCX worker and region: round trip, and
+//! every kind of bad input refused with a typed error.
+
+mod common;
+
+use kvpoll::metadata::{BlockLayout, MetadataError, PeerMetadata, RegionDescriptor};
+use kvpoll::transport::ucx::MemoryRegion;
+use kvpoll::wire::{fnv1a64, FrameError};
+use proptest::prelude::*;
+
+fn real_metadata(regions: &[(u32, u64)]) -> PeerMetadata {
+    let (ctx, w) = common::worker("tcp");
+    let regions = regions
+        .iter()
+        .map(|&(id, blocks)| {
+            let region = MemoryRegion::allocate(&ctx, 4096 * 16).unwrap();
+            RegionDescriptor {
+                id,
+                blocks,
+                rkey: region.pack_rkey().unwrap(),
+            }
+        })
+        .collect();
+    PeerMetadata {
+        instance: 0xfeed,
+        layout: BlockLayout { block_size: 4096 },
+        worker: w.address().unwrap(),
+        regions,
+    }
+}
+
+/// Re-seals a frame after editing its header, so only the edit is wrong.
+fn reseal(mut bytes: Vec<u8>) -> Vec<u8> {
+    let n = bytes.len() - 8;
+    let sum = fnv1a64(&bytes[..n]);
+    bytes[n..].copy_from_slice(&sum.to_le_bytes());
+    bytes
+}
+
+#[test]
+fn metadata_round_trips_with_address_rkeys_and_layout() {
+    let m = real_metadata(&[(0, 16), (3, 8)]);
+    let decoded = PeerMetadata::decode(&m.encode()).unwrap();
+    assert_eq!(decoded, m);
+    decoded
+        .check_compatible(BlockLayout { block_size: 4096 })
+        .unwrap();
+}
+
+#[test]
+fn truncated_metadata_is_refused_at_every_length() {
+    let bytes = real_metadata(&[(0, 16)]).encode();
+    for n in 0..bytes.len() {
+        assert!(
+            PeerMetadata::decode(&bytes[..n]).is_err(),
+            "accepted {n} bytes"
+        );
+    }
+}
+
+#[test]
+fn any_damaged_byte_is_refused() {
+    let bytes = real_metadata(&[(0, 16)]).encode();
+    for i in 0..bytes.len() {
+        let mut b = bytes.clone();
+        b[i] = b[i].wrapping_add(1);
+        assert!(
+            PeerMetadata::decode(&b).is_err(),
+            "accepted a change at {i}"
+        );
+    }
+}
+
+#[test]
+fn other_version_is_refused_as_wrong_version() {
+    let mut bytes = real_metadata(&[(0, 16)]).encode();
+    bytes[5] = 2;
+    assert_eq!(
+        PeerMetadata::decode(&reseal(bytes)),
+        Err(MetadataError::Frame(FrameError::WrongVersion { got: 2 }))
+    );
+}
+
+#[test]
+fn incompatible_block_size_is_refused() {
+    let m = real_metadata(&[(0, 16)]);
+    assert_eq!(
+        m.check_compatible(BlockLayout { block_size: 8192 }),
+        Err(MetadataError::IncompatibleLayout {
+            ours: 8192,
+            theirs: 4096
+        })
+    );
+}
+
+#[test]
+fn duplicate_region_ids_are_refused() {
+    let m = real_metadata(&[(5, 1), (5, 1)]);
+    assert_eq!(
+        PeerMetadata::decode(&m.encode()),
+        Err(MetadataError::DuplicateRegion(5))
+    );
+}
+
+#[test]
+fn region_claiming_more_blocks_than_its_rkey_covers_is_refused() {
+    // Each test region is 64 KiB: 16 blocks of 4 KiB, not 17.
+    let m = real_metadata(&[(0, 17)]);
+    assert!(matches!(
+        PeerMetadata::decode(&m.encode()),
+        Err(MetadataError::BadLayout(_))
+    ));
+}
+
+proptest! {
+    #[test]
+    fn random_bytes_never_panic_and_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        prop_assert!(PeerMetadata::decode(&bytes).is_err());
+    }
+}
