@@ -16,9 +16,7 @@ demo: deps
 	$(CARGO) run --release --bin kvpoll -- demo
 
 test: deps
-	$(CARGO) test --workspace --all-targets -- --test-threads=$(TEST_THREADS)
-	$(CARGO) test --workspace --doc
-	$(MAKE) --no-print-directory loom
+	TEST_THREADS=$(TEST_THREADS) ./scripts/test.sh
 
 # loom explores every interleaving of the bitmap-and-publish protocol. It uses
 # its own target dir so that the `--cfg loom` build does not evict the normal one.

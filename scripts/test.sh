@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs every test suite (unit, integration over real UCX, doc tests, loom)
+# and closes with one total line: "N passed, N failed, N skipped".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+THREADS="${TEST_THREADS:-2}"
+CARGO="${CARGO:-cargo}"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+
+step() {
+    echo "==> $*"
+    "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then
+        echo "==> failed ($rc): $*"
+        status=1
+    fi
+}
+
+step "$CARGO" test --workspace --all-targets -- --test-threads="$THREADS"
+step "$CARGO" test --workspace --doc
+step make --no-print-directory loom
+
+totals=$(grep -E '^test result: ' "$log" | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/' |
+    awk '{p+=$1; f+=$2; i+=$3} END {printf "%d %d %d", p, f, i}')
+read -r passed failed ignored <<<"$totals"
+if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
+    failed=1  # a step failed before its tests could report
+fi
+echo
+echo "tests: ${passed} passed, ${failed} failed, ${ignored} skipped"
+exit "$status"
