@@ -1,4 +1,7 @@
 //! kvpoll: moves KV-cache blocks between prefill and decode ranks over UCX and
 //! reports, exactly once and without locks, which requests finished and which
 //! failed.
+pub mod ledger;
+pub mod ring;
+pub(crate) mod sync;
 pub mod transport;
