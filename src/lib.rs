@@ -3,7 +3,10 @@
 //! failed.
 #![warn(missing_docs)]
 
+pub mod ledger;
 pub mod metadata;
 pub mod pattern;
+pub mod ring;
+pub(crate) mod sync;
 pub mod transport;
 pub mod wire;

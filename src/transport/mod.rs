@@ -1,2 +1,3 @@
 //! Transports: real UCX, and a deterministic simulator.
+pub mod sim;
 pub mod ucx;

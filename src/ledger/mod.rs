@@ -1,0 +1,452 @@
+//! The request ledger: lock-free handle accounting with deferred failure and
+//! exactly-once reports.
+//!
+//! A sans-IO state machine (in the manner of `quinn-proto`): it never reads a
+//! clock and never does I/O. Its driver (the poller) feeds it inputs —
+//! requests, handle progress, notifications, the current time — and it hands
+//! back [`Event`]s for the engine and [`Cancel`]s for the driver.
+//!
+//! # Shape
+//!
+//! - [`Slots`] is a slab of request slots fixed at construction, made only of
+//!   atomics and shared (`Arc`) by every poller and the engine thread. Handle
+//!   inputs ([`Slots::posting`], [`Slots::setup_failed`],
+//!   [`Slots::completed`], [`Slots::release_failed`],
+//!   [`Slots::release_retried`]) take `&self` and may come from any poller;
+//!   the engine thread calls [`Slots::retire`].
+//! - [`Ledger`] is the owner's half, held by one poller: it begins requests,
+//!   maps request ids to slots, and takes the inputs that need that map or
+//!   the time ([`Ledger::notify`], [`Ledger::heartbeat`], [`Ledger::abort`],
+//!   [`Ledger::advance`], [`Ledger::peer_lost`]). Only it takes free slots, so
+//!   a slot is never reused under the feet of an owner input.
+//!
+//! A slot holds: a *state word* (generation, phase, kind, cancel cause,
+//! outcome); `planned`, `stopped` and `failed` bitmaps (one bit a handle, up
+//! to 64); one *claim word* per handle (generation and step: planned, posted,
+//! held, stopped, stopped-unposted); the first failure's [`Reason`];
+//! notification counts; and the request's local block ids, in storage sized at
+//! construction (`max_blocks` per slot). Beginning a request allocates nothing.
+//!
+//! # Exactly once
+//!
+//! - Each handle step is one CAS on the handle's claim word, which includes
+//!   the generation: a duplicate input finds the step taken, and a stale one
+//!   (an old generation) matches nothing. So each handle stops once, and a
+//!   [`RequestKey`] that outlived its request can never touch the slot's next
+//!   request.
+//! - A handle's failed bit and the request's reason are written *before* its
+//!   bit in `stopped` (`fetch_or`, AcqRel). Exactly one `fetch_or` turns
+//!   `stopped` into `planned`; that thread has acquired every earlier stop, so
+//!   it sees every failure.
+//! - The report is published by a CAS of the state word from LIVE or
+//!   CANCELLING to TERMINAL. Every input that may complete a condition (the
+//!   last stop, a notification, a cancel, a lease) tries it; a CAS succeeds
+//!   once per generation. Where two conditions are completed by two threads
+//!   (the last stop of a write and its last acknowledgement), each completes
+//!   its own with a RMW and reads the other's with a RMW (`fetch_or(0)`), which
+//!   reads the latest value: at least one of them sees both.
+//! - The slot is freed only by [`Slots::retire`], which the engine calls after
+//!   it consumed the terminal event, reading a failed read's blocks to
+//!   invalidate first. So the blocks cannot be overwritten by a new request
+//!   before the engine has them, and the generation changes only then.
+//!
+//! # Deferred failure and cancellation
+//!
+//! A failure is recorded at once (and announced with an
+//! [`Outcome::HandleFailed`] notice) but the request is reported only when
+//! quiescent: every planned handle stopped. A handle whose release failed is
+//! *held*: ended but not stopped, until a retry releases it. At a deadline,
+//! a lease expiry or an abort the request turns CANCELLING: handles not yet
+//! posted are stopped by the ledger (a later `posting` of them is refused with
+//! [`InputError::Cancelled`]) and the handles still in flight are returned as
+//! a [`Cancel`]: the driver force-closes their endpoints, UCX completes them
+//! with `UCS_ERR_CANCELED`, and the last completion publishes the failure.
+//!
+//! # Example
+//!
+//! ```
+//! use kvpoll::ledger::*;
+//!
+//! let mut ledger = Ledger::new(LedgerConfig { slots: 8, max_blocks: 4 }).unwrap();
+//! let slots = ledger.slots().clone();
+//! let mut events = Vec::new();
+//! let peers = [PeerId(0), PeerId(1)];
+//! let blocks = [BlockId(7)];
+//! let req = Request { id: RequestId(1), kind: Kind::Read, peers: &peers, blocks: &blocks, expires: Nanos(1_000) };
+//! let key = match ledger.begin(&req, &mut |e| events.push(e)).unwrap() {
+//!     Begun::Tracked(key) => key,
+//!     Begun::Untracked => unreachable!(),
+//! };
+//! let (h0, h1) = (HandleKey::new(key, 0).unwrap(), HandleKey::new(key, 1).unwrap());
+//! slots.posting(h0).unwrap();
+//! slots.posting(h1).unwrap();
+//! let err = Err(Reason::new(Cause::Transfer, -25));
+//! slots.completed(h0, err, &mut |e| events.push(e)).unwrap(); // notice only
+//! assert!(events.iter().all(|e| !e.outcome.is_terminal()));
+//! slots.completed(h1, err, &mut |e| events.push(e)).unwrap(); // quiescent: reported
+//! let last = *events.last().unwrap();
+//! assert!(matches!(last.outcome, Outcome::Failed(_)));
+//! let mut invalid = Vec::new();
+//! slots.retire(last.key, &mut invalid).unwrap();
+//! assert_eq!(invalid, [BlockId(7)]);
+//! ```
+
+mod error;
+mod event;
+mod index;
+mod key;
+mod request;
+mod slots;
+
+pub mod bench;
+
+use arrayvec::ArrayVec;
+
+pub use error::{AbortError, BeginError, ConfigError, InputError, NotifyError, RetireError};
+pub use event::{Cancel, Cause, Event, Outcome, Reason};
+pub use key::{BlockId, HandleKey, Nanos, PeerId, RequestId, RequestKey, MAX_HANDLES, MAX_SLOTS};
+pub use request::{Kind, Request};
+pub use slots::{Phase, SlotView, Slots, Stats};
+
+use index::IdIndex;
+use slots::{State, CANCELLING, FREE, K_LEND, K_READ, K_WRITE, LIVE};
+
+use crate::sync::Arc;
+
+/// Sizes of a ledger, fixed at construction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LedgerConfig {
+    /// Request slots: live requests plus reported ones the engine has not
+    /// retired yet. At most [`MAX_SLOTS`].
+    pub slots: u32,
+    /// The most local blocks one request may name (memory: 4 bytes × slots ×
+    /// max_blocks). More is refused with [`BeginError::TooManyBlocks`].
+    pub max_blocks: u32,
+}
+
+impl Default for LedgerConfig {
+    /// 1024 slots of up to 512 blocks (2 MiB of block ids).
+    fn default() -> Self {
+        LedgerConfig {
+            slots: 1024,
+            max_blocks: 512,
+        }
+    }
+}
+
+/// What [`Ledger::begin`] did with a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Begun {
+    /// Tracked under this key: post its handles (claiming each with
+    /// [`Slots::posting`]).
+    Tracked(RequestKey),
+    /// A [`Kind::NotifyOnly`] request: nothing tracked, nothing will be
+    /// reported; the driver only sends the producer its notification.
+    Untracked,
+}
+
+/// What the owner keeps of each slot, outside the shared atomics.
+struct Owned {
+    id: Option<RequestId>,
+    peers: ArrayVec<PeerId, MAX_HANDLES>,
+    expires: Nanos,
+}
+
+/// The owner's half of the ledger: begins requests and takes the inputs
+/// keyed by request id or by time. Held by one poller (`&mut self`).
+pub struct Ledger {
+    slots: Arc<Slots>,
+    index: IdIndex,
+    owned: Vec<Owned>,
+    cursor: u32,
+    /// No live request expires before this (a lower bound: `advance` skips
+    /// its scan until then).
+    next_expiry: Nanos,
+}
+
+impl Ledger {
+    /// A ledger with every slot, index entry and block-id cell allocated now.
+    pub fn new(config: LedgerConfig) -> Result<Self, ConfigError> {
+        if config.slots == 0 || config.slots > MAX_SLOTS {
+            return Err(ConfigError::Slots(config.slots));
+        }
+        if config.max_blocks == 0 {
+            return Err(ConfigError::MaxBlocks);
+        }
+        Ok(Ledger {
+            slots: Arc::new(Slots::new(config.slots, config.max_blocks)),
+            index: index::with_slots(config.slots),
+            owned: (0..config.slots)
+                .map(|_| Owned {
+                    id: None,
+                    peers: ArrayVec::new(),
+                    expires: Nanos(u64::MAX),
+                })
+                .collect(),
+            cursor: 0,
+            next_expiry: Nanos(u64::MAX),
+        })
+    }
+
+    /// The shared slots: clone the `Arc` into pollers and the engine thread.
+    pub fn slots(&self) -> &Arc<Slots> {
+        &self.slots
+    }
+
+    /// Begins tracking `req`. Refused requests change nothing.
+    ///
+    /// A [`Kind::PrefixHit`] is reported `Finished` through `out` at once.
+    pub fn begin(
+        &mut self,
+        req: &Request<'_>,
+        out: &mut impl FnMut(Event),
+    ) -> Result<Begun, BeginError> {
+        let n = req.peers.len();
+        if n > MAX_HANDLES {
+            return Err(BeginError::TooManyHandles { given: n });
+        }
+        if req.blocks.len() > self.slots.max_blocks() as usize {
+            return Err(BeginError::TooManyBlocks {
+                given: req.blocks.len(),
+                max: self.slots.max_blocks(),
+            });
+        }
+        let expected = match req.kind {
+            Kind::Read | Kind::Write { .. } if n == 0 => {
+                return Err(BeginError::EmptyPlan(req.kind))
+            }
+            Kind::PrefixHit | Kind::NotifyOnly | Kind::Lend { .. } if n != 0 => {
+                return Err(BeginError::UnexpectedHandles(req.kind))
+            }
+            Kind::Lend { notifications: 0 } => return Err(BeginError::NothingToAwait),
+            Kind::NotifyOnly => return Ok(Begun::Untracked),
+            Kind::Read | Kind::PrefixHit => 0,
+            Kind::Write { acks } => acks,
+            Kind::Lend { notifications } => notifications,
+        };
+        if self.lookup(req.id).is_some() {
+            return Err(BeginError::Duplicate(req.id));
+        }
+        let Some(slot) = self.slots.take_free(self.cursor) else {
+            return Err(BeginError::Full {
+                capacity: self.slots.capacity(),
+            });
+        };
+        self.cursor = (slot + 1) % self.slots.capacity();
+        let owned = &mut self.owned[slot as usize];
+        if let Some(old) = owned.id.take() {
+            if self.index.get(&old) == Some(&slot) {
+                self.index.remove(&old);
+            }
+        }
+        owned.id = Some(req.id);
+        owned.peers.clear();
+        // Cannot fail: n <= MAX_HANDLES was checked above.
+        owned.peers.extend(req.peers.iter().copied());
+        owned.expires = req.expires;
+        self.next_expiry = self.next_expiry.min(req.expires);
+        self.index.insert(req.id, slot);
+        let key = self.slots.init(
+            slot,
+            req.id,
+            Slots::kind_code(req.kind),
+            n,
+            expected,
+            req.blocks,
+        );
+        if n == 0 {
+            // Nothing to transfer: a prefix hit reports at once; a lend waits
+            // for its notifications (publish declines).
+            self.slots.publish(key, out);
+        }
+        Ok(Begun::Tracked(key))
+    }
+
+    /// The slot and state of a tracked (or reported, unretired) request.
+    fn lookup(&self, id: RequestId) -> Option<(u32, State)> {
+        let slot = *self.index.get(&id)?;
+        let st = self.slots.state(slot);
+        (st.phase() != FREE).then_some((slot, st))
+    }
+
+    /// The key of request `id`, if it is tracked or reported and not yet
+    /// retired.
+    pub fn key(&self, id: RequestId) -> Option<RequestKey> {
+        self.lookup(id)
+            .map(|(slot, st)| RequestKey::new(slot, st.generation()))
+    }
+
+    /// The peer of handle `hk`, if its request is tracked.
+    pub fn peer(&self, hk: HandleKey) -> Option<PeerId> {
+        let st = self.slots.state(hk.key().slot());
+        if st.generation() != hk.key().generation() || st.phase() == FREE {
+            return None;
+        }
+        self.owned
+            .get(hk.key().slot() as usize)?
+            .peers
+            .get(usize::from(hk.handle()))
+            .copied()
+    }
+
+    /// `count` consumer notifications for request `id` (acknowledgements of a
+    /// write, reader notifications of a lend). Several consumer ranks may
+    /// notify one request. Unknown, reported or expired ids are rejected,
+    /// counted and dropped.
+    pub fn notify(
+        &mut self,
+        id: RequestId,
+        count: u32,
+        out: &mut impl FnMut(Event),
+    ) -> Result<(), NotifyError> {
+        let refused = match self.lookup(id) {
+            _ if count == 0 => NotifyError::ZeroCount(id),
+            None => NotifyError::UnknownRequest(id),
+            Some((_, st)) if st.kind() != K_WRITE && st.kind() != K_LEND => {
+                NotifyError::NotAwaited(id)
+            }
+            Some((_, st)) if st.phase() != LIVE => NotifyError::UnknownRequest(id),
+            Some((slot, st)) => {
+                self.slots
+                    .add_acks(RequestKey::new(slot, st.generation()), count, out);
+                return Ok(());
+            }
+        };
+        self.slots.count_rejected_notification();
+        Err(refused)
+    }
+
+    /// Extends the lease of write or lend `id` to `until`, never shortening
+    /// it. Returns whether a live write or lend had that id; other ids are
+    /// ignored (and counted).
+    pub fn heartbeat(&mut self, id: RequestId, until: Nanos) -> bool {
+        match self.lookup(id) {
+            Some((slot, st))
+                if st.phase() == LIVE && (st.kind() == K_WRITE || st.kind() == K_LEND) =>
+            {
+                let owned = &mut self.owned[slot as usize];
+                owned.expires = owned.expires.max(until);
+                true
+            }
+            _ => {
+                self.slots.count_ignored_heartbeat();
+                false
+            }
+        }
+    }
+
+    /// Aborts request `id`: handles not yet posted stop at once; the returned
+    /// [`Cancel`] lists the handles in flight, whose endpoints the driver
+    /// must force-close. The request is reported `Failed(Aborted)` once
+    /// quiescent (possibly at once, through `out`). `Ok(None)` if it is
+    /// already being cancelled.
+    pub fn abort(
+        &mut self,
+        id: RequestId,
+        out: &mut impl FnMut(Event),
+    ) -> Result<Option<Cancel>, AbortError> {
+        match self.lookup(id) {
+            Some((slot, st)) if st.phase() == LIVE => Ok(self
+                .slots
+                .cancel(slot, Cause::Aborted, out)
+                .and_then(cancel_of)),
+            Some((_, st)) if st.phase() == CANCELLING => Ok(None),
+            _ => Err(AbortError::UnknownRequest(id)),
+        }
+    }
+
+    /// Time is now `now`: reads past their deadline and writes and lends past
+    /// their lease are cancelled (as [`Ledger::abort`], with cause
+    /// `Deadline` or `LeaseExpired`). Cancels go to `cancels`, reports to
+    /// `out`. Cheap when nothing can have expired.
+    pub fn advance(
+        &mut self,
+        now: Nanos,
+        out: &mut impl FnMut(Event),
+        cancels: &mut impl FnMut(Cancel),
+    ) {
+        if now < self.next_expiry {
+            return;
+        }
+        let mut next = Nanos(u64::MAX);
+        for slot in 0..self.slots.capacity() {
+            let st = self.slots.state(slot);
+            if st.phase() != LIVE {
+                continue;
+            }
+            let expires = self.owned[slot as usize].expires;
+            if expires > now {
+                next = next.min(expires);
+                continue;
+            }
+            let cause = if st.kind() == K_READ {
+                Cause::Deadline
+            } else {
+                Cause::LeaseExpired
+            };
+            if let Some(c) = self.slots.cancel(slot, cause, out).and_then(cancel_of) {
+                cancels(c);
+            }
+        }
+        self.next_expiry = next;
+    }
+
+    /// The peer's endpoint failed: every handle to it fails (deferred as
+    /// always). Handles not yet posted stop now; those in flight are marked
+    /// failed and stop when the driver's forced close completes them.
+    /// Returns the number of handles failed.
+    pub fn peer_lost(&mut self, peer: PeerId, out: &mut impl FnMut(Event)) -> u32 {
+        let mut count = 0;
+        let reason = Reason::of(Cause::PeerLost);
+        for slot in 0..self.slots.capacity() {
+            let st = self.slots.state(slot);
+            if st.phase() != LIVE && st.phase() != CANCELLING {
+                continue;
+            }
+            let mask = self.owned[slot as usize]
+                .peers
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| **p == peer)
+                .fold(0u64, |m, (h, _)| m | 1 << h);
+            if mask == 0 {
+                continue;
+            }
+            let key = RequestKey::new(slot, st.generation());
+            let (unposted, in_flight) = self.slots.claim_unposted(key, mask);
+            let hit = unposted | in_flight;
+            if hit == 0 {
+                continue;
+            }
+            count += hit.count_ones();
+            let s = self.slots.slot(slot);
+            self.slots.record_reason(s, reason);
+            self.slots.mark_failed(s, key, hit, reason, out);
+            if unposted != 0 {
+                self.slots.stop(s, key, unposted, out);
+            }
+        }
+        count
+    }
+
+    /// Counters and occupancy.
+    pub fn stats(&self) -> Stats {
+        self.slots.stats()
+    }
+}
+
+fn cancel_of((key, handles): (RequestKey, u64)) -> Option<Cancel> {
+    (handles != 0).then_some(Cancel { key, handles })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slots::bits;
+
+    #[test]
+    fn bits_iterates_set_bits_lowest_first() {
+        assert_eq!(bits(0b1010_0001).collect::<Vec<_>>(), [0, 5, 7]);
+        assert_eq!(bits(1 << 63).collect::<Vec<_>>(), [63]);
+        assert_eq!(bits(0).count(), 0);
+    }
+}
