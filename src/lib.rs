@@ -3,9 +3,12 @@
 //! failed.
 #![warn(missing_docs)]
 
+pub mod engine;
 pub mod ledger;
 pub mod metadata;
+pub mod notification;
 pub mod pattern;
+pub(crate) mod poller;
 pub mod ring;
 pub(crate) mod sync;
 pub mod transport;

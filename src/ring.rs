@@ -80,6 +80,21 @@ impl<T> CommandSender<T> {
     }
 }
 
+impl<T: Copy> CommandSender<T> {
+    /// Sends every command of `cmds`, or none of them when the ring lacks
+    /// room for all: a multi-entry command (a request and its plan) is never
+    /// seen half-written by the receiver.
+    pub fn send_all(&mut self, cmds: &[T]) -> Result<(), Full<usize>> {
+        match self.ring.write_chunk_uninit(cmds.len()) {
+            Ok(chunk) => {
+                chunk.fill_from_iter(cmds.iter().copied());
+                Ok(())
+            }
+            Err(_) => Err(Full(cmds.len())),
+        }
+    }
+}
+
 impl<T> CommandReceiver<T> {
     /// The next command, if any.
     pub fn recv(&mut self) -> Option<T> {

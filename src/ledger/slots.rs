@@ -768,8 +768,7 @@ impl Slots {
         let next = State::new(st.generation().wrapping_add(1), FREE, 0);
         // AcqRel: one retire per report; Release orders our block reads
         // before the slot can be taken again.
-        if s
-            .state
+        if s.state
             .compare_exchange(st.0, next.0, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
         {

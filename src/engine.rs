@@ -1,0 +1,860 @@
+//! The engine-thread side of kvpoll: what a serving engine embeds.
+//!
+//! [`Engine::builder`] starts one poller thread, which owns the UCX context,
+//! worker and endpoints and the ledger's owner half. The engine thread
+//! submits requests over a bounded SPSC command ring (a request and its plan
+//! are one all-or-nothing batch of small `Copy` entries) and collects reports
+//! with [`Engine::poll`], which drains the event ring and retires each
+//! terminal request in the shared ledger slots.
+//!
+//! Blocks: every registered region is one layer of the KV cache, laid out
+//! as `blocks × block_size` bytes; a [`BlockId`] names the same block in
+//! every region, so moving one block moves it in every layer (one UCX
+//! operation per region). Two engines must agree on the block size and the
+//! number of regions ([`crate::metadata::MetadataError::IncompatibleLayout`]).
+//!
+//! Control-plane calls (registering memory, adding peers, metadata) are
+//! rare; they travel over a channel to the poller and wait for its answer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::ledger::{
+    BlockId, Event, LedgerConfig, Outcome, PeerId, Reason, RequestId, Slots, MAX_HANDLES,
+};
+use crate::metadata::MetadataError;
+use crate::poller::{self, Control, Entry, Op, Shared};
+use crate::ring::{self, CommandSender, EventReceiver};
+use crate::transport::ucx::{ContextOptions, UcxError};
+
+/// How a poller waits when there is nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IdlePolicy {
+    /// Spin forever: lowest latency, one full core. For a dedicated,
+    /// isolated core.
+    Busy,
+    /// Spin, then yield, then park briefly; a submit wakes it at once. The
+    /// default, and what tests use so that a 2-core machine is not starved.
+    #[default]
+    Adaptive,
+}
+
+/// Whom lent blocks are exposed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LendTo {
+    /// Pull: remote readers read the blocks and notify; when `n` notified,
+    /// the blocks are free (reported in `finished_sending`).
+    Readers(u32),
+    /// Push destination: `n` remote writers write the blocks and notify;
+    /// when all did, the data is here (reported in `finished_recving`) and
+    /// each writer is acknowledged.
+    Writers(u32),
+}
+
+/// One handle of a read or write: the blocks moved with one remote rank.
+/// `local[i]` pairs with `remote[i]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Transfer<'a> {
+    /// The remote rank, from [`Engine::add_peer`].
+    pub peer: PeerId,
+    /// Local block ids.
+    pub local: &'a [BlockId],
+    /// Remote block ids, same length.
+    pub remote: &'a [BlockId],
+}
+
+/// A failed receive: the request, why, and the local blocks whose contents
+/// are invalid (`Outcomes::invalid_blocks[blocks]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedRecv {
+    /// The request.
+    pub id: RequestId,
+    /// The first failure.
+    pub reason: Reason,
+    /// Its range in [`Outcomes::invalid_blocks`].
+    pub blocks: std::ops::Range<usize>,
+}
+
+/// What [`Engine::poll`] reports, in the shape serving engines consume.
+/// Reuse one value across polls: clearing keeps capacity, so steady state
+/// does not allocate.
+#[derive(Debug, Default, Clone)]
+pub struct Outcomes {
+    /// Reads (and push destinations) whose data is all here.
+    pub finished_recving: Vec<RequestId>,
+    /// Reads that failed, after quiescence.
+    pub failed_recving: Vec<FailedRecv>,
+    /// Local blocks to invalidate, ranges of which `failed_recving` names.
+    pub invalid_blocks: Vec<BlockId>,
+    /// Writes acknowledged by every consumer, and lends every reader
+    /// notified: their source blocks are free.
+    pub finished_sending: Vec<RequestId>,
+    /// Writes and lends whose lease expired: their blocks are free, the
+    /// transfer is not done.
+    pub expired: Vec<RequestId>,
+    /// Informational: a handle failed (its request is reported later).
+    pub handle_failures: Vec<(RequestId, u8, Reason)>,
+}
+
+impl Outcomes {
+    /// Empties every list, keeping capacity.
+    pub fn clear(&mut self) {
+        self.finished_recving.clear();
+        self.failed_recving.clear();
+        self.invalid_blocks.clear();
+        self.finished_sending.clear();
+        self.expired.clear();
+        self.handle_failures.clear();
+    }
+
+    /// Whether nothing is reported.
+    pub fn is_empty(&self) -> bool {
+        self.finished_recving.is_empty()
+            && self.failed_recving.is_empty()
+            && self.finished_sending.is_empty()
+            && self.expired.is_empty()
+            && self.handle_failures.is_empty()
+    }
+
+    /// The invalid blocks of one failed receive.
+    pub fn blocks_of(&self, failed: &FailedRecv) -> &[BlockId] {
+        &self.invalid_blocks[failed.blocks.clone()]
+    }
+}
+
+/// Every way an engine call can fail. A failed call changes nothing.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// A request with this id is in flight or not yet reported.
+    #[error("request {0:?} is already in flight")]
+    Duplicate(RequestId),
+    /// More handles than a request can hold.
+    #[error("{0} handles given; at most {MAX_HANDLES} fit in one request")]
+    TooManyHandles(usize),
+    /// A handle's local and remote lists differ in length, or are empty.
+    #[error("handle {handle}: {local} local blocks paired with {remote} remote blocks")]
+    BadPairing {
+        /// The handle's index.
+        handle: usize,
+        /// Local blocks given.
+        local: usize,
+        /// Remote blocks given.
+        remote: usize,
+    },
+    /// More local blocks than a request may name.
+    #[error("{given} local blocks in one request; at most {max}")]
+    TooManyBlocks {
+        /// Blocks given.
+        given: usize,
+        /// The limit.
+        max: u32,
+    },
+    /// A local block id outside the registered regions.
+    #[error("local block {block:?} is out of range: regions hold {blocks} blocks")]
+    BlockOutOfRange {
+        /// The block.
+        block: BlockId,
+        /// Blocks per region.
+        blocks: u64,
+    },
+    /// No memory is registered yet.
+    #[error("no region is registered: call Engine::register first")]
+    NoRegions,
+    /// Every ledger slot is in use: poll and retire, or build a larger ledger.
+    #[error("all {0} request slots are in use")]
+    Full(u32),
+    /// The command ring is full: the poller is behind. Retry after a poll.
+    #[error("command ring full ({0} entries needed): retry after polling")]
+    RingFull(usize),
+    /// A lend or write that awaits no notification.
+    #[error("a lend must await at least one notification")]
+    NothingToAwait,
+    /// The request is not in flight.
+    #[error("request {0:?} is not in flight")]
+    UnknownRequest(RequestId),
+    /// The peer is not known.
+    #[error("peer {0:?} is not known")]
+    UnknownPeer(PeerId),
+    /// Peer metadata was refused.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// A UCX call failed.
+    #[error(transparent)]
+    Ucx(#[from] UcxError),
+    /// A region's size does not fit the layout.
+    #[error("region of {blocks} blocks: {why}")]
+    BadRegion {
+        /// Blocks asked for.
+        blocks: u64,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// The builder's settings are invalid.
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    /// The engine was shut down (or its poller died).
+    #[error("the engine is shut down")]
+    Shutdown,
+}
+
+/// Builds an [`Engine`].
+#[derive(Debug, Clone)]
+pub struct EngineBuilder {
+    ledger: LedgerConfig,
+    command_ring: usize,
+    event_ring: usize,
+    event_overflow: usize,
+    block_size: u64,
+    core: Option<usize>,
+    idle: IdlePolicy,
+    ucx: ContextOptions,
+    read_deadline: Duration,
+}
+
+impl Default for EngineBuilder {
+    fn default() -> Self {
+        Self {
+            ledger: LedgerConfig::default(),
+            command_ring: 1 << 16,
+            event_ring: 1 << 14,
+            event_overflow: 1 << 16,
+            block_size: 16 * 1024,
+            core: None,
+            idle: IdlePolicy::Adaptive,
+            ucx: ContextOptions::default(),
+            read_deadline: Duration::from_secs(30),
+        }
+    }
+}
+
+impl EngineBuilder {
+    /// Ledger slots (requests in flight plus reported, not yet polled) and
+    /// the most local blocks one request may name.
+    pub fn ledger(mut self, slots: u32, max_blocks: u32) -> Self {
+        self.ledger = LedgerConfig { slots, max_blocks };
+        self
+    }
+
+    /// Entries of the command ring (a request takes 1 + handles + blocks).
+    pub fn command_ring(mut self, entries: usize) -> Self {
+        self.command_ring = entries;
+        self
+    }
+
+    /// Entries of the event ring, and of the poller's overflow behind it.
+    pub fn event_ring(mut self, entries: usize, overflow: usize) -> Self {
+        self.event_ring = entries;
+        self.event_overflow = overflow;
+        self
+    }
+
+    /// Bytes per block (default 16 KiB).
+    pub fn block_size(mut self, bytes: u64) -> Self {
+        self.block_size = bytes;
+        self
+    }
+
+    /// Pin the poller to this CPU core (default: not pinned).
+    pub fn core(mut self, core: Option<usize>) -> Self {
+        self.core = core;
+        self
+    }
+
+    /// The poller's idle policy (default [`IdlePolicy::Adaptive`]).
+    pub fn idle(mut self, idle: IdlePolicy) -> Self {
+        self.idle = idle;
+        self
+    }
+
+    /// UCX options (transports and others).
+    pub fn ucx(mut self, options: ContextOptions) -> Self {
+        self.ucx = options;
+        self
+    }
+
+    /// Deadline of a read, from its submission (default 30 s).
+    pub fn read_deadline(mut self, d: Duration) -> Self {
+        self.read_deadline = d;
+        self
+    }
+
+    /// Starts the poller and returns the engine.
+    pub fn build(self) -> Result<Engine, EngineError> {
+        if self.block_size == 0 {
+            return Err(EngineError::Config("block size 0".into()));
+        }
+        if self.command_ring < 2 || self.event_ring < 1 {
+            return Err(EngineError::Config("rings need room".into()));
+        }
+        let ledger = crate::ledger::Ledger::new(self.ledger)
+            .map_err(|e| EngineError::Config(e.to_string()))?;
+        let slots = ledger.slots().clone();
+        let (commands, command_rx) = ring::commands::<Entry>(self.command_ring);
+        let (event_tx, events) = ring::events::<Event>(self.event_ring, self.event_overflow);
+        let (control, control_rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            sleeping: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            busy_iterations: AtomicU64::new(0),
+            idle_iterations: AtomicU64::new(0),
+            epoch: Instant::now(),
+        });
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let config = poller::Config {
+            block_size: self.block_size,
+            core: self.core,
+            idle: self.idle,
+            ucx: self.ucx.clone(),
+            instance: instance_id(),
+        };
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvpoll-poller".into())
+            .spawn(move || {
+                poller::run(
+                    config,
+                    ledger,
+                    command_rx,
+                    event_tx,
+                    control_rx,
+                    thread_shared,
+                    ready_tx,
+                )
+            })
+            .map_err(|e| EngineError::Config(format!("spawning the poller: {e}")))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(EngineError::Shutdown);
+            }
+        }
+        Ok(Engine {
+            slots,
+            commands,
+            events,
+            control,
+            shared,
+            thread: Some(thread),
+            in_flight: HashMap::with_capacity(self.ledger.slots as usize),
+            scratch: Vec::with_capacity(1024),
+            parked: Vec::new(),
+            retired: Vec::with_capacity(self.ledger.max_blocks as usize),
+            region_blocks: None,
+            regions: Vec::new(),
+            max_blocks: self.ledger.max_blocks,
+            capacity: self.ledger.slots,
+            block_size: self.block_size,
+            read_deadline: self.read_deadline,
+        })
+    }
+}
+
+fn instance_id() -> u64 {
+    // Unique per engine start: time, process and a counter, mixed.
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let x = t ^ (u64::from(std::process::id()) << 32) ^ COUNTER.fetch_add(1, Ordering::Relaxed);
+    crate::wire::fnv1a64(&x.to_le_bytes()) | 1
+}
+
+/// What the engine remembers of a request until it is reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Read,
+    Write,
+    LendToReaders,
+    LendToWriters,
+}
+
+/// A registered region as the engine thread sees it.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    base: usize,
+    len: usize,
+}
+
+/// The engine: submit transfers, poll for reports. See the module docs.
+pub struct Engine {
+    slots: Arc<Slots>,
+    commands: CommandSender<Entry>,
+    events: EventReceiver<Event>,
+    control: mpsc::Sender<Control>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    in_flight: HashMap<RequestId, Role>,
+    scratch: Vec<Entry>,
+    /// Events drained during shutdown, reported by the next poll.
+    parked: Vec<Event>,
+    retired: Vec<BlockId>,
+    region_blocks: Option<u64>,
+    regions: Vec<Region>,
+    max_blocks: u32,
+    capacity: u32,
+    block_size: u64,
+    read_deadline: Duration,
+}
+
+/// Poller counters, as SPDK's reactors count them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PollerStats {
+    /// Loop iterations that did work.
+    pub busy_iterations: u64,
+    /// Loop iterations that found nothing to do.
+    pub idle_iterations: u64,
+}
+
+impl Engine {
+    /// A builder with the defaults.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+
+    fn control<T>(
+        &self,
+        make: impl FnOnce(mpsc::Sender<Result<T, EngineError>>) -> Control,
+    ) -> Result<T, EngineError> {
+        if self.thread.is_none() {
+            return Err(EngineError::Shutdown);
+        }
+        let (tx, rx) = mpsc::channel();
+        self.control
+            .send(make(tx))
+            .map_err(|_| EngineError::Shutdown)?;
+        self.wake();
+        rx.recv().map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// Registers a region of `blocks` blocks (one KV layer), allocated and
+    /// registered by UCX in host memory. Every region must hold the same
+    /// number of blocks. Returns the region's index.
+    pub fn register(&mut self, blocks: u64) -> Result<usize, EngineError> {
+        if blocks == 0 || blocks > u64::from(u32::MAX) {
+            return Err(EngineError::BadRegion {
+                blocks,
+                why: "must hold 1..=u32::MAX blocks",
+            });
+        }
+        if let Some(b) = self.region_blocks {
+            if b != blocks {
+                return Err(EngineError::BadRegion {
+                    blocks,
+                    why: "every region must hold the same number of blocks",
+                });
+            }
+        }
+        let len = blocks
+            .checked_mul(self.block_size)
+            .filter(|&l| l <= 1 << 40)
+            .ok_or(EngineError::BadRegion {
+                blocks,
+                why: "too large",
+            })?;
+        let (base, len) = self.control(|reply| Control::Register {
+            blocks,
+            len: len as usize,
+            reply,
+        })?;
+        self.region_blocks = Some(blocks);
+        self.regions.push(Region { base, len });
+        Ok(self.regions.len() - 1)
+    }
+
+    /// Copies `data` into block `block` of region `region` (the serving
+    /// engine filling KV, or a test writing a pattern).
+    pub fn write_block(
+        &self,
+        region: usize,
+        block: BlockId,
+        data: &[u8],
+    ) -> Result<(), EngineError> {
+        let dst = self.block_ptr(region, block, data.len())?;
+        // SAFETY: dst..dst+len lies inside a registered region (checked),
+        // which stays mapped until the engine is dropped.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Copies block `block` of region `region` into `out`.
+    pub fn read_block(
+        &self,
+        region: usize,
+        block: BlockId,
+        out: &mut [u8],
+    ) -> Result<(), EngineError> {
+        let src = self.block_ptr(region, block, out.len())?;
+        // SAFETY: as in write_block.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn block_ptr(&self, region: usize, block: BlockId, len: usize) -> Result<*mut u8, EngineError> {
+        let r = self.regions.get(region).ok_or(EngineError::BadRegion {
+            blocks: region as u64,
+            why: "no such region",
+        })?;
+        let off = u64::from(block.0) * self.block_size;
+        if len as u64 > self.block_size || off + self.block_size > r.len as u64 {
+            return Err(EngineError::BlockOutOfRange {
+                block,
+                blocks: self.region_blocks.unwrap_or(0),
+            });
+        }
+        Ok((r.base + off as usize) as *mut u8)
+    }
+
+    /// Bytes per block.
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// This engine's metadata for its peers: worker address, region rkeys
+    /// and layout, versioned and checksummed.
+    pub fn local_metadata(&self) -> Result<Vec<u8>, EngineError> {
+        self.control(|reply| Control::Metadata { reply })
+    }
+
+    /// Adds a peer from its metadata. Bad metadata changes nothing.
+    pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, EngineError> {
+        let meta = crate::metadata::PeerMetadata::decode(metadata)?;
+        meta.check_compatible(crate::metadata::BlockLayout {
+            block_size: self.block_size,
+        })?;
+        self.control(|reply| Control::AddPeer { meta, reply })
+    }
+
+    /// Removes a peer: its handles in flight fail (deferred, as always), its
+    /// endpoint is closed.
+    pub fn remove_peer(&mut self, peer: PeerId) -> Result<(), EngineError> {
+        self.control(|reply| Control::RemovePeer { peer, reply })
+    }
+
+    fn check_blocks<'a>(
+        &self,
+        blocks: impl Iterator<Item = &'a BlockId>,
+    ) -> Result<(), EngineError> {
+        let n = self.region_blocks.ok_or(EngineError::NoRegions)?;
+        for &b in blocks {
+            if u64::from(b.0) >= n {
+                return Err(EngineError::BlockOutOfRange {
+                    block: b,
+                    blocks: n,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn admit(&self, id: RequestId) -> Result<(), EngineError> {
+        if self.thread.is_none() {
+            return Err(EngineError::Shutdown);
+        }
+        if self.in_flight.contains_key(&id) {
+            return Err(EngineError::Duplicate(id));
+        }
+        if self.in_flight.len() >= self.capacity as usize {
+            return Err(EngineError::Full(self.capacity));
+        }
+        Ok(())
+    }
+
+    fn submit_transfers(
+        &mut self,
+        id: RequestId,
+        op: Op,
+        handles: &[Transfer<'_>],
+        expires_in: Duration,
+        role: Role,
+    ) -> Result<(), EngineError> {
+        self.admit(id)?;
+        if handles.len() > MAX_HANDLES {
+            return Err(EngineError::TooManyHandles(handles.len()));
+        }
+        let mut total = 0usize;
+        for (i, h) in handles.iter().enumerate() {
+            if h.local.len() != h.remote.len() || h.local.is_empty() {
+                return Err(EngineError::BadPairing {
+                    handle: i,
+                    local: h.local.len(),
+                    remote: h.remote.len(),
+                });
+            }
+            self.check_blocks(h.local.iter())?;
+            total += h.local.len();
+        }
+        if total > self.max_blocks as usize {
+            return Err(EngineError::TooManyBlocks {
+                given: total,
+                max: self.max_blocks,
+            });
+        }
+        self.scratch.clear();
+        self.scratch.push(Entry::Begin {
+            id,
+            op,
+            handles: handles.len() as u8,
+            blocks: 0,
+            expires_in: expires_in.as_nanos().min(u128::from(u64::MAX)) as u64,
+        });
+        for h in handles {
+            self.scratch.push(Entry::Handle {
+                peer: h.peer,
+                pairs: h.local.len() as u32,
+            });
+            self.scratch.extend(
+                h.local
+                    .iter()
+                    .zip(h.remote)
+                    .map(|(&local, &remote)| Entry::Pair { local, remote }),
+            );
+        }
+        self.send(id, role)
+    }
+
+    fn send(&mut self, id: RequestId, role: Role) -> Result<(), EngineError> {
+        self.commands
+            .send_all(&self.scratch)
+            .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
+        self.in_flight.insert(id, role);
+        self.wake();
+        Ok(())
+    }
+
+    /// Pull: reads `handles` (one per remote rank). Reported in
+    /// `finished_recving`, or `failed_recving` with the blocks to invalidate
+    /// once every handle stopped. On success each producer rank is
+    /// notified. With no handles (a full prefix hit) it is reported finished
+    /// at once.
+    pub fn read(&mut self, id: RequestId, handles: &[Transfer<'_>]) -> Result<(), EngineError> {
+        let op = if handles.is_empty() {
+            Op::PrefixHit
+        } else {
+            Op::Read
+        };
+        self.submit_transfers(id, op, handles, self.read_deadline, Role::Read)
+    }
+
+    /// Push: writes `handles` into remote blocks the consumers lent with
+    /// [`LendTo::Writers`]. Done (`finished_sending`) only after every write
+    /// completed and was flushed and `expected_acks` acknowledgements
+    /// arrived; never after a failure. Otherwise `expired` at the lease end.
+    pub fn write(
+        &mut self,
+        id: RequestId,
+        handles: &[Transfer<'_>],
+        expected_acks: u32,
+        lease: Duration,
+    ) -> Result<(), EngineError> {
+        if handles.is_empty() {
+            return Err(EngineError::BadPairing {
+                handle: 0,
+                local: 0,
+                remote: 0,
+            });
+        }
+        self.submit_transfers(
+            id,
+            Op::Write {
+                acks: expected_acks,
+            },
+            handles,
+            lease,
+            Role::Write,
+        )
+    }
+
+    /// Lends `blocks` to remote readers or writers until `to`'s count of
+    /// notifications arrived, or `lease` ends (then `expired`).
+    pub fn lend(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        to: LendTo,
+        lease: Duration,
+    ) -> Result<(), EngineError> {
+        self.admit(id)?;
+        let (n, role) = match to {
+            LendTo::Readers(n) => (n, Role::LendToReaders),
+            LendTo::Writers(n) => (n, Role::LendToWriters),
+        };
+        if n == 0 {
+            return Err(EngineError::NothingToAwait);
+        }
+        self.check_blocks(blocks.iter())?;
+        if blocks.len() > self.max_blocks as usize {
+            return Err(EngineError::TooManyBlocks {
+                given: blocks.len(),
+                max: self.max_blocks,
+            });
+        }
+        self.scratch.clear();
+        self.scratch.push(Entry::Begin {
+            id,
+            op: Op::Lend { notifications: n },
+            handles: 0,
+            blocks: blocks.len() as u32,
+            expires_in: lease.as_nanos().min(u128::from(u64::MAX)) as u64,
+        });
+        self.scratch.extend(blocks.iter().map(|&b| Entry::Block(b)));
+        self.send(id, role)
+    }
+
+    /// Extends the leases of these writes or lends to `extend` from now
+    /// (never shortening). Unknown ids are ignored (and counted).
+    pub fn heartbeat(&mut self, ids: &[RequestId], extend: Duration) -> Result<(), EngineError> {
+        self.scratch.clear();
+        let ns = extend.as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.scratch
+            .extend(ids.iter().map(|&id| Entry::Heartbeat { id, extend_ns: ns }));
+        self.commands
+            .send_all(&self.scratch)
+            .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Aborts a request: what is not posted is cancelled, endpoints carrying
+    /// its operations are force-closed, and it is reported failed once
+    /// quiescent.
+    pub fn abort(&mut self, id: RequestId) -> Result<(), EngineError> {
+        if !self.in_flight.contains_key(&id) {
+            return Err(EngineError::UnknownRequest(id));
+        }
+        self.commands
+            .send_all(&[Entry::Abort(id)])
+            .map_err(|_| EngineError::RingFull(1))?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Fault injection: the poller stops progressing for `d` (as a hung
+    /// rank would). Its peers see nothing but silence.
+    pub fn stall(&mut self, d: Duration) -> Result<(), EngineError> {
+        let ns = d.as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.commands
+            .send_all(&[Entry::Stall { ns }])
+            .map_err(|_| EngineError::RingFull(1))?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Requests submitted and not yet reported.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The poller's busy and idle iteration counts.
+    pub fn poller_stats(&self) -> PollerStats {
+        PollerStats {
+            busy_iterations: self.shared.busy_iterations.load(Ordering::Relaxed),
+            idle_iterations: self.shared.idle_iterations.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Ledger counters (rejected inputs and notifications, occupancy).
+    pub fn ledger_stats(&self) -> crate::ledger::Stats {
+        self.slots.stats()
+    }
+
+    fn wake(&self) {
+        // Acquire pairs with the poller's SeqCst store of `sleeping` before it
+        // re-checks the rings and parks; an unpark before the park is kept.
+        if self.shared.sleeping.load(Ordering::Acquire) {
+            if let Some(t) = &self.thread {
+                t.thread().unpark();
+            }
+        }
+    }
+
+    /// Collects what happened since the last poll into `out` (appended; clear
+    /// it between polls). Returns the number of reports added. Allocates
+    /// nothing when nothing happened.
+    pub fn poll(&mut self, out: &mut Outcomes) -> usize {
+        let mut n = 0;
+        for ev in std::mem::take(&mut self.parked) {
+            n += self.report(ev, out);
+        }
+        while let Some(ev) = self.events.recv() {
+            n += self.report(ev, out);
+        }
+        n
+    }
+
+    fn report(&mut self, ev: Event, out: &mut Outcomes) -> usize {
+        let Event { key, id, outcome } = ev;
+        if let Outcome::HandleFailed { handle, reason } = outcome {
+            out.handle_failures.push((id, handle, reason));
+            return 1;
+        }
+        let role = self.in_flight.remove(&id);
+        self.retired.clear();
+        // Retire after reading the blocks to invalidate: the slot (and its
+        // blocks) cannot be reused before this.
+        let _ = self.slots.retire(key, &mut self.retired);
+        match outcome {
+            Outcome::Finished => out.finished_recving.push(id),
+            Outcome::Failed(reason) => {
+                if matches!(role, Some(Role::Read) | Some(Role::LendToWriters)) || role.is_none() {
+                    let start = out.invalid_blocks.len();
+                    out.invalid_blocks.extend_from_slice(&self.retired);
+                    out.failed_recving.push(FailedRecv {
+                        id,
+                        reason,
+                        blocks: start..out.invalid_blocks.len(),
+                    });
+                } else {
+                    out.expired.push(id);
+                }
+            }
+            Outcome::SendDone => out.finished_sending.push(id),
+            Outcome::LendReleased => match role {
+                Some(Role::LendToWriters) => out.finished_recving.push(id),
+                _ => out.finished_sending.push(id),
+            },
+            Outcome::SendExpired | Outcome::LendExpired => out.expired.push(id),
+            Outcome::HandleFailed { .. } => {}
+        }
+        1
+    }
+
+    /// Stops the poller: requests in flight are cancelled (endpoints force-
+    /// closed) and reported failed or expired once quiescent — collect them
+    /// with a last [`Engine::poll`]. Releases every endpoint, region and
+    /// worker. Idempotent.
+    pub fn shutdown(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = self.control.send(Control::Shutdown);
+        thread.thread().unpark();
+        // The poller publishes the reports of what it cancelled before it
+        // exits; keep the ring drained so that it never waits on us.
+        while !thread.is_finished() {
+            while let Some(ev) = self.events.recv() {
+                self.parked.push(ev);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let _ = thread.join();
+        self.regions.clear();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,161 @@
+//! Consumer notifications: the small active messages engines send each other
+//! when a transfer is done. Fixed size, encoded into a stack buffer (the hot
+//! path allocates nothing), and checked on receipt: a malformed payload is a
+//! typed error and is dropped (and counted) by the poller.
+//!
+//! ```text
+//! 0   2  magic "KN"
+//! 2   1  version (1)
+//! 3   1  kind: 1 read done, 2 write done, 3 ack
+//! 4   8  request id
+//! 12  4  count
+//! 16  8  sender instance (its metadata's instance)
+//! 24  4  low 32 bits of FNV-1a 64 over bytes 0..24
+//! ```
+
+use thiserror::Error;
+
+use crate::ledger::RequestId;
+use crate::wire::fnv1a64;
+
+/// Encoded size of a notification.
+pub const LEN: usize = 28;
+const MAGIC: [u8; 2] = *b"KN";
+const VERSION: u8 = 1;
+
+/// What a notification says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoteKind {
+    /// A consumer finished reading the request's lent blocks (pull).
+    ReadDone = 1,
+    /// A producer wrote and flushed the request's blocks (push).
+    WriteDone = 2,
+    /// A consumer acknowledges a push.
+    Ack = 3,
+}
+
+/// One notification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Notification {
+    /// What it says.
+    pub kind: NoteKind,
+    /// The request it is about (the same id on both sides).
+    pub id: RequestId,
+    /// How many notifications it counts for.
+    pub count: u32,
+    /// The sender engine's instance id, to route an ack back.
+    pub sender: u64,
+}
+
+/// Why a notification payload was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum NotificationError {
+    /// Wrong size.
+    #[error("notification of {0} bytes, expected {LEN}")]
+    Length(usize),
+    /// Not a kvpoll notification.
+    #[error("notification has a bad magic")]
+    BadMagic,
+    /// Another version.
+    #[error("notification version {0}, expected {VERSION}")]
+    Version(u8),
+    /// Damaged.
+    #[error("notification checksum mismatch")]
+    BadChecksum,
+    /// An unknown kind byte.
+    #[error("notification kind {0} is unknown")]
+    Kind(u8),
+    /// A count of zero.
+    #[error("notification counts zero")]
+    ZeroCount,
+}
+
+impl Notification {
+    /// The wire bytes.
+    pub fn encode(&self) -> [u8; LEN] {
+        let mut b = [0u8; LEN];
+        b[0..2].copy_from_slice(&MAGIC);
+        b[2] = VERSION;
+        b[3] = self.kind as u8;
+        b[4..12].copy_from_slice(&self.id.0.to_le_bytes());
+        b[12..16].copy_from_slice(&self.count.to_le_bytes());
+        b[16..24].copy_from_slice(&self.sender.to_le_bytes());
+        let sum = fnv1a64(&b[..24]) as u32;
+        b[24..28].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// Checks and decodes received bytes.
+    pub fn decode(b: &[u8]) -> Result<Self, NotificationError> {
+        if b.len() != LEN {
+            return Err(NotificationError::Length(b.len()));
+        }
+        if b[0..2] != MAGIC {
+            return Err(NotificationError::BadMagic);
+        }
+        let word = |r: std::ops::Range<usize>| {
+            let mut w = [0u8; 8];
+            w[..r.len()].copy_from_slice(&b[r]);
+            u64::from_le_bytes(w)
+        };
+        if word(24..28) as u32 != fnv1a64(&b[..24]) as u32 {
+            return Err(NotificationError::BadChecksum);
+        }
+        if b[2] != VERSION {
+            return Err(NotificationError::Version(b[2]));
+        }
+        let kind = match b[3] {
+            1 => NoteKind::ReadDone,
+            2 => NoteKind::WriteDone,
+            3 => NoteKind::Ack,
+            k => return Err(NotificationError::Kind(k)),
+        };
+        let count = word(12..16) as u32;
+        if count == 0 {
+            return Err(NotificationError::ZeroCount);
+        }
+        Ok(Self {
+            kind,
+            id: RequestId(word(4..12)),
+            count,
+            sender: word(16..24),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn note() -> Notification {
+        Notification {
+            kind: NoteKind::Ack,
+            id: RequestId(0xdead_beef),
+            count: 3,
+            sender: 42,
+        }
+    }
+
+    #[test]
+    fn notification_round_trips() {
+        assert_eq!(Notification::decode(&note().encode()), Ok(note()));
+    }
+
+    #[test]
+    fn damaged_truncated_or_foreign_payloads_are_refused() {
+        let b = note().encode();
+        for i in 0..LEN {
+            let mut c = b;
+            c[i] ^= 1;
+            assert!(Notification::decode(&c).is_err(), "flip at {i} accepted");
+        }
+        assert_eq!(
+            Notification::decode(&b[..27]),
+            Err(NotificationError::Length(27))
+        );
+        assert_eq!(
+            Notification::decode(&[0u8; LEN]),
+            Err(NotificationError::BadMagic)
+        );
+    }
+}

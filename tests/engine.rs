@@ -1,0 +1,519 @@
+//! The engine end to end over real UCX, in one process: several engines,
+//! each with its own poller thread (adaptive idle policy, so a 2-core
+//! machine is not starved), moving verified blocks.
+
+use std::time::{Duration, Instant};
+
+use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
+use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
+use kvpoll::transport::ucx::ContextOptions;
+
+const BS: u64 = 4096;
+const BLOCKS: u64 = 64;
+const REGIONS: usize = 2;
+const GUARD: Duration = Duration::from_secs(60);
+
+fn engine(tls: &str, deadline: Duration) -> Engine {
+    let mut e = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports(tls))
+        .read_deadline(deadline)
+        .build()
+        .expect("engine");
+    for _ in 0..REGIONS {
+        e.register(BLOCKS).unwrap();
+    }
+    e
+}
+
+fn seed(rank: u64, region: usize) -> u64 {
+    rank * 100 + region as u64
+}
+
+fn fill(e: &Engine, rank: u64) {
+    let mut buf = vec![0u8; BS as usize];
+    for r in 0..REGIONS {
+        for b in 0..BLOCKS {
+            kvpoll::pattern::fill(seed(rank, r), b, &mut buf);
+            e.write_block(r, BlockId(b as u32), &buf).unwrap();
+        }
+    }
+}
+
+fn holds(e: &Engine, local: u32, rank: u64, remote: u32) -> bool {
+    let mut buf = vec![0u8; BS as usize];
+    (0..REGIONS).all(|r| {
+        e.read_block(r, BlockId(local), &mut buf).unwrap();
+        kvpoll::pattern::check(seed(rank, r), u64::from(remote), &buf)
+    })
+}
+
+fn snapshot(e: &Engine, blocks: &[BlockId]) -> Vec<u8> {
+    let mut all = Vec::new();
+    let mut buf = vec![0u8; BS as usize];
+    for r in 0..REGIONS {
+        for &b in blocks {
+            e.read_block(r, b, &mut buf).unwrap();
+            all.extend_from_slice(&buf);
+        }
+    }
+    all
+}
+
+fn ids(v: &[u32]) -> Vec<BlockId> {
+    v.iter().map(|&b| BlockId(b)).collect()
+}
+
+/// Polls `e` (appending to `out`) until `done(out)`, failing after GUARD.
+fn wait_for(e: &mut Engine, out: &mut Outcomes, what: &str, done: impl Fn(&Outcomes) -> bool) {
+    let t = Instant::now();
+    while !done(out) {
+        e.poll(out);
+        assert!(t.elapsed() < GUARD, "timed out waiting for {what}: {out:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn connect(from: &mut Engine, to: &Engine) -> PeerId {
+    from.add_peer(&to.local_metadata().unwrap()).unwrap()
+}
+
+#[test]
+fn decode_at_tp2_reads_two_handles_from_two_prefill_ranks_and_every_block_matches() {
+    let (mut p0, mut p1) = (engine("tcp", GUARD), engine("tcp", GUARD));
+    fill(&p0, 0);
+    fill(&p1, 1);
+    let mut d = engine("tcp", GUARD);
+    let (a, b) = (connect(&mut d, &p0), connect(&mut d, &p1));
+    let id = RequestId(7);
+    let (r0, r1) = (ids(&[10, 11, 12, 13]), ids(&[20, 21, 22, 23]));
+    p0.lend(id, &r0, LendTo::Readers(1), GUARD).unwrap();
+    p1.lend(id, &r1, LendTo::Readers(1), GUARD).unwrap();
+    let (l0, l1) = (ids(&[0, 1, 2, 3]), ids(&[4, 5, 6, 7]));
+    d.read(
+        id,
+        &[
+            Transfer {
+                peer: a,
+                local: &l0,
+                remote: &r0,
+            },
+            Transfer {
+                peer: b,
+                local: &l1,
+                remote: &r1,
+            },
+        ],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the read", |o| {
+        !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
+    });
+    assert_eq!(out.finished_recving, vec![id], "{out:?}");
+    for i in 0..4 {
+        assert!(holds(&d, i, 0, 10 + i), "block {i} from rank 0");
+        assert!(holds(&d, 4 + i, 1, 20 + i), "block {} from rank 1", 4 + i);
+    }
+    // Each producer rank was notified, which released its lend.
+    for p in [&mut p0, &mut p1] {
+        let mut o = Outcomes::default();
+        wait_for(p, &mut o, "the lend release", |o| {
+            !o.finished_sending.is_empty()
+        });
+        assert_eq!(o.finished_sending, vec![id]);
+        assert!(o.expired.is_empty());
+    }
+    assert_eq!(d.in_flight(), 0);
+}
+
+#[test]
+fn a_failed_handle_is_reported_only_after_its_stalled_sibling_stopped_and_no_byte_changes_after() {
+    let deadline = Duration::from_millis(1500);
+    let (p0, mut p1) = (engine("tcp", GUARD), engine("tcp", GUARD));
+    fill(&p1, 1);
+    let mut d = engine("tcp", deadline);
+    let (a, b) = (connect(&mut d, &p0), connect(&mut d, &p1));
+    let before = snapshot(&d, &ids(&[0, 1, 2, 3]));
+
+    // Handle 0 asks rank 0 for a block it does not have: a setup failure,
+    // at once. Handle 1 reads from rank 1, which stops progressing: over tcp
+    // its gets stay in flight.
+    p1.stall(Duration::from_secs(4)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let id = RequestId(9);
+    let (l0, r0) = (ids(&[0, 1]), ids(&[999, 1000]));
+    let (l1, r1) = (ids(&[2, 3]), ids(&[5, 6]));
+    let t = Instant::now();
+    d.read(
+        id,
+        &[
+            Transfer {
+                peer: a,
+                local: &l0,
+                remote: &r0,
+            },
+            Transfer {
+                peer: b,
+                local: &l1,
+                remote: &r1,
+            },
+        ],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the handle failure notice", |o| {
+        !o.handle_failures.is_empty()
+    });
+    assert_eq!(out.handle_failures[0].0, id);
+    assert_eq!(out.handle_failures[0].2.cause, Cause::Setup);
+    assert!(
+        out.failed_recving.is_empty(),
+        "reported while a sibling was in flight"
+    );
+
+    wait_for(&mut d, &mut out, "the failure report", |o| {
+        !o.failed_recving.is_empty()
+    });
+    // Deferred: not before the deadline forced the sibling to stop.
+    assert!(
+        t.elapsed() >= deadline,
+        "reported before the sibling stopped"
+    );
+    let f = out.failed_recving[0].clone();
+    assert_eq!(f.id, id);
+    assert_eq!(f.reason.cause, Cause::Setup, "the first failure is kept");
+    let mut invalid = out.blocks_of(&f).to_vec();
+    invalid.sort();
+    assert_eq!(invalid, ids(&[0, 1, 2, 3]));
+    assert!(out.finished_recving.is_empty());
+
+    // Rank 1 wakes up and would serve the gets; nothing may land any more.
+    let reported = snapshot(&d, &ids(&[0, 1, 2, 3]));
+    std::thread::sleep(Duration::from_secs(3));
+    for _ in 0..100 {
+        d.poll(&mut out);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        snapshot(&d, &ids(&[0, 1, 2, 3])),
+        reported,
+        "a block changed after the report"
+    );
+    assert_eq!(reported, before, "blocks were written despite the failure");
+    assert_eq!(out.failed_recving.len(), 1, "reported twice");
+}
+
+#[test]
+fn unknown_peer_is_a_setup_failure_with_no_operation_posted() {
+    let mut d = engine("tcp", GUARD);
+    let id = RequestId(3);
+    let (l, r) = (ids(&[1]), ids(&[1]));
+    d.read(
+        id,
+        &[Transfer {
+            peer: PeerId(42),
+            local: &l,
+            remote: &r,
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the failure", |o| {
+        !o.failed_recving.is_empty()
+    });
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::Setup);
+    assert_eq!(
+        out.blocks_of(&out.failed_recving[0].clone()),
+        &ids(&[1])[..]
+    );
+}
+
+#[test]
+fn push_is_done_only_after_the_consumer_acknowledged_and_the_data_is_there() {
+    let mut p = engine("tcp", GUARD);
+    fill(&p, 3);
+    let mut c = engine("tcp", GUARD);
+    let to_c = connect(&mut p, &c);
+    let _to_p = connect(&mut c, &p); // the consumer acks through its own endpoint
+    let id = RequestId(11);
+    let dst = ids(&[30, 31, 32]);
+    c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
+    let src = ids(&[1, 2, 3]);
+    p.write(
+        id,
+        &[Transfer {
+            peer: to_c,
+            local: &src,
+            remote: &dst,
+        }],
+        1,
+        GUARD,
+    )
+    .unwrap();
+
+    let mut po = Outcomes::default();
+    wait_for(&mut p, &mut po, "the push", |o| {
+        !o.finished_sending.is_empty() || !o.expired.is_empty()
+    });
+    assert_eq!(po.finished_sending, vec![id]);
+    let mut co = Outcomes::default();
+    wait_for(&mut c, &mut co, "the arrival", |o| {
+        !o.finished_recving.is_empty()
+    });
+    assert_eq!(co.finished_recving, vec![id]);
+    for i in 0..3 {
+        assert!(holds(&c, 30 + i, 3, 1 + i), "block {}", 30 + i);
+    }
+}
+
+#[test]
+fn a_failed_push_is_never_done_and_expires_by_its_lease() {
+    let mut p = engine("tcp", GUARD);
+    let c = engine("tcp", GUARD);
+    let to_c = connect(&mut p, &c);
+    let id = RequestId(12);
+    let (src, dst) = (ids(&[1]), ids(&[5000])); // beyond the consumer's blocks
+    p.write(
+        id,
+        &[Transfer {
+            peer: to_c,
+            local: &src,
+            remote: &dst,
+        }],
+        1,
+        Duration::from_millis(300),
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut p, &mut out, "the expiry", |o| !o.expired.is_empty());
+    assert_eq!(out.expired, vec![id]);
+    assert!(
+        out.finished_sending.is_empty(),
+        "a failed push was reported done"
+    );
+    for _ in 0..50 {
+        p.poll(&mut out);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(out.expired, vec![id], "reported twice");
+}
+
+#[test]
+fn a_lend_is_released_only_after_both_consumer_ranks_notified() {
+    let mut p = engine("tcp", GUARD);
+    fill(&p, 4);
+    let (mut d1, mut d2) = (engine("tcp", GUARD), engine("tcp", GUARD));
+    let (a, b) = (connect(&mut d1, &p), connect(&mut d2, &p));
+    let id = RequestId(21);
+    let lent = ids(&[40, 41, 42, 43]);
+    p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
+    let (first, second) = (ids(&[40, 41]), ids(&[42, 43]));
+    let local = ids(&[0, 1]);
+    d1.read(
+        id,
+        &[Transfer {
+            peer: a,
+            local: &local,
+            remote: &first,
+        }],
+    )
+    .unwrap();
+    let mut o1 = Outcomes::default();
+    wait_for(&mut d1, &mut o1, "reader 1", |o| {
+        !o.finished_recving.is_empty()
+    });
+    // One of two notifications: still lent.
+    let mut po = Outcomes::default();
+    for _ in 0..100 {
+        p.poll(&mut po);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        po.finished_sending.is_empty(),
+        "released after one of two readers"
+    );
+    d2.read(
+        id,
+        &[Transfer {
+            peer: b,
+            local: &local,
+            remote: &second,
+        }],
+    )
+    .unwrap();
+    let mut o2 = Outcomes::default();
+    wait_for(&mut d2, &mut o2, "reader 2", |o| {
+        !o.finished_recving.is_empty()
+    });
+    wait_for(&mut p, &mut po, "the release", |o| {
+        !o.finished_sending.is_empty()
+    });
+    assert_eq!(po.finished_sending, vec![id]);
+    assert!(holds(&d2, 1, 4, 43));
+}
+
+#[test]
+fn a_heartbeat_keeps_a_lend_alive_past_the_lease_of_its_twin() {
+    let mut p = engine("tcp", GUARD);
+    let lease = Duration::from_millis(400);
+    let (kept, dropped) = (RequestId(31), RequestId(32));
+    p.lend(kept, &ids(&[1]), LendTo::Readers(1), lease).unwrap();
+    p.lend(dropped, &ids(&[2]), LendTo::Readers(1), lease)
+        .unwrap();
+    p.heartbeat(&[kept, RequestId(999)], Duration::from_secs(60))
+        .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut p, &mut out, "the twin's expiry", |o| {
+        !o.expired.is_empty()
+    });
+    assert_eq!(out.expired, vec![dropped]);
+    assert_eq!(p.in_flight(), 1);
+    assert_eq!(p.ledger_stats().ignored_heartbeats, 1);
+    // The kept one is still lent: a reader can still be served and release it.
+    fill(&p, 5);
+    let mut d = engine("tcp", GUARD);
+    let peer = connect(&mut d, &p);
+    d.read(
+        kept,
+        &[Transfer {
+            peer,
+            local: &ids(&[0]),
+            remote: &ids(&[1]),
+        }],
+    )
+    .unwrap();
+    wait_for(&mut p, &mut out, "the release", |o| {
+        !o.finished_sending.is_empty()
+    });
+    assert_eq!(out.finished_sending, vec![kept]);
+}
+
+#[test]
+fn abort_fails_the_request_only_after_its_operations_were_cancelled() {
+    let mut p = engine("tcp", GUARD);
+    let mut d = engine("tcp", GUARD);
+    let peer = connect(&mut d, &p);
+    p.stall(Duration::from_secs(2)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let id = RequestId(41);
+    d.read(
+        id,
+        &[Transfer {
+            peer,
+            local: &ids(&[0, 1]),
+            remote: &ids(&[0, 1]),
+        }],
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut out = Outcomes::default();
+    d.poll(&mut out);
+    assert!(out.failed_recving.is_empty() && out.finished_recving.is_empty());
+    d.abort(id).unwrap();
+    wait_for(&mut d, &mut out, "the abort", |o| {
+        !o.failed_recving.is_empty()
+    });
+    assert_eq!(out.failed_recving[0].id, id);
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::Aborted);
+    assert!(matches!(d.abort(id), Err(EngineError::UnknownRequest(_))));
+}
+
+#[test]
+fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
+    let mut d = engine("tcp", GUARD);
+    assert!(matches!(
+        d.add_peer(b"not metadata"),
+        Err(EngineError::Metadata(_))
+    ));
+    let mut meta = engine("tcp", GUARD).local_metadata().unwrap();
+    let n = meta.len();
+    meta[n / 2] ^= 0x10;
+    assert!(matches!(d.add_peer(&meta), Err(EngineError::Metadata(_))));
+    let other = Engine::builder().block_size(8192).build().unwrap();
+    assert!(matches!(
+        d.add_peer(&other.local_metadata().unwrap()),
+        Err(EngineError::Metadata(
+            kvpoll::metadata::MetadataError::IncompatibleLayout { .. }
+        ))
+    ));
+    let (l, r) = (ids(&[1]), ids(&[1]));
+    assert!(matches!(
+        d.read(
+            RequestId(1),
+            &[Transfer {
+                peer: PeerId(0),
+                local: &ids(&[1, 2]),
+                remote: &r
+            }]
+        ),
+        Err(EngineError::BadPairing { .. })
+    ));
+    assert!(matches!(
+        d.read(
+            RequestId(1),
+            &[Transfer {
+                peer: PeerId(0),
+                local: &ids(&[64]),
+                remote: &r
+            }]
+        ),
+        Err(EngineError::BlockOutOfRange { .. })
+    ));
+    assert_eq!(d.in_flight(), 0);
+    // No peer was added by the refused metadata: PeerId(0) is unknown.
+    d.read(
+        RequestId(1),
+        &[Transfer {
+            peer: PeerId(0),
+            local: &l,
+            remote: &r,
+        }],
+    )
+    .unwrap();
+    assert!(matches!(
+        d.read(
+            RequestId(1),
+            &[Transfer {
+                peer: PeerId(0),
+                local: &l,
+                remote: &r
+            }]
+        ),
+        Err(EngineError::Duplicate(_))
+    ));
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the setup failure", |o| {
+        !o.failed_recving.is_empty()
+    });
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::Setup);
+}
+
+#[test]
+fn shutdown_reports_requests_in_flight_and_is_idempotent() {
+    let mut p = engine("tcp", GUARD);
+    let mut d = engine("tcp", GUARD);
+    let peer = connect(&mut d, &p);
+    p.stall(Duration::from_secs(2)).unwrap();
+    let id = RequestId(51);
+    d.read(
+        id,
+        &[Transfer {
+            peer,
+            local: &ids(&[0]),
+            remote: &ids(&[0]),
+        }],
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    d.shutdown();
+    d.shutdown();
+    let mut out = Outcomes::default();
+    d.poll(&mut out);
+    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
+    assert_eq!(out.failed_recving[0].id, id);
+    assert!(matches!(
+        d.read(RequestId(52), &[]),
+        Err(EngineError::Shutdown)
+    ));
+}
