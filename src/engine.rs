@@ -44,6 +44,17 @@ pub enum IdlePolicy {
     Adaptive,
 }
 
+/// Faults the poller injects, for demos and tests of the failure paths.
+/// The default injects none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Faults {
+    /// Every n-th handle's release fails once (0: never). The handle stays
+    /// held, with its request, until the retry after `release_retry_after`.
+    pub release_failure_every: u32,
+    /// When a failed release is retried.
+    pub release_retry_after: Duration,
+}
+
 /// Whom lent blocks are exposed to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LendTo {
@@ -214,6 +225,7 @@ pub struct EngineBuilder {
     idle: IdlePolicy,
     ucx: ContextOptions,
     read_deadline: Duration,
+    faults: Faults,
 }
 
 impl Default for EngineBuilder {
@@ -228,6 +240,7 @@ impl Default for EngineBuilder {
             idle: IdlePolicy::Adaptive,
             ucx: ContextOptions::default(),
             read_deadline: Duration::from_secs(30),
+            faults: Faults::default(),
         }
     }
 }
@@ -283,6 +296,12 @@ impl EngineBuilder {
         self
     }
 
+    /// Faults to inject (default: none).
+    pub fn faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
+    }
+
     /// Starts the poller and returns the engine.
     pub fn build(self) -> Result<Engine, EngineError> {
         if self.block_size == 0 {
@@ -311,6 +330,7 @@ impl EngineBuilder {
             idle: self.idle,
             ucx: self.ucx.clone(),
             instance: instance_id(),
+            faults: self.faults,
         };
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()

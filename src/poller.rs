@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use crate::engine::{EngineError, IdlePolicy};
+use crate::engine::{EngineError, Faults, IdlePolicy};
 use crate::ledger::{
     Begun, BlockId, Cancel, Cause, Event, HandleKey, Kind, Ledger, Nanos, Outcome, PeerId, Reason,
     Request, RequestId, RequestKey, Slots, MAX_HANDLES,
@@ -55,6 +55,7 @@ pub(crate) struct Config {
     pub(crate) idle: IdlePolicy,
     pub(crate) ucx: ContextOptions,
     pub(crate) instance: u64,
+    pub(crate) faults: Faults,
 }
 
 type Reply<T> = mpsc::Sender<Result<T, EngineError>>;
@@ -183,6 +184,9 @@ struct Poller {
     blocks: Vec<BlockId>,
     ops: Vec<BlockOp>,
     rejected_notes: u64,
+    /// Handles whose (injected) release failure awaits its retry.
+    held: Vec<(HandleKey, Nanos)>,
+    handles_completed: u64,
 }
 
 /// The poller thread's body.
@@ -278,6 +282,8 @@ impl Poller {
             blocks: Vec::with_capacity(1024),
             ops: Vec::with_capacity(1024),
             rejected_notes: 0,
+            held: Vec::new(),
+            handles_completed: 0,
         })
     }
 
@@ -716,7 +722,19 @@ impl Poller {
             Err(Reason::new(Cause::Transfer, error))
         };
         let out = &mut self.out;
-        let _ = self.slots.completed(hk, result, &mut |e| out.push(e));
+        self.handles_completed += 1;
+        let every = u64::from(self.cfg.faults.release_failure_every);
+        if every != 0 && self.handles_completed % every == 0 {
+            // Injected: releasing the handle failed. It stays held (and its
+            // request with it) until the retry.
+            let _ = self.slots.release_failed(hk, result, &mut |e| out.push(e));
+            let due = self
+                .now()
+                .saturating_add(Nanos(self.cfg.faults.release_retry_after.as_nanos() as u64));
+            self.held.push((hk, due));
+        } else {
+            let _ = self.slots.completed(hk, result, &mut |e| out.push(e));
+        }
         if write && result.is_ok() {
             let id = self.slot_info[hk.key().slot() as usize].id;
             self.notify(peer, NoteKind::WriteDone, id);
@@ -787,6 +805,14 @@ impl Poller {
 
     fn advance(&mut self, now: Nanos) {
         let out = &mut self.out;
+        let slots = &self.slots;
+        self.held.retain(|&(hk, due)| {
+            if due > now {
+                return true;
+            }
+            let _ = slots.release_retried(hk, true, &mut |e| out.push(e));
+            false
+        });
         let cancels = &mut self.cancels;
         self.ledger
             .advance(now, &mut |e| out.push(e), &mut |c| cancels.push(c));

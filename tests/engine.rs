@@ -517,3 +517,40 @@ fn shutdown_reports_requests_in_flight_and_is_idempotent() {
         Err(EngineError::Shutdown)
     ));
 }
+
+#[test]
+fn a_failed_release_holds_the_request_until_the_retry_releases_it() {
+    let p = engine("tcp", GUARD);
+    fill(&p, 6);
+    let retry = Duration::from_millis(600);
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .faults(kvpoll::engine::Faults {
+            release_failure_every: 1,
+            release_retry_after: retry,
+        })
+        .build()
+        .unwrap();
+    for _ in 0..REGIONS {
+        d.register(BLOCKS).unwrap();
+    }
+    let peer = connect(&mut d, &p);
+    let t = Instant::now();
+    d.read(
+        RequestId(61),
+        &[Transfer {
+            peer,
+            local: &ids(&[0]),
+            remote: &ids(&[9]),
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the read", |o| {
+        !o.finished_recving.is_empty()
+    });
+    assert!(t.elapsed() >= retry, "reported while its handle was held");
+    assert!(holds(&d, 0, 6, 9));
+    assert!(out.failed_recving.is_empty());
+}

@@ -19,12 +19,14 @@ commands:
         --block-size B    bytes per block (default 16384)
         --rounds N        rounds (default 8)
   ucx-peer              serve a UCX region to a parent process (used by tests)
+  engine-peer           run a kvpoll engine serving patterned blocks (used by tests)
 ";
 
 fn run(mut args: Args) -> Result<(), CliError> {
     match args.command()?.as_str() {
         "demo" => demo::run(args),
         "ucx-peer" => peer::run(args),
+        "engine-peer" => peer::run_engine(args),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

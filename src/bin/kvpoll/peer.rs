@@ -73,3 +73,58 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
     }
     Ok(())
 }
+
+/// `kvpoll engine-peer`: a whole kvpoll engine in its own process, serving
+/// its blocks (filled with the pattern of `--seed`) to readers. Prints
+/// `READY <hex metadata>` and runs until its standard input closes.
+pub fn run_engine(mut args: Args) -> Result<(), CliError> {
+    let tls: String = args
+        .option("--tls", "a UCX transport list")?
+        .unwrap_or_else(|| "tcp".into());
+    let blocks: u64 = args.option("--blocks", "a block count")?.unwrap_or(64);
+    let block_size: u64 = args
+        .option("--block-size", "a size in bytes")?
+        .unwrap_or(4096);
+    let regions: usize = args.option("--regions", "a region count")?.unwrap_or(2);
+    let seed: u64 = args.option("--seed", "an integer")?.unwrap_or(1);
+    args.finish()?;
+    let fail = |e: kvpoll::engine::EngineError| CliError::Failed(e.to_string());
+    let mut engine = kvpoll::engine::Engine::builder()
+        .block_size(block_size)
+        .ucx(ContextOptions::with_transports(&tls))
+        .build()
+        .map_err(fail)?;
+    let mut block = vec![0u8; block_size as usize];
+    for r in 0..regions {
+        engine.register(blocks).map_err(fail)?;
+        for b in 0..blocks {
+            // Region r of rank `seed` holds the pattern of seed*100 + r.
+            kvpoll::pattern::fill(seed * 100 + r as u64, b, &mut block);
+            engine
+                .write_block(r, kvpoll::ledger::BlockId(b as u32), &block)
+                .map_err(fail)?;
+        }
+    }
+    let meta = engine.local_metadata().map_err(fail)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {}", to_hex(&meta))
+        .and_then(|_| out.flush())
+        .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
+    drop(out);
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        flag.store(true, Ordering::Release);
+    });
+    let mut outcomes = kvpoll::engine::Outcomes::default();
+    while !closed.load(Ordering::Acquire) {
+        outcomes.clear();
+        engine.poll(&mut outcomes);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    engine.shutdown();
+    Ok(())
+}

@@ -1,0 +1,189 @@
+//! The engine against a peer engine in another process: a stopped peer
+//! (SIGSTOP) is failed at the deadline through forced close; a killed one
+//! (SIGKILL) fails its reads without waiting for a deadline and can be added
+//! again with fresh metadata.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvpoll::engine::{Engine, Outcomes, Transfer};
+use kvpoll::ledger::{BlockId, Cause, RequestId};
+use kvpoll::transport::ucx::ContextOptions;
+use kvpoll::wire::from_hex;
+
+const BS: u64 = 4096;
+const GUARD: Duration = Duration::from_secs(60);
+
+struct PeerProcess {
+    child: Child,
+    metadata: Vec<u8>,
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child (it may be stopped).
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGCONT) };
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(seed: u64) -> PeerProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["engine-peer", "--tls", "tcp", "--blocks", "64"])
+        .args(["--block-size", &BS.to_string(), "--regions", "2"])
+        .args(["--seed", &seed.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn kvpoll engine-peer");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let hex = line
+        .strip_prefix("READY ")
+        .unwrap_or_else(|| panic!("peer said {line:?}"));
+    PeerProcess {
+        child,
+        metadata: from_hex(hex.trim()).unwrap(),
+    }
+}
+
+fn signal(p: &PeerProcess, sig: libc::c_int) {
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(p.child.id() as libc::pid_t, sig) }, 0);
+}
+
+fn decode_engine(deadline: Duration) -> Engine {
+    let mut e = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .read_deadline(deadline)
+        .build()
+        .unwrap();
+    e.register(64).unwrap();
+    e.register(64).unwrap();
+    e
+}
+
+fn ids(v: &[u32]) -> Vec<BlockId> {
+    v.iter().map(|&b| BlockId(b)).collect()
+}
+
+fn wait_report(e: &mut Engine, out: &mut Outcomes) {
+    let t = Instant::now();
+    while out.finished_recving.is_empty() && out.failed_recving.is_empty() {
+        e.poll(out);
+        assert!(t.elapsed() < GUARD, "no report: {out:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn read_and_verify(d: &mut Engine, peer: kvpoll::ledger::PeerId, id: u64, seed: u64) {
+    let (local, remote) = (ids(&[0, 1, 2]), ids(&[7, 8, 9]));
+    d.read(
+        RequestId(id),
+        &[Transfer {
+            peer,
+            local: &local,
+            remote: &remote,
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_report(d, &mut out);
+    assert_eq!(out.finished_recving, vec![RequestId(id)], "{out:?}");
+    let mut buf = vec![0u8; BS as usize];
+    for r in 0..2 {
+        for (l, rb) in local.iter().zip(&remote) {
+            d.read_block(r, *l, &mut buf).unwrap();
+            assert!(kvpoll::pattern::check(
+                seed * 100 + r as u64,
+                u64::from(rb.0),
+                &buf
+            ));
+        }
+    }
+}
+
+#[test]
+fn a_stopped_peer_process_fails_reads_at_the_deadline_through_forced_close() {
+    let peer = spawn(3);
+    let deadline = Duration::from_millis(1000);
+    let mut d = decode_engine(deadline);
+    let p = d.add_peer(&peer.metadata).unwrap();
+    read_and_verify(&mut d, p, 1, 3);
+
+    signal(&peer, libc::SIGSTOP);
+    let t = Instant::now();
+    d.read(
+        RequestId(2),
+        &[Transfer {
+            peer: p,
+            local: &ids(&[4]),
+            remote: &ids(&[4]),
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_report(&mut d, &mut out);
+    assert!(t.elapsed() >= deadline, "failed before its deadline");
+    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::Deadline);
+    assert_eq!(
+        out.blocks_of(&out.failed_recving[0].clone()),
+        &ids(&[4])[..]
+    );
+}
+
+#[test]
+fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again() {
+    let mut peer = spawn(4);
+    let mut d = decode_engine(GUARD);
+    let p = d.add_peer(&peer.metadata).unwrap();
+    read_and_verify(&mut d, p, 1, 4);
+
+    // Stop it so the read is surely in flight, then kill it.
+    signal(&peer, libc::SIGSTOP);
+    d.read(
+        RequestId(2),
+        &[Transfer {
+            peer: p,
+            local: &ids(&[5, 6]),
+            remote: &ids(&[5, 6]),
+        }],
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    let mut out = Outcomes::default();
+    wait_report(&mut d, &mut out);
+    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
+    let cause = out.failed_recving[0].reason.cause;
+    assert!(
+        matches!(cause, Cause::Transfer | Cause::PeerLost),
+        "{cause:?}"
+    );
+
+    // The dead peer's state is gone: reads to it are setup failures now.
+    out.clear();
+    d.read(
+        RequestId(3),
+        &[Transfer {
+            peer: p,
+            local: &ids(&[5]),
+            remote: &ids(&[5]),
+        }],
+    )
+    .unwrap();
+    wait_report(&mut d, &mut out);
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::Setup);
+
+    // A restarted peer is added again with its fresh metadata.
+    let again = spawn(5);
+    let p2 = d.add_peer(&again.metadata).unwrap();
+    read_and_verify(&mut d, p2, 4, 5);
+}
