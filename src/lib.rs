@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 pub mod engine;
+pub mod engine_bench;
 pub mod ledger;
 pub mod metadata;
 pub mod notification;

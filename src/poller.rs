@@ -210,7 +210,7 @@ pub(crate) fn run(
     poller.run();
 }
 
-fn pin(core: usize) -> Result<(), EngineError> {
+pub(crate) fn pin(core: usize) -> Result<(), EngineError> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
     // sched_setaffinity only touch the set we own.
     unsafe {

@@ -1,0 +1,224 @@
+//! Latency figures of the engine, measured in one run next to their
+//! physical anchor (DESIGN §6):
+//!
+//! - **cache-line round trip**: two threads (pinned to two cores when the
+//!   machine has them) bounce one `AtomicU64`; the time of one round trip is
+//!   the floor of any cross-core handoff.
+//! - **completion → visible**: the poller thread feeds a handle completion
+//!   to the ledger (which publishes the request's report on the event ring)
+//!   and the engine thread, spinning on the ring, sees it. One request at a
+//!   time; each sample is one completion. Both ends read the same monotonic
+//!   clock (`Instant`), whose own cost (~20 ns a read) is included.
+//! - **`Engine::poll` with nothing new**: a real engine, nothing in flight.
+//!
+//! Used by `benches/engine.rs` and `kvpoll bench engine`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::engine::{Engine, EngineError, Outcomes};
+use crate::ledger::{
+    Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, PeerId, Request, RequestId,
+};
+
+/// The figures of one run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineFigures {
+    /// Cache-line round trip between the two threads, median, ns.
+    pub cache_line_round_trip_ns: f64,
+    /// Completion → visible to the engine thread, median, ns.
+    pub completion_visible_p50_ns: f64,
+    /// Completion → visible, 99th percentile, ns.
+    pub completion_visible_p99_ns: f64,
+    /// p50 over the round trip (target ≤ 1.5).
+    pub ratio_p50: f64,
+    /// `Engine::poll` with nothing new, ns a call.
+    pub poll_idle_ns: f64,
+    /// Whether the two threads were pinned to distinct cores.
+    pub pinned: bool,
+}
+
+impl EngineFigures {
+    /// One JSON object.
+    pub fn to_json(&self) -> String {
+        format!(
+            "{{\"cache_line_round_trip_ns\":{:.1},\"completion_visible_p50_ns\":{:.1},\"completion_visible_p99_ns\":{:.1},\"ratio_p50\":{:.3},\"target_ratio_p50\":1.5,\"poll_idle_ns\":{:.2},\"target_poll_idle_ns\":20,\"pinned\":{}}}",
+            self.cache_line_round_trip_ns,
+            self.completion_visible_p50_ns,
+            self.completion_visible_p99_ns,
+            self.ratio_p50,
+            self.poll_idle_ns,
+            self.pinned
+        )
+    }
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Pins the calling thread to `core` if the machine has more than one;
+/// returns whether it did.
+fn try_pin(core: usize) -> bool {
+    cores() > 1 && crate::poller::pin(core % cores()).is_ok()
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i] as f64
+}
+
+/// Median cache-line round trip over `rounds` rounds of `trips` trips.
+pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
+    let line = Arc::new(crossbeam_utils::CachePadded::new(AtomicU64::new(0)));
+    let other = line.clone();
+    let total = trips * rounds as u64;
+    let echo = std::thread::spawn(move || {
+        let pinned = try_pin(1);
+        // Answer each odd value with the next even one.
+        let mut expect = 1;
+        while expect < 2 * total {
+            while other.load(Ordering::Acquire) != expect {
+                std::hint::spin_loop();
+            }
+            other.store(expect + 1, Ordering::Release);
+            expect += 2;
+        }
+        pinned
+    });
+    let pinned = try_pin(0);
+    let mut samples = Vec::with_capacity(rounds);
+    let mut v = 0u64;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for _ in 0..trips {
+            line.store(v + 1, Ordering::Release);
+            while line.load(Ordering::Acquire) != v + 2 {
+                std::hint::spin_loop();
+            }
+            v += 2;
+        }
+        samples.push(t.elapsed().as_nanos() as u64 / trips);
+    }
+    let echo_pinned = echo.join().unwrap_or(false);
+    samples.sort_unstable();
+    (percentile(&samples, 0.5), pinned && echo_pinned)
+}
+
+/// Completion → visible latencies (ns), one request at a time, `n` samples.
+pub fn completion_to_visible(n: usize) -> Vec<u64> {
+    let mut ledger = match Ledger::new(LedgerConfig {
+        slots: 64,
+        max_blocks: 4,
+    }) {
+        Ok(l) => l,
+        Err(_) => return Vec::new(),
+    };
+    let slots = ledger.slots().clone();
+    let (mut tx, mut rx) = crate::ring::events::<crate::ledger::Event>(1024, 1024);
+    let epoch = Instant::now();
+    let stamp = Arc::new(AtomicU64::new(0));
+    let seen = Arc::new(AtomicU64::new(0));
+    let (stamp2, seen2) = (stamp.clone(), seen.clone());
+    let engine_slots = slots.clone();
+    let engine = std::thread::spawn(move || {
+        try_pin(0);
+        let mut lat = Vec::with_capacity(n);
+        let mut retired = Vec::new();
+        while lat.len() < n {
+            if let Some(ev) = rx.recv() {
+                let t = epoch.elapsed().as_nanos() as u64;
+                lat.push(t.saturating_sub(stamp2.load(Ordering::Acquire)));
+                let _ = engine_slots.retire(ev.key, &mut retired);
+                seen2.store(lat.len() as u64, Ordering::Release);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        lat
+    });
+    try_pin(1);
+    let peers = [PeerId(0)];
+    for i in 0..n as u64 {
+        let req = Request {
+            id: RequestId(i),
+            kind: Kind::Read,
+            peers: &peers,
+            blocks: &[],
+            expires: Nanos(u64::MAX),
+        };
+        let mut publish = |e| {
+            let _ = tx.publish(e);
+        };
+        let key = match ledger.begin(&req, &mut publish) {
+            Ok(Begun::Tracked(k)) => k,
+            _ => break,
+        };
+        let Some(hk) = HandleKey::new(key, 0) else {
+            break;
+        };
+        let _ = slots.posting(hk);
+        // Release: the engine thread reads the stamp after the event,
+        // which the ring publishes after this store.
+        stamp.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
+        let _ = slots.completed(hk, Ok(()), &mut publish);
+        while seen.load(Ordering::Acquire) < i + 1 {
+            std::hint::spin_loop();
+        }
+    }
+    drop(tx);
+    engine.join().unwrap_or_default()
+}
+
+/// `Engine::poll` with nothing new, ns a call, over `calls` calls.
+pub fn poll_idle(calls: u64) -> Result<f64, EngineError> {
+    let mut engine = Engine::builder().build()?;
+    let mut out = Outcomes::default();
+    for _ in 0..1000 {
+        engine.poll(&mut out);
+    }
+    let t = Instant::now();
+    let mut n = 0usize;
+    for _ in 0..calls {
+        n += engine.poll(std::hint::black_box(&mut out));
+    }
+    let ns = t.elapsed().as_nanos() as f64 / calls as f64;
+    std::hint::black_box(n);
+    engine.shutdown();
+    Ok(ns)
+}
+
+/// Every figure, in one run.
+pub fn measure(samples: usize) -> Result<EngineFigures, EngineError> {
+    let (rtt, pinned) = cache_line_round_trip(20_000, 25);
+    let mut lat = completion_to_visible(samples);
+    lat.sort_unstable();
+    let p50 = percentile(&lat, 0.5);
+    let p99 = percentile(&lat, 0.99);
+    let poll = poll_idle(2_000_000)?;
+    // Let the OS settle the poller thread we just stopped.
+    std::thread::sleep(Duration::from_millis(1));
+    Ok(EngineFigures {
+        cache_line_round_trip_ns: rtt,
+        completion_visible_p50_ns: p50,
+        completion_visible_p99_ns: p99,
+        ratio_p50: if rtt > 0.0 { p50 / rtt } else { f64::NAN },
+        poll_idle_ns: poll,
+        pinned,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_completion_becomes_visible_once() {
+        let lat = completion_to_visible(200);
+        assert_eq!(lat.len(), 200);
+    }
+}
