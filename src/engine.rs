@@ -53,6 +53,10 @@ pub struct Faults {
     pub release_failure_every: u32,
     /// When a failed release is retried.
     pub release_retry_after: Duration,
+    /// Every n-th handle fails with a transfer error (0: never), as if its
+    /// last operation had failed; the data may have landed, so the request
+    /// is failed and its blocks must be invalidated.
+    pub handle_error_every: u32,
 }
 
 /// Whom lent blocks are exposed to.

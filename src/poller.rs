@@ -39,6 +39,8 @@ const T_DATA: u64 = 0;
 const T_FLUSH: u64 = 1 << 30;
 const T_NOTE: u64 = 2 << 30;
 const T_CLOSE: u64 = 3 << 30;
+/// The status an injected handle error carries (`UCS_ERR_IO_ERROR`).
+const INJECTED_ERROR: i8 = -3;
 
 /// What the engine thread and the poller share besides the rings.
 pub(crate) struct Shared {
@@ -715,6 +717,12 @@ impl Poller {
                 Err(status) => self.progress[idx].error = status,
             }
         }
+        self.handles_completed += 1;
+        let inject = |every: u32| every != 0 && self.handles_completed % u64::from(every) == 0;
+        if inject(self.cfg.faults.handle_error_every) && self.progress[idx].error == 0 {
+            self.progress[idx].error = INJECTED_ERROR;
+        }
+        let release_fails = inject(self.cfg.faults.release_failure_every);
         let error = self.progress[idx].error;
         let result = if error == 0 {
             Ok(())
@@ -722,9 +730,7 @@ impl Poller {
             Err(Reason::new(Cause::Transfer, error))
         };
         let out = &mut self.out;
-        self.handles_completed += 1;
-        let every = u64::from(self.cfg.faults.release_failure_every);
-        if every != 0 && self.handles_completed % every == 0 {
+        if release_fails {
             // Injected: releasing the handle failed. It stays held (and its
             // request with it) until the retry.
             let _ = self.slots.release_failed(hk, result, &mut |e| out.push(e));

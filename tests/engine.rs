@@ -529,6 +529,7 @@ fn a_failed_release_holds_the_request_until_the_retry_releases_it() {
         .faults(kvpoll::engine::Faults {
             release_failure_every: 1,
             release_retry_after: retry,
+            ..Default::default()
         })
         .build()
         .unwrap();
