@@ -2,7 +2,7 @@
 //! the two-process tests.
 
 mod cli;
-mod demo;
+mod transfer;
 mod peer;
 
 use std::process::ExitCode;
@@ -24,7 +24,8 @@ commands:
 
 fn run(mut args: Args) -> Result<(), CliError> {
     match args.command()?.as_str() {
-        "demo" => demo::run(args),
+        "demo" => transfer::run(args),
+        "transfer" => transfer::run(args),
         "ucx-peer" => peer::run(args),
         "engine-peer" => peer::run_engine(args),
         "help" | "--help" | "-h" => {
