@@ -4,5 +4,6 @@
 #![warn(missing_docs)]
 
 pub mod pattern;
+pub mod placement;
 pub mod transport;
 pub mod wire;

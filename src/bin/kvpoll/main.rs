@@ -4,6 +4,7 @@
 mod cli;
 mod demo;
 mod peer;
+mod topo;
 
 use std::process::ExitCode;
 
@@ -18,12 +19,17 @@ commands:
         --blocks N        blocks per round (default 4096)
         --block-size B    bytes per block (default 16384)
         --rounds N        rounds (default 8)
+  topo                  show CPUs, caches, NUMA nodes, NICs/GPUs and isolation; suggest a core map
+        --check MAP       validate a core map (a path, or `auto`) on this machine and warn
+                          about costly placements (exit 0 valid, 1 invalid)
+        --map             print only the suggested core map
   ucx-peer              serve a UCX region to a parent process (used by tests)
 ";
 
 fn run(mut args: Args) -> Result<(), CliError> {
     match args.command()?.as_str() {
         "demo" => demo::run(args),
+        "topo" => topo::run(args),
         "ucx-peer" => peer::run(args),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
