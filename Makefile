@@ -18,6 +18,10 @@ demo: deps
 test: deps
 	$(CARGO) test --workspace --all-targets -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test --workspace --doc
+	# The cuda feature must build without CUDA installed (the driver is loaded
+	# at run time) and must give typed errors, not panics, without a GPU.
+	$(CARGO) build --workspace --features cuda
+	$(CARGO) test --features cuda --test gpu
 	$(MAKE) --no-print-directory loom
 
 # loom explores every interleaving of the bitmap-and-publish protocol. It uses
@@ -33,3 +37,4 @@ fmt:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features cuda -- -D warnings

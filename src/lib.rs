@@ -3,6 +3,8 @@
 //! failed.
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod pattern;
 pub mod placement;
 pub mod transport;
