@@ -28,7 +28,7 @@ pub struct Cpu {
     pub id: usize,
     /// The physical core it belongs to (hwloc's logical core index, unique
     /// on the machine); CPUs with the same `core` are hyperthread siblings.
-    /// `None` for an offline CPU.
+    /// `None` for an offline CPU, or when hwloc shows no cores (some VMs).
     pub core: Option<usize>,
     /// The package (socket), by OS index; `None` if unknown or offline.
     pub package: Option<usize>,
@@ -238,12 +238,10 @@ impl Topology {
             let Some(cpu) = cpus.iter_mut().find(|c| c.id == id) else {
                 continue;
             };
-            // Without Core objects (some VMs), each PU is its own core;
-            // offset so that the ids cannot collide with real core indices.
-            cpu.core = Some(match pu.first_ancestor_with_type(ObjectType::Core) {
-                Some(core) => core.logical_index(),
-                None => usize::MAX / 2 + id,
-            });
+            // Some VMs expose no Core objects: then siblings are unknown.
+            cpu.core = pu
+                .first_ancestor_with_type(ObjectType::Core)
+                .map(TopologyObject::logical_index);
             cpu.package = pu
                 .first_ancestor_with_type(ObjectType::Package)
                 .map(|p| p.os_index().unwrap_or(p.logical_index()));
@@ -525,10 +523,7 @@ impl fmt::Display for Topology {
                 f,
                 "  {:>4} {:>5} {:>7} {:>4} {:>6} {:>8} {:>9} {:>12}  {}",
                 c.id,
-                // Core indices above the real range mark "no Core object".
-                c.core
-                    .filter(|&k| k < usize::MAX / 2)
-                    .map_or("-".to_owned(), |k| k.to_string()),
+                opt(c.core),
                 opt(c.package),
                 opt(c.numa),
                 yes(c.online),
