@@ -505,3 +505,30 @@ fn eight_nic_example_is_clean_on_the_machine_it_describes() {
     assert_eq!(map.pollers().len(), 8);
     assert_eq!(check(&map, &topo), vec![]);
 }
+
+proptest::proptest! {
+    /// Core maps come from operators' files: any text gives a map or a
+    /// typed error, never a panic, and every error names a line in the file.
+    #[test]
+    fn parsing_arbitrary_text_never_panics_and_errors_point_into_the_file(
+        cut in 0usize..GOOD.len(),
+        junk in "[a-z0-9 =\\[\\]\"\n,.-]{0,40}",
+    ) {
+        let mut text = GOOD.to_owned();
+        text.insert_str(cut, &junk);
+        let lines = text.lines().count().max(1);
+        match CoreMapFile::parse(&text, "fuzz.toml") {
+            Ok(_) => {}
+            Err(PlacementError::Syntax { line, .. })
+            | Err(PlacementError::UnknownKey { line, .. })
+            | Err(PlacementError::Schema { line, .. })
+            | Err(PlacementError::DuplicateCore { line, .. })
+            | Err(PlacementError::PollerOnEngineCore { line, .. })
+            | Err(PlacementError::NoWorkers { line, .. }) => {
+                proptest::prop_assert!(line >= 1 && line <= lines + 1, "line {} of {}", line, lines);
+            }
+            Err(PlacementError::EmptyMap { .. }) => {}
+            Err(other) => proptest::prop_assert!(false, "unexpected {:?}", other),
+        }
+    }
+}
