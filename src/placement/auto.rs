@@ -77,7 +77,7 @@ impl CoreMap {
             wanted.push((
                 ALL_DEVICES.to_owned(),
                 None,
-                "no RDMA NIC found: one worker over every device UCX finds".to_owned(),
+                "every device UCX finds (no RDMA NIC found)".to_owned(),
             ));
         }
 
@@ -142,8 +142,8 @@ impl CoreMap {
 
         let header = format!(
             "# Core map derived by kvpoll from this machine's topology.\n\
-             # Engine threads on CPU {engine} (the first non-isolated CPU); pollers on\n\
-             # CPUs {} (isolated: {}).\n\n",
+             # Engine threads on CPU {engine} (the first non-isolated CPU);\n\
+             # pollers on CPU(s) {} (isolated CPUs: {}).\n\n",
             format_cpu_list(&pollers.iter().map(|p| p.core).collect::<Vec<_>>()),
             format_cpu_list(&iso.isolated)
         );
