@@ -22,6 +22,10 @@ step() {
 
 step "$CARGO" test --workspace --all-targets -- --test-threads="$THREADS"
 step "$CARGO" test --workspace --doc
+# The cuda feature must build without CUDA installed (the driver is loaded
+# at run time) and must give typed errors, not panics, without a GPU.
+step "$CARGO" build --workspace --features cuda
+step "$CARGO" test --features cuda --test gpu
 step make --no-print-directory loom
 
 totals=$(grep -E '^test result: ' "$log" | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/' |

@@ -32,17 +32,7 @@ use crate::poller::{self, Control, Entry, Op, Shared};
 use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::{ContextOptions, UcxError};
 
-/// How a poller waits when there is nothing to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum IdlePolicy {
-    /// Spin forever: lowest latency, one full core. For a dedicated,
-    /// isolated core.
-    Busy,
-    /// Spin, then yield, then park briefly; a submit wakes it at once. The
-    /// default, and what tests use so that a 2-core machine is not starved.
-    #[default]
-    Adaptive,
-}
+pub use crate::placement::IdlePolicy;
 
 /// Faults the poller injects, for demos and tests of the failure paths.
 /// The default injects none.
@@ -276,7 +266,9 @@ impl EngineBuilder {
         self
     }
 
-    /// Pin the poller to this CPU core (default: not pinned).
+    /// Pin the poller to this CPU core (default: not pinned). A failure to
+    /// pin is an error for a `Busy` poller and a warning (on stderr) for an
+    /// `Adaptive` one. Take the core from a [`crate::placement::CoreMap`].
     pub fn core(mut self, core: Option<usize>) -> Self {
         self.core = core;
         self

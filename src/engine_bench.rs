@@ -61,7 +61,9 @@ fn cores() -> usize {
 /// Pins the calling thread to `core` if the machine has more than one;
 /// returns whether it did.
 fn try_pin(core: usize) -> bool {
-    cores() > 1 && crate::poller::pin(core % cores()).is_ok()
+    cores() > 1
+        && crate::placement::pin_current_thread(core % cores(), crate::placement::IdlePolicy::Busy)
+            .is_ok()
 }
 
 fn percentile(sorted: &[u64], p: f64) -> f64 {

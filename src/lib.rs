@@ -5,10 +5,13 @@
 
 pub mod engine;
 pub mod engine_bench;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod ledger;
 pub mod metadata;
 pub mod notification;
 pub mod pattern;
+pub mod placement;
 pub(crate) mod poller;
 pub mod ring;
 pub(crate) mod sync;

@@ -212,25 +212,6 @@ pub(crate) fn run(
     poller.run();
 }
 
-pub(crate) fn pin(core: usize) -> Result<(), EngineError> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
-    // sched_setaffinity only touch the set we own.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if core >= libc::CPU_SETSIZE as usize {
-            return Err(EngineError::Config(format!("core {core} out of range")));
-        }
-        libc::CPU_SET(core, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(EngineError::Config(format!(
-                "pinning the poller to core {core}: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-    }
-    Ok(())
-}
-
 impl Poller {
     fn new(
         cfg: Config,
@@ -241,7 +222,11 @@ impl Poller {
         shared: Arc<Shared>,
     ) -> Result<Self, EngineError> {
         if let Some(core) = cfg.core {
-            pin(core)?;
+            let outcome = crate::placement::pin_current_thread(core, cfg.idle)
+                .map_err(|e| EngineError::Config(e.to_string()))?;
+            if let Some(w) = outcome.warning {
+                eprintln!("kvpoll: poller {w}");
+            }
         }
         let context = Context::new(&cfg.ucx)?;
         let worker = Worker::new(&context)?;

@@ -2,8 +2,9 @@
 //! the two-process tests.
 
 mod cli;
-mod transfer;
 mod peer;
+mod topo;
+mod transfer;
 
 use std::process::ExitCode;
 
@@ -18,6 +19,10 @@ commands:
         --blocks N        blocks per round (default 4096)
         --block-size B    bytes per block (default 16384)
         --rounds N        rounds (default 8)
+  topo                  show CPUs, caches, NUMA nodes, NICs/GPUs and isolation; suggest a core map
+        --check MAP       validate a core map (a path, or `auto`) on this machine and warn
+                          about costly placements (exit 0 valid, 1 invalid)
+        --map             print only the suggested core map
   ucx-peer              serve a UCX region to a parent process (used by tests)
   engine-peer           run a kvpoll engine serving patterned blocks (used by tests)
 ";
@@ -26,6 +31,7 @@ fn run(mut args: Args) -> Result<(), CliError> {
     match args.command()?.as_str() {
         "demo" => transfer::run(args),
         "transfer" => transfer::run(args),
+        "topo" => topo::run(args),
         "ucx-peer" => peer::run(args),
         "engine-peer" => peer::run_engine(args),
         "help" | "--help" | "-h" => {

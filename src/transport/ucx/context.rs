@@ -152,4 +152,25 @@ impl Context {
             inner: Rc::new(ContextInner { handle }),
         })
     }
+
+    /// The memory types this UCX can register and move, as a bit mask of
+    /// `1 << ucs_memory_type` (`UCS_MEMORY_TYPE_HOST` always; CUDA, ROCm…
+    /// only when UCX was built with them and their transports loaded).
+    pub fn memory_types(&self) -> Result<u64, UcxError> {
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64,
+            ..Default::default()
+        };
+        // SAFETY: the context is live; attr is a valid out-parameter whose
+        // field_mask asks only for memory_types.
+        check("ucp_context_query", unsafe {
+            sys::ucp_context_query(self.inner.handle, &mut attr)
+        })?;
+        Ok(attr.memory_types)
+    }
+
+    /// Whether this UCX can register CUDA device memory.
+    pub fn supports_cuda(&self) -> Result<bool, UcxError> {
+        Ok(self.memory_types()? & (1u64 << sys::UCS_MEMORY_TYPE_CUDA) != 0)
+    }
 }
