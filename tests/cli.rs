@@ -20,8 +20,8 @@ fn json_number(json: &str, key: &str) -> f64 {
 }
 
 #[test]
-fn demo_moves_every_block_over_shared_memory_and_verifies_it() {
-    let out = kvpoll(&["demo", "--blocks", "256", "--rounds", "3", "--json"]);
+fn transfer_moves_every_block_over_shared_memory_and_verifies_it() {
+    let out = kvpoll(&["transfer", "--blocks", "256", "--rounds", "3", "--json"]);
     assert!(out.status.success(), "{out:?}");
     let json = String::from_utf8(out.stdout).unwrap();
     // Two timed rounds (the warm-up is excluded) of 256 x 16 KiB.
@@ -32,8 +32,10 @@ fn demo_moves_every_block_over_shared_memory_and_verifies_it() {
 }
 
 #[test]
-fn demo_text_output_names_bytes_moved_and_rate() {
-    let out = kvpoll(&["demo", "--tls", "tcp", "--blocks", "64", "--rounds", "2"]);
+fn transfer_text_output_names_bytes_moved_and_rate() {
+    let out = kvpoll(&[
+        "transfer", "--tls", "tcp", "--blocks", "64", "--rounds", "2",
+    ]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8(out.stdout).unwrap();
     let last = text.lines().last().unwrap();
@@ -47,11 +49,13 @@ fn demo_text_output_names_bytes_moved_and_rate() {
 #[test]
 fn bad_arguments_exit_2_with_a_message_naming_them() {
     for (args, needle) in [
-        (&["demo", "--rounds", "x"][..], "--rounds"),
+        (&["transfer", "--rounds", "x"][..], "--rounds"),
         (&["demo", "--bogus"][..], "--bogus"),
         (&["launch"][..], "launch"),
         (&[][..], "no command"),
-        (&["demo", "--blocks"][..], "needs a value"),
+        (&["transfer", "--blocks"][..], "needs a value"),
+        (&["demo", "--policy", "reckless"][..], "--policy"),
+        (&["demo", "--ranks", "fibers"][..], "--ranks"),
     ] {
         let out = kvpoll(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");

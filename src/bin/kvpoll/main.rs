@@ -2,6 +2,7 @@
 //! the two-process tests.
 
 mod cli;
+mod demo;
 mod peer;
 mod topo;
 mod transfer;
@@ -29,7 +30,9 @@ commands:
 
 fn run(mut args: Args) -> Result<(), CliError> {
     match args.command()?.as_str() {
-        "demo" => transfer::run(args),
+        "demo" => demo::run(args),
+        "serve" => demo::serve(args),
+        "connect" => demo::connect(args),
         "transfer" => transfer::run(args),
         "topo" => topo::run(args),
         "ucx-peer" => peer::run(args),

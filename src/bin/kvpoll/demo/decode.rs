@@ -1,0 +1,477 @@
+//! A decode rank (`kvpoll connect`): an engine with a block pool that asks
+//! two prefill ranks for each request's blocks and reads them (pull) or has
+//! them written (push), verifying every block — at arrival, and again when
+//! the block is given back to the pool, so a late write into a reused block
+//! is caught.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use kvpoll::engine::{Engine, EngineError, Faults, LendTo, Outcomes, Transfer};
+use kvpoll::ledger::{BlockId, PeerId, RequestId};
+use kvpoll::transport::ucx::ContextOptions;
+
+use super::link::{self, Incoming};
+use super::pool::{seed, Expect, Pool};
+use super::proto::Msg;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Pull,
+    Push,
+}
+
+/// What to do when a handle of a request fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// kvpoll's contract: free the blocks when the failure is reported,
+    /// i.e. once every handle stopped.
+    Safe,
+    /// The pre-fix behaviour, for comparison only (UNSAFE): free the blocks
+    /// at the first handle failure, while siblings may still write.
+    Eager,
+}
+
+/// Where the prefill ranks listen; a restarted rank gets a new address and
+/// a bumped generation.
+#[derive(Default)]
+pub struct Registry {
+    pub addrs: Mutex<Vec<(String, u64)>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct DecodeConfig {
+    pub rank: u32,
+    pub prefill: [u32; 2],
+    pub tls: String,
+    pub blocks: u32,
+    pub block_size: u64,
+    pub layers: usize,
+    pub requests: u64,
+    pub window: usize,
+    pub per_handle: u32,
+    pub mode: Mode,
+    pub policy: Policy,
+    /// Every n-th request names a remote block that does not exist (0: never).
+    pub setup_failure_every: u64,
+    pub faults: Faults,
+    pub deadline: Duration,
+    pub lease: Duration,
+    /// How long a finished request's blocks are held ("decoded") before
+    /// they are checked again and freed.
+    pub hold: Duration,
+    pub give_up: Duration,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct DecodeReport {
+    pub finished: u64,
+    pub failed: u64,
+    pub expired: u64,
+    pub refused: u64,
+    pub corrupted_blocks: u64,
+    pub leaked_blocks: u64,
+    pub bytes: u64,
+    pub latencies_us: Vec<u64>,
+    pub busy_iterations: u64,
+    pub idle_iterations: u64,
+    pub seconds: f64,
+}
+
+struct Link {
+    stream: Option<TcpStream>,
+    peer: Option<PeerId>,
+    generation: u64,
+}
+
+struct Req {
+    blocks: Vec<BlockId>,
+    ready: [Option<Vec<u32>>; 2],
+    submitted: bool,
+    freed: bool,
+    t0: Instant,
+}
+
+struct Decoder<'a> {
+    cfg: &'a DecodeConfig,
+    engine: Engine,
+    pool: Pool,
+    links: [Link; 2],
+    reqs: HashMap<u64, Req>,
+    holding: VecDeque<(Instant, Vec<BlockId>)>,
+    report: DecodeReport,
+    tx: mpsc::Sender<Incoming>,
+    rx: mpsc::Receiver<Incoming>,
+    buf: Vec<u8>,
+    hist: Histogram<u64>,
+}
+
+pub fn run(
+    cfg: &DecodeConfig,
+    registry: &Registry,
+    progress: &AtomicU64,
+    stop: &AtomicBool,
+) -> Result<DecodeReport, EngineError> {
+    let mut engine = Engine::builder()
+        .block_size(cfg.block_size)
+        .ucx(ContextOptions::with_transports(&cfg.tls))
+        .read_deadline(cfg.deadline)
+        .faults(cfg.faults)
+        .build()?;
+    for _ in 0..cfg.layers {
+        engine.register(u64::from(cfg.blocks))?;
+    }
+    let (tx, rx) = mpsc::channel();
+    let mut d = Decoder {
+        cfg,
+        engine,
+        pool: Pool::new(cfg.blocks),
+        links: [
+            Link {
+                stream: None,
+                peer: None,
+                generation: u64::MAX,
+            },
+            Link {
+                stream: None,
+                peer: None,
+                generation: u64::MAX,
+            },
+        ],
+        reqs: HashMap::new(),
+        holding: VecDeque::new(),
+        report: DecodeReport::default(),
+        tx,
+        rx,
+        buf: vec![0u8; cfg.block_size as usize],
+        hist: Histogram::new(3).map_err(|e| EngineError::Config(e.to_string()))?,
+    };
+    let start = Instant::now();
+    let mut issued = 0u64;
+    let mut out = Outcomes::default();
+    loop {
+        d.reconnect(registry);
+        while issued < cfg.requests && d.reqs.len() < cfg.window && d.links_up() {
+            if !d.issue(issued) {
+                break;
+            }
+            issued += 1;
+        }
+        d.handle_links();
+        out.clear();
+        d.engine.poll(&mut out);
+        d.handle_outcomes(&out, progress);
+        d.release_due(false);
+        let all_done = issued >= cfg.requests && d.reqs.is_empty();
+        if all_done || stop.load(Ordering::Acquire) || start.elapsed() > cfg.give_up {
+            break;
+        }
+        if out.is_empty() {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+    d.release_due(true);
+    // Requests still open (give-up or stop) keep their blocks: leaked.
+    d.report.seconds = start.elapsed().as_secs_f64();
+    d.report.leaked_blocks = u64::from(d.pool.total() - d.pool.free());
+    let s = d.engine.poller_stats();
+    d.report.busy_iterations = s.busy_iterations;
+    d.report.idle_iterations = s.idle_iterations;
+    d.engine.shutdown();
+    let mut out = Outcomes::default();
+    d.engine.poll(&mut out);
+    d.report.latencies_us = [0.5, 0.9, 0.99]
+        .iter()
+        .map(|&q| d.hist.value_at_quantile(q))
+        .collect();
+    Ok(d.report)
+}
+
+impl Decoder<'_> {
+    fn links_up(&self) -> bool {
+        self.links
+            .iter()
+            .all(|l| l.stream.is_some() && l.peer.is_some())
+    }
+
+    /// (Re)connects to a prefill rank whose address is new.
+    fn reconnect(&mut self, registry: &Registry) {
+        let addrs = match registry.addrs.lock() {
+            Ok(a) => a.clone(),
+            Err(_) => return,
+        };
+        for (i, link) in self.links.iter_mut().enumerate() {
+            let Some((addr, generation)) = addrs.get(self.cfg.prefill[i] as usize) else {
+                continue;
+            };
+            if link.generation == *generation && link.stream.is_some() {
+                continue;
+            }
+            let Ok(mut stream) = TcpStream::connect(addr) else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let Ok(meta) = self.engine.local_metadata() else {
+                continue;
+            };
+            if !link::send(&mut stream, &Msg::Meta(meta))
+                || link::spawn_reader(&stream, i, self.tx.clone()).is_err()
+            {
+                continue;
+            }
+            link.stream = Some(stream);
+            link.peer = None; // set when its metadata arrives
+            link.generation = *generation;
+        }
+    }
+
+    fn issue(&mut self, seq: u64) -> bool {
+        let h = self.cfg.per_handle as usize;
+        let mut blocks = Vec::with_capacity(2 * h);
+        if !self.pool.alloc(2 * h, &mut blocks) {
+            return false;
+        }
+        let id = (u64::from(self.cfg.rank) << 40) | seq;
+        let req = Req {
+            blocks,
+            ready: [None, None],
+            submitted: false,
+            freed: false,
+            t0: Instant::now(),
+        };
+        match self.cfg.mode {
+            Mode::Pull => {
+                for l in &mut self.links {
+                    if let Some(s) = &mut l.stream {
+                        link::send(
+                            s,
+                            &Msg::Prepare {
+                                req: id,
+                                n: h as u32,
+                            },
+                        );
+                    }
+                }
+            }
+            Mode::Push => {
+                if self
+                    .engine
+                    .lend(
+                        RequestId(id),
+                        &req.blocks,
+                        LendTo::Writers(2),
+                        self.cfg.lease,
+                    )
+                    .is_err()
+                {
+                    self.pool.release(&req.blocks);
+                    self.report.refused += 1;
+                    return true;
+                }
+                for (i, l) in self.links.iter_mut().enumerate() {
+                    let half = req.blocks[i * h..(i + 1) * h].iter().map(|b| b.0).collect();
+                    if let Some(s) = &mut l.stream {
+                        link::send(
+                            s,
+                            &Msg::Push {
+                                req: id,
+                                blocks: half,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        self.reqs.insert(id, req);
+        true
+    }
+
+    fn handle_links(&mut self) {
+        while let Ok(inc) = self.rx.try_recv() {
+            match inc {
+                Incoming::Line(i, Msg::Meta(bytes)) => {
+                    self.links[i].peer = self.engine.add_peer(&bytes).ok();
+                }
+                Incoming::Line(i, Msg::Ready { req, blocks }) => self.ready(i, req, blocks),
+                Incoming::Line(_, Msg::Busy { req }) => self.abandon(req),
+                Incoming::Line(_, _) | Incoming::Opened(..) => {}
+                Incoming::Bad(i) | Incoming::Closed(i) => {
+                    self.links[i].stream = None;
+                    self.links[i].peer = None;
+                    // Requests still waiting for this rank's blocks will
+                    // never get them.
+                    let waiting: Vec<u64> = self
+                        .reqs
+                        .iter()
+                        .filter(|(_, r)| !r.submitted && r.ready[i].is_none())
+                        .map(|(&id, _)| id)
+                        .collect();
+                    for id in waiting {
+                        self.abandon(id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A request that never reached the engine: its blocks go back at once.
+    fn abandon(&mut self, id: u64) {
+        if self.cfg.mode == Mode::Push {
+            // The lend is in the engine: abort it; the report frees it.
+            let _ = self.engine.abort(RequestId(id));
+            return;
+        }
+        if let Some(r) = self.reqs.get(&id) {
+            if !r.submitted {
+                if let Some(r) = self.reqs.remove(&id) {
+                    self.pool.release(&r.blocks);
+                    self.report.refused += 1;
+                }
+            }
+        }
+    }
+
+    fn ready(&mut self, i: usize, id: u64, remote: Vec<u32>) {
+        let h = self.cfg.per_handle as usize;
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if remote.len() != h || r.submitted {
+            return;
+        }
+        r.ready[i] = Some(remote);
+        if r.ready.iter().any(|x| x.is_none()) {
+            return;
+        }
+        let (Some(p0), Some(p1)) = (self.links[0].peer, self.links[1].peer) else {
+            return self.abandon(id);
+        };
+        let mut remote: Vec<Vec<BlockId>> = r
+            .ready
+            .iter()
+            .map(|x| x.iter().flatten().map(|&b| BlockId(b)).collect())
+            .collect();
+        let seq = id & ((1 << 40) - 1);
+        if self.cfg.setup_failure_every != 0
+            && seq % self.cfg.setup_failure_every == 7 % self.cfg.setup_failure_every
+        {
+            remote[0][0] = BlockId(u32::MAX - 1); // no such block: a setup failure
+        }
+        let t = [
+            Transfer {
+                peer: p0,
+                local: &r.blocks[..h],
+                remote: &remote[0],
+            },
+            Transfer {
+                peer: p1,
+                local: &r.blocks[h..],
+                remote: &remote[1],
+            },
+        ];
+        match self.engine.read(RequestId(id), &t) {
+            Ok(()) => r.submitted = true,
+            Err(_) => self.abandon(id),
+        }
+    }
+
+    fn handle_outcomes(&mut self, out: &Outcomes, progress: &AtomicU64) {
+        let h = self.cfg.per_handle as usize;
+        for &(id, _, _) in &out.handle_failures {
+            if self.cfg.policy == Policy::Eager && self.cfg.mode == Mode::Pull {
+                // UNSAFE by design: the blocks go back while a sibling
+                // handle may still be writing into them.
+                if let Some(r) = self.reqs.get_mut(&id.0) {
+                    if !r.freed {
+                        r.freed = true;
+                        self.pool.release(&r.blocks);
+                    }
+                }
+            }
+        }
+        for id in &out.finished_recving {
+            let Some(r) = self.reqs.remove(&id.0) else {
+                continue;
+            };
+            progress.fetch_add(1, Ordering::Relaxed);
+            if r.freed {
+                continue; // eager already gave its blocks away
+            }
+            self.report.finished += 1;
+            self.report.bytes +=
+                r.blocks.len() as u64 * self.cfg.block_size * self.cfg.layers as u64;
+            let _ = self.hist.record(r.t0.elapsed().as_micros() as u64);
+            for (k, &b) in r.blocks.iter().enumerate() {
+                let side = k / h;
+                let e = Expect::Pattern {
+                    req: id.0,
+                    rank: self.cfg.prefill[side],
+                    index: (k % h) as u32,
+                };
+                self.pool.set_expect(b, e);
+                if !self.check(b) {
+                    self.report.corrupted_blocks += 1;
+                }
+            }
+            self.holding
+                .push_back((Instant::now() + self.cfg.hold, r.blocks));
+        }
+        for f in &out.failed_recving {
+            let Some(r) = self.reqs.remove(&f.id.0) else {
+                continue;
+            };
+            progress.fetch_add(1, Ordering::Relaxed);
+            self.report.failed += 1;
+            if !r.freed {
+                // Safe: every handle stopped; nothing can land any more.
+                self.pool.release(&r.blocks);
+            }
+        }
+        for id in &out.expired {
+            let Some(r) = self.reqs.remove(&id.0) else {
+                continue;
+            };
+            progress.fetch_add(1, Ordering::Relaxed);
+            self.report.expired += 1;
+            if !r.freed {
+                self.pool.release(&r.blocks);
+            }
+        }
+    }
+
+    /// Whether block `b` holds what it is expected to, in every layer.
+    fn check(&mut self, b: BlockId) -> bool {
+        let Expect::Pattern { req, rank, index } = self.pool.expect(b) else {
+            return true;
+        };
+        (0..self.cfg.layers).all(|layer| {
+            self.engine.read_block(layer, b, &mut self.buf).is_ok()
+                && kvpoll::pattern::check(seed(req, layer, rank), u64::from(index), &self.buf)
+        })
+    }
+
+    /// Gives back held blocks whose time is up (all, at the end), checking
+    /// them once more: a change since arrival is a late write.
+    fn release_due(&mut self, all: bool) {
+        let now = Instant::now();
+        while let Some((due, _)) = self.holding.front() {
+            if !all && *due > now {
+                break;
+            }
+            let Some((_, blocks)) = self.holding.pop_front() else {
+                break;
+            };
+            for &b in &blocks {
+                if !self.check(b) {
+                    self.report.corrupted_blocks += 1;
+                }
+            }
+            self.pool.release(&blocks);
+        }
+    }
+}

@@ -1,0 +1,696 @@
+//! `kvpoll demo`: disaggregated prefill and decode over real UCX.
+//!
+//! Prefill runs at TP=4 (four ranks, each its own process by default), decode
+//! at TP=2 (two ranks, each reading from two prefill ranks: two handles per
+//! request). Pull mode, then push mode. Every block is filled with a pattern
+//! of (request, layer, rank, block) and checked by its reader when it
+//! arrives and again when it is given back to the pool. Faults are on by
+//! default at a low rate: handle errors, setup failures, release failures,
+//! stalled prefill ranks, and one prefill rank killed and restarted.
+//!
+//! `--policy eager` frees a request's blocks at its first handle failure —
+//! the behaviour kvpoll exists to prevent. It is UNSAFE and for comparison
+//! only: on the same scenario it corrupts blocks, which shows the checker
+//! can fail.
+
+mod decode;
+mod link;
+mod pool;
+mod prefill;
+mod proto;
+
+use std::io::{BufRead, BufReader, IsTerminal};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpoll::engine::Faults;
+
+use crate::cli::{Args, CliError};
+use decode::{DecodeConfig, DecodeReport, Mode, Policy, Registry};
+use prefill::ServeConfig;
+use proto::Msg;
+
+const PREFILL_RANKS: u32 = 4;
+const DECODE_RANKS: u32 = 2;
+
+#[derive(Debug, Clone)]
+struct Settings {
+    processes: bool,
+    policy: Policy,
+    requests: u64,
+    tls: String,
+    block_size: u64,
+    layers: usize,
+    blocks: u32,
+    per_handle: u32,
+    window: usize,
+    faults: bool,
+    handle_error_every: u32,
+    release_failure_every: u32,
+    setup_failure_every: u64,
+    stall_every: Duration,
+    stall_for: Duration,
+    kill: bool,
+    json: bool,
+}
+
+fn settings(args: &mut Args) -> Result<Settings, CliError> {
+    let ranks: String = args
+        .option("--ranks", "processes or threads")?
+        .unwrap_or_else(|| "processes".into());
+    let processes = match ranks.as_str() {
+        "processes" => true,
+        "threads" => false,
+        _ => {
+            return Err(CliError::BadValue {
+                option: "--ranks".into(),
+                value: ranks,
+                expected: "processes or threads",
+            })
+        }
+    };
+    let policy: String = args
+        .option("--policy", "safe or eager")?
+        .unwrap_or_else(|| "safe".into());
+    let policy = match policy.as_str() {
+        "safe" => Policy::Safe,
+        "eager" => Policy::Eager,
+        _ => {
+            return Err(CliError::BadValue {
+                option: "--policy".into(),
+                value: policy,
+                expected: "safe or eager",
+            })
+        }
+    };
+    let faults = !args.flag("--no-faults");
+    let s = Settings {
+        processes,
+        policy,
+        requests: args
+            .option("--requests", "a request count")?
+            .unwrap_or(3000),
+        tls: args
+            .option("--tls", "a UCX transport list")?
+            .unwrap_or_else(|| "tcp".into()),
+        block_size: args
+            .option("--block-size", "a size in bytes")?
+            .unwrap_or(16384),
+        layers: args.option("--layers", "a layer count")?.unwrap_or(2),
+        blocks: args.option("--blocks", "a block count")?.unwrap_or(512),
+        per_handle: args
+            .option("--blocks-per-handle", "a block count")?
+            .unwrap_or(4),
+        window: args.option("--window", "a request count")?.unwrap_or(16),
+        faults,
+        handle_error_every: args
+            .option("--handle-error-every", "a count")?
+            .unwrap_or(40),
+        release_failure_every: args
+            .option("--release-failure-every", "a count")?
+            .unwrap_or(50),
+        setup_failure_every: args
+            .option("--setup-failure-every", "a count")?
+            .unwrap_or(97),
+        stall_every: Duration::from_millis(
+            args.option("--stall-every-ms", "milliseconds")?
+                .unwrap_or(2500),
+        ),
+        stall_for: Duration::from_millis(args.option("--stall-ms", "milliseconds")?.unwrap_or(400)),
+        kill: !args.flag("--no-kill"),
+        json: args.flag("--json"),
+    };
+    if s.requests == 0 || s.block_size == 0 || s.layers == 0 || s.per_handle == 0 || s.window == 0 {
+        return Err(CliError::Failed("counts and sizes must be positive".into()));
+    }
+    if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
+        return Err(CliError::Failed(format!(
+            "--blocks {} cannot hold --window {} requests of 2 x {} blocks",
+            s.blocks, s.window, s.per_handle
+        )));
+    }
+    Ok(s)
+}
+
+/// A started prefill rank.
+enum Rank {
+    Process(Child),
+    Thread(Arc<AtomicBool>, std::thread::JoinHandle<()>),
+}
+
+impl Rank {
+    fn stop(self) {
+        match self {
+            Rank::Process(mut c) => {
+                drop(c.stdin.take());
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while Instant::now() < deadline {
+                    if matches!(c.try_wait(), Ok(Some(_))) {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            Rank::Thread(stop, t) => {
+                stop.store(true, Ordering::Release);
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
+    ServeConfig {
+        rank,
+        tls: s.tls.clone(),
+        blocks: s.blocks,
+        block_size: s.block_size,
+        layers: s.layers,
+        // Shorter than the decode side's lend lease: a producer's failed
+        // writes are force-closed before the consumer frees their target.
+        lease: Duration::from_secs(2),
+        faults: Faults {
+            handle_error_every: if s.faults {
+                s.handle_error_every * 2
+            } else {
+                0
+            },
+            ..Faults::default()
+        },
+    }
+}
+
+fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
+    if s.processes {
+        let exe = std::env::current_exe().map_err(|e| CliError::Failed(e.to_string()))?;
+        let mut child = Command::new(exe)
+            .args([
+                "serve",
+                "--rank",
+                &rank.to_string(),
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .args(["--tls", &s.tls, "--blocks", &s.blocks.to_string()])
+            .args([
+                "--block-size",
+                &s.block_size.to_string(),
+                "--layers",
+                &s.layers.to_string(),
+            ])
+            .args([
+                "--handle-error-every",
+                &serve_config(s, rank).faults.handle_error_every.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| CliError::Failed(format!("starting prefill rank {rank}: {e}")))?;
+        let mut line = String::new();
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| CliError::Failed("no stdout".into()))?;
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .map_err(|e| CliError::Failed(e.to_string()))?;
+        let addr = line
+            .strip_prefix("LISTEN ")
+            .map(|a| a.trim().to_owned())
+            .ok_or_else(|| CliError::Failed(format!("prefill rank {rank} said {line:?}")))?;
+        Ok((Rank::Process(child), addr))
+    } else {
+        let listener =
+            TcpListener::bind("127.0.0.1:0").map_err(|e| CliError::Failed(e.to_string()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| CliError::Failed(e.to_string()))?
+            .to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (cfg, flag) = (serve_config(s, rank), stop.clone());
+        let t = std::thread::spawn(move || {
+            if let Err(e) = prefill::serve(listener, cfg, flag) {
+                eprintln!("kvpoll: prefill rank {rank}: {e}");
+            }
+        });
+        Ok((Rank::Thread(stop, t), addr))
+    }
+}
+
+/// One control request to a prefill rank on a fresh connection.
+fn ask(addr: &str, msg: &Msg, want_reply: bool) -> Option<Msg> {
+    let mut stream = TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let mut lines = BufReader::new(stream.try_clone().ok()?);
+    let mut line = String::new();
+    lines.read_line(&mut line).ok()?; // its metadata
+    link::send(&mut stream, msg);
+    if !want_reply {
+        return None;
+    }
+    line.clear();
+    lines.read_line(&mut line).ok()?;
+    Msg::parse(&line).ok()
+}
+
+#[derive(Debug, Default, Clone)]
+struct ModeReport {
+    decode: Vec<DecodeReport>,
+    prefill_leaked: u64,
+    prefill_busy: u64,
+    prefill_idle: u64,
+    seconds: f64,
+    kills: u32,
+    stalls: u32,
+}
+
+pub fn run(mut args: Args) -> Result<(), CliError> {
+    let s = settings(&mut args)?;
+    args.finish()?;
+    let mut ranks = Vec::new();
+    let registry = Arc::new(Registry::default());
+    for r in 0..PREFILL_RANKS {
+        let (rank, addr) = start_rank(&s, r)?;
+        ranks.push(Some(rank));
+        if let Ok(mut a) = registry.addrs.lock() {
+            a.push((addr, 0));
+        }
+    }
+    if !s.json {
+        println!(
+            "kvpoll demo: prefill TP={PREFILL_RANKS} ({}), decode TP={DECODE_RANKS} (2 handles a request), {} requests per decode rank and mode, {} layers x {} KiB blocks over {}, faults {}, policy {}",
+            if s.processes { "processes" } else { "threads" },
+            s.requests,
+            s.layers,
+            s.block_size / 1024,
+            s.tls,
+            if s.faults { "on" } else { "off" },
+            match s.policy { Policy::Safe => "safe", Policy::Eager => "EAGER (unsafe, for comparison)" }
+        );
+    }
+    let mut reports = Vec::new();
+    for mode in [Mode::Pull, Mode::Push] {
+        let r = run_mode(&s, mode, &registry, &mut ranks)?;
+        if !s.json {
+            print_table(mode, &r, &s);
+        }
+        reports.push((mode, r));
+    }
+    for r in ranks.into_iter().flatten() {
+        r.stop();
+    }
+    let corrupted: u64 = reports
+        .iter()
+        .flat_map(|(_, r)| &r.decode)
+        .map(|d| d.corrupted_blocks)
+        .sum();
+    let leaked: u64 = reports
+        .iter()
+        .map(|(_, r)| r.prefill_leaked + r.decode.iter().map(|d| d.leaked_blocks).sum::<u64>())
+        .sum();
+    if s.json {
+        println!("{}", json(&s, &reports));
+    } else {
+        println!("total: {corrupted} corrupted blocks, {leaked} leaked blocks");
+    }
+    if s.policy == Policy::Safe && (corrupted > 0 || leaked > 0) {
+        return Err(CliError::Failed(format!(
+            "{corrupted} corrupted and {leaked} leaked blocks under the safe policy"
+        )));
+    }
+    Ok(())
+}
+
+fn run_mode(
+    s: &Settings,
+    mode: Mode,
+    registry: &Arc<Registry>,
+    ranks: &mut [Option<Rank>],
+) -> Result<ModeReport, CliError> {
+    let progress = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut decoders = Vec::new();
+    for d in 0..DECODE_RANKS {
+        let cfg = DecodeConfig {
+            rank: d + 1,
+            prefill: [2 * d, 2 * d + 1],
+            tls: s.tls.clone(),
+            blocks: s.blocks,
+            block_size: s.block_size,
+            layers: s.layers,
+            requests: s.requests,
+            window: s.window,
+            per_handle: s.per_handle,
+            mode,
+            policy: s.policy,
+            setup_failure_every: if s.faults { s.setup_failure_every } else { 0 },
+            faults: Faults {
+                handle_error_every: if s.faults { s.handle_error_every } else { 0 },
+                release_failure_every: if s.faults { s.release_failure_every } else { 0 },
+                release_retry_after: Duration::from_millis(20),
+            },
+            deadline: Duration::from_millis(1500),
+            lease: Duration::from_secs(4),
+            hold: Duration::from_millis(30),
+            give_up: Duration::from_secs(240),
+        };
+        let (reg, prog, st) = (registry.clone(), progress.clone(), stop.clone());
+        decoders.push(std::thread::spawn(move || {
+            decode::run(&cfg, &reg, &prog, &st)
+        }));
+    }
+
+    let total = s.requests * u64::from(DECODE_RANKS);
+    let bar = (!s.json && std::io::stderr().is_terminal()).then(|| {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:40}] {pos}/{len} requests {per_sec} {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_prefix(format!("{mode:?}"));
+        b
+    });
+    let (mut stalls, mut kills) = (0u32, 0u32);
+    let mut next_stall = Instant::now() + s.stall_every;
+    let mut killed = !(s.faults && s.kill && s.processes && mode == Mode::Pull);
+    let mut last_line = Instant::now();
+    while decoders.iter().any(|d| !d.is_finished()) {
+        std::thread::sleep(Duration::from_millis(20));
+        let done = progress.load(Ordering::Relaxed);
+        if let Some(b) = &bar {
+            b.set_position(done);
+        } else if !s.json && last_line.elapsed() > Duration::from_secs(2) {
+            println!("  {mode:?}: {done}/{total} requests reported");
+            last_line = Instant::now();
+        }
+        if s.faults && Instant::now() >= next_stall {
+            // Stall the prefill ranks in turn, as a rank that hangs would.
+            let r = stalls as usize % ranks.len();
+            let addr = registry
+                .addrs
+                .lock()
+                .ok()
+                .and_then(|a| a.get(r).map(|x| x.0.clone()));
+            if let Some(addr) = addr {
+                ask(
+                    &addr,
+                    &Msg::Stall {
+                        ms: s.stall_for.as_millis() as u64,
+                    },
+                    false,
+                );
+                stalls += 1;
+            }
+            next_stall = Instant::now() + s.stall_every;
+        }
+        if !killed && done > total * 2 / 5 {
+            // Kill prefill rank 3 mid-run and start it again; decode re-adds
+            // it with its fresh metadata.
+            killed = true;
+            if let Some(Rank::Process(mut c)) = ranks[3].take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let (rank, addr) = start_rank(s, 3)?;
+            ranks[3] = Some(rank);
+            if let Ok(mut a) = registry.addrs.lock() {
+                a[3] = (addr, a[3].1 + 1);
+            }
+            kills += 1;
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    stop.store(true, Ordering::Release);
+    let mut report = ModeReport {
+        seconds: start.elapsed().as_secs_f64(),
+        stalls,
+        kills,
+        ..ModeReport::default()
+    };
+    for d in decoders {
+        let r = d
+            .join()
+            .map_err(|_| CliError::Failed("a decode rank panicked".into()))?
+            .map_err(|e| CliError::Failed(e.to_string()))?;
+        report.decode.push(r);
+    }
+    // Prefill blocks come back when readers notify or leases end: wait for
+    // the leases, then count what is still out.
+    let addrs = registry.addrs.lock().map(|a| a.clone()).unwrap_or_default();
+    let give_up = Instant::now() + Duration::from_secs(6);
+    for (addr, _) in &addrs {
+        loop {
+            if let Some(Msg::StatsReply {
+                total,
+                free,
+                busy,
+                idle,
+            }) = ask(addr, &Msg::Stats, true)
+            {
+                if free == total || Instant::now() > give_up {
+                    report.prefill_leaked += total - free;
+                    report.prefill_busy += busy;
+                    report.prefill_idle += idle;
+                    break;
+                }
+            } else if Instant::now() > give_up {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(report)
+}
+
+fn sums(r: &ModeReport) -> (u64, u64, u64, u64, u64, u64, u64) {
+    let f = |g: fn(&DecodeReport) -> u64| r.decode.iter().map(g).sum::<u64>();
+    (
+        f(|d| d.finished),
+        f(|d| d.failed),
+        f(|d| d.expired),
+        f(|d| d.refused),
+        f(|d| d.corrupted_blocks),
+        f(|d| d.leaked_blocks) + r.prefill_leaked,
+        f(|d| d.bytes),
+    )
+}
+
+fn busy_pct(r: &ModeReport) -> f64 {
+    let busy: u64 = r.decode.iter().map(|d| d.busy_iterations).sum::<u64>() + r.prefill_busy;
+    let idle: u64 = r.decode.iter().map(|d| d.idle_iterations).sum::<u64>() + r.prefill_idle;
+    if busy + idle == 0 {
+        0.0
+    } else {
+        100.0 * busy as f64 / (busy + idle) as f64
+    }
+}
+
+fn latency(r: &ModeReport, i: usize) -> u64 {
+    r.decode
+        .iter()
+        .filter_map(|d| d.latencies_us.get(i).copied())
+        .max()
+        .unwrap_or(0)
+}
+
+fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
+    let (fin, failed, expired, refused, corrupted, leaked, bytes) = sums(r);
+    println!();
+    println!(
+        "{mode:?} mode ({:.1} s, {} stalls, {} kills)",
+        r.seconds, r.stalls, r.kills
+    );
+    println!("  {:<34} {:>12}", "requests finished", fin);
+    println!("  {:<34} {:>12}", "requests failed (reported safe)", failed);
+    println!("  {:<34} {:>12}", "requests expired", expired);
+    println!(
+        "  {:<34} {:>12}",
+        "requests refused before transfer", refused
+    );
+    println!("  {:<34} {:>12}", "corrupted blocks", corrupted);
+    println!("  {:<34} {:>12}", "leaked blocks", leaked);
+    println!(
+        "  {:<34} {:>9} us",
+        "latency p50 (slowest rank)",
+        latency(r, 0)
+    );
+    println!(
+        "  {:<34} {:>9} us",
+        "latency p99 (slowest rank)",
+        latency(r, 2)
+    );
+    println!(
+        "  {:<34} {:>12.0}",
+        "throughput, requests/s",
+        fin as f64 / r.seconds
+    );
+    println!(
+        "  {:<34} {:>12.3}",
+        "throughput, GB/s",
+        bytes as f64 / r.seconds / 1e9
+    );
+    println!("  {:<34} {:>11.1}%", "pollers busy", busy_pct(r));
+    if s.policy == Policy::Eager {
+        println!("  policy EAGER: blocks were freed at the first handle failure (unsafe)");
+    }
+}
+
+fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
+    let modes: Vec<String> = reports
+        .iter()
+        .map(|(mode, r)| {
+            let (fin, failed, expired, refused, corrupted, leaked, bytes) = sums(r);
+            format!(
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"finished\":{fin},\"failed\":{failed},\"expired\":{expired},\"refused\":{refused},\"corrupted_blocks\":{corrupted},\"leaked_blocks\":{leaked},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"stalls\":{},\"kills\":{}}}",
+                if *mode == Mode::Pull { "pull" } else { "push" },
+                r.seconds,
+                latency(r, 0),
+                latency(r, 2),
+                fin as f64 / r.seconds,
+                bytes as f64 / r.seconds / 1e9,
+                busy_pct(r),
+                r.stalls,
+                r.kills
+            )
+        })
+        .collect();
+    format!(
+        "{{\"policy\":\"{}\",\"ranks\":\"{}\",\"faults\":{},\"modes\":[{}]}}",
+        if s.policy == Policy::Safe {
+            "safe"
+        } else {
+            "eager"
+        },
+        if s.processes { "processes" } else { "threads" },
+        s.faults,
+        modes.join(",")
+    )
+}
+
+/// `kvpoll serve`: one prefill rank, listening for decode ranks.
+pub fn serve(mut args: Args) -> Result<(), CliError> {
+    let rank: u32 = args.option("--rank", "a rank number")?.unwrap_or(0);
+    let listen: String = args
+        .option("--listen", "an address:port")?
+        .unwrap_or_else(|| "127.0.0.1:0".into());
+    let cfg = ServeConfig {
+        rank,
+        tls: args
+            .option("--tls", "a UCX transport list")?
+            .unwrap_or_else(|| "tcp".into()),
+        blocks: args.option("--blocks", "a block count")?.unwrap_or(512),
+        block_size: args
+            .option("--block-size", "a size in bytes")?
+            .unwrap_or(16384),
+        layers: args.option("--layers", "a layer count")?.unwrap_or(2),
+        lease: Duration::from_secs(2),
+        faults: Faults {
+            handle_error_every: args.option("--handle-error-every", "a count")?.unwrap_or(0),
+            ..Faults::default()
+        },
+    };
+    args.finish()?;
+    let listener = TcpListener::bind(&listen)
+        .map_err(|e| CliError::Failed(format!("listening on {listen}: {e}")))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    println!("LISTEN {addr}");
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        // Serve until standard input closes (the parent went away).
+        let mut sink = String::new();
+        while matches!(std::io::stdin().read_line(&mut sink), Ok(n) if n > 0) {
+            sink.clear();
+        }
+        flag.store(true, Ordering::Release);
+    });
+    prefill::serve(listener, cfg, stop).map_err(|e| CliError::Failed(e.to_string()))
+}
+
+/// `kvpoll connect`: one decode rank reading from two prefill ranks.
+pub fn connect(mut args: Args) -> Result<(), CliError> {
+    let to: String = args
+        .option("--to", "two addresses, comma separated")?
+        .ok_or_else(|| CliError::MissingValue("--to".into()))?;
+    let addrs: Vec<String> = to.split(',').map(str::to_owned).collect();
+    if addrs.len() != 2 {
+        return Err(CliError::BadValue {
+            option: "--to".into(),
+            value: to,
+            expected: "two addresses, comma separated",
+        });
+    }
+    let mode: String = args
+        .option("--mode", "pull or push")?
+        .unwrap_or_else(|| "pull".into());
+    let mode = match mode.as_str() {
+        "pull" => Mode::Pull,
+        "push" => Mode::Push,
+        _ => {
+            return Err(CliError::BadValue {
+                option: "--mode".into(),
+                value: mode,
+                expected: "pull or push",
+            })
+        }
+    };
+    let mut s = settings(&mut args)?;
+    args.finish()?;
+    s.faults = false;
+    let registry = Registry::default();
+    if let Ok(mut a) = registry.addrs.lock() {
+        a.extend(addrs.into_iter().map(|x| (x, 0)));
+    }
+    let cfg = DecodeConfig {
+        rank: 1,
+        prefill: [0, 1],
+        tls: s.tls.clone(),
+        blocks: s.blocks,
+        block_size: s.block_size,
+        layers: s.layers,
+        requests: s.requests,
+        window: s.window,
+        per_handle: s.per_handle,
+        mode,
+        policy: Policy::Safe,
+        setup_failure_every: 0,
+        faults: Faults::default(),
+        deadline: Duration::from_millis(1500),
+        lease: Duration::from_secs(4),
+        hold: Duration::from_millis(30),
+        give_up: Duration::from_secs(240),
+    };
+    let r = decode::run(&cfg, &registry, &AtomicU64::new(0), &AtomicBool::new(false))
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    let report = ModeReport {
+        seconds: r.seconds,
+        decode: vec![r],
+        ..ModeReport::default()
+    };
+    if s.json {
+        println!("{}", json(&s, &[(mode, report.clone())]));
+    } else {
+        print_table(mode, &report, &s);
+    }
+    let (_, _, _, _, corrupted, leaked, _) = sums(&report);
+    if corrupted > 0 || leaked > 0 {
+        return Err(CliError::Failed(format!(
+            "{corrupted} corrupted and {leaked} leaked blocks"
+        )));
+    }
+    Ok(())
+}

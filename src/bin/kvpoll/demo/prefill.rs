@@ -1,0 +1,242 @@
+//! A prefill rank (`kvpoll serve`): an engine with a block pool that fills
+//! blocks for each request and lends them to decode readers (pull) or
+//! writes them into decode blocks (push).
+
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpoll::engine::{Engine, EngineError, Faults, LendTo, Outcomes, Transfer};
+use kvpoll::ledger::{BlockId, PeerId, RequestId};
+use kvpoll::transport::ucx::ContextOptions;
+
+use super::link::{self, Incoming};
+use super::pool::{seed, Pool};
+use super::proto::Msg;
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub rank: u32,
+    pub tls: String,
+    pub blocks: u32,
+    pub block_size: u64,
+    pub layers: usize,
+    /// Lease of a lend or a push.
+    pub lease: Duration,
+    pub faults: Faults,
+}
+
+struct Conn {
+    stream: TcpStream,
+    peer: Option<PeerId>,
+}
+
+struct Held {
+    blocks: Vec<BlockId>,
+    /// The connection to answer for a push.
+    push_conn: Option<usize>,
+}
+
+/// Serves decode ranks on `listener` until `stop` is set.
+pub fn serve(
+    listener: TcpListener,
+    cfg: ServeConfig,
+    stop: Arc<AtomicBool>,
+) -> Result<(), EngineError> {
+    let mut engine = Engine::builder()
+        .block_size(cfg.block_size)
+        .ucx(ContextOptions::with_transports(&cfg.tls))
+        .faults(cfg.faults)
+        .build()?;
+    for _ in 0..cfg.layers {
+        engine.register(u64::from(cfg.blocks))?;
+    }
+    let meta = engine.local_metadata()?;
+    let (tx, rx) = mpsc::channel::<Incoming>();
+    listener
+        .set_nonblocking(false)
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+    std::thread::spawn(move || {
+        for (tag, stream) in listener.incoming().enumerate() {
+            let Ok(stream) = stream else { continue };
+            let _ = stream.set_nodelay(true);
+            // Opened goes first on the same channel as the lines, so the
+            // connection is known before its first line is handled.
+            let Ok(writer) = stream.try_clone() else {
+                continue;
+            };
+            if tx.send(Incoming::Opened(tag, writer)).is_err() {
+                return;
+            }
+            let _ = link::spawn_reader(&stream, tag, tx.clone());
+        }
+    });
+
+    let mut pool = Pool::new(cfg.blocks);
+    let mut conns: HashMap<usize, Conn> = HashMap::new();
+    let mut held: HashMap<u64, Held> = HashMap::new();
+    let mut out = Outcomes::default();
+    let mut buf = vec![0u8; cfg.block_size as usize];
+    let mut alloc = Vec::new();
+    while !stop.load(Ordering::Acquire) {
+        // Everything that arrived, then the engine; wait a little only when
+        // there was nothing.
+        let mut first = rx.recv_timeout(Duration::from_micros(500)).ok();
+        while let Some(inc) = first.take().or_else(|| rx.try_recv().ok()) {
+            match inc {
+                Incoming::Opened(tag, mut stream) => {
+                    link::send(&mut stream, &Msg::Meta(meta.clone()));
+                    conns.insert(tag, Conn { stream, peer: None });
+                }
+                Incoming::Closed(tag) | Incoming::Bad(tag) => {
+                    if let Some(c) = conns.remove(&tag) {
+                        if let Some(p) = c.peer {
+                            let _ = engine.remove_peer(p);
+                        }
+                    }
+                }
+                Incoming::Line(tag, m) => {
+                    let reply = handle(
+                        &mut engine,
+                        &cfg,
+                        &mut pool,
+                        &mut conns,
+                        &mut held,
+                        tag,
+                        m,
+                        &mut buf,
+                        &mut alloc,
+                    );
+                    if let (Some(r), Some(c)) = (reply, conns.get_mut(&tag)) {
+                        link::send(&mut c.stream, &r);
+                    }
+                }
+            }
+        }
+        out.clear();
+        engine.poll(&mut out);
+        for (ids, done) in [(&out.finished_sending, true), (&out.expired, false)] {
+            for id in ids {
+                if let Some(h) = held.remove(&id.0) {
+                    pool.release(&h.blocks);
+                    if let Some(tag) = h.push_conn {
+                        if let Some(c) = conns.get_mut(&tag) {
+                            link::send(&mut c.stream, &Msg::Pushed { req: id.0, done });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    engine.shutdown();
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn handle(
+    engine: &mut Engine,
+    cfg: &ServeConfig,
+    pool: &mut Pool,
+    conns: &mut HashMap<usize, Conn>,
+    held: &mut HashMap<u64, Held>,
+    tag: usize,
+    m: Msg,
+    buf: &mut [u8],
+    alloc: &mut Vec<BlockId>,
+) -> Option<Msg> {
+    match m {
+        Msg::Meta(bytes) => {
+            let peer = engine.add_peer(&bytes).ok();
+            if let Some(c) = conns.get_mut(&tag) {
+                c.peer = peer;
+            }
+            None
+        }
+        Msg::Prepare { req, n } => {
+            alloc.clear();
+            if held.contains_key(&req) || !pool.alloc(n as usize, alloc) {
+                return Some(Msg::Busy { req });
+            }
+            fill(engine, cfg, req, alloc, buf);
+            match engine.lend(RequestId(req), alloc, LendTo::Readers(1), cfg.lease) {
+                Ok(()) => {
+                    held.insert(
+                        req,
+                        Held {
+                            blocks: alloc.clone(),
+                            push_conn: None,
+                        },
+                    );
+                    Some(Msg::Ready {
+                        req,
+                        blocks: alloc.iter().map(|b| b.0).collect(),
+                    })
+                }
+                Err(_) => {
+                    pool.release(alloc);
+                    Some(Msg::Busy { req })
+                }
+            }
+        }
+        Msg::Push { req, blocks } => {
+            let peer = conns.get(&tag).and_then(|c| c.peer);
+            alloc.clear();
+            let Some(peer) =
+                peer.filter(|_| !held.contains_key(&req) && pool.alloc(blocks.len(), alloc))
+            else {
+                return Some(Msg::Pushed { req, done: false });
+            };
+            fill(engine, cfg, req, alloc, buf);
+            let remote: Vec<BlockId> = blocks.iter().map(|&b| BlockId(b)).collect();
+            let t = Transfer {
+                peer,
+                local: alloc,
+                remote: &remote,
+            };
+            match engine.write(RequestId(req), &[t], 1, cfg.lease) {
+                Ok(()) => {
+                    held.insert(
+                        req,
+                        Held {
+                            blocks: alloc.clone(),
+                            push_conn: Some(tag),
+                        },
+                    );
+                    None
+                }
+                Err(_) => {
+                    pool.release(alloc);
+                    Some(Msg::Pushed { req, done: false })
+                }
+            }
+        }
+        Msg::Stall { ms } => {
+            let _ = engine.stall(Duration::from_millis(ms));
+            None
+        }
+        Msg::Stats => {
+            let s = engine.poller_stats();
+            Some(Msg::StatsReply {
+                total: u64::from(pool.total()),
+                free: u64::from(pool.free()),
+                busy: s.busy_iterations,
+                idle: s.idle_iterations,
+            })
+        }
+        // Messages a prefill rank does not take are ignored.
+        Msg::Ready { .. } | Msg::Busy { .. } | Msg::Pushed { .. } | Msg::StatsReply { .. } => None,
+    }
+}
+
+/// Fills the blocks of request `req` with its pattern, in every layer.
+fn fill(engine: &Engine, cfg: &ServeConfig, req: u64, blocks: &[BlockId], buf: &mut [u8]) {
+    for layer in 0..cfg.layers {
+        for (i, &b) in blocks.iter().enumerate() {
+            kvpoll::pattern::fill(seed(req, layer, cfg.rank), i as u64, buf);
+            let _ = engine.write_block(layer, b, buf);
+        }
+    }
+}
