@@ -17,3 +17,8 @@ pub mod ring;
 pub(crate) mod sync;
 pub mod transport;
 pub mod wire;
+
+/// The README's example compiles (checked by `cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
