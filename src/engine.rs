@@ -33,6 +33,8 @@ use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::{ContextOptions, UcxError};
 
 pub use crate::placement::IdlePolicy;
+/// The active-message id notifications travel on.
+pub use crate::poller::NOTIFY_AM_ID;
 
 /// Faults the poller injects, for demos and tests of the failure paths.
 /// The default injects none.
@@ -317,6 +319,7 @@ impl EngineBuilder {
             stop: AtomicBool::new(false),
             busy_iterations: AtomicU64::new(0),
             idle_iterations: AtomicU64::new(0),
+            rejected_notes: AtomicU64::new(0),
             epoch: Instant::now(),
         });
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -430,6 +433,8 @@ pub struct PollerStats {
     pub busy_iterations: u64,
     /// Loop iterations that found nothing to do.
     pub idle_iterations: u64,
+    /// Notification payloads that did not decode (dropped, nothing changed).
+    pub malformed_notifications: u64,
 }
 
 impl Engine {
@@ -776,6 +781,7 @@ impl Engine {
         PollerStats {
             busy_iterations: self.shared.busy_iterations.load(Ordering::Relaxed),
             idle_iterations: self.shared.idle_iterations.load(Ordering::Relaxed),
+            malformed_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
         }
     }
 

@@ -48,6 +48,7 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     pub(crate) busy_iterations: AtomicU64,
     pub(crate) idle_iterations: AtomicU64,
+    pub(crate) rejected_notes: AtomicU64,
     pub(crate) epoch: Instant,
 }
 
@@ -185,7 +186,6 @@ struct Poller {
     pairs: Vec<(BlockId, BlockId)>,
     blocks: Vec<BlockId>,
     ops: Vec<BlockOp>,
-    rejected_notes: u64,
     /// Handles whose (injected) release failure awaits its retry.
     held: Vec<(HandleKey, Nanos)>,
     handles_completed: u64,
@@ -268,7 +268,6 @@ impl Poller {
             pairs: Vec::with_capacity(1024),
             blocks: Vec::with_capacity(1024),
             ops: Vec::with_capacity(1024),
-            rejected_notes: 0,
             held: Vec::new(),
             handles_completed: 0,
         })
@@ -756,7 +755,8 @@ impl Poller {
         let n = self.notes.len() as u32;
         for i in 0..self.notes.len() {
             let Ok(note) = self.notes[i] else {
-                self.rejected_notes += 1;
+                // Relaxed: a counter, read for display and tests.
+                self.shared.rejected_notes.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
             let out = &mut self.out;

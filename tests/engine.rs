@@ -555,3 +555,67 @@ fn a_failed_release_holds_the_request_until_the_retry_releases_it() {
     assert!(holds(&d, 0, 6, 9));
     assert!(out.failed_recving.is_empty());
 }
+
+#[test]
+fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
+    use kvpoll::metadata::PeerMetadata;
+    use kvpoll::notification::{NoteKind, Notification};
+    use kvpoll::transport::ucx::{Context, Endpoint, Worker};
+
+    let mut p = engine("tcp", GUARD);
+    let id = RequestId(71);
+    p.lend(id, &ids(&[1]), LendTo::Readers(1), GUARD).unwrap();
+    let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
+
+    // A raw UCX worker plays a misbehaving peer.
+    let ctx = Context::new(&ContextOptions::with_transports("tcp")).unwrap();
+    let w = Worker::new(&ctx).unwrap();
+    let ep = Endpoint::connect(&w, &meta.worker, 1).unwrap();
+    let note = |kind, id, sender| {
+        Notification {
+            kind,
+            id,
+            count: 1,
+            sender,
+        }
+        .encode()
+    };
+    let mut damaged = note(NoteKind::ReadDone, id, 1);
+    damaged[5] ^= 1;
+    let sends: [&[u8]; 4] = [
+        b"hello",
+        &damaged,
+        &note(NoteKind::ReadDone, RequestId(999), 1),
+        &[0u8; 28],
+    ];
+    for (i, payload) in sends.iter().enumerate() {
+        ep.send_active_message(kvpoll::engine::NOTIFY_AM_ID, payload, i as u64)
+            .unwrap();
+    }
+    let t = Instant::now();
+    while p.poller_stats().malformed_notifications < 3
+        || p.ledger_stats().rejected_notifications < 1
+    {
+        w.progress();
+        assert!(t.elapsed() < GUARD, "{:?}", p.poller_stats());
+    }
+    let mut out = Outcomes::default();
+    p.poll(&mut out);
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(p.in_flight(), 1, "the lend must still be held");
+
+    // The same channel with a good notification releases it.
+    ep.send_active_message(
+        kvpoll::engine::NOTIFY_AM_ID,
+        &note(NoteKind::ReadDone, id, 1),
+        9,
+    )
+    .unwrap();
+    let t = Instant::now();
+    while out.finished_sending.is_empty() {
+        w.progress();
+        p.poll(&mut out);
+        assert!(t.elapsed() < GUARD);
+    }
+    assert_eq!(out.finished_sending, vec![id]);
+}
