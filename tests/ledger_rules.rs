@@ -24,7 +24,7 @@ fn read_with_all_handles_completed_is_reported_finished_once() {
     // A duplicate completion after the report is refused and reports nothing.
     assert_eq!(
         h.slots.completed(hk(key, 1), Ok(()), &mut |_| panic!("event")),
-        Err(InputError::Stale(key))
+        Err(InputError::AlreadyEnded(hk(key, 1)))
     );
     assert_eq!(h.retire(key), []);
     assert_eq!(h.ledger.stats().in_use, 0);

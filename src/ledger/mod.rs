@@ -109,9 +109,9 @@ pub use request::{Kind, Request};
 pub use slots::{Phase, SlotView, Slots, Stats};
 
 use index::IdIndex;
-use slots::{State, CANCELLING, FREE, K_LEND, K_READ, K_WRITE, LIVE};
+use slots::{Cancelled, State, CANCELLING, FREE, K_LEND, K_READ, K_WRITE, LIVE};
 
-use crate::sync::Arc;
+use std::sync::Arc;
 
 /// Sizes of a ledger, fixed at construction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -338,20 +338,23 @@ impl Ledger {
     /// Aborts request `id`: handles not yet posted stop at once; the returned
     /// [`Cancel`] lists the handles in flight, whose endpoints the driver
     /// must force-close. The request is reported `Failed(Aborted)` once
-    /// quiescent (possibly at once, through `out`). `Ok(None)` if it is
-    /// already being cancelled.
+    /// quiescent (possibly at once, through `out`). `Ok(None)` if nothing is
+    /// in flight or it is already being cancelled; `Err` if no live request
+    /// has this id (including one reported before the abort took hold: its
+    /// report stands).
     pub fn abort(
         &mut self,
         id: RequestId,
         out: &mut impl FnMut(Event),
     ) -> Result<Option<Cancel>, AbortError> {
-        match self.lookup(id) {
-            Some((slot, st)) if st.phase() == LIVE => Ok(self
-                .slots
-                .cancel(slot, Cause::Aborted, out)
-                .and_then(cancel_of)),
-            Some((_, st)) if st.phase() == CANCELLING => Ok(None),
-            _ => Err(AbortError::UnknownRequest(id)),
+        let Some((slot, _)) = self.lookup(id) else {
+            return Err(AbortError::UnknownRequest(id));
+        };
+        match self.slots.cancel(slot, Cause::Aborted, out) {
+            Cancelled::Now(key, handles) => Ok(cancel_of(key, handles)),
+            Cancelled::Already => Ok(None),
+            // Reported before the abort took hold: the report stands.
+            Cancelled::Ended => Err(AbortError::UnknownRequest(id)),
         }
     }
 
@@ -384,8 +387,10 @@ impl Ledger {
             } else {
                 Cause::LeaseExpired
             };
-            if let Some(c) = self.slots.cancel(slot, cause, out).and_then(cancel_of) {
-                cancels(c);
+            if let Cancelled::Now(key, handles) = self.slots.cancel(slot, cause, out) {
+                if let Some(c) = cancel_of(key, handles) {
+                    cancels(c);
+                }
             }
         }
         self.next_expiry = next;
@@ -435,7 +440,7 @@ impl Ledger {
     }
 }
 
-fn cancel_of((key, handles): (RequestKey, u64)) -> Option<Cancel> {
+fn cancel_of(key: RequestKey, handles: u64) -> Option<Cancel> {
     (handles != 0).then_some(Cancel { key, handles })
 }
 

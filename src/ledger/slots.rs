@@ -63,6 +63,7 @@ impl State {
     fn is_tracked(self) -> bool {
         self.phase() == LIVE || self.phase() == CANCELLING
     }
+
 }
 
 // ---------------------------------------------------------------------------
@@ -199,6 +200,16 @@ fn not_posted_or_ended(hk: HandleKey, step: u8) -> InputError {
         H_PLANNED => InputError::NotPosted(hk),
         _ => InputError::AlreadyEnded(hk),
     }
+}
+
+/// What a cancel found.
+pub(crate) enum Cancelled {
+    /// Cancelled now: these handles of the request are in flight.
+    Now(RequestKey, u64),
+    /// Someone cancelled it already.
+    Already,
+    /// It was reported (or retired) first.
+    Ended,
 }
 
 /// Iterates the set bits of a bitmap, lowest first.
@@ -338,14 +349,16 @@ impl Slots {
 
     // -- handle inputs (any poller) --------------------------------------
 
-    /// The slot of `key` if its request is still tracked.
-    fn tracked(&self, key: RequestKey) -> Result<(&Slot, State), InputError> {
+    /// The slot of `key` if the key is current: its request is tracked, or
+    /// reported and not yet retired. (Inputs for a reported request find
+    /// every handle at a final step and are refused by the claim word.)
+    fn current(&self, key: RequestKey) -> Result<(&Slot, State), InputError> {
         let s = self
             .slots
             .get(key.slot() as usize)
             .ok_or(InputError::Stale(key))?;
         let st = self.state(key.slot());
-        if st.generation() != key.generation() || !st.is_tracked() {
+        if st.generation() != key.generation() || st.phase() == FREE {
             return Err(InputError::Stale(key));
         }
         Ok((s, st))
@@ -367,7 +380,7 @@ impl Slots {
         refuse: fn(HandleKey, u8) -> InputError,
     ) -> Result<&Slot, InputError> {
         let key = hk.key();
-        let (s, _) = self.tracked(key)?;
+        let (s, _) = self.current(key)?;
         // Relaxed: `planned` was published by the state we just acquired.
         if s.planned.load(Ordering::Relaxed) & hk.bit() == 0 {
             return Err(InputError::NoSuchHandle(hk));
@@ -483,7 +496,7 @@ impl Slots {
         out: &mut impl FnMut(Event),
     ) -> Result<(), InputError> {
         if !released {
-            if let Err(e) = self.tracked(hk.key()) {
+            if let Err(e) = self.current(hk.key()) {
                 return self.reject(e);
             }
             // Relaxed: the step was set by this handle's own earlier input,
@@ -643,19 +656,20 @@ impl Slots {
     // -- cancellation (owner) ---------------------------------------------
 
     /// Moves a live request to CANCELLING with `cause`, stops every handle not
-    /// yet posted, and returns the handles still in flight. `None` if the
-    /// request was not live (already cancelling or reported).
+    /// yet posted, and returns the handles still in flight.
     pub(crate) fn cancel(
         &self,
         slot: u32,
         cause: Cause,
         out: &mut impl FnMut(Event),
-    ) -> Option<(RequestKey, u64)> {
+    ) -> Cancelled {
         let s = self.slot(slot);
         let mut st = self.state(slot);
         loop {
-            if st.phase() != LIVE {
-                return None;
+            match st.phase() {
+                LIVE => {}
+                CANCELLING => return Cancelled::Already,
+                _ => return Cancelled::Ended,
             }
             // AcqRel: one CAS decides the cancel against a concurrent report.
             match s.state.compare_exchange(
@@ -682,7 +696,7 @@ impl Slots {
         // Try to report in any case: the request may be quiescent already
         // (a write waiting for acks, a lend), or our stops finished it.
         self.publish(key, out);
-        Some((key, in_flight))
+        Cancelled::Now(key, in_flight)
     }
 
     /// Stops (as never posted) every handle of `mask` not yet posted; returns
