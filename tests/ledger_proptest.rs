@@ -111,13 +111,20 @@ impl Driver {
     fn check(&mut self, events: Vec<Event>) {
         let now = self.sim.now();
         for e in events {
-            let t = self.truth.get_mut(&e.id.0).expect("event for an unknown id");
+            let t = self
+                .truth
+                .get_mut(&e.id.0)
+                .expect("event for an unknown id");
             assert_eq!(t.key, e.key, "event carries the request's key");
             if e.outcome.is_terminal() {
                 t.reported += 1;
                 assert_eq!(t.reported, 1, "request {:?} reported twice", e.id);
                 let busy = self.outstanding.get(&e.key).copied().unwrap_or(0);
-                assert_eq!(busy, 0, "{:?} reported {:?} while not quiescent", e.id, e.outcome);
+                assert_eq!(
+                    busy, 0,
+                    "{:?} reported {:?} while not quiescent",
+                    e.id, e.outcome
+                );
                 match e.outcome {
                     Outcome::Finished => assert!(!t.any_failed, "finished despite a failure"),
                     Outcome::SendDone => {
@@ -185,7 +192,7 @@ impl Driver {
     }
 
     fn step_sim(&mut self) -> bool {
-        let Some(ev) = self.sim.next() else {
+        let Some(ev) = self.sim.step() else {
             return false;
         };
         let mut out = Vec::new();
@@ -286,7 +293,12 @@ impl Driver {
             } => {
                 let (kind, n) = match kind % 4 {
                     0 | 1 => (Kind::Read, handles),
-                    2 => (Kind::Write { acks: u32::from(acks) }, handles.min(3)),
+                    2 => (
+                        Kind::Write {
+                            acks: u32::from(acks),
+                        },
+                        handles.min(3),
+                    ),
                     _ if kind % 8 == 3 => (Kind::PrefixHit, 0),
                     _ => (
                         Kind::Lend {
@@ -352,7 +364,8 @@ impl Driver {
             }
             Action::Advance(us) => self.advance(now.saturating_add(Nanos(u64::from(us) * 1_000))),
             Action::Notify(i) => {
-                let ids = self.live_ids(|t| matches!(t.kind, Kind::Write { .. } | Kind::Lend { .. }));
+                let ids =
+                    self.live_ids(|t| matches!(t.kind, Kind::Write { .. } | Kind::Lend { .. }));
                 let stats = self.ledger.stats();
                 if ids.is_empty() {
                     let unknown = RequestId(1 << 40);
@@ -377,7 +390,8 @@ impl Driver {
                 self.check(out);
             }
             Action::Heartbeat(i, us) => {
-                let ids = self.live_ids(|t| matches!(t.kind, Kind::Write { .. } | Kind::Lend { .. }));
+                let ids =
+                    self.live_ids(|t| matches!(t.kind, Kind::Write { .. } | Kind::Lend { .. }));
                 if let Some(&id) = ids.get(usize::from(i) % ids.len().max(1)) {
                     let until = now.saturating_add(Nanos(u64::from(us) * 1_000));
                     if self.ledger.heartbeat(RequestId(id), until) {
@@ -435,7 +449,10 @@ impl Driver {
             let later = self.sim.now().saturating_add(Nanos(1_000_000_000));
             self.advance(later);
         }
-        assert!(self.live_ids(|_| true).is_empty(), "requests never reported");
+        assert!(
+            self.live_ids(|_| true).is_empty(),
+            "requests never reported"
+        );
         assert_eq!(self.sim.in_flight(), 0);
         assert!(self.truth.values().all(|t| t.reported == 1));
         assert_eq!(self.ledger.stats().in_use, 0, "a slot leaked");
@@ -498,5 +515,9 @@ fn a_long_seeded_run_reuses_every_slot_many_times_without_a_leak() {
         }
     }
     d.drain();
-    assert!(d.truth.len() > 16 * 20, "slots were reused: {} of {begun}", d.truth.len());
+    assert!(
+        d.truth.len() > 16 * 20,
+        "slots were reused: {} of {begun}",
+        d.truth.len()
+    );
 }

@@ -23,7 +23,8 @@ fn read_with_all_handles_completed_is_reported_finished_once() {
     assert_eq!(h.reports_of(1), [Outcome::Finished]);
     // A duplicate completion after the report is refused and reports nothing.
     assert_eq!(
-        h.slots.completed(hk(key, 1), Ok(()), &mut |_| panic!("event")),
+        h.slots
+            .completed(hk(key, 1), Ok(()), &mut |_| panic!("event")),
         Err(InputError::AlreadyEnded(hk(key, 1)))
     );
     assert_eq!(h.retire(key), []);
@@ -112,7 +113,9 @@ fn setup_failure_is_recorded_at_once_but_the_request_waits_for_its_other_handles
     h.slots.posting(hk(key, 1)).unwrap();
     let events = &mut h.events;
     h.slots
-        .setup_failed(hk(key, 0), Reason::of(Cause::Setup), &mut |e| events.push(e))
+        .setup_failed(hk(key, 0), Reason::of(Cause::Setup), &mut |e| {
+            events.push(e)
+        })
         .unwrap();
     assert_eq!(h.notices_of(1), 1);
     assert!(h.reports().is_empty());
@@ -246,10 +249,19 @@ fn completion_after_lease_expiry_gives_no_second_report() {
     h.complete(key, 1, Ok(()));
     assert_eq!(h.reports_of(1), [Outcome::SendExpired]);
     // The late ack is rejected; a duplicate completion is refused.
-    assert_eq!(h.notify(1, 1), Err(NotifyError::UnknownRequest(RequestId(1))));
-    assert!(h.slots.completed(hk(key, 1), Ok(()), &mut |_| panic!()).is_err());
+    assert_eq!(
+        h.notify(1, 1),
+        Err(NotifyError::UnknownRequest(RequestId(1)))
+    );
+    assert!(h
+        .slots
+        .completed(hk(key, 1), Ok(()), &mut |_| panic!())
+        .is_err());
     h.retire(key);
-    assert_eq!(h.notify(1, 1), Err(NotifyError::UnknownRequest(RequestId(1))));
+    assert_eq!(
+        h.notify(1, 1),
+        Err(NotifyError::UnknownRequest(RequestId(1)))
+    );
     assert_eq!(h.reports_of(1), [Outcome::SendExpired]);
 }
 
@@ -285,8 +297,14 @@ fn heartbeats_extend_only_known_leases_and_never_shorten_them() {
     let mut h = Harness::new(4);
     h.begin(1, Kind::Lend { notifications: 1 }, 0, &[], T);
     assert!(h.ledger.heartbeat(RequestId(1), Nanos(3 * T)));
-    assert!(h.ledger.heartbeat(RequestId(1), Nanos(2 * T)), "known, but must not shorten");
-    assert!(!h.ledger.heartbeat(RequestId(99), Nanos(5 * T)), "unknown ids are ignored");
+    assert!(
+        h.ledger.heartbeat(RequestId(1), Nanos(2 * T)),
+        "known, but must not shorten"
+    );
+    assert!(
+        !h.ledger.heartbeat(RequestId(99), Nanos(5 * T)),
+        "unknown ids are ignored"
+    );
     assert_eq!(h.ledger.stats().ignored_heartbeats, 1);
     h.advance(3 * T - 1);
     assert!(h.reports().is_empty());
@@ -310,7 +328,10 @@ fn notification_for_an_unknown_request_is_counted_as_rejected_and_dropped() {
     let mut h = Harness::new(4);
     let key = h.begin(1, Kind::Lend { notifications: 1 }, 0, &[], T);
     let before = h.slots.snapshot(key);
-    assert_eq!(h.notify(42, 1), Err(NotifyError::UnknownRequest(RequestId(42))));
+    assert_eq!(
+        h.notify(42, 1),
+        Err(NotifyError::UnknownRequest(RequestId(42)))
+    );
     assert_eq!(h.notify(1, 0), Err(NotifyError::ZeroCount(RequestId(1))));
     assert_eq!(h.ledger.stats().rejected_notifications, 2);
     assert_eq!(h.slots.snapshot(key), before);
@@ -334,7 +355,13 @@ fn deadline_cancels_handles_in_flight_and_reports_failed_after_the_last_one_stop
     h.advance(T - 1);
     assert!(h.cancels.is_empty());
     h.advance(T);
-    assert_eq!(h.cancels, [Cancel { key, handles: 0b110 }]);
+    assert_eq!(
+        h.cancels,
+        [Cancel {
+            key,
+            handles: 0b110
+        }]
+    );
     assert!(h.reports().is_empty(), "stalled handles still in flight");
     assert_eq!(h.slots.snapshot(key).unwrap().phase, Phase::Cancelling);
     // The forced close completes them with CANCELED.
@@ -386,7 +413,10 @@ fn abort_reports_failed_only_after_the_forced_close_completes_every_handle() {
     h.complete(key, 0, err(CANCELED));
     assert!(h.reports().is_empty());
     h.complete(key, 1, Ok(()));
-    assert_eq!(h.reports_of(1), [Outcome::Failed(Reason::of(Cause::Aborted))]);
+    assert_eq!(
+        h.reports_of(1),
+        [Outcome::Failed(Reason::of(Cause::Aborted))]
+    );
     assert_eq!(h.abort(1), Err(AbortError::UnknownRequest(RequestId(1))));
 }
 
@@ -395,7 +425,10 @@ fn abort_of_a_lend_reports_failed_at_once() {
     let mut h = Harness::new(4);
     let key = h.begin(1, Kind::Lend { notifications: 1 }, 0, &blocks(&[1]), T);
     assert_eq!(h.abort(1), Ok(None));
-    assert_eq!(h.reports_of(1), [Outcome::Failed(Reason::of(Cause::Aborted))]);
+    assert_eq!(
+        h.reports_of(1),
+        [Outcome::Failed(Reason::of(Cause::Aborted))]
+    );
     assert_eq!(h.retire(key), [], "only reads invalidate blocks");
 }
 
@@ -414,7 +447,10 @@ fn lost_peer_fails_every_handle_to_it_deferred_until_they_stop() {
     assert_eq!((h.notices_of(1), h.notices_of(2)), (1, 1));
     assert!(h.reports().is_empty(), "handles to peer 0 still in flight");
     // Request 2's unposted handle to peer 1 is stopped and cannot be posted.
-    assert_eq!(h.slots.posting(hk(b, 1)), Err(InputError::Cancelled(hk(b, 1))));
+    assert_eq!(
+        h.slots.posting(hk(b, 1)),
+        Err(InputError::Cancelled(hk(b, 1)))
+    );
     // Request 1's handle to peer 1 comes back with the endpoint error.
     h.complete(a, 1, err(ENDPOINT_TIMEOUT));
     h.complete(a, 0, Ok(()));
@@ -530,7 +566,11 @@ fn duplicate_and_malformed_handle_inputs_give_typed_errors_and_change_nothing() 
     for (got, want) in refused {
         assert_eq!(got, Err(want));
     }
-    assert_eq!(h.slots.snapshot(key), snap, "refused inputs changed the request");
+    assert_eq!(
+        h.slots.snapshot(key),
+        snap,
+        "refused inputs changed the request"
+    );
     assert_eq!(h.ledger.stats().rejected_inputs, n);
     assert!(h.events.is_empty());
 }
@@ -546,7 +586,8 @@ fn stale_key_can_never_touch_the_request_that_reuses_its_slot() {
     assert_ne!(new.generation(), old.generation());
     let snap = h.slots.snapshot(new);
     assert_eq!(
-        h.slots.completed(hk(old, 0), err(IO_ERROR), &mut |_| panic!()),
+        h.slots
+            .completed(hk(old, 0), err(IO_ERROR), &mut |_| panic!()),
         Err(InputError::Stale(old))
     );
     assert_eq!(h.slots.posting(hk(old, 0)), Err(InputError::Stale(old)));
@@ -561,7 +602,10 @@ fn retire_is_refused_before_the_report_and_after_a_retire() {
     let mut h = Harness::new(2);
     let key = h.begin_posted(1, Kind::Read, 1, &blocks(&[1]), T);
     let mut v = Vec::new();
-    assert_eq!(h.slots.retire(key, &mut v), Err(RetireError::NotReported(key)));
+    assert_eq!(
+        h.slots.retire(key, &mut v),
+        Err(RetireError::NotReported(key))
+    );
     h.complete(key, 0, err(IO_ERROR));
     h.slots.retire(key, &mut v).unwrap();
     assert_eq!(v, blocks(&[1]));
@@ -574,7 +618,10 @@ fn retire_is_refused_before_the_report_and_after_a_retire() {
 fn a_retired_id_can_begin_again() {
     let mut h = Harness::new(2);
     let key = h.begin(1, Kind::PrefixHit, 0, &[], T);
-    assert!(h.try_begin(1, Kind::PrefixHit, &[], &[], T).is_err(), "reported, not yet retired");
+    assert!(
+        h.try_begin(1, Kind::PrefixHit, &[], &[], T).is_err(),
+        "reported, not yet retired"
+    );
     h.retire(key);
     let again = h.begin(1, Kind::PrefixHit, 0, &[], T);
     assert_ne!(again, key);

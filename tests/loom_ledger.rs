@@ -4,8 +4,8 @@
 
 use kvpoll::ledger::*;
 use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use loom::thread;
+use std::sync::Arc;
 
 fn check(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
@@ -55,8 +55,12 @@ fn loom_two_pollers_completing_one_read_publish_once_only_when_quiescent_and_eng
         let pollers: Vec<_> = [(0u8, Err(Reason::new(Cause::Transfer, -3))), (1, Ok(()))]
             .into_iter()
             .map(|(h, result)| {
-                let (slots, reports, mailbox, entered) =
-                    (slots.clone(), reports.clone(), mailbox.clone(), entered.clone());
+                let (slots, reports, mailbox, entered) = (
+                    slots.clone(),
+                    reports.clone(),
+                    mailbox.clone(),
+                    entered.clone(),
+                );
                 thread::spawn(move || {
                     entered[usize::from(h)].store(true, Ordering::Relaxed);
                     slots

@@ -91,6 +91,8 @@
 //! assert_eq!(invalid, [BlockId(7)]);
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 mod event;
 mod index;

@@ -63,7 +63,6 @@ impl State {
     fn is_tracked(self) -> bool {
         self.phase() == LIVE || self.phase() == CANCELLING
     }
-
 }
 
 // ---------------------------------------------------------------------------
@@ -657,12 +656,7 @@ impl Slots {
 
     /// Moves a live request to CANCELLING with `cause`, stops every handle not
     /// yet posted, and returns the handles still in flight.
-    pub(crate) fn cancel(
-        &self,
-        slot: u32,
-        cause: Cause,
-        out: &mut impl FnMut(Event),
-    ) -> Cancelled {
+    pub(crate) fn cancel(&self, slot: u32, cause: Cause, out: &mut impl FnMut(Event)) -> Cancelled {
         let s = self.slot(slot);
         let mut st = self.state(slot);
         loop {
@@ -782,8 +776,7 @@ impl Slots {
         let next = State::new(st.generation().wrapping_add(1), FREE, 0);
         // AcqRel: one retire per report; Release orders our block reads
         // before the slot can be taken again.
-        if s
-            .state
+        if s.state
             .compare_exchange(st.0, next.0, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
         {

@@ -79,8 +79,18 @@ impl Harness {
     }
 
     /// Begins request `id` without posting anything.
-    pub fn begin(&mut self, id: u64, kind: Kind, n: u32, blocks: &[BlockId], expires: u64) -> RequestKey {
-        match self.try_begin(id, kind, &peers(n), blocks, expires).unwrap() {
+    pub fn begin(
+        &mut self,
+        id: u64,
+        kind: Kind,
+        n: u32,
+        blocks: &[BlockId],
+        expires: u64,
+    ) -> RequestKey {
+        match self
+            .try_begin(id, kind, &peers(n), blocks, expires)
+            .unwrap()
+        {
             Begun::Tracked(key) => key,
             Begun::Untracked => panic!("untracked"),
         }
@@ -102,7 +112,9 @@ impl Harness {
     pub fn advance(&mut self, now: u64) {
         let (events, cancels) = (&mut self.events, &mut self.cancels);
         self.ledger
-            .advance(Nanos(now), &mut |e| events.push(e), &mut |c| cancels.push(c));
+            .advance(Nanos(now), &mut |e| events.push(e), &mut |c| {
+                cancels.push(c)
+            });
     }
 
     pub fn abort(&mut self, id: u64) -> Result<Option<Cancel>, AbortError> {

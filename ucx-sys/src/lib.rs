@@ -22,7 +22,8 @@ pub fn UCS_PTR_IS_ERR(ptr: *const core::ffi::c_void) -> bool {
 /// `UCS_PTR_IS_PTR`: a real request pointer (neither NULL nor an error).
 #[inline]
 pub fn UCS_PTR_IS_PTR(ptr: *const core::ffi::c_void) -> bool {
-    (ptr as usize).wrapping_sub(1) < (ucs_status_t::UCS_ERR_LAST as i8 as isize as usize).wrapping_sub(1)
+    (ptr as usize).wrapping_sub(1)
+        < (ucs_status_t::UCS_ERR_LAST as i8 as isize as usize).wrapping_sub(1)
 }
 
 /// `UCS_PTR_RAW_STATUS`: the status encoded in a pointer.
@@ -66,7 +67,9 @@ pub fn status_str(status: Status) -> &'static str {
         if p.is_null() {
             return "unknown UCX status";
         }
-        core::ffi::CStr::from_ptr(p).to_str().unwrap_or("non-UTF-8 UCX status")
+        core::ffi::CStr::from_ptr(p)
+            .to_str()
+            .unwrap_or("non-UTF-8 UCX status")
     }
 }
 
