@@ -267,7 +267,10 @@ impl Driver {
                 continue;
             }
             let mut invalid = Vec::new();
-            self.slots.retire(e.key, &mut invalid).unwrap();
+            self.slots
+                .blocks_to_invalidate(e.key, &mut invalid)
+                .unwrap();
+            self.ledger.retire(e.key).unwrap();
             let t = &self.truth[&e.id.0];
             if matches!(e.outcome, Outcome::Failed(_)) && t.kind == Kind::Read {
                 assert_eq!(invalid, t.blocks, "failed read hands back its blocks");

@@ -602,16 +602,40 @@ fn retire_is_refused_before_the_report_and_after_a_retire() {
     let mut h = Harness::new(2);
     let key = h.begin_posted(1, Kind::Read, 1, &blocks(&[1]), T);
     let mut v = Vec::new();
+    assert_eq!(h.ledger.retire(key), Err(RetireError::NotReported(key)));
     assert_eq!(
-        h.slots.retire(key, &mut v),
+        h.slots.blocks_to_invalidate(key, &mut v),
         Err(RetireError::NotReported(key))
     );
     h.complete(key, 0, err(IO_ERROR));
-    h.slots.retire(key, &mut v).unwrap();
+    h.slots.blocks_to_invalidate(key, &mut v).unwrap();
     assert_eq!(v, blocks(&[1]));
-    assert_eq!(h.slots.retire(key, &mut v), Err(RetireError::Stale(key)));
-    assert_eq!(v, blocks(&[1]), "a refused retire adds no blocks");
-    assert_eq!(h.ledger.stats().rejected_retires, 2);
+    h.ledger.retire(key).unwrap();
+    assert_eq!(h.ledger.retire(key), Err(RetireError::Stale(key)));
+    assert_eq!(
+        h.slots.blocks_to_invalidate(key, &mut v),
+        Err(RetireError::Stale(key))
+    );
+    assert_eq!(v, blocks(&[1]), "a refused read adds no blocks");
+    assert_eq!(h.ledger.stats().rejected_retires, 4);
+    assert_eq!(h.ledger.stats().in_use, 0);
+}
+
+#[test]
+fn freed_slots_are_reused_oldest_first() {
+    let mut h = Harness::new(3);
+    let a = h.begin(1, Kind::PrefixHit, 0, &[], T);
+    let b = h.begin(2, Kind::PrefixHit, 0, &[], T);
+    h.retire(b);
+    h.retire(a);
+    let c = h.begin(3, Kind::PrefixHit, 0, &[], T);
+    let d = h.begin(4, Kind::PrefixHit, 0, &[], T);
+    let e = h.begin(5, Kind::PrefixHit, 0, &[], T);
+    assert_eq!(
+        [c.slot(), d.slot(), e.slot()],
+        [2, b.slot(), a.slot()],
+        "never-used first, then in retirement order"
+    );
 }
 
 #[test]

@@ -6,7 +6,8 @@
 //! last handle completes it is handed to the engine thread, which retires it.
 //!
 //! - **ledger**: [`crate::ledger::Ledger`] + [`crate::ring::events`]; the
-//!   engine thread polls the event ring and retires keys.
+//!   engine thread polls the event ring and hands each reported key back
+//!   over a second ring; the poller retires them when it needs slots.
 //! - **locked**: a `Mutex<HashMap<request, Vec<handle state>>>` plus a
 //!   finished list under the same lock; the engine thread polls the finished
 //!   list. Same bookkeeping: per-handle state, deferred failure check, one
@@ -172,6 +173,9 @@ pub fn run_ledger(s: &Schedule) -> Result<Duration, BenchError> {
     .map_err(|_| BenchError::Shape)?;
     let slots = ledger.slots().clone();
     let (mut tx, mut rx) = ring::events::<Event>(4096, 4096);
+    // Keys handed back for retirement: room for every slot, so the engine
+    // never waits on it.
+    let (mut back, mut returned) = ring::commands::<RequestKey>(ledger.stats().capacity as usize);
     let total = s.windows() * cfg.window;
     let peers: Vec<PeerId> = (0..u32::from(cfg.handles)).map(PeerId).collect();
     let start = Barrier::new(2);
@@ -184,7 +188,10 @@ pub fn run_ledger(s: &Schedule) -> Result<Duration, BenchError> {
             while seen < total {
                 match rx.recv() {
                     Some(e) if e.outcome.is_terminal() => {
-                        refused += u64::from(slots.retire(e.key, &mut invalid).is_err());
+                        invalid.clear();
+                        refused +=
+                            u64::from(slots.blocks_to_invalidate(e.key, &mut invalid).is_err());
+                        refused += u64::from(back.send(e.key).is_err());
                         seen += 1;
                         idle.reset();
                     }
@@ -214,17 +221,22 @@ pub fn run_ledger(s: &Schedule) -> Result<Duration, BenchError> {
                 };
                 let full = Backoff::new();
                 *key = loop {
-                    match ledger.begin(&req, &mut publish) {
+                    match ledger.begin_posting(&req, &mut publish) {
                         Ok(Begun::Tracked(k)) => break k,
-                        // The engine has not retired enough yet.
-                        Err(BeginError::Full { .. }) => full.snooze(),
+                        // Retire what the engine handed back, or wait for it.
+                        Err(BeginError::Full { .. }) => {
+                            let mut any = false;
+                            while let Some(k) = returned.recv() {
+                                refused += u64::from(ledger.retire(k).is_err());
+                                any = true;
+                            }
+                            if !any {
+                                full.snooze();
+                            }
+                        }
                         _ => return Err(BenchError::Refused(1)),
                     }
                 };
-                for h in 0..cfg.handles {
-                    let hk = HandleKey::new(*key, h).ok_or(BenchError::Shape)?;
-                    refused += u64::from(slots.posting(hk).is_err());
-                }
             }
             for &(i, h, ok) in &s.orders[w as usize % s.orders.len()] {
                 let hk = HandleKey::new(keys[i as usize], h).ok_or(BenchError::Shape)?;

@@ -107,7 +107,8 @@ pub enum AbortError {
     UnknownRequest(RequestId),
 }
 
-/// A retire was refused; nothing changed.
+/// A retire (or a read of blocks to invalidate) was refused; nothing
+/// changed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RetireError {
     /// The key is not the slot's current request (retired twice, or never

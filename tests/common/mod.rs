@@ -147,9 +147,12 @@ impl Harness {
             .count()
     }
 
+    /// What the engine does with a report: takes the blocks to invalidate,
+    /// hands the key back; the owner retires it.
     pub fn retire(&mut self, key: RequestKey) -> Vec<BlockId> {
         let mut v = Vec::new();
-        self.slots.retire(key, &mut v).unwrap();
+        self.slots.blocks_to_invalidate(key, &mut v).unwrap();
+        self.ledger.retire(key).unwrap();
         v
     }
 }
