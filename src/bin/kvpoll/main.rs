@@ -4,6 +4,9 @@ use std::process::ExitCode;
 
 use kvpoll::ledger::bench::{self, BenchConfig, BenchError};
 
+/// Interleaved runs of each tracker (about 25 ms a pair here).
+const RUNS: u32 = 31;
+
 const USAGE: &str = "usage: kvpoll bench ledger [--json]";
 
 /// What was wrong with the command line, or with running it.
@@ -72,7 +75,7 @@ fn bench(args: &[String]) -> Result<(), CliError> {
             other => return Err(CliError::UnexpectedArgument(other.to_owned())),
         }
     }
-    let t = bench::compare(BenchConfig::default(), 9)?;
+    let t = bench::compare(BenchConfig::default(), RUNS)?;
     if json {
         println!("{}", t.to_json());
     } else {
@@ -86,4 +89,35 @@ fn bench(args: &[String]) -> Result<(), CliError> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn bad_command_lines_are_usage_errors_naming_the_wrong_word() {
+        let cases = [
+            (args(&[]), "missing command"),
+            (args(&["bnech"]), "unknown command `bnech`"),
+            (args(&["bench"]), "missing bench name (expected `ledger`)"),
+            (
+                args(&["bench", "ring"]),
+                "unknown bench `ring` (expected `ledger`)",
+            ),
+            (
+                args(&["bench", "ledger", "--jsn"]),
+                "unexpected argument `--jsn`",
+            ),
+        ];
+        for (line, want) in cases {
+            let e = run(&line).expect_err("must be refused");
+            assert!(e.is_usage());
+            assert_eq!(e.to_string(), want);
+        }
+    }
 }
