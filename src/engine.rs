@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::ledger::{
-    BlockId, Event, LedgerConfig, Outcome, PeerId, Reason, RequestId, Slots, MAX_HANDLES,
+    BlockId, Event, LedgerConfig, Outcome, PeerId, Reason, RequestId, RequestKey, Slots,
+    MAX_HANDLES,
 };
 use crate::metadata::MetadataError;
 use crate::poller::{self, Control, Entry, Op, Shared};
@@ -313,6 +314,9 @@ impl EngineBuilder {
         let slots = ledger.slots().clone();
         let (commands, command_rx) = ring::commands::<Entry>(self.command_ring);
         let (event_tx, events) = ring::events::<Event>(self.event_ring, self.event_overflow);
+        // Keys of reported requests go back to the poller, which frees their
+        // slots. At most `slots` keys exist, so this ring is never full.
+        let (retire, retire_rx) = ring::commands::<RequestKey>(self.ledger.slots as usize);
         let (control, control_rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             sleeping: AtomicBool::new(false),
@@ -338,10 +342,13 @@ impl EngineBuilder {
                 poller::run(
                     config,
                     ledger,
-                    command_rx,
-                    event_tx,
-                    control_rx,
-                    thread_shared,
+                    poller::Channels {
+                        commands: command_rx,
+                        retire: retire_rx,
+                        events: event_tx,
+                        control: control_rx,
+                        shared: thread_shared,
+                    },
                     ready_tx,
                 )
             })
@@ -360,6 +367,7 @@ impl EngineBuilder {
         Ok(Engine {
             slots,
             commands,
+            retire,
             events,
             control,
             shared,
@@ -409,6 +417,7 @@ struct Region {
 pub struct Engine {
     slots: Arc<Slots>,
     commands: CommandSender<Entry>,
+    retire: CommandSender<RequestKey>,
     events: EventReceiver<Event>,
     control: mpsc::Sender<Control>,
     shared: Arc<Shared>,
@@ -785,9 +794,10 @@ impl Engine {
         }
     }
 
-    /// Ledger counters (rejected inputs and notifications, occupancy).
+    /// Ledger counters (rejected inputs and notifications); `in_use` counts
+    /// the requests in flight as this thread sees them.
     pub fn ledger_stats(&self) -> crate::ledger::Stats {
-        self.slots.stats()
+        self.slots.stats(self.in_flight.len() as u32)
     }
 
     fn wake(&self) {
@@ -822,9 +832,12 @@ impl Engine {
         }
         let role = self.in_flight.remove(&id);
         self.retired.clear();
-        // Retire after reading the blocks to invalidate: the slot (and its
-        // blocks) cannot be reused before this.
-        let _ = self.slots.retire(key, &mut self.retired);
+        // Read the blocks to invalidate, then hand the key back: the slot
+        // (and its block list) cannot be reused before the poller retires it.
+        let _ = self.slots.blocks_to_invalidate(key, &mut self.retired);
+        // Cannot be full (one entry per slot); if the poller is gone, there
+        // is nothing left to free.
+        let _ = self.retire.send(key);
         match outcome {
             Outcome::Finished => out.finished_recving.push(id),
             Outcome::Failed(reason) => {

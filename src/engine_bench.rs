@@ -92,36 +92,44 @@ pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
         }
         pinned
     });
-    let pinned = try_pin(0);
-    let mut samples = Vec::with_capacity(rounds);
-    let mut v = 0u64;
-    for _ in 0..rounds {
-        let t = Instant::now();
-        for _ in 0..trips {
-            line.store(v + 1, Ordering::Release);
-            while line.load(Ordering::Acquire) != v + 2 {
-                std::hint::spin_loop();
+    // The measuring end runs in a thread of its own too, so that the
+    // caller's affinity is never changed.
+    let ping = std::thread::spawn(move || {
+        let pinned = try_pin(0);
+        let mut samples = Vec::with_capacity(rounds);
+        let mut v = 0u64;
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for _ in 0..trips {
+                line.store(v + 1, Ordering::Release);
+                while line.load(Ordering::Acquire) != v + 2 {
+                    std::hint::spin_loop();
+                }
+                v += 2;
             }
-            v += 2;
+            samples.push(t.elapsed().as_nanos() as u64 / trips);
         }
-        samples.push(t.elapsed().as_nanos() as u64 / trips);
-    }
+        (samples, pinned)
+    });
+    let (mut samples, pinned) = ping.join().unwrap_or_default();
     let echo_pinned = echo.join().unwrap_or(false);
     samples.sort_unstable();
     (percentile(&samples, 0.5), pinned && echo_pinned)
 }
 
 /// Completion → visible latencies (ns), one request at a time, `n` samples.
+/// Both ends run in threads of their own (pinned to two cores when the
+/// machine has them); the caller only waits.
 pub fn completion_to_visible(n: usize) -> Vec<u64> {
-    let mut ledger = match Ledger::new(LedgerConfig {
+    let Ok(mut ledger) = Ledger::new(LedgerConfig {
         slots: 64,
         max_blocks: 4,
-    }) {
-        Ok(l) => l,
-        Err(_) => return Vec::new(),
+    }) else {
+        return Vec::new();
     };
     let slots = ledger.slots().clone();
     let (mut tx, mut rx) = crate::ring::events::<crate::ledger::Event>(1024, 1024);
+    let (mut back, mut retired_keys) = crate::ring::commands::<crate::ledger::RequestKey>(64);
     let epoch = Instant::now();
     let stamp = Arc::new(AtomicU64::new(0));
     let seen = Arc::new(AtomicU64::new(0));
@@ -130,49 +138,58 @@ pub fn completion_to_visible(n: usize) -> Vec<u64> {
     let engine = std::thread::spawn(move || {
         try_pin(0);
         let mut lat = Vec::with_capacity(n);
-        let mut retired = Vec::new();
+        let mut invalid = Vec::new();
         while lat.len() < n {
             if let Some(ev) = rx.recv() {
                 let t = epoch.elapsed().as_nanos() as u64;
                 lat.push(t.saturating_sub(stamp2.load(Ordering::Acquire)));
-                let _ = engine_slots.retire(ev.key, &mut retired);
+                let _ = engine_slots.blocks_to_invalidate(ev.key, &mut invalid);
+                let _ = back.send(ev.key);
                 seen2.store(lat.len() as u64, Ordering::Release);
+            } else if seen2.load(Ordering::Acquire) == u64::MAX {
+                break; // the poller gave up
             } else {
                 std::hint::spin_loop();
             }
         }
         lat
     });
-    try_pin(1);
-    let peers = [PeerId(0)];
-    for i in 0..n as u64 {
-        let req = Request {
-            id: RequestId(i),
-            kind: Kind::Read,
-            peers: &peers,
-            blocks: &[],
-            expires: Nanos(u64::MAX),
-        };
-        let mut publish = |e| {
-            let _ = tx.publish(e);
-        };
-        let key = match ledger.begin(&req, &mut publish) {
-            Ok(Begun::Tracked(k)) => k,
-            _ => break,
-        };
-        let Some(hk) = HandleKey::new(key, 0) else {
-            break;
-        };
-        let _ = slots.posting(hk);
-        // Release: the engine thread reads the stamp after the event,
-        // which the ring publishes after this store.
-        stamp.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
-        let _ = slots.completed(hk, Ok(()), &mut publish);
-        while seen.load(Ordering::Acquire) < i + 1 {
-            std::hint::spin_loop();
+    let poller = std::thread::spawn(move || {
+        try_pin(1);
+        let peers = [PeerId(0)];
+        for i in 0..n as u64 {
+            let req = Request {
+                id: RequestId(i),
+                kind: Kind::Read,
+                peers: &peers,
+                blocks: &[],
+                expires: Nanos(u64::MAX),
+            };
+            let mut publish = |e| {
+                let _ = tx.publish(e);
+            };
+            let hk = match ledger.begin(&req, &mut publish) {
+                Ok(Begun::Tracked(k)) => HandleKey::new(k, 0),
+                _ => None,
+            };
+            let Some(hk) = hk else {
+                seen.store(u64::MAX, Ordering::Release);
+                return;
+            };
+            let _ = slots.posting(hk);
+            // Release: the engine thread reads the stamp after the event,
+            // which the ring publishes after this store.
+            stamp.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
+            let _ = slots.completed(hk, Ok(()), &mut publish);
+            while seen.load(Ordering::Acquire) < i + 1 {
+                std::hint::spin_loop();
+            }
+            while let Some(k) = retired_keys.recv() {
+                let _ = ledger.retire(k);
+            }
         }
-    }
-    drop(tx);
+    });
+    let _ = poller.join();
     engine.join().unwrap_or_default()
 }
 

@@ -169,6 +169,7 @@ struct Poller {
     ledger: Ledger,
     slots: Arc<Slots>,
     commands: CommandReceiver<Entry>,
+    retire: CommandReceiver<RequestKey>,
     events: EventPublisher<Event>,
     control: mpsc::Receiver<Control>,
     shared: Arc<Shared>,
@@ -191,17 +192,23 @@ struct Poller {
     handles_completed: u64,
 }
 
+/// The poller's ends of what connects it to the engine thread.
+pub(crate) struct Channels {
+    pub(crate) commands: CommandReceiver<Entry>,
+    pub(crate) retire: CommandReceiver<RequestKey>,
+    pub(crate) events: EventPublisher<Event>,
+    pub(crate) control: mpsc::Receiver<Control>,
+    pub(crate) shared: Arc<Shared>,
+}
+
 /// The poller thread's body.
 pub(crate) fn run(
     cfg: Config,
     ledger: Ledger,
-    commands: CommandReceiver<Entry>,
-    events: EventPublisher<Event>,
-    control: mpsc::Receiver<Control>,
-    shared: Arc<Shared>,
+    channels: Channels,
     ready: mpsc::Sender<Result<(), EngineError>>,
 ) {
-    let mut poller = match Poller::new(cfg, ledger, commands, events, control, shared) {
+    let mut poller = match Poller::new(cfg, ledger, channels) {
         Ok(p) => p,
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -213,14 +220,14 @@ pub(crate) fn run(
 }
 
 impl Poller {
-    fn new(
-        cfg: Config,
-        ledger: Ledger,
-        commands: CommandReceiver<Entry>,
-        events: EventPublisher<Event>,
-        control: mpsc::Receiver<Control>,
-        shared: Arc<Shared>,
-    ) -> Result<Self, EngineError> {
+    fn new(cfg: Config, ledger: Ledger, channels: Channels) -> Result<Self, EngineError> {
+        let Channels {
+            commands,
+            retire,
+            events,
+            control,
+            shared,
+        } = channels;
         if let Some(core) = cfg.core {
             let outcome = crate::placement::pin_current_thread(core, cfg.idle)
                 .map_err(|e| EngineError::Config(e.to_string()))?;
@@ -245,6 +252,7 @@ impl Poller {
             ledger,
             slots,
             commands,
+            retire,
             events,
             control,
             shared,
@@ -289,6 +297,10 @@ impl Poller {
                 break;
             }
             work += self.drain_commands();
+            while let Some(key) = self.retire.recv() {
+                let _ = self.ledger.retire(key);
+                work += 1;
+            }
             work += self.worker.progress();
             work += self.handle_completions();
             work += self.handle_notifications();

@@ -30,6 +30,8 @@
 //! assert_eq!(got, [0, 1, 2, 3, 4]);
 //! ```
 
+#![warn(missing_docs)]
+
 use std::collections::VecDeque;
 
 use rtrb::{Consumer, Producer, PushError, RingBuffer};

@@ -1,7 +1,7 @@
 //! Peer metadata built from a real UCX worker and region: round trip, and
 //! every kind of bad input refused with a typed error.
 
-mod common;
+mod ucx_common;
 
 use kvpoll::metadata::{BlockLayout, MetadataError, PeerMetadata, RegionDescriptor};
 use kvpoll::transport::ucx::MemoryRegion;
@@ -9,7 +9,7 @@ use kvpoll::wire::{fnv1a64, FrameError};
 use proptest::prelude::*;
 
 fn real_metadata(regions: &[(u32, u64)]) -> PeerMetadata {
-    let (ctx, w) = common::worker("tcp");
+    let (ctx, w) = ucx_common::worker("tcp");
     let regions = regions
         .iter()
         .map(|&(id, blocks)| {

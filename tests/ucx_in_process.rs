@@ -1,14 +1,14 @@
 //! Two UCX workers in one process, over tcp and over shared memory: real
 //! one-sided transfers, verified byte for byte.
 
-mod common;
+mod ucx_common;
 
 use std::time::Duration;
 
-use common::{pattern_bytes, wait_completions, worker};
 use kvpoll::transport::ucx::{
     BlockOp, Endpoint, MemoryRegion, PackedRkey, RemoteKey, UcxError, UcxStatus, WorkerAddress,
 };
+use ucx_common::{pattern_bytes, wait_completions, worker};
 
 const BLOCKS: u64 = 64;
 const BLOCK: u64 = 16 * 1024;

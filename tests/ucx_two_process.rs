@@ -1,17 +1,17 @@
 //! Two processes on loopback: this test process reads from a `kvpoll
 //! ucx-peer` process over real UCX, and survives the peer being killed.
 
-mod common;
+mod ucx_common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::wait_completions;
 use kvpoll::transport::ucx::{
     BlockOp, Endpoint, MemoryRegion, PackedRkey, RemoteKey, WorkerAddress,
 };
 use kvpoll::wire::from_hex;
+use ucx_common::wait_completions;
 
 const BLOCK: u64 = 16 * 1024;
 const LIMIT: Duration = Duration::from_secs(60);
@@ -68,7 +68,7 @@ fn ops(first_token: u64, blocks: u64) -> Vec<BlockOp> {
 #[test]
 fn gets_from_a_peer_process_over_tcp_match_its_pattern() {
     let peer = spawn_peer(64, 5);
-    let (ctx, w) = common::worker("tcp");
+    let (ctx, w) = ucx_common::worker("tcp");
     let local = MemoryRegion::allocate(&ctx, (64 * BLOCK) as usize).unwrap();
     let ep = Endpoint::connect(&w, &peer.address, 1).unwrap();
     let rkey = RemoteKey::unpack(&ep, &peer.rkey).unwrap();
@@ -85,7 +85,7 @@ fn gets_from_a_peer_process_over_tcp_match_its_pattern() {
 #[test]
 fn killed_peer_fails_every_inflight_get_with_an_error_never_a_hang() {
     let mut peer = spawn_peer(64, 9);
-    let (ctx, w) = common::worker("tcp");
+    let (ctx, w) = ucx_common::worker("tcp");
     let local = MemoryRegion::allocate(&ctx, (64 * BLOCK) as usize).unwrap();
     let ep = Endpoint::connect(&w, &peer.address, 77).unwrap();
     let rkey = RemoteKey::unpack(&ep, &peer.rkey).unwrap();

@@ -61,7 +61,7 @@ pub enum BeginError {
 pub enum InputError {
     /// The request ended and was retired (the slot may hold another request
     /// now), or the key was never issued.
-    #[error("{0:?} is stale: its request is no longer tracked")]
+    #[error("{0:?} is stale: its request was retired")]
     Stale(RequestKey),
     /// The request has no such handle.
     #[error("{0:?} is not a handle of its request")]
@@ -107,7 +107,8 @@ pub enum AbortError {
     UnknownRequest(RequestId),
 }
 
-/// A retire was refused; nothing changed.
+/// A retire (or a read of blocks to invalidate) was refused; nothing
+/// changed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RetireError {
     /// The key is not the slot's current request (retired twice, or never

@@ -76,14 +76,14 @@ impl Reason {
 
 /// What happened to a request. All but [`Outcome::HandleFailed`] are
 /// *terminal*: reported exactly once per request, after which the engine
-/// retires the key ([`crate::ledger::Slots::retire`]).
+/// hands the key back to the owner ([`crate::ledger::Ledger::retire`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
     /// A read (or a prefix hit) has all its data.
     Finished,
     /// The request failed and is quiescent: nothing writes into its blocks any
-    /// more. For a read, [`crate::ledger::Slots::retire`] hands back its local
-    /// blocks to invalidate.
+    /// more. For a read, [`crate::ledger::Slots::blocks_to_invalidate`] gives
+    /// its local blocks to invalidate.
     Failed(Reason),
     /// A write completed, was flushed, and every expected acknowledgement
     /// arrived: its source blocks are free.

@@ -13,12 +13,15 @@
 //!   inputs ([`Slots::posting`], [`Slots::setup_failed`],
 //!   [`Slots::completed`], [`Slots::release_failed`],
 //!   [`Slots::release_retried`]) take `&self` and may come from any poller;
-//!   the engine thread calls [`Slots::retire`].
+//!   the engine thread reads a failed read's blocks with
+//!   [`Slots::blocks_to_invalidate`].
 //! - [`Ledger`] is the owner's half, held by one poller: it begins requests,
 //!   maps request ids to slots, and takes the inputs that need that map or
 //!   the time ([`Ledger::notify`], [`Ledger::heartbeat`], [`Ledger::abort`],
-//!   [`Ledger::advance`], [`Ledger::peer_lost`]). Only it takes free slots, so
-//!   a slot is never reused under the feet of an owner input.
+//!   [`Ledger::advance`], [`Ledger::peer_lost`]), and retires reported
+//!   requests ([`Ledger::retire`]) when the engine hands their keys back.
+//!   Only it frees and takes slots, so a slot is never reused under the feet
+//!   of an owner input, and the engine thread writes nothing in the slab.
 //!
 //! A slot holds: a *state word* (generation, phase, kind, cancel cause,
 //! outcome); `planned`, `stopped` and `failed` bitmaps (one bit a handle, up
@@ -45,10 +48,11 @@
 //!   (the last stop of a write and its last acknowledgement), each completes
 //!   its own with a RMW and reads the other's with a RMW (`fetch_or(0)`), which
 //!   reads the latest value: at least one of them sees both.
-//! - The slot is freed only by [`Slots::retire`], which the engine calls after
-//!   it consumed the terminal event, reading a failed read's blocks to
-//!   invalidate first. So the blocks cannot be overwritten by a new request
-//!   before the engine has them, and the generation changes only then.
+//! - The slot is freed only by [`Ledger::retire`], after the engine consumed
+//!   the terminal event, read a failed read's blocks to invalidate, and
+//!   handed the key back. So the blocks cannot be overwritten by a new
+//!   request before the engine has them, and the generation changes only
+//!   then. Freed slots are reused oldest first.
 //!
 //! # Deferred failure and cancellation
 //!
@@ -86,10 +90,15 @@
 //! slots.completed(h1, err, &mut |e| events.push(e)).unwrap(); // quiescent: reported
 //! let last = *events.last().unwrap();
 //! assert!(matches!(last.outcome, Outcome::Failed(_)));
+//! // The engine thread: take the blocks to invalidate, hand the key back.
 //! let mut invalid = Vec::new();
-//! slots.retire(last.key, &mut invalid).unwrap();
+//! slots.blocks_to_invalidate(last.key, &mut invalid).unwrap();
 //! assert_eq!(invalid, [BlockId(7)]);
+//! ledger.retire(last.key).unwrap();
+//! assert_eq!(ledger.stats().in_use, 0);
 //! ```
+
+#![warn(missing_docs)]
 
 mod error;
 mod event;
@@ -100,6 +109,8 @@ mod slots;
 
 pub mod bench;
 
+use std::collections::VecDeque;
+
 use arrayvec::ArrayVec;
 
 pub use error::{AbortError, BeginError, ConfigError, InputError, NotifyError, RetireError};
@@ -109,9 +120,9 @@ pub use request::{Kind, Request};
 pub use slots::{Phase, SlotView, Slots, Stats};
 
 use index::IdIndex;
-use slots::{State, CANCELLING, FREE, K_LEND, K_READ, K_WRITE, LIVE};
+use slots::{Cancelled, State, CANCELLING, FREE, K_LEND, K_READ, K_WRITE, LIVE};
 
-use crate::sync::Arc;
+use std::sync::Arc;
 
 /// Sizes of a ledger, fixed at construction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,7 +169,9 @@ pub struct Ledger {
     slots: Arc<Slots>,
     index: IdIndex,
     owned: Vec<Owned>,
-    cursor: u32,
+    /// Free slots, oldest retired first: a retired slot is reused as late
+    /// as possible, so a stale key meets a new generation late, not soon.
+    free: VecDeque<u32>,
     /// No live request expires before this (a lower bound: `advance` skips
     /// its scan until then).
     next_expiry: Nanos,
@@ -183,7 +196,7 @@ impl Ledger {
                     expires: Nanos(u64::MAX),
                 })
                 .collect(),
-            cursor: 0,
+            free: (0..config.slots).collect(),
             next_expiry: Nanos(u64::MAX),
         })
     }
@@ -193,12 +206,34 @@ impl Ledger {
         &self.slots
     }
 
-    /// Begins tracking `req`. Refused requests change nothing.
+    /// Begins tracking `req`. Refused requests change nothing. Claim each
+    /// handle with [`Slots::posting`] before posting it.
     ///
     /// A [`Kind::PrefixHit`] is reported `Finished` through `out` at once.
     pub fn begin(
         &mut self,
         req: &Request<'_>,
+        out: &mut impl FnMut(Event),
+    ) -> Result<Begun, BeginError> {
+        self.start(req, false, out)
+    }
+
+    /// [`Ledger::begin`], with every handle already claimed for posting (as
+    /// if [`Slots::posting`] had succeeded for each): for the usual driver,
+    /// which posts all of a request's handles at once. A handle it then
+    /// cannot post is reported with [`Slots::setup_failed`].
+    pub fn begin_posting(
+        &mut self,
+        req: &Request<'_>,
+        out: &mut impl FnMut(Event),
+    ) -> Result<Begun, BeginError> {
+        self.start(req, true, out)
+    }
+
+    fn start(
+        &mut self,
+        req: &Request<'_>,
+        posting: bool,
         out: &mut impl FnMut(Event),
     ) -> Result<Begun, BeginError> {
         let n = req.peers.len();
@@ -227,12 +262,11 @@ impl Ledger {
         if self.lookup(req.id).is_some() {
             return Err(BeginError::Duplicate(req.id));
         }
-        let Some(slot) = self.slots.take_free(self.cursor) else {
+        let Some(slot) = self.free.pop_front() else {
             return Err(BeginError::Full {
                 capacity: self.slots.capacity(),
             });
         };
-        self.cursor = (slot + 1) % self.slots.capacity();
         let owned = &mut self.owned[slot as usize];
         if let Some(old) = owned.id.take() {
             if self.index.get(&old) == Some(&slot) {
@@ -253,6 +287,7 @@ impl Ledger {
             n,
             expected,
             req.blocks,
+            posting,
         );
         if n == 0 {
             // Nothing to transfer: a prefix hit reports at once; a lend waits
@@ -338,20 +373,23 @@ impl Ledger {
     /// Aborts request `id`: handles not yet posted stop at once; the returned
     /// [`Cancel`] lists the handles in flight, whose endpoints the driver
     /// must force-close. The request is reported `Failed(Aborted)` once
-    /// quiescent (possibly at once, through `out`). `Ok(None)` if it is
-    /// already being cancelled.
+    /// quiescent (possibly at once, through `out`). `Ok(None)` if nothing is
+    /// in flight or it is already being cancelled; `Err` if no live request
+    /// has this id (including one reported before the abort took hold: its
+    /// report stands).
     pub fn abort(
         &mut self,
         id: RequestId,
         out: &mut impl FnMut(Event),
     ) -> Result<Option<Cancel>, AbortError> {
-        match self.lookup(id) {
-            Some((slot, st)) if st.phase() == LIVE => Ok(self
-                .slots
-                .cancel(slot, Cause::Aborted, out)
-                .and_then(cancel_of)),
-            Some((_, st)) if st.phase() == CANCELLING => Ok(None),
-            _ => Err(AbortError::UnknownRequest(id)),
+        let Some((slot, _)) = self.lookup(id) else {
+            return Err(AbortError::UnknownRequest(id));
+        };
+        match self.slots.cancel(slot, Cause::Aborted, out) {
+            Cancelled::Now(key, handles) => Ok(cancel_of(key, handles)),
+            Cancelled::Already => Ok(None),
+            // Reported before the abort took hold: the report stands.
+            Cancelled::Ended => Err(AbortError::UnknownRequest(id)),
         }
     }
 
@@ -384,8 +422,10 @@ impl Ledger {
             } else {
                 Cause::LeaseExpired
             };
-            if let Some(c) = self.slots.cancel(slot, cause, out).and_then(cancel_of) {
-                cancels(c);
+            if let Cancelled::Now(key, handles) = self.slots.cancel(slot, cause, out) {
+                if let Some(c) = cancel_of(key, handles) {
+                    cancels(c);
+                }
             }
         }
         self.next_expiry = next;
@@ -429,13 +469,24 @@ impl Ledger {
         count
     }
 
+    /// Retires reported request `key` once the engine consumed its report
+    /// (and, for a failed read, took its blocks with
+    /// [`Slots::blocks_to_invalidate`]): frees the slot and makes `key` stale.
+    /// The engine hands keys back to the owner (e.g. over the command ring).
+    pub fn retire(&mut self, key: RequestKey) -> Result<(), RetireError> {
+        self.slots.retire(key)?;
+        self.free.push_back(key.slot());
+        Ok(())
+    }
+
     /// Counters and occupancy.
     pub fn stats(&self) -> Stats {
-        self.slots.stats()
+        self.slots
+            .stats(self.slots.capacity() - self.free.len() as u32)
     }
 }
 
-fn cancel_of((key, handles): (RequestKey, u64)) -> Option<Cancel> {
+fn cancel_of(key: RequestKey, handles: u64) -> Option<Cancel> {
     (handles != 0).then_some(Cancel { key, handles })
 }
 

@@ -1,6 +1,7 @@
 //! The shared half of the ledger: a fixed slab of request slots made of
 //! atomics. Every method takes `&self` and may run on any thread: pollers
-//! report handle progress here, the engine thread retires reported requests.
+//! report handle progress here; the engine thread reads a failed read's
+//! blocks here before handing its key back to the owner.
 
 use crossbeam_utils::CachePadded;
 
@@ -146,7 +147,7 @@ pub enum Phase {
     Live,
     /// Deadline, lease or abort hit: waiting for quiescence to report.
     Cancelling,
-    /// Reported; waiting for the engine to retire it.
+    /// Reported; waiting to be retired.
     Reported,
 }
 
@@ -177,12 +178,10 @@ pub struct Slots {
     /// Claim words, `MAX_HANDLES` per slot.
     handles: Box<[AtomicU64]>,
     /// Local block ids, `max_blocks` per slot. Written by `begin` before the
-    /// slot's state is released; read by `retire` after it is reported.
+    /// slot's state is released; read by `blocks_to_invalidate` after it is
+    /// reported.
     blocks: Box<[AtomicU32]>,
     max_blocks: u32,
-    /// One bit per free slot: set by `retire` (engine thread), cleared by
-    /// `begin` (the owner).
-    free: Box<[AtomicU64]>,
     rejected_inputs: AtomicU64,
     rejected_notifications: AtomicU64,
     ignored_heartbeats: AtomicU64,
@@ -201,6 +200,16 @@ fn not_posted_or_ended(hk: HandleKey, step: u8) -> InputError {
     }
 }
 
+/// What a cancel found.
+pub(crate) enum Cancelled {
+    /// Cancelled now: these handles of the request are in flight.
+    Now(RequestKey, u64),
+    /// Someone cancelled it already.
+    Already,
+    /// It was reported (or retired) first.
+    Ended,
+}
+
 /// Iterates the set bits of a bitmap, lowest first.
 pub(crate) fn bits(mut m: u64) -> impl Iterator<Item = u8> {
     std::iter::from_fn(move || {
@@ -215,7 +224,6 @@ pub(crate) fn bits(mut m: u64) -> impl Iterator<Item = u8> {
 impl Slots {
     pub(crate) fn new(capacity: u32, max_blocks: u32) -> Self {
         let cap = capacity as usize;
-        let words = cap.div_ceil(64);
         Slots {
             slots: (0..cap).map(|_| CachePadded::new(Slot::new())).collect(),
             handles: (0..cap * MAX_HANDLES).map(|_| AtomicU64::new(0)).collect(),
@@ -223,12 +231,6 @@ impl Slots {
                 .map(|_| AtomicU32::new(0))
                 .collect(),
             max_blocks,
-            free: (0..words)
-                .map(|w| {
-                    let n = (cap - w * 64).min(64);
-                    AtomicU64::new(if n == 64 { u64::MAX } else { (1 << n) - 1 })
-                })
-                .collect(),
             rejected_inputs: AtomicU64::new(0),
             rejected_notifications: AtomicU64::new(0),
             ignored_heartbeats: AtomicU64::new(0),
@@ -263,35 +265,8 @@ impl Slots {
 
     // -- slot allocation (owner) -----------------------------------------
 
-    /// Takes a free slot, searching from `cursor` onwards, so a retired slot
-    /// is reused only after the cursor went round: a stale key meets a new
-    /// generation late, not soon.
-    pub(crate) fn take_free(&self, cursor: u32) -> Option<u32> {
-        let words = self.free.len();
-        let start = cursor as usize / 64;
-        for n in 0..=words {
-            let w = (start + n) % words;
-            // Relaxed: only a hint of which bit to try; the fetch_and decides.
-            let mut bits = self.free[w].load(Ordering::Relaxed);
-            if n == 0 {
-                // First word: only bits at or after the cursor.
-                bits &= u64::MAX << (cursor % 64);
-            }
-            if bits == 0 {
-                continue;
-            }
-            let b = bits.trailing_zeros();
-            // Acquire: pairs with retire's Release, so the engine's reads of
-            // the slot's blocks happen before begin overwrites them. Only the
-            // owner clears bits, so the bit is still set and now ours.
-            self.free[w].fetch_and(!(1u64 << b), Ordering::Acquire);
-            return Some(w as u32 * 64 + b);
-        }
-        None
-    }
-
     /// Fills slot `i` for a new request and makes it live. Owner only, on a
-    /// slot just taken from the free set.
+    /// free slot.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn init(
         &self,
@@ -301,6 +276,7 @@ impl Slots {
         n_handles: usize,
         expected: u32,
         blocks: &[BlockId],
+        posting: bool,
     ) -> RequestKey {
         let s = self.slot(i);
         let generation = State(s.state.load(Ordering::Relaxed)).generation();
@@ -322,9 +298,12 @@ impl Slots {
         // Claim words of unplanned handles keep an old generation and a final
         // step: no CAS can match them, since every input expects the current
         // generation.
+        // A plain store may claim for posting: the key is not out yet, so no
+        // cancel can race it.
+        let first = if posting { H_POSTED } else { H_PLANNED };
         for h in 0..n_handles {
             self.claim_word(i, h as u8)
-                .store(claim(generation, H_PLANNED), Ordering::Relaxed);
+                .store(claim(generation, first), Ordering::Relaxed);
         }
         let base = i as usize * self.max_blocks as usize;
         for (cell, b) in self.blocks[base..base + blocks.len()].iter().zip(blocks) {
@@ -338,14 +317,16 @@ impl Slots {
 
     // -- handle inputs (any poller) --------------------------------------
 
-    /// The slot of `key` if its request is still tracked.
-    fn tracked(&self, key: RequestKey) -> Result<(&Slot, State), InputError> {
+    /// The slot of `key` if the key is current: its request is tracked, or
+    /// reported and not yet retired. (Inputs for a reported request find
+    /// every handle at a final step and are refused by the claim word.)
+    fn current(&self, key: RequestKey) -> Result<(&Slot, State), InputError> {
         let s = self
             .slots
             .get(key.slot() as usize)
             .ok_or(InputError::Stale(key))?;
         let st = self.state(key.slot());
-        if st.generation() != key.generation() || !st.is_tracked() {
+        if st.generation() != key.generation() || st.phase() == FREE {
             return Err(InputError::Stale(key));
         }
         Ok((s, st))
@@ -367,7 +348,7 @@ impl Slots {
         refuse: fn(HandleKey, u8) -> InputError,
     ) -> Result<&Slot, InputError> {
         let key = hk.key();
-        let (s, _) = self.tracked(key)?;
+        let (s, _) = self.current(key)?;
         // Relaxed: `planned` was published by the state we just acquired.
         if s.planned.load(Ordering::Relaxed) & hk.bit() == 0 {
             return Err(InputError::NoSuchHandle(hk));
@@ -483,7 +464,7 @@ impl Slots {
         out: &mut impl FnMut(Event),
     ) -> Result<(), InputError> {
         if !released {
-            if let Err(e) = self.tracked(hk.key()) {
+            if let Err(e) = self.current(hk.key()) {
                 return self.reject(e);
             }
             // Relaxed: the step was set by this handle's own earlier input,
@@ -595,8 +576,8 @@ impl Slots {
                 return None;
             }
             let (code, outcome) = self.verdict(s, st, failed, acks >= expected)?;
-            // AcqRel: the CAS decides the single report; Release orders the
-            // outcome before the engine's retire, which acquires the state.
+            // AcqRel: the CAS decides the single report; Release publishes
+            // the outcome to the engine, which acquires the state.
             match s.state.compare_exchange(
                 st.0,
                 st.terminal(code).0,
@@ -643,19 +624,15 @@ impl Slots {
     // -- cancellation (owner) ---------------------------------------------
 
     /// Moves a live request to CANCELLING with `cause`, stops every handle not
-    /// yet posted, and returns the handles still in flight. `None` if the
-    /// request was not live (already cancelling or reported).
-    pub(crate) fn cancel(
-        &self,
-        slot: u32,
-        cause: Cause,
-        out: &mut impl FnMut(Event),
-    ) -> Option<(RequestKey, u64)> {
+    /// yet posted, and returns the handles still in flight.
+    pub(crate) fn cancel(&self, slot: u32, cause: Cause, out: &mut impl FnMut(Event)) -> Cancelled {
         let s = self.slot(slot);
         let mut st = self.state(slot);
         loop {
-            if st.phase() != LIVE {
-                return None;
+            match st.phase() {
+                LIVE => {}
+                CANCELLING => return Cancelled::Already,
+                _ => return Cancelled::Ended,
             }
             // AcqRel: one CAS decides the cancel against a concurrent report.
             match s.state.compare_exchange(
@@ -682,7 +659,7 @@ impl Slots {
         // Try to report in any case: the request may be quiescent already
         // (a write waiting for acks, a lend), or our stops finished it.
         self.publish(key, out);
-        Some((key, in_flight))
+        Cancelled::Now(key, in_flight)
     }
 
     /// Stops (as never posted) every handle of `mask` not yet posted; returns
@@ -731,31 +708,19 @@ impl Slots {
 
     // -- engine side ------------------------------------------------------
 
-    /// Retires a reported request: if it was a failed read, appends its local
-    /// blocks to `invalid` (the engine invalidates them), then frees the
-    /// slot. Call once per terminal event, from the thread that consumed it.
-    ///
-    /// Reading the blocks before freeing the slot is what keeps them from
-    /// being overwritten by a new request: the slot is reused only after
-    /// this call.
-    pub fn retire(&self, key: RequestKey, invalid: &mut Vec<BlockId>) -> Result<(), RetireError> {
-        let rejected = |e| {
-            // Relaxed: a metric.
-            self.rejected_retires.fetch_add(1, Ordering::Relaxed);
-            Err(e)
-        };
-        let Some(s) = self.slots.get(key.slot() as usize) else {
-            return rejected(RetireError::Stale(key));
-        };
-        let st = self.state(key.slot());
-        if st.generation() != key.generation() || st.phase() == FREE {
-            return rejected(RetireError::Stale(key));
-        }
-        if st.phase() != TERMINAL {
-            return rejected(RetireError::NotReported(key));
-        }
-        let before = invalid.len();
+    /// The local blocks to invalidate of a reported request: for a failed
+    /// read, appends its block ids to `invalid`; for any other report, adds
+    /// nothing. The engine thread calls it on a terminal event, *before*
+    /// handing the key back for [`crate::ledger::Ledger::retire`]: until then
+    /// the slot cannot be reused, so the blocks read are the request's.
+    pub fn blocks_to_invalidate(
+        &self,
+        key: RequestKey,
+        invalid: &mut Vec<BlockId>,
+    ) -> Result<(), RetireError> {
+        let st = self.reported(key)?;
         if st.kind() == K_READ && st.outcome() == O_FAILED {
+            let s = self.slot(key.slot());
             let base = key.slot() as usize * self.max_blocks as usize;
             // Relaxed: published by begin's Release, acquired via the state.
             let n = s.n_blocks.load(Ordering::Relaxed) as usize;
@@ -765,18 +730,39 @@ impl Slots {
                     .map(|c| BlockId(c.load(Ordering::Relaxed))),
             );
         }
-        let next = State::new(st.generation().wrapping_add(1), FREE, 0);
-        // AcqRel: one retire per report; Release orders our block reads
-        // before the slot can be taken again.
-        if s.state
-            .compare_exchange(st.0, next.0, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
-        {
-            invalid.truncate(before);
-            return rejected(RetireError::Stale(key));
+        Ok(())
+    }
+
+    /// The state of `key`'s slot if `key` was reported and not retired.
+    fn reported(&self, key: RequestKey) -> Result<State, RetireError> {
+        if key.slot() >= self.capacity() {
+            return self.reject_retire(RetireError::Stale(key));
         }
-        // Release: pairs with take_free's Acquire.
-        self.free[key.slot() as usize / 64].fetch_or(1 << (key.slot() % 64), Ordering::Release);
+        let st = self.state(key.slot());
+        if st.generation() != key.generation() || st.phase() == FREE {
+            return self.reject_retire(RetireError::Stale(key));
+        }
+        if st.phase() != TERMINAL {
+            return self.reject_retire(RetireError::NotReported(key));
+        }
+        Ok(st)
+    }
+
+    fn reject_retire<T>(&self, e: RetireError) -> Result<T, RetireError> {
+        // Relaxed: a metric.
+        self.rejected_retires.fetch_add(1, Ordering::Relaxed);
+        Err(e)
+    }
+
+    /// Frees the slot of reported request `key` and moves its generation on,
+    /// so `key` is stale from now on. Owner only.
+    pub(crate) fn retire(&self, key: RequestKey) -> Result<(), RetireError> {
+        let st = self.reported(key)?;
+        let next = State::new(st.generation().wrapping_add(1), FREE, 0);
+        // Release: a poller holding the old key reads the new generation
+        // (and refuses) once it sees this store. Only the owner changes a
+        // reported state, so a store suffices.
+        self.slot(key.slot()).state.store(next.0, Ordering::Release);
         Ok(())
     }
 
@@ -817,16 +803,11 @@ impl Slots {
         })
     }
 
-    /// Counters and occupancy.
-    pub fn stats(&self) -> Stats {
-        let free: u32 = self
-            .free
-            .iter()
-            .map(|w| w.load(Ordering::Relaxed).count_ones())
-            .sum();
+    /// Counters; `in_use` is filled in by [`crate::ledger::Ledger::stats`].
+    pub(crate) fn stats(&self, in_use: u32) -> Stats {
         Stats {
             capacity: self.capacity(),
-            in_use: self.capacity() - free,
+            in_use,
             rejected_inputs: self.rejected_inputs.load(Ordering::Relaxed),
             rejected_notifications: self.rejected_notifications.load(Ordering::Relaxed),
             ignored_heartbeats: self.ignored_heartbeats.load(Ordering::Relaxed),

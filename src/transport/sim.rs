@@ -14,12 +14,14 @@
 //! let mut sim = Sim::new(SimConfig { seed: 1, ..SimConfig::default() });
 //! let h = HandleKey::new(RequestKey::new(0, 0), 0).unwrap();
 //! sim.post(h, PeerId(3)).unwrap();
-//! match sim.next() {
+//! match sim.step() {
 //!     Some(SimEvent::Completed { handle, result: Ok(()), released: true }) => assert_eq!(handle, h),
 //!     other => panic!("{other:?}"),
 //! }
-//! assert_eq!(sim.next(), None);
+//! assert_eq!(sim.step(), None);
 //! ```
+
+#![warn(missing_docs)]
 
 use crate::ledger::{Cause, HandleKey, Nanos, PeerId, Reason};
 
@@ -275,7 +277,7 @@ impl Sim {
 
     /// The next thing to happen, moving the clock to it; `None` when only
     /// stalled operations (or nothing) remain.
-    pub fn next(&mut self) -> Option<SimEvent> {
+    pub fn step(&mut self) -> Option<SimEvent> {
         let (i, _) = self
             .pending
             .iter()
@@ -341,7 +343,7 @@ mod tests {
         for i in 0..20 {
             let _ = sim.post(h(i), PeerId(u32::from(i % 3)));
         }
-        std::iter::from_fn(|| sim.next()).collect()
+        std::iter::from_fn(|| sim.step()).collect()
     }
 
     #[test]
@@ -360,11 +362,11 @@ mod tests {
             ..SimConfig::default()
         });
         sim.post(h(0), PeerId(1)).unwrap();
-        assert_eq!(sim.next(), None);
+        assert_eq!(sim.step(), None);
         assert_eq!(sim.in_flight(), 1);
         sim.force_close(PeerId(1));
         assert_eq!(
-            sim.next(),
+            sim.step(),
             Some(SimEvent::Completed {
                 handle: h(0),
                 result: Err(Reason::new(Cause::Transfer, CANCELED)),
@@ -383,9 +385,9 @@ mod tests {
             ..SimConfig::default()
         });
         sim.post(h(0), PeerId(2)).unwrap();
-        assert_eq!(sim.next(), Some(SimEvent::PeerLost(PeerId(2))));
+        assert_eq!(sim.step(), Some(SimEvent::PeerLost(PeerId(2))));
         assert!(matches!(
-            sim.next(),
+            sim.step(),
             Some(SimEvent::Completed { result: Err(r), .. }) if r.status == ENDPOINT_TIMEOUT
         ));
     }

@@ -1,44 +1,158 @@
-//! Shared helpers for the real-UCX integration tests.
+//! A tiny driver for ledger tests: the owner half, the shared slots, and the
+//! events and cancels they produced, in order.
 #![allow(dead_code)]
 
-use std::time::{Duration, Instant};
+use kvpoll::ledger::*;
+use std::sync::Arc;
 
-use kvpoll::transport::ucx::{Completion, Context, ContextOptions, Worker};
-
-/// `blocks` blocks of `block_size` bytes filled with `kvpoll::pattern`.
-pub fn pattern_bytes(seed: u64, blocks: u64, block_size: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity((blocks * block_size) as usize);
-    let mut block = vec![0u8; block_size as usize];
-    for b in 0..blocks {
-        kvpoll::pattern::fill(seed, b, &mut block);
-        v.extend_from_slice(&block);
-    }
-    v
+pub struct Harness {
+    pub ledger: Ledger,
+    pub slots: Arc<Slots>,
+    pub events: Vec<Event>,
+    pub cancels: Vec<Cancel>,
 }
 
-/// A context and worker restricted to `tls`.
-pub fn worker(tls: &str) -> (Context, Worker) {
-    let ctx = Context::new(&ContextOptions::with_transports(tls)).expect("UCX context");
-    let w = Worker::new(&ctx).expect("UCX worker");
-    (ctx, w)
+pub fn hk(key: RequestKey, h: u8) -> HandleKey {
+    HandleKey::new(key, h).unwrap()
 }
 
-/// Progresses `workers` until `want` completions were collected from the
-/// first one. Panics after `limit` so that a hang fails the test instead of
-/// stalling CI (a guard, not a speed assertion).
-pub fn wait_completions(workers: &[&Worker], want: usize, limit: Duration) -> Vec<Completion> {
-    let start = Instant::now();
-    let mut out = Vec::new();
-    while out.len() < want {
-        for w in workers {
-            w.progress();
+pub fn err(status: i8) -> Result<(), Reason> {
+    Err(Reason::new(Cause::Transfer, status))
+}
+
+pub fn peers(n: u32) -> Vec<PeerId> {
+    (0..n).map(PeerId).collect()
+}
+
+pub fn blocks(ids: &[u32]) -> Vec<BlockId> {
+    ids.iter().copied().map(BlockId).collect()
+}
+
+impl Harness {
+    pub fn new(slots: u32) -> Self {
+        let ledger = Ledger::new(LedgerConfig {
+            slots,
+            max_blocks: 8,
+        })
+        .unwrap();
+        Harness {
+            slots: ledger.slots().clone(),
+            ledger,
+            events: Vec::new(),
+            cancels: Vec::new(),
         }
-        workers[0].take_completions(&mut out);
-        assert!(
-            start.elapsed() < limit,
-            "only {} of {want} completions after {limit:?}: UCX hung",
-            out.len()
-        );
     }
-    out
+
+    pub fn try_begin(
+        &mut self,
+        id: u64,
+        kind: Kind,
+        peers: &[PeerId],
+        blocks: &[BlockId],
+        expires: u64,
+    ) -> Result<Begun, BeginError> {
+        let req = Request {
+            id: RequestId(id),
+            kind,
+            peers,
+            blocks,
+            expires: Nanos(expires),
+        };
+        let events = &mut self.events;
+        self.ledger.begin(&req, &mut |e| events.push(e))
+    }
+
+    /// Begins request `id` and claims every handle for posting.
+    pub fn begin_posted(
+        &mut self,
+        id: u64,
+        kind: Kind,
+        n: u32,
+        blocks: &[BlockId],
+        expires: u64,
+    ) -> RequestKey {
+        let key = self.begin(id, kind, n, blocks, expires);
+        for h in 0..n as u8 {
+            self.slots.posting(hk(key, h)).unwrap();
+        }
+        key
+    }
+
+    /// Begins request `id` without posting anything.
+    pub fn begin(
+        &mut self,
+        id: u64,
+        kind: Kind,
+        n: u32,
+        blocks: &[BlockId],
+        expires: u64,
+    ) -> RequestKey {
+        match self
+            .try_begin(id, kind, &peers(n), blocks, expires)
+            .unwrap()
+        {
+            Begun::Tracked(key) => key,
+            Begun::Untracked => panic!("untracked"),
+        }
+    }
+
+    pub fn complete(&mut self, key: RequestKey, h: u8, result: Result<(), Reason>) {
+        let events = &mut self.events;
+        self.slots
+            .completed(hk(key, h), result, &mut |e| events.push(e))
+            .unwrap();
+    }
+
+    pub fn notify(&mut self, id: u64, count: u32) -> Result<(), NotifyError> {
+        let events = &mut self.events;
+        self.ledger
+            .notify(RequestId(id), count, &mut |e| events.push(e))
+    }
+
+    pub fn advance(&mut self, now: u64) {
+        let (events, cancels) = (&mut self.events, &mut self.cancels);
+        self.ledger
+            .advance(Nanos(now), &mut |e| events.push(e), &mut |c| {
+                cancels.push(c)
+            });
+    }
+
+    pub fn abort(&mut self, id: u64) -> Result<Option<Cancel>, AbortError> {
+        let events = &mut self.events;
+        self.ledger.abort(RequestId(id), &mut |e| events.push(e))
+    }
+
+    /// The terminal events so far.
+    pub fn reports(&self) -> Vec<Event> {
+        self.events
+            .iter()
+            .copied()
+            .filter(|e| e.outcome.is_terminal())
+            .collect()
+    }
+
+    /// The outcomes of the terminal events of request `id` so far.
+    pub fn reports_of(&self, id: u64) -> Vec<Outcome> {
+        self.reports()
+            .into_iter()
+            .filter(|e| e.id == RequestId(id))
+            .map(|e| e.outcome)
+            .collect()
+    }
+
+    pub fn notices_of(&self, id: u64) -> usize {
+        self.events
+            .iter()
+            .filter(|e| e.id == RequestId(id) && !e.outcome.is_terminal())
+            .count()
+    }
+
+    /// What the engine does with a report: takes the blocks to invalidate,
+    /// hands the key back; the owner retires it.
+    pub fn retire(&mut self, key: RequestKey) -> Vec<BlockId> {
+        let mut v = Vec::new();
+        self.slots.blocks_to_invalidate(key, &mut v).unwrap();
+        self.ledger.retire(key).unwrap();
+        v
+    }
 }

@@ -1,6 +1,7 @@
 //! The `kvpoll` tool: `demo` (the main job), and a UCX peer process used by
 //! the two-process tests.
 
+mod bench;
 mod cli;
 mod demo;
 mod peer;
@@ -20,6 +21,8 @@ commands:
         --blocks N        blocks per round (default 4096)
         --block-size B    bytes per block (default 16384)
         --rounds N        rounds (default 8)
+  bench ledger|engine   measure against baselines in the same run
+        --json            one JSON object
   topo                  show CPUs, caches, NUMA nodes, NICs/GPUs and isolation; suggest a core map
         --check MAP       validate a core map (a path, or `auto`) on this machine and warn
                           about costly placements (exit 0 valid, 1 invalid)
@@ -35,6 +38,7 @@ fn run(mut args: Args) -> Result<(), CliError> {
         "connect" => demo::connect(args),
         "transfer" => transfer::run(args),
         "topo" => topo::run(args),
+        "bench" => bench::run(args),
         "ucx-peer" => peer::run(args),
         "engine-peer" => peer::run_engine(args),
         "help" | "--help" | "-h" => {
