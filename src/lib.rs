@@ -3,6 +3,7 @@
 //! failed.
 #![warn(missing_docs)]
 
+pub mod bench_e2e;
 pub mod engine;
 pub mod engine_bench;
 #[cfg(feature = "cuda")]

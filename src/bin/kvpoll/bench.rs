@@ -1,10 +1,39 @@
 //! `kvpoll bench ledger|engine [--json]`: the comparison figures, measured
 //! in one run against their baselines.
 
+use kvpoll::bench_e2e::{self, E2eConfig, E2eFigures};
 use kvpoll::engine_bench;
 use kvpoll::ledger::bench::{compare, BenchConfig};
 
 use crate::cli::{Args, CliError};
+
+/// Shared memory first (both processes are on this machine); tcp when UCX
+/// cannot use it here. `tls` forces one list.
+fn e2e(tls: Option<&str>) -> Result<E2eFigures, CliError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::Failed(format!("locating the kvpoll binary: {e}")))?;
+    let lists = match tls {
+        Some(t) => vec![t.to_owned()],
+        None => vec!["posix,sysv,cma".to_owned(), "tcp".to_owned()],
+    };
+    let mut last = None;
+    for t in lists {
+        let cfg = E2eConfig {
+            tls: t,
+            ..E2eConfig::default()
+        };
+        match bench_e2e::compare(&exe, &cfg) {
+            Ok(f) => return Ok(f),
+            Err(e) => {
+                eprintln!("kvpoll: e2e over {} did not run: {e}", cfg.tls);
+                last = Some(e);
+            }
+        }
+    }
+    Err(CliError::Failed(
+        last.map_or_else(|| "no transports".into(), |e| e.to_string()),
+    ))
+}
 
 /// Interleaved runs of each tracker (about 25 ms a pair here).
 const RUNS: u32 = 31;
@@ -14,6 +43,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
         .command()
         .map_err(|_| CliError::MissingValue("bench".into()))?;
     let json = args.flag("--json");
+    let tls: Option<String> = args.option("--tls", "a UCX transport list")?;
     args.finish()?;
     match what.as_str() {
         "ledger" => {
@@ -48,11 +78,24 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
                 );
             }
         }
+        "e2e" => {
+            let f = e2e(tls.as_deref())?;
+            if json {
+                println!("{}", f.to_json());
+            } else {
+                println!(
+                    "transports: {}\nsingle-block reads: kvpoll {:.0}/s, raw UCX {:.0}/s, overhead {:.1} % (target <= 10 %)\n{}-block requests: kvpoll {:.0}/s, raw UCX {:.0}/s, overhead {:.1} %",
+                    f.tls, f.reads.kvpoll_per_s, f.reads.raw_per_s, f.reads.overhead_pct,
+                    E2eConfig::default().request_blocks,
+                    f.requests.kvpoll_per_s, f.requests.raw_per_s, f.requests.overhead_pct
+                );
+            }
+        }
         other => {
             return Err(CliError::BadValue {
                 option: "bench".into(),
                 value: other.to_owned(),
-                expected: "ledger or engine",
+                expected: "ledger, engine or e2e",
             })
         }
     }

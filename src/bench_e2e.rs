@@ -1,0 +1,529 @@
+//! End to end over real UCX between two processes, against a raw UCX loop
+//! posting the same operations with no bookkeeping, in the same run
+//! (DESIGN §6: kvpoll's overhead ≤ 10 %).
+//!
+//! - **kvpoll**: an [`Engine`] in this process reads from a `kvpoll
+//!   engine-peer` process. Each read is a request; the engine thread keeps
+//!   `in_flight` requests submitted and collects reports with
+//!   [`Engine::poll`] (yielding its core when nothing is new: on a small
+//!   machine the poller and the peer need it). A successful read also sends
+//!   the producer its notification (one active message per request): that
+//!   is part of what a kvpoll read is, so it is counted.
+//! - **raw**: a UCX worker in this process reads from a `kvpoll ucx-peer`
+//!   process with [`Endpoint::get_batch`] and [`Worker::progress`], the same
+//!   operations and the same number in flight, no ledger, no rings, no
+//!   thread handoff.
+//!
+//! Two shapes: single-block reads (`reads` reads of one block) and requests
+//! of `request_blocks` blocks. Runs of kvpoll and raw alternate; medians.
+//!
+//! Used by `benches/e2e.rs` and `kvpoll bench`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::engine::{Engine, EngineError, Outcomes, Transfer};
+use crate::ledger::{BlockId, PeerId, RequestId};
+use crate::transport::ucx::{
+    BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey,
+    UcxError, Worker, WorkerAddress,
+};
+use crate::wire::from_hex;
+
+/// Blocks the peers serve (remote offsets wrap inside them).
+const PEER_BLOCKS: u64 = 64;
+/// A run that takes longer than this is stuck, not slow.
+const GUARD: Duration = Duration::from_secs(60);
+
+/// The shape of the comparison.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct E2eConfig {
+    /// UCX transports of both processes (`tcp`, or `posix,sysv,cma`).
+    pub tls: String,
+    /// Bytes per block.
+    pub block_size: u64,
+    /// Single-block reads per run.
+    pub reads: u32,
+    /// Single-block reads in flight.
+    pub in_flight: u32,
+    /// Multi-block requests per run.
+    pub requests: u32,
+    /// Blocks per multi-block request.
+    pub request_blocks: u32,
+    /// Multi-block requests in flight.
+    pub requests_in_flight: u32,
+    /// Runs of each (alternating); medians are reported.
+    pub runs: u32,
+}
+
+impl Default for E2eConfig {
+    /// 10 000 single-block 16 KiB reads, 64 in flight; 500 requests of
+    /// 64 × 16 KiB, 4 in flight; over tcp; 3 runs each.
+    fn default() -> Self {
+        E2eConfig {
+            tls: "tcp".into(),
+            block_size: 16 * 1024,
+            reads: 10_000,
+            in_flight: 64,
+            requests: 500,
+            request_blocks: 64,
+            requests_in_flight: 4,
+            runs: 3,
+        }
+    }
+}
+
+/// The comparison could not run.
+#[derive(Debug, Error)]
+pub enum E2eError {
+    /// The peer process did not start or did not say READY.
+    #[error("peer process {what}: {why}")]
+    Peer {
+        /// Which peer.
+        what: &'static str,
+        /// What went wrong.
+        why: String,
+    },
+    /// The engine refused something.
+    #[error("engine: {0}")]
+    Engine(#[from] EngineError),
+    /// UCX refused something in the raw loop.
+    #[error("raw UCX: {0}")]
+    Ucx(#[from] UcxError),
+    /// A read failed, or a run made no progress within a minute.
+    #[error("{0}")]
+    Failed(String),
+    /// The shape cannot run (zero reads, more in flight than blocks, …).
+    #[error("bad bench shape: {0}")]
+    Shape(&'static str),
+}
+
+/// Rates of one shape, kvpoll and raw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rates {
+    /// kvpoll, operations per second (median run).
+    pub kvpoll_per_s: f64,
+    /// Raw UCX loop, operations per second (median run).
+    pub raw_per_s: f64,
+    /// `(raw / kvpoll − 1) × 100`: how much slower kvpoll is, in percent
+    /// (negative when it is faster). Target ≤ 10.
+    pub overhead_pct: f64,
+}
+
+impl Rates {
+    fn new(kvpoll: f64, raw: f64) -> Self {
+        Rates {
+            kvpoll_per_s: kvpoll,
+            raw_per_s: raw,
+            overhead_pct: (raw / kvpoll - 1.0) * 100.0,
+        }
+    }
+}
+
+/// Every figure of one comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub struct E2eFigures {
+    /// The transports used.
+    pub tls: String,
+    /// Single-block reads per second.
+    pub reads: Rates,
+    /// Multi-block requests per second.
+    pub requests: Rates,
+    /// Per-read latency (submit → visible), kvpoll, ns, from the last run.
+    pub kvpoll_read_latency_ns: Vec<u64>,
+    /// Per-read latency (post → completion), raw, ns, from the last run.
+    pub raw_read_latency_ns: Vec<u64>,
+}
+
+impl E2eFigures {
+    /// One JSON object (latency samples left out).
+    pub fn to_json(&self) -> String {
+        let r = |x: &Rates| {
+            format!(
+                "{{\"kvpoll_per_s\":{:.0},\"raw_per_s\":{:.0},\"overhead_pct\":{:.2},\"target_overhead_pct\":10}}",
+                x.kvpoll_per_s, x.raw_per_s, x.overhead_pct
+            )
+        };
+        format!(
+            "{{\"tls\":\"{}\",\"single_block_reads\":{},\"requests\":{}}}",
+            self.tls,
+            r(&self.reads),
+            r(&self.requests)
+        )
+    }
+}
+
+/// A peer process; its standard input closing tells it to exit.
+struct PeerProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    ready: String,
+}
+
+impl PeerProcess {
+    fn spawn(exe: &Path, what: &'static str, args: &[String]) -> Result<Self, E2eError> {
+        let fail = |why: String| E2eError::Peer { what, why };
+        let mut child = Command::new(exe)
+            .arg(what)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| fail(format!("spawning {}: {e}", exe.display())))?;
+        let stdin = child.stdin.take();
+        let mut line = String::new();
+        let read = child
+            .stdout
+            .take()
+            .map(|o| BufReader::new(o).read_line(&mut line));
+        let mut p = PeerProcess {
+            child,
+            stdin,
+            ready: String::new(),
+        };
+        match read {
+            Some(Ok(_)) => match line.trim().strip_prefix("READY ") {
+                Some(rest) => {
+                    p.ready = rest.to_owned();
+                    Ok(p)
+                }
+                None => Err(fail(format!("said {line:?} instead of READY"))),
+            },
+            _ => Err(fail("no READY line".into())),
+        }
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.stdin.take() {
+            let _ = s.flush();
+        }
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(2) {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// kvpoll's side: an engine connected to an `engine-peer`.
+struct KvpollSide {
+    engine: Engine,
+    peer: PeerId,
+    out: Outcomes,
+    next_id: u64,
+}
+
+impl KvpollSide {
+    fn new(cfg: &E2eConfig, metadata: &[u8], local_blocks: u64) -> Result<Self, E2eError> {
+        let mut engine = Engine::builder()
+            .block_size(cfg.block_size)
+            .ucx(ContextOptions::with_transports(&cfg.tls))
+            .build()?;
+        engine.register(local_blocks)?;
+        let peer = engine.add_peer(metadata)?;
+        Ok(KvpollSide {
+            engine,
+            peer,
+            out: Outcomes::default(),
+            next_id: 0,
+        })
+    }
+
+    /// `n` requests of `blocks` blocks, `depth` in flight; returns the run's
+    /// time and each request's submit → visible latency.
+    fn run(
+        &mut self,
+        n: u32,
+        blocks: u32,
+        depth: u32,
+        lat: &mut Vec<u64>,
+    ) -> Result<Duration, E2eError> {
+        let local: Vec<BlockId> = (0..blocks * depth).map(BlockId).collect();
+        let remote: Vec<BlockId> = (0..blocks)
+            .map(|b| BlockId(b % PEER_BLOCKS as u32))
+            .collect();
+        let first = self.next_id;
+        let mut started = vec![Instant::now(); n as usize];
+        lat.clear();
+        let (mut submitted, mut done) = (0u32, 0u32);
+        let t0 = Instant::now();
+        while done < n {
+            while submitted < n && submitted - done < depth {
+                let slot = (submitted % depth * blocks) as usize;
+                started[submitted as usize] = Instant::now();
+                self.engine.read(
+                    RequestId(first + u64::from(submitted)),
+                    &[Transfer {
+                        peer: self.peer,
+                        local: &local[slot..slot + blocks as usize],
+                        remote: &remote,
+                    }],
+                )?;
+                submitted += 1;
+            }
+            self.out.clear();
+            if self.engine.poll(&mut self.out) == 0 {
+                if t0.elapsed() > GUARD {
+                    return Err(E2eError::Failed(format!(
+                        "kvpoll: {done} of {n} reads after {GUARD:?}"
+                    )));
+                }
+                std::thread::yield_now();
+                continue;
+            }
+            if let Some(f) = self.out.failed_recving.first() {
+                return Err(E2eError::Failed(format!(
+                    "kvpoll read {:?} failed: {:?}",
+                    f.id, f.reason
+                )));
+            }
+            let now = Instant::now();
+            for id in &self.out.finished_recving {
+                let i = (id.0 - first) as usize;
+                lat.push((now - started[i]).as_nanos() as u64);
+                done += 1;
+            }
+        }
+        let t = t0.elapsed();
+        self.next_id = first + u64::from(n);
+        Ok(t)
+    }
+}
+
+/// The raw side: a worker connected to a `ucx-peer`, no bookkeeping.
+struct RawSide {
+    // Field order is drop order: endpoint state before the worker and context.
+    rkey: RemoteKey,
+    ep: Endpoint,
+    local: MemoryRegion,
+    worker: Worker,
+    _ctx: Context,
+    done: Vec<Completion>,
+}
+
+impl RawSide {
+    fn new(cfg: &E2eConfig, ready: &str, local_blocks: u64) -> Result<Self, E2eError> {
+        let bad = |why: &str| E2eError::Peer {
+            what: "ucx-peer",
+            why: why.to_owned(),
+        };
+        let mut parts = ready.split_whitespace();
+        let addr = parts
+            .next()
+            .and_then(|h| from_hex(h).ok())
+            .ok_or_else(|| bad("bad worker address"))?;
+        let rkey = parts
+            .next()
+            .and_then(|h| from_hex(h).ok())
+            .ok_or_else(|| bad("bad rkey"))?;
+        let ctx = Context::new(&ContextOptions::with_transports(&cfg.tls))?;
+        let worker = Worker::new(&ctx)?;
+        let local = MemoryRegion::allocate(&ctx, (local_blocks * cfg.block_size) as usize)?;
+        let ep = Endpoint::connect(&worker, &WorkerAddress::from_bytes(&addr)?, 1)?;
+        let rkey = RemoteKey::unpack(&ep, &PackedRkey::from_bytes(&rkey)?)?;
+        Ok(RawSide {
+            rkey,
+            ep,
+            local,
+            worker,
+            _ctx: ctx,
+            done: Vec::with_capacity(4096),
+        })
+    }
+
+    /// The same shape as [`KvpollSide::run`], as one `get_batch` a request.
+    fn run(
+        &mut self,
+        bs: u64,
+        n: u32,
+        blocks: u32,
+        depth: u32,
+        lat: &mut Vec<u64>,
+    ) -> Result<Duration, E2eError> {
+        let mut started = vec![Instant::now(); n as usize];
+        let mut left = vec![0u32; n as usize];
+        let mut ops = Vec::with_capacity(blocks as usize);
+        lat.clear();
+        let (mut submitted, mut done) = (0u32, 0u32);
+        let t0 = Instant::now();
+        while done < n {
+            while submitted < n && submitted - done < depth {
+                let slot = u64::from(submitted % depth * blocks);
+                ops.clear();
+                ops.extend((0..u64::from(blocks)).map(|b| BlockOp {
+                    local_offset: (slot + b) * bs,
+                    remote_offset: (b % PEER_BLOCKS) * bs,
+                    len: bs as usize,
+                    token: u64::from(submitted),
+                }));
+                started[submitted as usize] = Instant::now();
+                left[submitted as usize] = blocks;
+                self.ep
+                    .get_batch(&self.local, &self.rkey, &ops)
+                    .map_err(|e| E2eError::Failed(format!("raw get_batch: {e}")))?;
+                submitted += 1;
+            }
+            self.worker.progress();
+            self.done.clear();
+            self.worker.take_completions(&mut self.done);
+            if self.done.is_empty() && t0.elapsed() > GUARD {
+                return Err(E2eError::Failed(format!(
+                    "raw: {done} of {n} reads after {GUARD:?}"
+                )));
+            }
+            let now = Instant::now();
+            for c in &self.done {
+                if !c.status.is_ok() {
+                    return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
+                }
+                let i = c.token as usize;
+                left[i] -= 1;
+                if left[i] == 0 {
+                    lat.push((now - started[i]).as_nanos() as u64);
+                    done += 1;
+                }
+            }
+        }
+        Ok(t0.elapsed())
+    }
+}
+
+/// Both sides connected to their peer processes, ready to run shapes; what
+/// [`compare`] and the criterion bench drive.
+pub struct Session {
+    cfg: E2eConfig,
+    kv: KvpollSide,
+    raw: RawSide,
+    // Dropped last: the peers outlive the connections to them.
+    _peers: (PeerProcess, PeerProcess),
+}
+
+impl Session {
+    /// Spawns both peers from `kvpoll_exe` (the `kvpoll` binary:
+    /// `std::env::current_exe()` inside it, `CARGO_BIN_EXE_kvpoll` in tests),
+    /// connects, and warms both sides up.
+    pub fn start(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<Self, E2eError> {
+        if cfg.reads == 0 || cfg.requests == 0 || cfg.runs == 0 {
+            return Err(E2eError::Shape("reads, requests and runs must be ≥ 1"));
+        }
+        if cfg.in_flight == 0
+            || cfg.requests_in_flight == 0
+            || cfg.request_blocks == 0
+            || u64::from(cfg.in_flight) > PEER_BLOCKS * 64
+            || cfg.request_blocks > 512
+            || u64::from(cfg.requests_in_flight) * u64::from(cfg.request_blocks) > 1 << 16
+        {
+            return Err(E2eError::Shape(
+                "in flight 1..=4096, request blocks 1..=512, request blocks × in flight ≤ 65536",
+            ));
+        }
+        let common = |blocks: u64| -> Vec<String> {
+            vec![
+                "--tls".into(),
+                cfg.tls.clone(),
+                "--blocks".into(),
+                blocks.to_string(),
+                "--block-size".into(),
+                cfg.block_size.to_string(),
+            ]
+        };
+        let mut engine_args = common(PEER_BLOCKS);
+        engine_args.extend(["--regions".into(), "1".into()]);
+        let engine_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
+        let ucx_peer = PeerProcess::spawn(kvpoll_exe, "ucx-peer", &common(PEER_BLOCKS))?;
+        let metadata = from_hex(&engine_peer.ready).map_err(|_| E2eError::Peer {
+            what: "engine-peer",
+            why: "metadata is not hex".into(),
+        })?;
+        let local_blocks = u64::from(
+            cfg.in_flight
+                .max(cfg.requests_in_flight * cfg.request_blocks),
+        );
+        let kv = KvpollSide::new(cfg, &metadata, local_blocks)?;
+        let raw = RawSide::new(cfg, &ucx_peer.ready, local_blocks)?;
+        let mut s = Session {
+            cfg: cfg.clone(),
+            kv,
+            raw,
+            _peers: (engine_peer, ucx_peer),
+        };
+        // Warm both up: connections, registration caches, page faults.
+        let mut lat = Vec::new();
+        s.kvpoll(256, 1, &mut lat)?;
+        s.raw(256, 1, &mut lat)?;
+        Ok(s)
+    }
+
+    /// kvpoll: `n` requests of `blocks` blocks (in flight: the config's
+    /// `in_flight` for one block, `requests_in_flight` otherwise). Returns
+    /// the run's time; `lat` gets each request's latency in ns.
+    pub fn kvpoll(
+        &mut self,
+        n: u32,
+        blocks: u32,
+        lat: &mut Vec<u64>,
+    ) -> Result<Duration, E2eError> {
+        let depth = self.depth(blocks);
+        self.kv.run(n, blocks, depth, lat)
+    }
+
+    /// The raw loop, same shape as [`Session::kvpoll`].
+    pub fn raw(&mut self, n: u32, blocks: u32, lat: &mut Vec<u64>) -> Result<Duration, E2eError> {
+        let depth = self.depth(blocks);
+        self.raw.run(self.cfg.block_size, n, blocks, depth, lat)
+    }
+
+    fn depth(&self, blocks: u32) -> u32 {
+        if blocks == 1 {
+            self.cfg.in_flight
+        } else {
+            self.cfg.requests_in_flight
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.kv.engine.shutdown();
+    }
+}
+
+/// Runs the comparison: [`Session::start`], then `runs` alternating runs of
+/// each shape on each side; medians.
+pub fn compare(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<E2eFigures, E2eError> {
+    let mut s = Session::start(kvpoll_exe, cfg)?;
+    let rate = |n: u32, t: Duration| f64::from(n) / t.as_secs_f64();
+    let (mut kv_reads, mut raw_reads, mut kv_reqs, mut raw_reqs) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut kv_lat, mut raw_lat, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+    let (n, b) = (cfg.requests, cfg.request_blocks);
+    for _ in 0..cfg.runs {
+        kv_reads.push(rate(cfg.reads, s.kvpoll(cfg.reads, 1, &mut kv_lat)?));
+        raw_reads.push(rate(cfg.reads, s.raw(cfg.reads, 1, &mut raw_lat)?));
+        kv_reqs.push(rate(n, s.kvpoll(n, b, &mut scratch)?));
+        raw_reqs.push(rate(n, s.raw(n, b, &mut scratch)?));
+    }
+    drop(s);
+    Ok(E2eFigures {
+        tls: cfg.tls.clone(),
+        reads: Rates::new(median(&mut kv_reads), median(&mut raw_reads)),
+        requests: Rates::new(median(&mut kv_reqs), median(&mut raw_reqs)),
+        kvpoll_read_latency_ns: kv_lat,
+        raw_read_latency_ns: raw_lat,
+    })
+}
