@@ -325,6 +325,7 @@ impl EngineBuilder {
             idle_iterations: AtomicU64::new(0),
             rejected_notes: AtomicU64::new(0),
             epoch: Instant::now(),
+            tid: std::sync::atomic::AtomicI32::new(0),
         });
         let (ready_tx, ready_rx) = mpsc::channel();
         let config = poller::Config {
@@ -339,6 +340,10 @@ impl EngineBuilder {
         let thread = std::thread::Builder::new()
             .name("kvpoll-poller".into())
             .spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::gettid() };
+                // Relaxed: read for metrics only.
+                thread_shared.tid.store(tid, Ordering::Relaxed);
                 poller::run(
                     config,
                     ledger,
@@ -792,6 +797,21 @@ impl Engine {
             idle_iterations: self.shared.idle_iterations.load(Ordering::Relaxed),
             malformed_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
         }
+    }
+
+    /// CPU time the poller thread has used so far (Linux: from
+    /// `/proc/self/task/<tid>/schedstat`, in ns). `None` where that cannot
+    /// be read. How much of a core an idle poller burns is the difference
+    /// over a quiet second.
+    pub fn poller_cpu_time(&self) -> Option<Duration> {
+        // Relaxed: written once before the poller reports ready.
+        let tid = self.shared.tid.load(Ordering::Relaxed);
+        if tid == 0 {
+            return None;
+        }
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+        let ns: u64 = text.split_whitespace().next()?.parse().ok()?;
+        Some(Duration::from_nanos(ns))
     }
 
     /// Ledger counters (rejected inputs and notifications); `in_use` counts

@@ -211,6 +211,64 @@ pub fn poll_idle(calls: u64) -> Result<f64, EngineError> {
     Ok(ns)
 }
 
+/// Share of one core the poller thread of an engine with this idle policy
+/// uses over `quiet` with nothing to do (0.0–1.0); `None` where the
+/// poller's CPU time cannot be read.
+pub fn idle_cpu(
+    idle: crate::engine::IdlePolicy,
+    quiet: Duration,
+) -> Result<Option<f64>, EngineError> {
+    let mut engine = Engine::builder().idle(idle).build()?;
+    // Let it settle into its idle state first.
+    std::thread::sleep(Duration::from_millis(50));
+    let (Some(c0), t0) = (engine.poller_cpu_time(), Instant::now()) else {
+        engine.shutdown();
+        return Ok(None);
+    };
+    std::thread::sleep(quiet);
+    let c1 = engine.poller_cpu_time();
+    let wall = t0.elapsed();
+    engine.shutdown();
+    Ok(c1.map(|c1| (c1 - c0).as_secs_f64() / wall.as_secs_f64()))
+}
+
+/// Wake-up latency of an adaptive poller, ns, `n` samples: after a quiet
+/// spell long enough for the poller to park, a request with nothing to
+/// move (a prefix hit) is submitted and the time until [`Engine::poll`]
+/// reports it is one sample (engine → poller → engine).
+pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
+    let mut engine = Engine::builder()
+        .idle(crate::engine::IdlePolicy::Adaptive)
+        .build()?;
+    let mut out = Outcomes::default();
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n as u64 {
+        std::thread::sleep(quiet);
+        out.clear();
+        let t = Instant::now();
+        engine.read(RequestId(i), &[])?;
+        while out.finished_recving.is_empty() {
+            engine.poll(&mut out);
+            if t.elapsed() > Duration::from_secs(10) {
+                engine.shutdown();
+                return Err(EngineError::Config(
+                    "a prefix hit was not reported in 10 s".into(),
+                ));
+            }
+        }
+        samples.push(t.elapsed().as_nanos() as u64);
+    }
+    engine.shutdown();
+    Ok(samples)
+}
+
+/// The `p` quantile (0.0–1.0) of unsorted samples.
+pub fn quantile(samples: &[u64], p: f64) -> f64 {
+    let mut v = samples.to_vec();
+    v.sort_unstable();
+    percentile(&v, p)
+}
+
 /// Every figure, in one run.
 pub fn measure(samples: usize) -> Result<EngineFigures, EngineError> {
     let (rtt, pinned) = cache_line_round_trip(20_000, 25);
@@ -234,6 +292,18 @@ pub fn measure(samples: usize) -> Result<EngineFigures, EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_cpu_and_wake_up_produce_figures() {
+        let busy = idle_cpu(crate::engine::IdlePolicy::Busy, Duration::from_millis(50)).unwrap();
+        if let Some(b) = busy {
+            assert!(b > 0.0, "a busy poller used no CPU");
+        }
+        let w = wake_up(3, Duration::from_millis(5)).unwrap();
+        assert_eq!(w.len(), 3);
+        assert!(w.iter().all(|&ns| ns > 0));
+        assert!(quantile(&w, 0.5) > 0.0);
+    }
 
     #[test]
     fn every_completion_becomes_visible_once() {

@@ -50,6 +50,9 @@ pub(crate) struct Shared {
     pub(crate) idle_iterations: AtomicU64,
     pub(crate) rejected_notes: AtomicU64,
     pub(crate) epoch: Instant,
+    /// The poller thread's kernel thread id (0 until it runs), so that its
+    /// CPU time can be read from /proc.
+    pub(crate) tid: std::sync::atomic::AtomicI32,
 }
 
 pub(crate) struct Config {

@@ -156,6 +156,38 @@ impl Schedule {
         self.config.requests / self.config.window
     }
 
+    /// Writes the schedule as text, for baselines in other languages
+    /// (`benches/reference/vllm_style.py` replays it):
+    ///
+    /// ```text
+    /// kvpoll-trace 1 <requests> <handles> <window> <seed> <orders>
+    /// <i>:<h>:<ok> <i>:<h>:<ok> …     one line per window order
+    /// ```
+    ///
+    /// `i` is the request's index in its window, `h` the handle, `ok` 1 or
+    /// 0; window `w` completes in order `w % orders`.
+    pub fn write_trace(&self, mut out: impl std::io::Write) -> std::io::Result<()> {
+        let c = self.config;
+        writeln!(
+            out,
+            "kvpoll-trace 1 {} {} {} {} {}",
+            self.windows() * c.window,
+            c.handles,
+            c.window,
+            c.seed,
+            self.orders.len()
+        )?;
+        for order in &self.orders {
+            let mut sep = "";
+            for &(i, h, ok) in order {
+                write!(out, "{sep}{i}:{h}:{}", u8::from(ok))?;
+                sep = " ";
+            }
+            writeln!(out)?;
+        }
+        Ok(())
+    }
+
     /// Handle completions per run.
     pub fn completions(&self) -> u64 {
         u64::from(self.windows()) * u64::from(self.config.window) * u64::from(self.config.handles)
@@ -376,6 +408,12 @@ mod tests {
         assert!(s.orders.iter().all(|o| o.len() == 16 * 3));
         run_ledger(&s).unwrap();
         run_locked(&s).unwrap();
+        let mut trace = Vec::new();
+        s.write_trace(&mut trace).unwrap();
+        let text = String::from_utf8(trace).unwrap();
+        assert!(text.starts_with("kvpoll-trace 1 64 3 16 3 8\n"), "{text}");
+        assert_eq!(text.lines().count(), 9);
+        assert_eq!(text.lines().nth(1).unwrap().split(' ').count(), 16 * 3);
         let t = compare(cfg, 1).unwrap();
         assert!(t.to_json().starts_with("{\"ledger_completions_per_s\":"));
     }

@@ -1,11 +1,28 @@
-//! `kvpoll bench ledger|engine [--json]`: the comparison figures, measured
-//! in one run against their baselines.
+//! `kvpoll bench [all|ledger|engine|e2e|trace] [--json] [--tls LIST]
+//! [--svg FILE] [--out FILE]`: the comparison figures, each measured in one
+//! run against its baseline. With no word (or `all`) the whole suite runs
+//! and prints one table.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use kvpoll::bench_e2e::{self, E2eConfig, E2eFigures};
+use kvpoll::engine::IdlePolicy;
 use kvpoll::engine_bench;
-use kvpoll::ledger::bench::{compare, BenchConfig};
+use kvpoll::ledger::bench::{compare, BenchConfig, Schedule};
 
 use crate::cli::{Args, CliError};
+
+/// Interleaved runs of each tracker (about 25 ms a pair here).
+const RUNS: u32 = 31;
+
+/// The Python reference, carried inside the binary so that `kvpoll bench`
+/// runs from anywhere.
+const VLLM_STYLE_PY: &str = include_str!("../../../benches/reference/vllm_style.py");
+
+fn failed(e: impl std::fmt::Display) -> CliError {
+    CliError::Failed(e.to_string())
+}
 
 /// Shared memory first (both processes are on this machine); tcp when UCX
 /// cannot use it here. `tls` forces one list.
@@ -35,20 +52,342 @@ fn e2e(tls: Option<&str>) -> Result<E2eFigures, CliError> {
     ))
 }
 
-/// Interleaved runs of each tracker (about 25 ms a pair here).
-const RUNS: u32 = 31;
+/// Runs the Python reference over the ledger bench's trace; completions/s,
+/// or why it is unavailable.
+fn python_reference(config: BenchConfig) -> Result<f64, String> {
+    let dir = std::env::temp_dir().join(format!("kvpoll-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("temp dir: {e}"))?;
+    let result = (|| {
+        let trace = dir.join("trace.txt");
+        let script = dir.join("vllm_style.py");
+        write_trace(config, &trace)?;
+        std::fs::write(&script, VLLM_STYLE_PY).map_err(|e| format!("writing the script: {e}"))?;
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .arg("--trace")
+            .arg(&trace)
+            .output()
+            .map_err(|e| format!("python3 not runnable: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "python3 failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        json_number(&text, "completions_per_s").ok_or_else(|| format!("python3 printed {text:?}"))
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn write_trace(config: BenchConfig, path: &Path) -> Result<(), String> {
+    let s = Schedule::new(config).map_err(|e| e.to_string())?;
+    let file = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    s.write_trace(&mut w)
+        .and_then(|_| std::io::Write::flush(&mut w))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The number after `"key":` in a flat JSON object.
+fn json_number(text: &str, key: &str) -> Option<f64> {
+    let at = text.find(&format!("\"{key}\":"))? + key.len() + 3;
+    let rest = text[at..].trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || "+-.eE".contains(c)))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+/// One line of the table.
+struct Row {
+    key: &'static str,
+    figure: &'static str,
+    unit: &'static str,
+    kvpoll: Option<f64>,
+    baseline_name: &'static str,
+    baseline: Option<f64>,
+    /// kvpoll / baseline, or the figure's own ratio.
+    ratio: Option<f64>,
+    target: &'static str,
+    met: Option<bool>,
+    note: String,
+}
+
+fn num(x: Option<f64>) -> String {
+    match x {
+        Some(v) if v.is_finite() => format!("{v:.4}"),
+        _ => "null".into(),
+    }
+}
+
+fn human(x: Option<f64>, unit: &str) -> String {
+    match x {
+        Some(v) if v.is_finite() => {
+            if v >= 1e6 {
+                format!("{:.2} M{unit}", v / 1e6)
+            } else if v >= 1e4 {
+                format!("{:.1} k{unit}", v / 1e3)
+            } else {
+                format!("{v:.1} {unit}")
+            }
+        }
+        _ => "n/a".into(),
+    }
+}
+
+/// Everything `bench all` measured.
+pub struct Suite {
+    rows: Vec<Row>,
+    e2e: Option<E2eFigures>,
+    completion_visible_ns: Vec<u64>,
+    cache_line_ns: Vec<u64>,
+    seconds: f64,
+}
+
+fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
+    let t0 = Instant::now();
+    let mut rows = Vec::new();
+    let cfg = BenchConfig::default();
+
+    let ledger = compare(cfg, RUNS).map_err(failed)?;
+    rows.push(Row {
+        key: "ledger_vs_locked",
+        figure: "handle completions/s, ledger vs Mutex<HashMap>",
+        unit: "/s",
+        kvpoll: Some(ledger.ledger_completions_per_s),
+        baseline_name: "Mutex+HashMap",
+        baseline: Some(ledger.locked_completions_per_s),
+        ratio: Some(ledger.ratio),
+        target: ">= 10x",
+        met: Some(ledger.ratio >= 10.0),
+        note: format!("median of {RUNS} interleaved runs"),
+    });
+    let (py, py_note) = match python_reference(cfg) {
+        Ok(v) => (Some(v), "same trace, one engine step per window".to_owned()),
+        Err(why) => (None, format!("unavailable: {why}")),
+    };
+    let py_ratio = py.map(|p| ledger.ledger_completions_per_s / p);
+    rows.push(Row {
+        key: "ledger_vs_python",
+        figure: "handle completions/s, ledger vs vLLM-style Python",
+        unit: "/s",
+        kvpoll: Some(ledger.ledger_completions_per_s),
+        baseline_name: "Python dict of handle lists",
+        baseline: py,
+        ratio: py_ratio,
+        target: ">= 200x",
+        met: py_ratio.map(|r| r >= 200.0),
+        note: py_note,
+    });
+
+    let (rtt, pinned) = engine_bench::cache_line_round_trip(20_000, 25);
+    let cv = engine_bench::completion_to_visible(20_000);
+    let p50 = engine_bench::quantile(&cv, 0.5);
+    // Round-trip samples for the CDF: one-trip rounds.
+    let mut cache_line_ns = Vec::with_capacity(2000);
+    for _ in 0..20 {
+        let (ns, _) = engine_bench::cache_line_round_trip(1000, 1);
+        cache_line_ns.push(ns as u64);
+    }
+    let r = p50 / rtt;
+    rows.push(Row {
+        key: "completion_visible_vs_cache_line",
+        figure: "completion -> visible p50 vs cache-line round trip",
+        unit: "ns",
+        kvpoll: Some(p50),
+        baseline_name: "cache-line round trip",
+        baseline: Some(rtt),
+        ratio: Some(r),
+        target: "<= 1.5x",
+        met: Some(r <= 1.5),
+        note: format!("threads pinned: {pinned}"),
+    });
+    let poll = engine_bench::poll_idle(2_000_000).map_err(failed)?;
+    rows.push(Row {
+        key: "poll_idle_ns",
+        figure: "Engine::poll, nothing new",
+        unit: "ns",
+        kvpoll: Some(poll),
+        baseline_name: "",
+        baseline: None,
+        ratio: None,
+        target: "<= 20 ns",
+        met: Some(poll <= 20.0),
+        note: String::new(),
+    });
+
+    let e2e = match e2e(tls) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            eprintln!("kvpoll: e2e figures unavailable: {e}");
+            None
+        }
+    };
+    for (key, figure, pick) in [
+        (
+            "e2e_single_block_reads",
+            "16 KiB reads/s, 64 in flight, 2 processes",
+            (|f: &E2eFigures| f.reads) as fn(&E2eFigures) -> bench_e2e::Rates,
+        ),
+        (
+            "e2e_64_block_requests",
+            "64 x 16 KiB requests/s, 4 in flight, 2 processes",
+            |f: &E2eFigures| f.requests,
+        ),
+    ] {
+        let rates = e2e.as_ref().map(pick);
+        rows.push(Row {
+            key,
+            figure,
+            unit: "/s",
+            kvpoll: rates.map(|r| r.kvpoll_per_s),
+            baseline_name: "raw UCX loop",
+            baseline: rates.map(|r| r.raw_per_s),
+            ratio: rates.map(|r| r.kvpoll_per_s / r.raw_per_s),
+            target: "overhead <= 10 % (>= 0.91x)",
+            met: rates.map(|r| r.overhead_pct <= 10.0),
+            note: match &e2e {
+                Some(f) => format!("over {}; overhead {:.1} %", f.tls, pick(f).overhead_pct),
+                None => "unavailable".into(),
+            },
+        });
+    }
+
+    let quiet = Duration::from_secs(1);
+    let adaptive = engine_bench::idle_cpu(IdlePolicy::Adaptive, quiet).map_err(failed)?;
+    let busy = engine_bench::idle_cpu(IdlePolicy::Busy, quiet).map_err(failed)?;
+    let pct = |x: Option<f64>| x.map(|v| v * 100.0);
+    rows.push(Row {
+        key: "idle_cpu_pct",
+        figure: "idle CPU of the poller, adaptive vs busy policy",
+        unit: "% core",
+        kvpoll: pct(adaptive),
+        baseline_name: "busy-poll thread",
+        baseline: pct(busy),
+        ratio: adaptive.zip(busy).map(|(a, b)| a / b),
+        target: "<= 2 % of a core",
+        met: adaptive.map(|a| a <= 0.02),
+        note: "one quiet second each".into(),
+    });
+    let wake = engine_bench::wake_up(20, Duration::from_millis(20)).map_err(failed)?;
+    let w50 = engine_bench::quantile(&wake, 0.5);
+    rows.push(Row {
+        key: "wake_up_us",
+        figure: "wake-up after a quiet spell, p50 (engine -> poller -> engine)",
+        unit: "us",
+        kvpoll: Some(w50 / 1e3),
+        baseline_name: "",
+        baseline: None,
+        ratio: None,
+        target: "<= 20 us",
+        met: Some(w50 <= 20_000.0),
+        note: format!(
+            "p99 {:.1} us, 20 samples",
+            engine_bench::quantile(&wake, 0.99) / 1e3
+        ),
+    });
+    Ok(Suite {
+        rows,
+        e2e,
+        completion_visible_ns: cv,
+        cache_line_ns,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn print_table(s: &Suite) {
+    println!(
+        "{:<58} {:>14} {:>14} {:>9}  {:<28} met",
+        "figure", "kvpoll", "baseline", "ratio", "target"
+    );
+    for r in &s.rows {
+        let met = match r.met {
+            Some(true) => "yes",
+            Some(false) => "MISSED",
+            None => "n/a",
+        };
+        println!(
+            "{:<58} {:>14} {:>14} {:>9}  {:<28} {}",
+            r.figure,
+            human(r.kvpoll, r.unit),
+            if r.baseline_name.is_empty() {
+                "-".into()
+            } else {
+                human(r.baseline, r.unit)
+            },
+            r.ratio
+                .filter(|x| x.is_finite())
+                .map_or("-".into(), |x| format!("{x:.2}x")),
+            r.target,
+            met
+        );
+    }
+    println!("\nbaselines and notes:");
+    for r in &s.rows {
+        if !r.baseline_name.is_empty() || !r.note.is_empty() {
+            println!("  {:<34} baseline: {}; {}", r.key, r.baseline_name, r.note);
+        }
+    }
+    println!("\nsuite ran in {:.1} s", s.seconds);
+}
+
+fn print_json(s: &Suite) {
+    let rows: Vec<String> = s
+        .rows
+        .iter()
+        .map(|r| {
+            format!(
+                "\"{}\":{{\"figure\":\"{}\",\"unit\":\"{}\",\"kvpoll\":{},\"baseline\":\"{}\",\"baseline_value\":{},\"ratio\":{},\"target\":\"{}\",\"met\":{},\"note\":\"{}\"}}",
+                r.key,
+                r.figure,
+                r.unit,
+                num(r.kvpoll),
+                r.baseline_name,
+                num(r.baseline),
+                num(r.ratio),
+                r.target,
+                r.met.map_or("null".into(), |m| m.to_string()),
+                r.note.replace(['"', '\\'], "'")
+            )
+        })
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "{{\"cores\":{cores},\"seconds\":{:.1},\"e2e\":{},{}}}",
+        s.seconds,
+        s.e2e.as_ref().map_or("null".into(), |f| f.to_json()),
+        rows.join(",")
+    );
+}
 
 pub fn run(mut args: Args) -> Result<(), CliError> {
-    let what = args
-        .command()
-        .map_err(|_| CliError::MissingValue("bench".into()))?;
+    let what = args.subcommand_or("all");
     let json = args.flag("--json");
     let tls: Option<String> = args.option("--tls", "a UCX transport list")?;
+    let svg: Option<PathBuf> = args.option("--svg", "a file path")?;
+    let out: Option<PathBuf> = args.option("--out", "a file path")?;
     args.finish()?;
     match what.as_str() {
+        "all" => {
+            let s = suite(tls.as_deref())?;
+            if json {
+                print_json(&s);
+            } else {
+                print_table(&s);
+            }
+            if let Some(path) = svg {
+                crate::plot::cdf(&path, &s).map_err(failed)?;
+                eprintln!("kvpoll: latency CDFs written to {}", path.display());
+            }
+        }
+        "trace" => {
+            let path = out.ok_or_else(|| CliError::MissingValue("--out".into()))?;
+            write_trace(BenchConfig::default(), &path).map_err(CliError::Failed)?;
+        }
         "ledger" => {
-            let t = compare(BenchConfig::default(), RUNS)
-                .map_err(|e| CliError::Failed(e.to_string()))?;
+            let t = compare(BenchConfig::default(), RUNS).map_err(failed)?;
             if json {
                 println!("{}", t.to_json());
             } else {
@@ -63,7 +402,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
             }
         }
         "engine" => {
-            let f = engine_bench::measure(20_000).map_err(|e| CliError::Failed(e.to_string()))?;
+            let f = engine_bench::measure(20_000).map_err(failed)?;
             if json {
                 println!("{}", f.to_json());
             } else {
@@ -85,9 +424,14 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
             } else {
                 println!(
                     "transports: {}\nsingle-block reads: kvpoll {:.0}/s, raw UCX {:.0}/s, overhead {:.1} % (target <= 10 %)\n{}-block requests: kvpoll {:.0}/s, raw UCX {:.0}/s, overhead {:.1} %",
-                    f.tls, f.reads.kvpoll_per_s, f.reads.raw_per_s, f.reads.overhead_pct,
+                    f.tls,
+                    f.reads.kvpoll_per_s,
+                    f.reads.raw_per_s,
+                    f.reads.overhead_pct,
                     E2eConfig::default().request_blocks,
-                    f.requests.kvpoll_per_s, f.requests.raw_per_s, f.requests.overhead_pct
+                    f.requests.kvpoll_per_s,
+                    f.requests.raw_per_s,
+                    f.requests.overhead_pct
                 );
             }
         }
@@ -95,9 +439,40 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
             return Err(CliError::BadValue {
                 option: "bench".into(),
                 value: other.to_owned(),
-                expected: "ledger, engine or e2e",
+                expected: "all, ledger, engine, e2e or trace",
             })
         }
     }
     Ok(())
+}
+
+/// What the plot needs from a suite run.
+pub struct Curves<'a> {
+    pub title: &'a str,
+    pub unit: &'a str,
+    pub series: Vec<(&'a str, &'a [u64])>,
+}
+
+impl Suite {
+    pub fn curves(&self) -> Vec<Curves<'_>> {
+        let mut v = vec![Curves {
+            title: "completion -> visible vs cache-line round trip",
+            unit: "ns",
+            series: vec![
+                ("kvpoll completion -> visible", &self.completion_visible_ns),
+                ("cache-line round trip", &self.cache_line_ns),
+            ],
+        }];
+        if let Some(f) = &self.e2e {
+            v.push(Curves {
+                title: "16 KiB read latency, 64 in flight, 2 processes",
+                unit: "ns",
+                series: vec![
+                    ("kvpoll read (submit -> visible)", &f.kvpoll_read_latency_ns),
+                    ("raw UCX get (post -> completion)", &f.raw_read_latency_ns),
+                ],
+            });
+        }
+        v
+    }
 }

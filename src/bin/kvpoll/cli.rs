@@ -55,6 +55,15 @@ impl Args {
         Ok(self.words.remove(0))
     }
 
+    /// Takes the next word as a sub-command unless it is an option (or there
+    /// is none); then `default`.
+    pub fn subcommand_or(&mut self, default: &str) -> String {
+        match self.words.first() {
+            Some(w) if !w.starts_with("--") => self.words.remove(0),
+            _ => default.to_owned(),
+        }
+    }
+
     /// Takes `--name VALUE` if present, parsed as `T`.
     pub fn option<T: FromStr>(
         &mut self,

@@ -5,6 +5,7 @@ mod bench;
 mod cli;
 mod demo;
 mod peer;
+mod plot;
 mod topo;
 mod transfer;
 
@@ -21,8 +22,13 @@ commands:
         --blocks N        blocks per round (default 4096)
         --block-size B    bytes per block (default 16384)
         --rounds N        rounds (default 8)
-  bench ledger|engine   measure against baselines in the same run
+  bench [all|ledger|engine|e2e|trace]
+                        measure against baselines in the same run (default: all,
+                        the whole suite as one table, under 2 minutes)
         --json            one JSON object
+        --svg FILE        (all) draw latency CDFs of kvpoll and its baselines
+        --tls LIST        (all, e2e) UCX transports (default: posix,sysv,cma, then tcp)
+        --out FILE        (trace) write the ledger bench's completion trace
   topo                  show CPUs, caches, NUMA nodes, NICs/GPUs and isolation; suggest a core map
         --check MAP       validate a core map (a path, or `auto`) on this machine and warn
                           about costly placements (exit 0 valid, 1 invalid)

@@ -1,0 +1,54 @@
+//! `kvpoll bench trace` exports the ledger bench's completion trace, and the
+//! Python reference replays it (when python3 is here) into a figure.
+
+use std::process::Command;
+
+#[test]
+fn bench_trace_writes_the_ledger_schedule_and_the_python_reference_replays_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.txt");
+    let st = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["bench", "trace", "--out"])
+        .arg(&trace)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let text = std::fs::read_to_string(&trace).unwrap();
+    assert!(
+        text.starts_with("kvpoll-trace 1 32768 8 256 1 8\n"),
+        "{}",
+        &text[..40]
+    );
+    assert_eq!(text.lines().count(), 9);
+
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/reference/vllm_style.py"
+    );
+    let Ok(out) = Command::new("python3")
+        .arg(script)
+        .args(["--runs", "1", "--trace"])
+        .arg(&trace)
+        .output()
+    else {
+        eprintln!("python3 not here: the reference figure is unavailable");
+        return;
+    };
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json = String::from_utf8(out.stdout).unwrap();
+    assert!(json.contains("\"completions\": 262144"), "{json}");
+    assert!(json.contains("\"completions_per_s\": "), "{json}");
+}
+
+#[test]
+fn bench_trace_without_out_is_a_usage_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["bench", "trace"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
