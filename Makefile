@@ -23,7 +23,9 @@ test: deps
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test --release --lib --tests loom -- --test-threads=1
 
+# benches/e2e spawns its peer processes from the release binary.
 bench: deps
+	$(CARGO) build --release --bin kvpoll
 	$(CARGO) bench
 
 fmt:
