@@ -294,8 +294,14 @@ impl KvpollSide {
             }
             let now = Instant::now();
             for id in &self.out.finished_recving {
-                let i = (id.0 - first) as usize;
-                lat.push((now - started[i]).as_nanos() as u64);
+                // Every earlier run finished all its reads, so each id is ours.
+                let Some(t) =
+                    id.0.checked_sub(first)
+                        .and_then(|i| started.get(i as usize))
+                else {
+                    return Err(E2eError::Failed(format!("kvpoll reported unknown {id:?}")));
+                };
+                lat.push((now - *t).as_nanos() as u64);
                 done += 1;
             }
         }
@@ -392,8 +398,14 @@ impl RawSide {
                     return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
                 }
                 let i = c.token as usize;
-                left[i] -= 1;
-                if left[i] == 0 {
+                let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
+                    return Err(E2eError::Failed(format!(
+                        "raw: unexpected token {}",
+                        c.token
+                    )));
+                };
+                *l -= 1;
+                if *l == 0 {
                     lat.push((now - started[i]).as_nanos() as u64);
                     done += 1;
                 }
@@ -424,12 +436,12 @@ impl Session {
         if cfg.in_flight == 0
             || cfg.requests_in_flight == 0
             || cfg.request_blocks == 0
-            || u64::from(cfg.in_flight) > PEER_BLOCKS * 64
+            || cfg.in_flight > 1024
             || cfg.request_blocks > 512
             || u64::from(cfg.requests_in_flight) * u64::from(cfg.request_blocks) > 1 << 16
         {
             return Err(E2eError::Shape(
-                "in flight 1..=4096, request blocks 1..=512, request blocks × in flight ≤ 65536",
+                "in flight 1..=1024 (the engine's ledger slots), request blocks 1..=512, request blocks × in flight ≤ 65536",
             ));
         }
         let common = |blocks: u64| -> Vec<String> {
