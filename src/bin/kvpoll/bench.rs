@@ -284,7 +284,7 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         target: "<= 20 us",
         met: Some(w50 <= 20_000.0),
         note: format!(
-            "p99 {:.1} us, 20 samples",
+            "after 20 ms quiet each; p99 {:.1} us, 20 samples",
             engine_bench::quantile(&wake, 0.99) / 1e3
         ),
     });
