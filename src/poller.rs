@@ -296,11 +296,8 @@ impl Poller {
             if self.shared.stop.load(Ordering::Acquire) {
                 break;
             }
+            work += self.drain_retired();
             work += self.drain_commands();
-            while let Some(key) = self.retire.recv() {
-                let _ = self.ledger.retire(key);
-                work += 1;
-            }
             work += self.worker.progress();
             work += self.handle_completions();
             work += self.handle_notifications();
@@ -476,6 +473,16 @@ impl Poller {
         p.conn.as_ref().ok_or(setup(0))
     }
 
+    /// Frees the slots of requests the engine has consumed.
+    fn drain_retired(&mut self) -> u32 {
+        let mut n = 0;
+        while let Some(key) = self.retire.recv() {
+            let _ = self.ledger.retire(key);
+            n += 1;
+        }
+        n
+    }
+
     fn drain_commands(&mut self) -> u32 {
         let mut n = 0;
         while let Some(entry) = self.commands.recv() {
@@ -536,6 +543,11 @@ impl Poller {
             };
             self.blocks.push(b);
         }
+        // The engine admitted this request counting the slots it had handed
+        // back; those keys were pushed before this command, so they are
+        // visible now: free their slots first, or begin could find the
+        // ledger full (or the id still indexed) and lose the request.
+        self.drain_retired();
         let kind = match op {
             Op::Read => Kind::Read,
             Op::PrefixHit => Kind::PrefixHit,
@@ -554,10 +566,11 @@ impl Poller {
         let key = match self.ledger.begin(&req, &mut |e| out.push(e)) {
             Ok(Begun::Tracked(key)) => key,
             Ok(Begun::Untracked) => return,
-            Err(_) => {
+            Err(e) => {
                 // The engine validated the request; a refusal here means the
                 // engine and the ledger disagree. Nothing was tracked.
-                debug_assert!(false, "ledger refused a validated request");
+                debug_assert!(false, "ledger refused a validated request: {e}");
+                eprintln!("kvpoll: poller refused request {id:?}: {e}");
                 return;
             }
         };

@@ -619,3 +619,43 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
     }
     assert_eq!(out.finished_sending, vec![id]);
 }
+
+#[test]
+fn a_full_prefix_hit_with_nothing_to_read_is_reported_finished_at_once() {
+    let mut d = engine("tcp", GUARD);
+    d.read(RequestId(81), &[]).unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the prefix hit", |o| {
+        !o.finished_recving.is_empty()
+    });
+    assert_eq!(out.finished_recving, vec![RequestId(81)]);
+    assert_eq!(d.in_flight(), 0);
+}
+
+#[test]
+fn a_small_ledger_reuses_its_slots_without_losing_a_request() {
+    // One slot, many requests in a row: each report hands the slot back
+    // just before the next request needs it.
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .ledger(1, 8)
+        .build()
+        .unwrap();
+    d.register(BLOCKS).unwrap();
+    let mut out = Outcomes::default();
+    for i in 0..200u64 {
+        d.read(RequestId(i), &[]).unwrap();
+        let want = i as usize + 1;
+        wait_for(&mut d, &mut out, "the prefix hit", |o| {
+            o.finished_recving.len() == want
+        });
+    }
+    assert!(matches!(
+        {
+            d.read(RequestId(1000), &[]).unwrap();
+            d.read(RequestId(1001), &[])
+        },
+        Err(EngineError::Full(1))
+    ));
+}
