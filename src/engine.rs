@@ -277,6 +277,19 @@ impl EngineBuilder {
         self
     }
 
+    /// Places the poller as a core map says: the first poller entry's core
+    /// and idle policy (this engine runs one poller; further entries are
+    /// for further engines). A map without pollers is refused.
+    pub fn core_map(mut self, map: &crate::placement::CoreMap) -> Result<Self, EngineError> {
+        let spec = map
+            .pollers()
+            .first()
+            .ok_or_else(|| EngineError::Config("the core map names no poller".into()))?;
+        self.core = Some(spec.core);
+        self.idle = spec.idle;
+        Ok(self)
+    }
+
     /// The poller's idle policy (default [`IdlePolicy::Adaptive`]).
     pub fn idle(mut self, idle: IdlePolicy) -> Self {
         self.idle = idle;
@@ -324,6 +337,7 @@ impl EngineBuilder {
             busy_iterations: AtomicU64::new(0),
             idle_iterations: AtomicU64::new(0),
             rejected_notes: AtomicU64::new(0),
+            pinned_core: AtomicU64::new(u64::MAX),
             epoch: Instant::now(),
         });
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -778,6 +792,15 @@ impl Engine {
             .map_err(|_| EngineError::RingFull(1))?;
         self.wake();
         Ok(())
+    }
+
+    /// The CPU the poller is pinned to, read back after pinning; `None` when
+    /// it was not asked to pin or could not (adaptive pollers only warn).
+    pub fn poller_core(&self) -> Option<usize> {
+        match self.shared.pinned_core.load(Ordering::Acquire) {
+            u64::MAX => None,
+            c => Some(c as usize),
+        }
     }
 
     /// Requests submitted and not yet reported.

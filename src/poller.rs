@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) busy_iterations: AtomicU64,
     pub(crate) idle_iterations: AtomicU64,
     pub(crate) rejected_notes: AtomicU64,
+    /// The CPU the poller was pinned to and verified on; `u64::MAX` if none.
+    pub(crate) pinned_core: AtomicU64,
     pub(crate) epoch: Instant,
 }
 
@@ -231,8 +233,9 @@ impl Poller {
         if let Some(core) = cfg.core {
             let outcome = crate::placement::pin_current_thread(core, cfg.idle)
                 .map_err(|e| EngineError::Config(e.to_string()))?;
-            if let Some(w) = outcome.warning {
-                eprintln!("kvpoll: poller {w}");
+            match outcome.warning {
+                Some(w) => eprintln!("kvpoll: poller {w}"),
+                None => shared.pinned_core.store(core as u64, Ordering::Release),
             }
         }
         let context = Context::new(&cfg.ucx)?;

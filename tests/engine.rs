@@ -659,3 +659,25 @@ fn a_small_ledger_reuses_its_slots_without_losing_a_request() {
         Err(EngineError::Full(1))
     ));
 }
+
+#[test]
+fn the_shipped_two_core_map_places_the_poller_on_cpu_1() {
+    use kvpoll::placement::{CoreMap, Topology};
+    let topo = Topology::detect().unwrap();
+    if topo.online_cpus().len() < 2 {
+        eprintln!("skipped: this machine has one CPU");
+        return;
+    }
+    let map = CoreMap::load(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tuning/two-core.toml"),
+        &topo,
+    )
+    .unwrap();
+    let mut e = Engine::builder().core_map(&map).unwrap().build().unwrap();
+    assert_eq!(e.poller_core(), Some(1));
+    e.read(RequestId(1), &[]).unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut e, &mut out, "the prefix hit", |o| {
+        !o.finished_recving.is_empty()
+    });
+}
