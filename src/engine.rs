@@ -482,9 +482,37 @@ impl Engine {
     }
 
     /// Registers a region of `blocks` blocks (one KV layer), allocated and
-    /// registered by UCX in host memory. Every region must hold the same
+    /// registered by UCX in host memory (on one host, shared memory: truly
+    /// one-sided). For memory the serving engine already has, see
+    /// [`Engine::register_memory`]. Every region must hold the same
     /// number of blocks. Returns the region's index.
     pub fn register(&mut self, blocks: u64) -> Result<usize, EngineError> {
+        self.register_region(blocks, None)
+    }
+
+    /// Registers caller memory as a region of `len / block_size` blocks
+    /// (one KV layer): `len` must be a whole number of blocks.
+    ///
+    /// # Safety
+    /// `base..base+len` must be valid, writable host memory that stays
+    /// allocated and in place until the engine is dropped (after
+    /// [`Engine::shutdown`]), and the caller must not rely on its contents
+    /// while transfers into it are in flight.
+    pub unsafe fn register_memory(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+    ) -> Result<usize, EngineError> {
+        if base.is_null() || len as u64 % self.block_size != 0 {
+            return Err(EngineError::BadRegion {
+                blocks: len as u64 / self.block_size,
+                why: "caller memory must be non-null and a whole number of blocks",
+            });
+        }
+        self.register_region(len as u64 / self.block_size, Some(base as usize))
+    }
+
+    fn register_region(&mut self, blocks: u64, user: Option<usize>) -> Result<usize, EngineError> {
         if blocks == 0 || blocks > u64::from(u32::MAX) {
             return Err(EngineError::BadRegion {
                 blocks,
@@ -509,6 +537,7 @@ impl Engine {
         let (base, len) = self.control(|reply| Control::Register {
             blocks,
             len: len as usize,
+            user,
             reply,
         })?;
         self.region_blocks = Some(blocks);

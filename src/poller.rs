@@ -70,6 +70,8 @@ pub(crate) enum Control {
     Register {
         blocks: u64,
         len: usize,
+        /// Caller memory to map (its address), or `None` to let UCX allocate.
+        user: Option<usize>,
         reply: Reply<(usize, usize)>,
     },
     Metadata {
@@ -365,8 +367,13 @@ impl Poller {
         while let Ok(msg) = self.control.try_recv() {
             n += 1;
             match msg {
-                Control::Register { blocks, len, reply } => {
-                    let _ = reply.send(self.register(blocks, len));
+                Control::Register {
+                    blocks,
+                    len,
+                    user,
+                    reply,
+                } => {
+                    let _ = reply.send(self.register(blocks, len, user));
                 }
                 Control::Metadata { reply } => {
                     let _ = reply.send(self.metadata());
@@ -390,8 +397,18 @@ impl Poller {
         n
     }
 
-    fn register(&mut self, blocks: u64, len: usize) -> Result<(usize, usize), EngineError> {
-        let region = MemoryRegion::allocate(&self._context, len)?;
+    fn register(
+        &mut self,
+        blocks: u64,
+        len: usize,
+        user: Option<usize>,
+    ) -> Result<(usize, usize), EngineError> {
+        let region = match user {
+            // SAFETY: Engine::register_memory's caller guarantees the range
+            // stays valid, writable and in place for the engine's lifetime.
+            Some(base) => unsafe { MemoryRegion::map(&self._context, base as *mut u8, len)? },
+            None => MemoryRegion::allocate(&self._context, len)?,
+        };
         let rkey = region.pack_rkey()?;
         let out = (region.as_ptr() as usize, region.len());
         self.region_blocks = blocks;

@@ -681,3 +681,47 @@ fn the_shipped_two_core_map_places_the_poller_on_cpu_1() {
         !o.finished_recving.is_empty()
     });
 }
+
+#[test]
+fn reads_land_in_caller_registered_memory() {
+    let p = engine("tcp", GUARD);
+    fill(&p, 8);
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .build()
+        .unwrap();
+    let mut layers: Vec<Vec<u8>> = (0..REGIONS)
+        .map(|_| vec![0u8; (BLOCKS * BS) as usize])
+        .collect();
+    for layer in &mut layers {
+        // SAFETY: the buffers outlive `d` (dropped first, below) and are not
+        // touched until it is shut down.
+        unsafe { d.register_memory(layer.as_mut_ptr(), layer.len()).unwrap() };
+    }
+    // SAFETY: as above; a length that is not whole blocks is refused.
+    assert!(matches!(
+        unsafe { d.register_memory(layers[0].as_mut_ptr(), 100) },
+        Err(EngineError::BadRegion { .. })
+    ));
+    let peer = connect(&mut d, &p);
+    d.read(
+        RequestId(91),
+        &[Transfer {
+            peer,
+            local: &ids(&[3]),
+            remote: &ids(&[17]),
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the read", |o| {
+        !o.finished_recving.is_empty()
+    });
+    d.shutdown();
+    drop(d);
+    for (r, layer) in layers.iter().enumerate() {
+        let block = &layer[(3 * BS) as usize..(4 * BS) as usize];
+        assert!(kvpoll::pattern::check(seed(8, r), 17, block), "layer {r}");
+    }
+}
