@@ -440,13 +440,11 @@ impl Poller {
 
     fn add_peer(&mut self, meta: PeerMetadata) -> PeerId {
         let id = PeerId(self.peers.len() as u32);
-        if let Some(old) = self.by_instance.insert(meta.instance, id) {
-            // The same engine added again: the old entry goes.
-            if self.peers.get(old.0 as usize).is_some_and(|p| p.is_some()) {
-                self.drop_peer(old);
-            }
-            self.by_instance.insert(meta.instance, id);
+        // The same engine added again: its old entry goes first.
+        if let Some(old) = self.by_instance.get(&meta.instance).copied() {
+            self.drop_peer(old);
         }
+        self.by_instance.insert(meta.instance, id);
         self.peers.push(Some(Peer {
             meta,
             conn: None,
