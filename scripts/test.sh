@@ -20,7 +20,9 @@ step() {
     fi
 }
 
-step "$CARGO" test --workspace --all-targets -- --test-threads="$THREADS"
+step "$CARGO" test --workspace --lib --bins --tests -- --test-threads="$THREADS"
+# Benches run once each in test mode (criterion takes no libtest flags).
+step "$CARGO" test --workspace --benches
 step "$CARGO" test --workspace --doc
 # The cuda feature must build without CUDA installed (the driver is loaded
 # at run time) and must give typed errors, not panics, without a GPU.

@@ -277,6 +277,19 @@ impl EngineBuilder {
         self
     }
 
+    /// Places the poller as a core map says: the first poller entry's core
+    /// and idle policy (this engine runs one poller; further entries are
+    /// for further engines). A map without pollers is refused.
+    pub fn core_map(mut self, map: &crate::placement::CoreMap) -> Result<Self, EngineError> {
+        let spec = map
+            .pollers()
+            .first()
+            .ok_or_else(|| EngineError::Config("the core map names no poller".into()))?;
+        self.core = Some(spec.core);
+        self.idle = spec.idle;
+        Ok(self)
+    }
+
     /// The poller's idle policy (default [`IdlePolicy::Adaptive`]).
     pub fn idle(mut self, idle: IdlePolicy) -> Self {
         self.idle = idle;
@@ -324,6 +337,7 @@ impl EngineBuilder {
             busy_iterations: AtomicU64::new(0),
             idle_iterations: AtomicU64::new(0),
             rejected_notes: AtomicU64::new(0),
+            pinned_core: AtomicU64::new(u64::MAX),
             epoch: Instant::now(),
             tid: std::sync::atomic::AtomicI32::new(0),
         });
@@ -473,9 +487,37 @@ impl Engine {
     }
 
     /// Registers a region of `blocks` blocks (one KV layer), allocated and
-    /// registered by UCX in host memory. Every region must hold the same
+    /// registered by UCX in host memory (on one host, shared memory: truly
+    /// one-sided). For memory the serving engine already has, see
+    /// [`Engine::register_memory`]. Every region must hold the same
     /// number of blocks. Returns the region's index.
     pub fn register(&mut self, blocks: u64) -> Result<usize, EngineError> {
+        self.register_region(blocks, None)
+    }
+
+    /// Registers caller memory as a region of `len / block_size` blocks
+    /// (one KV layer): `len` must be a whole number of blocks.
+    ///
+    /// # Safety
+    /// `base..base+len` must be valid, writable host memory that stays
+    /// allocated and in place until the engine is dropped (after
+    /// [`Engine::shutdown`]), and the caller must not rely on its contents
+    /// while transfers into it are in flight.
+    pub unsafe fn register_memory(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+    ) -> Result<usize, EngineError> {
+        if base.is_null() || len as u64 % self.block_size != 0 {
+            return Err(EngineError::BadRegion {
+                blocks: len as u64 / self.block_size,
+                why: "caller memory must be non-null and a whole number of blocks",
+            });
+        }
+        self.register_region(len as u64 / self.block_size, Some(base as usize))
+    }
+
+    fn register_region(&mut self, blocks: u64, user: Option<usize>) -> Result<usize, EngineError> {
         if blocks == 0 || blocks > u64::from(u32::MAX) {
             return Err(EngineError::BadRegion {
                 blocks,
@@ -500,6 +542,7 @@ impl Engine {
         let (base, len) = self.control(|reply| Control::Register {
             blocks,
             len: len as usize,
+            user,
             reply,
         })?;
         self.region_blocks = Some(blocks);
@@ -783,6 +826,15 @@ impl Engine {
             .map_err(|_| EngineError::RingFull(1))?;
         self.wake();
         Ok(())
+    }
+
+    /// The CPU the poller is pinned to, read back after pinning; `None` when
+    /// it was not asked to pin or could not (adaptive pollers only warn).
+    pub fn poller_core(&self) -> Option<usize> {
+        match self.shared.pinned_core.load(Ordering::Acquire) {
+            u64::MAX => None,
+            c => Some(c as usize),
+        }
     }
 
     /// Requests submitted and not yet reported.

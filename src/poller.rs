@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) busy_iterations: AtomicU64,
     pub(crate) idle_iterations: AtomicU64,
     pub(crate) rejected_notes: AtomicU64,
+    /// The CPU the poller was pinned to and verified on; `u64::MAX` if none.
+    pub(crate) pinned_core: AtomicU64,
     pub(crate) epoch: Instant,
     /// The poller thread's kernel thread id (0 until it runs), so that its
     /// CPU time can be read from /proc.
@@ -71,6 +73,8 @@ pub(crate) enum Control {
     Register {
         blocks: u64,
         len: usize,
+        /// Caller memory to map (its address), or `None` to let UCX allocate.
+        user: Option<usize>,
         reply: Reply<(usize, usize)>,
     },
     Metadata {
@@ -234,8 +238,9 @@ impl Poller {
         if let Some(core) = cfg.core {
             let outcome = crate::placement::pin_current_thread(core, cfg.idle)
                 .map_err(|e| EngineError::Config(e.to_string()))?;
-            if let Some(w) = outcome.warning {
-                eprintln!("kvpoll: poller {w}");
+            match outcome.warning {
+                Some(w) => eprintln!("kvpoll: poller {w}"),
+                None => shared.pinned_core.store(core as u64, Ordering::Release),
             }
         }
         let context = Context::new(&cfg.ucx)?;
@@ -299,11 +304,8 @@ impl Poller {
             if self.shared.stop.load(Ordering::Acquire) {
                 break;
             }
+            work += self.drain_retired();
             work += self.drain_commands();
-            while let Some(key) = self.retire.recv() {
-                let _ = self.ledger.retire(key);
-                work += 1;
-            }
             work += self.worker.progress();
             work += self.handle_completions();
             work += self.handle_notifications();
@@ -356,8 +358,12 @@ impl Poller {
                 // park. An unpark before the park makes the park return.
                 self.shared.sleeping.store(true, Ordering::SeqCst);
                 // The timeout bounds how late a remote-driven event (an
-                // incoming notification, a get served over tcp) is noticed.
-                std::thread::park_timeout(Duration::from_micros(200));
+                // incoming notification, a get served over tcp) is noticed:
+                // 200 µs at first, 2 ms once the poller has been idle for
+                // about 10 ms (a submit still wakes it at once). UCX's own
+                // wakeup (an event fd per worker) would remove this trade.
+                let nap = if streak < 4050 { 200 } else { 2000 };
+                std::thread::park_timeout(Duration::from_micros(nap));
                 self.shared.sleeping.store(false, Ordering::SeqCst);
             }
         }
@@ -368,8 +374,13 @@ impl Poller {
         while let Ok(msg) = self.control.try_recv() {
             n += 1;
             match msg {
-                Control::Register { blocks, len, reply } => {
-                    let _ = reply.send(self.register(blocks, len));
+                Control::Register {
+                    blocks,
+                    len,
+                    user,
+                    reply,
+                } => {
+                    let _ = reply.send(self.register(blocks, len, user));
                 }
                 Control::Metadata { reply } => {
                     let _ = reply.send(self.metadata());
@@ -393,8 +404,18 @@ impl Poller {
         n
     }
 
-    fn register(&mut self, blocks: u64, len: usize) -> Result<(usize, usize), EngineError> {
-        let region = MemoryRegion::allocate(&self._context, len)?;
+    fn register(
+        &mut self,
+        blocks: u64,
+        len: usize,
+        user: Option<usize>,
+    ) -> Result<(usize, usize), EngineError> {
+        let region = match user {
+            // SAFETY: Engine::register_memory's caller guarantees the range
+            // stays valid, writable and in place for the engine's lifetime.
+            Some(base) => unsafe { MemoryRegion::map(&self._context, base as *mut u8, len)? },
+            None => MemoryRegion::allocate(&self._context, len)?,
+        };
         let rkey = region.pack_rkey()?;
         let out = (region.as_ptr() as usize, region.len());
         self.region_blocks = blocks;
@@ -426,13 +447,11 @@ impl Poller {
 
     fn add_peer(&mut self, meta: PeerMetadata) -> PeerId {
         let id = PeerId(self.peers.len() as u32);
-        if let Some(old) = self.by_instance.insert(meta.instance, id) {
-            // The same engine added again: the old entry goes.
-            if self.peers.get(old.0 as usize).is_some_and(|p| p.is_some()) {
-                self.drop_peer(old);
-            }
-            self.by_instance.insert(meta.instance, id);
+        // The same engine added again: its old entry goes first.
+        if let Some(old) = self.by_instance.get(&meta.instance).copied() {
+            self.drop_peer(old);
         }
+        self.by_instance.insert(meta.instance, id);
         self.peers.push(Some(Peer {
             meta,
             conn: None,
@@ -477,6 +496,16 @@ impl Poller {
             p.conn = Some(Conn { rkeys, ep });
         }
         p.conn.as_ref().ok_or(setup(0))
+    }
+
+    /// Frees the slots of requests the engine has consumed.
+    fn drain_retired(&mut self) -> u32 {
+        let mut n = 0;
+        while let Some(key) = self.retire.recv() {
+            let _ = self.ledger.retire(key);
+            n += 1;
+        }
+        n
     }
 
     fn drain_commands(&mut self) -> u32 {
@@ -539,6 +568,11 @@ impl Poller {
             };
             self.blocks.push(b);
         }
+        // The engine admitted this request counting the slots it had handed
+        // back; those keys were pushed before this command, so they are
+        // visible now: free their slots first, or begin could find the
+        // ledger full (or the id still indexed) and lose the request.
+        self.drain_retired();
         let kind = match op {
             Op::Read => Kind::Read,
             Op::PrefixHit => Kind::PrefixHit,
@@ -557,10 +591,11 @@ impl Poller {
         let key = match self.ledger.begin(&req, &mut |e| out.push(e)) {
             Ok(Begun::Tracked(key)) => key,
             Ok(Begun::Untracked) => return,
-            Err(_) => {
+            Err(e) => {
                 // The engine validated the request; a refusal here means the
                 // engine and the ledger disagree. Nothing was tracked.
-                debug_assert!(false, "ledger refused a validated request");
+                debug_assert!(false, "ledger refused a validated request: {e}");
+                eprintln!("kvpoll: poller refused request {id:?}: {e}");
                 return;
             }
         };

@@ -619,3 +619,109 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
     }
     assert_eq!(out.finished_sending, vec![id]);
 }
+
+#[test]
+fn a_full_prefix_hit_with_nothing_to_read_is_reported_finished_at_once() {
+    let mut d = engine("tcp", GUARD);
+    d.read(RequestId(81), &[]).unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the prefix hit", |o| {
+        !o.finished_recving.is_empty()
+    });
+    assert_eq!(out.finished_recving, vec![RequestId(81)]);
+    assert_eq!(d.in_flight(), 0);
+}
+
+#[test]
+fn a_small_ledger_reuses_its_slots_without_losing_a_request() {
+    // One slot, many requests in a row: each report hands the slot back
+    // just before the next request needs it.
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .ledger(1, 8)
+        .build()
+        .unwrap();
+    d.register(BLOCKS).unwrap();
+    let mut out = Outcomes::default();
+    for i in 0..200u64 {
+        d.read(RequestId(i), &[]).unwrap();
+        let want = i as usize + 1;
+        wait_for(&mut d, &mut out, "the prefix hit", |o| {
+            o.finished_recving.len() == want
+        });
+    }
+    assert!(matches!(
+        {
+            d.read(RequestId(1000), &[]).unwrap();
+            d.read(RequestId(1001), &[])
+        },
+        Err(EngineError::Full(1))
+    ));
+}
+
+#[test]
+fn the_shipped_two_core_map_places_the_poller_on_cpu_1() {
+    use kvpoll::placement::{CoreMap, Topology};
+    let topo = Topology::detect().unwrap();
+    if topo.online_cpus().len() < 2 {
+        eprintln!("skipped: this machine has one CPU");
+        return;
+    }
+    let map = CoreMap::load(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tuning/two-core.toml"),
+        &topo,
+    )
+    .unwrap();
+    let mut e = Engine::builder().core_map(&map).unwrap().build().unwrap();
+    assert_eq!(e.poller_core(), Some(1));
+    e.read(RequestId(1), &[]).unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut e, &mut out, "the prefix hit", |o| {
+        !o.finished_recving.is_empty()
+    });
+}
+
+#[test]
+fn reads_land_in_caller_registered_memory() {
+    let p = engine("tcp", GUARD);
+    fill(&p, 8);
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .build()
+        .unwrap();
+    let mut layers: Vec<Vec<u8>> = (0..REGIONS)
+        .map(|_| vec![0u8; (BLOCKS * BS) as usize])
+        .collect();
+    for layer in &mut layers {
+        // SAFETY: the buffers outlive `d` (dropped first, below) and are not
+        // touched until it is shut down.
+        unsafe { d.register_memory(layer.as_mut_ptr(), layer.len()).unwrap() };
+    }
+    // SAFETY: as above; a length that is not whole blocks is refused.
+    assert!(matches!(
+        unsafe { d.register_memory(layers[0].as_mut_ptr(), 100) },
+        Err(EngineError::BadRegion { .. })
+    ));
+    let peer = connect(&mut d, &p);
+    d.read(
+        RequestId(91),
+        &[Transfer {
+            peer,
+            local: &ids(&[3]),
+            remote: &ids(&[17]),
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the read", |o| {
+        !o.finished_recving.is_empty()
+    });
+    d.shutdown();
+    drop(d);
+    for (r, layer) in layers.iter().enumerate() {
+        let block = &layer[(3 * BS) as usize..(4 * BS) as usize];
+        assert!(kvpoll::pattern::check(seed(8, r), 17, block), "layer {r}");
+    }
+}

@@ -118,3 +118,18 @@ proptest! {
         prop_assert!(PeerMetadata::decode(&bytes).is_err());
     }
 }
+
+proptest! {
+    #[test]
+    fn random_notification_payloads_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let _ = kvpoll::notification::Notification::decode(&bytes);
+    }
+
+    #[test]
+    fn a_damaged_notification_is_refused(i in 0usize..28, flip in 1u8..=255) {
+        use kvpoll::notification::{NoteKind, Notification};
+        let mut b = Notification { kind: NoteKind::Ack, id: kvpoll::ledger::RequestId(5), count: 2, sender: 9 }.encode();
+        b[i] ^= flip;
+        prop_assert!(Notification::decode(&b).is_err());
+    }
+}

@@ -1,5 +1,5 @@
-//! The `kvpoll` tool: `demo` (the main job), and a UCX peer process used by
-//! the two-process tests.
+//! The `kvpoll` tool: `demo` (the main job), `serve`/`connect` (its two
+//! sides on two hosts), `bench`, `topo`, and peer processes for the tests.
 
 mod bench;
 mod cli;
@@ -17,11 +17,25 @@ const USAGE: &str = "\
 usage: kvpoll <command> [options]
 
 commands:
-  demo                  move KV blocks between two UCX workers and report bytes and rate
+  demo                  prefill TP=4 and decode TP=2 over real UCX, pull then push, with
+                        faults; every block checked; exit 1 on corruption or a leak
+        --ranks processes|threads   prefill ranks as processes (default) or threads
+        --policy safe|eager         eager frees blocks at the first handle failure:
+                                    UNSAFE, for comparison only
+        --requests N                requests per decode rank and mode (default 3000)
+        --no-faults, --no-kill      turn the fault mix, or the rank kill, off
+        --handle-error-every N, --release-failure-every N, --setup-failure-every N
+        --stall-every-ms N, --stall-ms N
+        --tls LIST, --blocks N, --block-size B, --layers N, --blocks-per-handle N,
+        --window N, --json
+  serve                 one prefill rank: --rank R --listen ADDR (prints LISTEN addr)
+  connect               one decode rank: --to ADDR,ADDR --mode pull|push [demo options]
+  transfer              move blocks between two UCX workers; report bytes and rate
         --tls LIST        UCX transports (default: posix,sysv,cma)
         --blocks N        blocks per round (default 4096)
         --block-size B    bytes per block (default 16384)
         --rounds N        rounds (default 8)
+        --json            one JSON object
   bench [all|ledger|engine|e2e|trace]
                         measure against baselines in the same run (default: all,
                         the whole suite as one table, under 2 minutes)

@@ -13,6 +13,20 @@ use kvpoll::wire::to_hex;
 
 use crate::cli::{Args, CliError};
 
+/// A flag that turns true when standard input closes: how a child process
+/// learns that its parent is done with it.
+pub fn stdin_closed() -> Arc<AtomicBool> {
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        flag.store(true, Ordering::Release);
+    });
+    closed
+}
+
 pub fn run(mut args: Args) -> Result<(), CliError> {
     let tls: String = args
         .option("--tls", "a UCX transport list")?
@@ -50,14 +64,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
     .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
     drop(out);
 
-    let closed = Arc::new(AtomicBool::new(false));
-    let flag = closed.clone();
-    std::thread::spawn(move || {
-        let mut sink = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-        flag.store(true, Ordering::Release);
-    });
+    let closed = stdin_closed();
     // Over tcp the target of a get must progress to answer it. Spin while
     // there is work, nap when there is none, so a 2-core box is not starved.
     let mut idle = 0u32;
@@ -111,14 +118,7 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
         .and_then(|_| out.flush())
         .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
     drop(out);
-    let closed = Arc::new(AtomicBool::new(false));
-    let flag = closed.clone();
-    std::thread::spawn(move || {
-        let mut sink = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-        flag.store(true, Ordering::Release);
-    });
+    let closed = stdin_closed();
     let mut outcomes = kvpoll::engine::Outcomes::default();
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();

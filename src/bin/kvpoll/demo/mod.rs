@@ -164,6 +164,30 @@ impl Rank {
     }
 }
 
+/// A decode rank's settings, without faults; rank 1 on prefill ranks 0, 1.
+fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
+    DecodeConfig {
+        rank: 1,
+        prefill: [0, 1],
+        tls: s.tls.clone(),
+        blocks: s.blocks,
+        block_size: s.block_size,
+        layers: s.layers,
+        requests: s.requests,
+        window: s.window,
+        per_handle: s.per_handle,
+        mode,
+        policy,
+        setup_failure_every: 0,
+        faults: Faults::default(),
+        deadline: Duration::from_millis(1500),
+        // Longer than a prefill rank's write lease (2 s): see serve_config.
+        lease: Duration::from_secs(4),
+        hold: Duration::from_millis(30),
+        give_up: Duration::from_secs(240),
+    }
+}
+
 fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
     ServeConfig {
         rank,
@@ -337,29 +361,17 @@ fn run_mode(
     let start = Instant::now();
     let mut decoders = Vec::new();
     for d in 0..DECODE_RANKS {
-        let cfg = DecodeConfig {
-            rank: d + 1,
-            prefill: [2 * d, 2 * d + 1],
-            tls: s.tls.clone(),
-            blocks: s.blocks,
-            block_size: s.block_size,
-            layers: s.layers,
-            requests: s.requests,
-            window: s.window,
-            per_handle: s.per_handle,
-            mode,
-            policy: s.policy,
-            setup_failure_every: if s.faults { s.setup_failure_every } else { 0 },
-            faults: Faults {
-                handle_error_every: if s.faults { s.handle_error_every } else { 0 },
-                release_failure_every: if s.faults { s.release_failure_every } else { 0 },
+        let mut cfg = decode_config(s, mode, s.policy);
+        cfg.rank = d + 1;
+        cfg.prefill = [2 * d, 2 * d + 1];
+        if s.faults {
+            cfg.setup_failure_every = s.setup_failure_every;
+            cfg.faults = Faults {
+                handle_error_every: s.handle_error_every,
+                release_failure_every: s.release_failure_every,
                 release_retry_after: Duration::from_millis(20),
-            },
-            deadline: Duration::from_millis(1500),
-            lease: Duration::from_secs(4),
-            hold: Duration::from_millis(30),
-            give_up: Duration::from_secs(240),
-        };
+            };
+        }
         let (reg, prog, st) = (registry.clone(), progress.clone(), stop.clone());
         decoders.push(std::thread::spawn(move || {
             decode::run(&cfg, &reg, &prog, &st)
@@ -511,7 +523,7 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
         r.seconds, r.stalls, r.kills
     );
     println!("  {:<34} {:>12}", "requests finished", fin);
-    println!("  {:<34} {:>12}", "requests failed (reported safe)", failed);
+    println!("  {:<34} {:>12}", "requests failed", failed);
     println!("  {:<34} {:>12}", "requests expired", expired);
     println!(
         "  {:<34} {:>12}",
@@ -608,17 +620,9 @@ pub fn serve(mut args: Args) -> Result<(), CliError> {
     println!("LISTEN {addr}");
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    std::thread::spawn(move || {
-        // Serve until standard input closes (the parent went away).
-        let mut sink = String::new();
-        while matches!(std::io::stdin().read_line(&mut sink), Ok(n) if n > 0) {
-            sink.clear();
-        }
-        flag.store(true, Ordering::Release);
-    });
-    prefill::serve(listener, cfg, stop).map_err(|e| CliError::Failed(e.to_string()))
+    // Serve until standard input closes (the parent went away).
+    prefill::serve(listener, cfg, crate::peer::stdin_closed())
+        .map_err(|e| CliError::Failed(e.to_string()))
 }
 
 /// `kvpoll connect`: one decode rank reading from two prefill ranks.
@@ -655,25 +659,7 @@ pub fn connect(mut args: Args) -> Result<(), CliError> {
     if let Ok(mut a) = registry.addrs.lock() {
         a.extend(addrs.into_iter().map(|x| (x, 0)));
     }
-    let cfg = DecodeConfig {
-        rank: 1,
-        prefill: [0, 1],
-        tls: s.tls.clone(),
-        blocks: s.blocks,
-        block_size: s.block_size,
-        layers: s.layers,
-        requests: s.requests,
-        window: s.window,
-        per_handle: s.per_handle,
-        mode,
-        policy: Policy::Safe,
-        setup_failure_every: 0,
-        faults: Faults::default(),
-        deadline: Duration::from_millis(1500),
-        lease: Duration::from_secs(4),
-        hold: Duration::from_millis(30),
-        give_up: Duration::from_secs(240),
-    };
+    let cfg = decode_config(&s, mode, Policy::Safe);
     let r = decode::run(&cfg, &registry, &AtomicU64::new(0), &AtomicBool::new(false))
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let report = ModeReport {
