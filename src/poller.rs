@@ -28,7 +28,7 @@ use crate::notification::{NoteKind, Notification};
 use crate::ring::{CommandReceiver, EventPublisher};
 use crate::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
-    PackedRkey, PostError, RemoteKey, UcxError, UcxStatus, Worker,
+    PackedRkey, PostError, RemoteKey, UcxError, Worker,
 };
 
 /// The active-message id kvpoll's notifications travel on.
@@ -933,11 +933,9 @@ impl Poller {
     }
 }
 
+/// The status to record for a failed UCX call; `UCS_ERR_INVALID_PARAM`
+/// when kvpoll refused the operation before UCX saw it.
 fn status_of(e: &UcxError) -> i8 {
-    match e {
-        UcxError::Call { status, .. } => status.0,
-        UcxError::EndpointClosed(Some(s)) => s.0,
-        UcxError::EndpointClosed(None) => UcxStatus::CANCELED.0,
-        _ => -1,
-    }
+    e.status()
+        .map_or(ucx_sys::ucs_status_t::UCS_ERR_INVALID_PARAM, |s| s.0)
 }

@@ -27,15 +27,36 @@ pub fn stdin_closed() -> Arc<AtomicBool> {
     closed
 }
 
+/// The options both peer commands take.
+struct PeerArgs {
+    tls: String,
+    blocks: u64,
+    block_size: u64,
+    seed: u64,
+}
+
+impl PeerArgs {
+    fn take(args: &mut Args, default_block_size: u64) -> Result<Self, CliError> {
+        Ok(Self {
+            tls: args
+                .option("--tls", "a UCX transport list")?
+                .unwrap_or_else(|| "tcp".into()),
+            blocks: args.option("--blocks", "a block count")?.unwrap_or(64),
+            block_size: args
+                .option("--block-size", "a size in bytes")?
+                .unwrap_or(default_block_size),
+            seed: args.option("--seed", "an integer")?.unwrap_or(1),
+        })
+    }
+}
+
 pub fn run(mut args: Args) -> Result<(), CliError> {
-    let tls: String = args
-        .option("--tls", "a UCX transport list")?
-        .unwrap_or_else(|| "tcp".into());
-    let blocks: u64 = args.option("--blocks", "a block count")?.unwrap_or(64);
-    let block_size: u64 = args
-        .option("--block-size", "a size in bytes")?
-        .unwrap_or(16384);
-    let seed: u64 = args.option("--seed", "an integer")?.unwrap_or(1);
+    let PeerArgs {
+        tls,
+        blocks,
+        block_size,
+        seed,
+    } = PeerArgs::take(&mut args, 16384)?;
     args.finish()?;
     let fail = |e: kvpoll::transport::ucx::UcxError| CliError::Failed(e.to_string());
 
@@ -85,15 +106,13 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
 /// its blocks (filled with the pattern of `--seed`) to readers. Prints
 /// `READY <hex metadata>` and runs until its standard input closes.
 pub fn run_engine(mut args: Args) -> Result<(), CliError> {
-    let tls: String = args
-        .option("--tls", "a UCX transport list")?
-        .unwrap_or_else(|| "tcp".into());
-    let blocks: u64 = args.option("--blocks", "a block count")?.unwrap_or(64);
-    let block_size: u64 = args
-        .option("--block-size", "a size in bytes")?
-        .unwrap_or(4096);
+    let PeerArgs {
+        tls,
+        blocks,
+        block_size,
+        seed,
+    } = PeerArgs::take(&mut args, 4096)?;
     let regions: usize = args.option("--regions", "a region count")?.unwrap_or(2);
-    let seed: u64 = args.option("--seed", "an integer")?.unwrap_or(1);
     args.finish()?;
     let fail = |e: kvpoll::engine::EngineError| CliError::Failed(e.to_string());
     let mut engine = kvpoll::engine::Engine::builder()

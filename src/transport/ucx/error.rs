@@ -93,6 +93,19 @@ pub enum UcxError {
     MessageTooLong(usize),
 }
 
+impl UcxError {
+    /// The UCX status behind this error: the one a call returned, the one
+    /// an endpoint failed with (`CANCELED` for a plain close), or `None` for
+    /// errors kvpoll found before calling UCX.
+    pub fn status(&self) -> Option<UcxStatus> {
+        match self {
+            UcxError::Call { status, .. } | UcxError::BadOption { status, .. } => Some(*status),
+            UcxError::EndpointClosed(s) => Some(s.unwrap_or(UcxStatus::CANCELED)),
+            _ => None,
+        }
+    }
+}
+
 /// Turns a status into `Ok(())` or a [`UcxError::Call`] naming `op`.
 pub(crate) fn check(op: &'static str, status: ucx_sys::Status) -> Result<(), UcxError> {
     if status == st::UCS_OK {
