@@ -17,40 +17,30 @@
 //! rare; they travel over a channel to the poller and wait for its answer.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::core::{Command, MAX_CONSUMERS};
 use crate::ledger::{
-    BlockId, Event, LedgerConfig, Outcome, PeerId, Reason, RequestId, RequestKey, Slots,
-    MAX_HANDLES,
+    BlockId, Cause, ConfigError, Event, Kind, LedgerConfig, Outcome, PeerId, Reason, RequestId,
+    RequestKey, Slots, MAX_HANDLES,
 };
 use crate::metadata::MetadataError;
-use crate::poller::{self, Control, Entry, Op, Shared};
+use crate::placement::PlacementError;
+use crate::poller::{self, Control, Shared};
 use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::{ContextOptions, UcxError};
 
 pub use crate::placement::IdlePolicy;
+/// Faults the poller can inject (the `fault-injection` feature).
+#[cfg(feature = "fault-injection")]
+pub use crate::transport::faulty::Faults;
 /// The active-message id notifications travel on.
-pub use crate::poller::NOTIFY_AM_ID;
-
-/// Faults the poller injects, for demos and tests of the failure paths.
-/// The default injects none.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Faults {
-    /// Every n-th handle's release fails once (0: never). The handle stays
-    /// held, with its request, until the retry after `release_retry_after`.
-    pub release_failure_every: u32,
-    /// When a failed release is retried.
-    pub release_retry_after: Duration,
-    /// Every n-th handle fails with a transfer error (0: never), as if its
-    /// last operation had failed; the data may have landed, so the request
-    /// is failed and its blocks must be invalidated.
-    pub handle_error_every: u32,
-}
+pub use crate::transport::ucx::NOTIFY_AM_ID;
 
 /// Whom lent blocks are exposed to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +64,16 @@ pub struct Transfer<'a> {
     pub local: &'a [BlockId],
     /// Remote block ids, same length.
     pub remote: &'a [BlockId],
+}
+
+/// A failed send: a write that failed or was aborted. Never done; its source
+/// blocks are free (nothing reads them any more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailedSend {
+    /// The request.
+    pub id: RequestId,
+    /// The first failure.
+    pub reason: Reason,
 }
 
 /// A failed receive: the request, why, and the local blocks whose contents
@@ -102,8 +102,11 @@ pub struct Outcomes {
     /// Writes acknowledged by every consumer, and lends every reader
     /// notified: their source blocks are free.
     pub finished_sending: Vec<RequestId>,
-    /// Writes and lends whose lease expired: their blocks are free, the
-    /// transfer is not done.
+    /// Writes that failed or were aborted, after quiescence, with their
+    /// reason: never done; their source blocks are free.
+    pub failed_sending: Vec<FailedSend>,
+    /// Writes and lends whose lease expired (or that shutdown or an abort
+    /// ended): their blocks are free, the transfer is not done.
     pub expired: Vec<RequestId>,
     /// Informational: a handle failed (its request is reported later).
     pub handle_failures: Vec<(RequestId, u8, Reason)>,
@@ -116,6 +119,7 @@ impl Outcomes {
         self.failed_recving.clear();
         self.invalid_blocks.clear();
         self.finished_sending.clear();
+        self.failed_sending.clear();
         self.expired.clear();
         self.handle_failures.clear();
     }
@@ -125,6 +129,7 @@ impl Outcomes {
         self.finished_recving.is_empty()
             && self.failed_recving.is_empty()
             && self.finished_sending.is_empty()
+            && self.failed_sending.is_empty()
             && self.expired.is_empty()
             && self.handle_failures.is_empty()
     }
@@ -179,9 +184,21 @@ pub enum EngineError {
     /// The command ring is full: the poller is behind. Retry after a poll.
     #[error("command ring full ({0} entries needed): retry after polling")]
     RingFull(usize),
+    /// The request needs more command-ring entries than the ring holds: it
+    /// can never be sent. Split it, or build the engine with a larger ring.
+    #[error("request needs {entries} command-ring entries; the ring holds {capacity}")]
+    RequestTooLarge {
+        /// Entries the request needs (1 + handles + block pairs).
+        entries: usize,
+        /// The ring's capacity.
+        capacity: usize,
+    },
     /// A lend or write that awaits no notification.
     #[error("a lend must await at least one notification")]
     NothingToAwait,
+    /// More remote engines to await than one request can count.
+    #[error("{0} remote engines to await; at most {MAX_CONSUMERS} per request")]
+    TooManyConsumers(u32),
     /// The request is not in flight.
     #[error("request {0:?} is not in flight")]
     UnknownRequest(RequestId),
@@ -202,12 +219,29 @@ pub enum EngineError {
         /// What is wrong.
         why: &'static str,
     },
+    /// Memory registered after a peer was added: that peer holds metadata
+    /// without the new region, and every later transfer with it would fail.
+    #[error("register every region before adding peers (peers hold the metadata sent them)")]
+    RegionsFrozen,
+    /// The ledger sizes are invalid.
+    #[error(transparent)]
+    Ledger(#[from] ConfigError),
+    /// Placing the poller failed.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
     /// The builder's settings are invalid.
     #[error("invalid engine configuration: {0}")]
-    Config(String),
-    /// The engine was shut down (or its poller died).
+    Config(&'static str),
+    /// The poller thread could not be started.
+    #[error("starting the poller thread: {0}")]
+    Spawn(String),
+    /// The engine was shut down.
     #[error("the engine is shut down")]
     Shutdown,
+    /// The poller thread died (a bug): requests in flight were reported
+    /// failed (`Cause::PollerDied`); the engine accepts nothing more.
+    #[error("the poller thread died; requests in flight were reported failed")]
+    PollerDied,
 }
 
 /// Builds an [`Engine`].
@@ -222,6 +256,7 @@ pub struct EngineBuilder {
     idle: IdlePolicy,
     ucx: ContextOptions,
     read_deadline: Duration,
+    #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
 
@@ -237,6 +272,7 @@ impl Default for EngineBuilder {
             idle: IdlePolicy::Adaptive,
             ucx: ContextOptions::default(),
             read_deadline: Duration::from_secs(30),
+            #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
     }
@@ -284,7 +320,7 @@ impl EngineBuilder {
         let spec = map
             .pollers()
             .first()
-            .ok_or_else(|| EngineError::Config("the core map names no poller".into()))?;
+            .ok_or(EngineError::Config("the core map names no poller"))?;
         self.core = Some(spec.core);
         self.idle = spec.idle;
         Ok(self)
@@ -302,13 +338,15 @@ impl EngineBuilder {
         self
     }
 
-    /// Deadline of a read, from its submission (default 30 s).
+    /// Deadline of a read, from its submission (default 30 s); a read can
+    /// carry its own ([`Engine::read_with_deadline`]).
     pub fn read_deadline(mut self, d: Duration) -> Self {
         self.read_deadline = d;
         self
     }
 
-    /// Faults to inject (default: none).
+    /// Faults to inject (default: none). Test hook: `fault-injection` only.
+    #[cfg(feature = "fault-injection")]
     pub fn faults(mut self, faults: Faults) -> Self {
         self.faults = faults;
         self
@@ -317,30 +355,20 @@ impl EngineBuilder {
     /// Starts the poller and returns the engine.
     pub fn build(self) -> Result<Engine, EngineError> {
         if self.block_size == 0 {
-            return Err(EngineError::Config("block size 0".into()));
+            return Err(EngineError::Config("block size 0"));
         }
         if self.command_ring < 2 || self.event_ring < 1 {
-            return Err(EngineError::Config("rings need room".into()));
+            return Err(EngineError::Config("rings need room"));
         }
-        let ledger = crate::ledger::Ledger::new(self.ledger)
-            .map_err(|e| EngineError::Config(e.to_string()))?;
+        let ledger = crate::ledger::Ledger::new(self.ledger)?;
         let slots = ledger.slots().clone();
-        let (commands, command_rx) = ring::commands::<Entry>(self.command_ring);
+        let (commands, command_rx) = ring::commands::<Command>(self.command_ring);
         let (event_tx, events) = ring::events::<Event>(self.event_ring, self.event_overflow);
         // Keys of reported requests go back to the poller, which frees their
         // slots. At most `slots` keys exist, so this ring is never full.
         let (retire, retire_rx) = ring::commands::<RequestKey>(self.ledger.slots as usize);
         let (control, control_rx) = mpsc::channel();
-        let shared = Arc::new(Shared {
-            sleeping: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            busy_iterations: AtomicU64::new(0),
-            idle_iterations: AtomicU64::new(0),
-            rejected_notes: AtomicU64::new(0),
-            pinned_core: AtomicU64::new(u64::MAX),
-            epoch: Instant::now(),
-            tid: std::sync::atomic::AtomicI32::new(0),
-        });
+        let shared = Arc::new(Shared::new());
         let (ready_tx, ready_rx) = mpsc::channel();
         let config = poller::Config {
             block_size: self.block_size,
@@ -348,6 +376,7 @@ impl EngineBuilder {
             idle: self.idle,
             ucx: self.ucx.clone(),
             instance: instance_id(),
+            #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };
         let thread_shared = shared.clone();
@@ -371,7 +400,7 @@ impl EngineBuilder {
                     ready_tx,
                 )
             })
-            .map_err(|e| EngineError::Config(format!("spawning the poller: {e}")))?;
+            .map_err(|e| EngineError::Spawn(e.to_string()))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -405,6 +434,10 @@ impl EngineBuilder {
     }
 }
 
+fn nanos(d: Duration) -> u64 {
+    d.as_nanos().min(u128::from(u64::MAX)) as u64
+}
+
 fn instance_id() -> u64 {
     // Unique per engine start: time, process and a counter, mixed.
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -414,15 +447,6 @@ fn instance_id() -> u64 {
         .unwrap_or(0);
     let x = t ^ (u64::from(std::process::id()) << 32) ^ COUNTER.fetch_add(1, Ordering::Relaxed);
     crate::wire::fnv1a64(&x.to_le_bytes()) | 1
-}
-
-/// What the engine remembers of a request until it is reported.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Read,
-    Write,
-    LendToReaders,
-    LendToWriters,
 }
 
 /// A registered region as the engine thread sees it.
@@ -435,14 +459,14 @@ struct Region {
 /// The engine: submit transfers, poll for reports. See the module docs.
 pub struct Engine {
     slots: Arc<Slots>,
-    commands: CommandSender<Entry>,
+    commands: CommandSender<Command>,
     retire: CommandSender<RequestKey>,
     events: EventReceiver<Event>,
     control: mpsc::Sender<Control>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
-    in_flight: HashMap<RequestId, Role>,
-    scratch: Vec<Entry>,
+    in_flight: HashMap<RequestId, Kind>,
+    scratch: Vec<Command>,
     /// Events drained during shutdown, reported by the next poll.
     parked: Vec<Event>,
     retired: Vec<BlockId>,
@@ -463,6 +487,10 @@ pub struct PollerStats {
     pub idle_iterations: u64,
     /// Notification payloads that did not decode (dropped, nothing changed).
     pub malformed_notifications: u64,
+    /// Notifications that decoded but were refused: unknown request, the
+    /// wrong kind for it, a repeat from an engine already counted, or an
+    /// acknowledgement from an engine the write did not write to.
+    pub rejected_notifications: u64,
 }
 
 impl Engine {
@@ -475,15 +503,29 @@ impl Engine {
         &self,
         make: impl FnOnce(mpsc::Sender<Result<T, EngineError>>) -> Control,
     ) -> Result<T, EngineError> {
-        if self.thread.is_none() {
-            return Err(EngineError::Shutdown);
-        }
+        self.alive()?;
         let (tx, rx) = mpsc::channel();
-        self.control
-            .send(make(tx))
-            .map_err(|_| EngineError::Shutdown)?;
+        self.control.send(make(tx)).map_err(|_| self.gone())?;
         self.wake();
-        rx.recv().map_err(|_| EngineError::Shutdown)?
+        rx.recv().map_err(|_| self.gone())?
+    }
+
+    /// Whether the engine still takes requests.
+    fn alive(&self) -> Result<(), EngineError> {
+        match &self.thread {
+            None => Err(EngineError::Shutdown),
+            Some(t) if t.is_finished() => Err(self.gone()),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Why the poller is not there.
+    fn gone(&self) -> EngineError {
+        if self.shared.dead.load(Ordering::Acquire) {
+            EngineError::PollerDied
+        } else {
+            EngineError::Shutdown
+        }
     }
 
     /// Registers a region of `blocks` blocks (one KV layer), allocated and
@@ -614,7 +656,8 @@ impl Engine {
     }
 
     /// Removes a peer: its handles in flight fail (deferred, as always), its
-    /// endpoint is closed.
+    /// endpoint is closed. Removing a peer again is fine; an id this engine
+    /// never gave out is [`EngineError::UnknownPeer`].
     pub fn remove_peer(&mut self, peer: PeerId) -> Result<(), EngineError> {
         self.control(|reply| Control::RemovePeer { peer, reply })
     }
@@ -636,9 +679,7 @@ impl Engine {
     }
 
     fn admit(&self, id: RequestId) -> Result<(), EngineError> {
-        if self.thread.is_none() {
-            return Err(EngineError::Shutdown);
-        }
+        self.alive()?;
         if self.in_flight.contains_key(&id) {
             return Err(EngineError::Duplicate(id));
         }
@@ -651,10 +692,9 @@ impl Engine {
     fn submit_transfers(
         &mut self,
         id: RequestId,
-        op: Op,
+        kind: Kind,
         handles: &[Transfer<'_>],
         expires_in: Duration,
-        role: Role,
     ) -> Result<(), EngineError> {
         self.admit(id)?;
         if handles.len() > MAX_HANDLES {
@@ -678,16 +718,17 @@ impl Engine {
                 max: self.max_blocks,
             });
         }
+        self.fits(Command::entries_for_transfers(handles.len(), total))?;
         self.scratch.clear();
-        self.scratch.push(Entry::Begin {
+        self.scratch.push(Command::Begin {
             id,
-            op,
+            kind,
             handles: handles.len() as u8,
             blocks: 0,
-            expires_in: expires_in.as_nanos().min(u128::from(u64::MAX)) as u64,
+            expires_in: nanos(expires_in),
         });
         for h in handles {
-            self.scratch.push(Entry::Handle {
+            self.scratch.push(Command::Handle {
                 peer: h.peer,
                 pairs: h.local.len() as u32,
             });
@@ -695,17 +736,28 @@ impl Engine {
                 h.local
                     .iter()
                     .zip(h.remote)
-                    .map(|(&local, &remote)| Entry::Pair { local, remote }),
+                    .map(|(&local, &remote)| Command::Pair { local, remote }),
             );
         }
-        self.send(id, role)
+        self.send(id, kind)
     }
 
-    fn send(&mut self, id: RequestId, role: Role) -> Result<(), EngineError> {
+    /// Refuses a batch the command ring can never hold.
+    fn fits(&self, entries: usize) -> Result<(), EngineError> {
+        let capacity = self.commands.capacity();
+        if entries > capacity {
+            return Err(EngineError::RequestTooLarge { entries, capacity });
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, id: RequestId, kind: Kind) -> Result<(), EngineError> {
         self.commands
             .send_all(&self.scratch)
             .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
-        self.in_flight.insert(id, role);
+        if kind != Kind::NotifyOnly {
+            self.in_flight.insert(id, kind);
+        }
         self.wake();
         Ok(())
     }
@@ -715,19 +767,65 @@ impl Engine {
     /// once every handle stopped. On success each producer rank is
     /// notified. With no handles (a full prefix hit) it is reported finished
     /// at once.
+    ///
+    /// Several handles may name the same producer rank: it is notified once.
     pub fn read(&mut self, id: RequestId, handles: &[Transfer<'_>]) -> Result<(), EngineError> {
-        let op = if handles.is_empty() {
-            Op::PrefixHit
+        self.read_with_deadline(id, handles, self.read_deadline)
+    }
+
+    /// [`Engine::read`] with its own deadline. Past it, the peers still
+    /// serving the read are judged stalled: their endpoints are force-closed
+    /// (other requests on them fail with `Cause::PeerStalled`, new ones get
+    /// a fresh endpoint) and the read fails with `Cause::Deadline` once
+    /// quiescent.
+    pub fn read_with_deadline(
+        &mut self,
+        id: RequestId,
+        handles: &[Transfer<'_>],
+        deadline: Duration,
+    ) -> Result<(), EngineError> {
+        let kind = if handles.is_empty() {
+            Kind::PrefixHit
         } else {
-            Op::Read
+            Kind::Read
         };
-        self.submit_transfers(id, op, handles, self.read_deadline, Role::Read)
+        self.submit_transfers(id, kind, handles, deadline)
+    }
+
+    /// Nothing to read (a full prefix hit, or a producer rank this consumer
+    /// does not read from), but each of `producers` lent blocks for request
+    /// `id` and awaits this engine's word: each is notified once, so it
+    /// releases at once instead of at its lease's end. Nothing is reported
+    /// here; the id is not tracked (it may be reused at once).
+    pub fn notify_only(&mut self, id: RequestId, producers: &[PeerId]) -> Result<(), EngineError> {
+        self.alive()?;
+        if producers.len() > MAX_HANDLES {
+            return Err(EngineError::TooManyHandles(producers.len()));
+        }
+        self.fits(Command::entries_for_transfers(producers.len(), 0))?;
+        self.scratch.clear();
+        self.scratch.push(Command::Begin {
+            id,
+            kind: Kind::NotifyOnly,
+            handles: producers.len() as u8,
+            blocks: 0,
+            expires_in: 0,
+        });
+        self.scratch.extend(
+            producers
+                .iter()
+                .map(|&peer| Command::Handle { peer, pairs: 0 }),
+        );
+        self.send(id, Kind::NotifyOnly)
     }
 
     /// Push: writes `handles` into remote blocks the consumers lent with
     /// [`LendTo::Writers`]. Done (`finished_sending`) only after every write
-    /// completed and was flushed and `expected_acks` acknowledgements
-    /// arrived; never after a failure. Otherwise `expired` at the lease end.
+    /// completed and was flushed on the endpoint it travelled on and
+    /// `expected_acks` consumer engines acknowledged (one each, whatever
+    /// their handle count); never after a failure: a failed or aborted write
+    /// is reported in `failed_sending` with its reason once quiescent.
+    /// Unacknowledged at the lease end: `expired`.
     pub fn write(
         &mut self,
         id: RequestId,
@@ -742,19 +840,24 @@ impl Engine {
                 remote: 0,
             });
         }
+        if expected_acks as usize > MAX_CONSUMERS {
+            return Err(EngineError::TooManyConsumers(expected_acks));
+        }
         self.submit_transfers(
             id,
-            Op::Write {
+            Kind::Write {
                 acks: expected_acks,
             },
             handles,
             lease,
-            Role::Write,
         )
     }
 
     /// Lends `blocks` to remote readers or writers until `to`'s count of
-    /// notifications arrived, or `lease` ends (then `expired`).
+    /// remote engines notified (each engine counts once, however many
+    /// handles it used), or `lease` ends. Readers: `finished_sending`, or
+    /// `expired`. Writers (a push destination): `finished_recving`, or
+    /// `failed_recving` naming the blocks, which may hold partial data.
     pub fn lend(
         &mut self,
         id: RequestId,
@@ -763,12 +866,15 @@ impl Engine {
         lease: Duration,
     ) -> Result<(), EngineError> {
         self.admit(id)?;
-        let (n, role) = match to {
-            LendTo::Readers(n) => (n, Role::LendToReaders),
-            LendTo::Writers(n) => (n, Role::LendToWriters),
+        let (n, kind) = match to {
+            LendTo::Readers(n) => (n, Kind::Lend { notifications: n }),
+            LendTo::Writers(n) => (n, Kind::Receive { writers: n }),
         };
         if n == 0 {
             return Err(EngineError::NothingToAwait);
+        }
+        if n as usize > MAX_CONSUMERS {
+            return Err(EngineError::TooManyConsumers(n));
         }
         self.check_blocks(blocks.iter())?;
         if blocks.len() > self.max_blocks as usize {
@@ -777,25 +883,31 @@ impl Engine {
                 max: self.max_blocks,
             });
         }
+        self.fits(1 + blocks.len())?;
         self.scratch.clear();
-        self.scratch.push(Entry::Begin {
+        self.scratch.push(Command::Begin {
             id,
-            op: Op::Lend { notifications: n },
+            kind,
             handles: 0,
             blocks: blocks.len() as u32,
-            expires_in: lease.as_nanos().min(u128::from(u64::MAX)) as u64,
+            expires_in: nanos(lease),
         });
-        self.scratch.extend(blocks.iter().map(|&b| Entry::Block(b)));
-        self.send(id, role)
+        self.scratch
+            .extend(blocks.iter().map(|&b| Command::Block(b)));
+        self.send(id, kind)
     }
 
     /// Extends the leases of these writes or lends to `extend` from now
     /// (never shortening). Unknown ids are ignored (and counted).
     pub fn heartbeat(&mut self, ids: &[RequestId], extend: Duration) -> Result<(), EngineError> {
+        self.alive()?;
+        self.fits(ids.len())?;
         self.scratch.clear();
-        let ns = extend.as_nanos().min(u128::from(u64::MAX)) as u64;
-        self.scratch
-            .extend(ids.iter().map(|&id| Entry::Heartbeat { id, extend_ns: ns }));
+        let ns = nanos(extend);
+        self.scratch.extend(
+            ids.iter()
+                .map(|&id| Command::Heartbeat { id, extend_ns: ns }),
+        );
         self.commands
             .send_all(&self.scratch)
             .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
@@ -803,15 +915,19 @@ impl Engine {
         Ok(())
     }
 
-    /// Aborts a request: what is not posted is cancelled, endpoints carrying
-    /// its operations are force-closed, and it is reported failed once
-    /// quiescent.
+    /// Aborts a request. It alone is affected: what is not posted is
+    /// cancelled, what is posted completes (or fails) on its own — nothing
+    /// is force-closed, so other requests on the same peers go on — and it
+    /// is reported failed (`Cause::Aborted`) once quiescent. If its posted
+    /// operations outlive its deadline or lease, its peers are judged
+    /// stalled as for any request.
     pub fn abort(&mut self, id: RequestId) -> Result<(), EngineError> {
+        self.alive()?;
         if !self.in_flight.contains_key(&id) {
             return Err(EngineError::UnknownRequest(id));
         }
         self.commands
-            .send_all(&[Entry::Abort(id)])
+            .send_all(&[Command::Abort(id)])
             .map_err(|_| EngineError::RingFull(1))?;
         self.wake();
         Ok(())
@@ -819,10 +935,11 @@ impl Engine {
 
     /// Fault injection: the poller stops progressing for `d` (as a hung
     /// rank would). Its peers see nothing but silence.
+    #[cfg(feature = "fault-injection")]
     pub fn stall(&mut self, d: Duration) -> Result<(), EngineError> {
-        let ns = d.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let ns = nanos(d);
         self.commands
-            .send_all(&[Entry::Stall { ns }])
+            .send_all(&[Command::Stall { ns }])
             .map_err(|_| EngineError::RingFull(1))?;
         self.wake();
         Ok(())
@@ -847,7 +964,8 @@ impl Engine {
         PollerStats {
             busy_iterations: self.shared.busy_iterations.load(Ordering::Relaxed),
             idle_iterations: self.shared.idle_iterations.load(Ordering::Relaxed),
-            malformed_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
+            malformed_notifications: self.shared.malformed_notes.load(Ordering::Relaxed),
+            rejected_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
         }
     }
 
@@ -885,6 +1003,10 @@ impl Engine {
     /// Collects what happened since the last poll into `out` (appended; clear
     /// it between polls). Returns the number of reports added. Allocates
     /// nothing when nothing happened.
+    ///
+    /// Once the poller died, the requests it could not report are reported
+    /// here as failed (`Cause::PollerDied`, no blocks named: invalidate what
+    /// they used).
     pub fn poll(&mut self, out: &mut Outcomes) -> usize {
         let mut n = 0;
         for ev in std::mem::take(&mut self.parked) {
@@ -892,6 +1014,39 @@ impl Engine {
         }
         while let Some(ev) = self.events.recv() {
             n += self.report(ev, out);
+        }
+        if self.shared.dead.load(Ordering::Acquire) && !self.in_flight.is_empty() {
+            n += self.report_orphans(out);
+        }
+        n
+    }
+
+    /// Reports what a dead poller left: it published what it could before it
+    /// exited, so drain the ring once more, then fail the rest.
+    fn report_orphans(&mut self, out: &mut Outcomes) -> usize {
+        let thread_done = self.thread.as_ref().is_none_or(|t| t.is_finished());
+        if !thread_done {
+            return 0;
+        }
+        let mut n = 0;
+        while let Some(ev) = self.events.recv() {
+            n += self.report(ev, out);
+        }
+        let reason = Reason::of(Cause::PollerDied);
+        for (id, kind) in std::mem::take(&mut self.in_flight) {
+            n += 1;
+            match kind {
+                Kind::Write { .. } => out.failed_sending.push(FailedSend { id, reason }),
+                Kind::Lend { .. } => out.expired.push(id),
+                _ => {
+                    let at = out.invalid_blocks.len();
+                    out.failed_recving.push(FailedRecv {
+                        id,
+                        reason,
+                        blocks: at..at,
+                    });
+                }
+            }
         }
         n
     }
@@ -902,7 +1057,7 @@ impl Engine {
             out.handle_failures.push((id, handle, reason));
             return 1;
         }
-        let role = self.in_flight.remove(&id);
+        let kind = self.in_flight.remove(&id);
         self.retired.clear();
         // Read the blocks to invalidate, then hand the key back: the slot
         // (and its block list) cannot be reused before the poller retires it.
@@ -910,28 +1065,24 @@ impl Engine {
         // Cannot be full (one entry per slot); if the poller is gone, there
         // is nothing left to free.
         let _ = self.retire.send(key);
-        match outcome {
-            Outcome::Finished => out.finished_recving.push(id),
-            Outcome::Failed(reason) => {
-                if matches!(role, Some(Role::Read) | Some(Role::LendToWriters)) || role.is_none() {
-                    let start = out.invalid_blocks.len();
-                    out.invalid_blocks.extend_from_slice(&self.retired);
-                    out.failed_recving.push(FailedRecv {
-                        id,
-                        reason,
-                        blocks: start..out.invalid_blocks.len(),
-                    });
-                } else {
-                    out.expired.push(id);
-                }
+        match (outcome, kind) {
+            (Outcome::Finished, _) => out.finished_recving.push(id),
+            (Outcome::Failed(reason), Some(Kind::Write { .. })) => {
+                out.failed_sending.push(FailedSend { id, reason })
             }
-            Outcome::SendDone => out.finished_sending.push(id),
-            Outcome::LendReleased => match role {
-                Some(Role::LendToWriters) => out.finished_recving.push(id),
-                _ => out.finished_sending.push(id),
-            },
-            Outcome::SendExpired | Outcome::LendExpired => out.expired.push(id),
-            Outcome::HandleFailed { .. } => {}
+            (Outcome::Failed(_), Some(Kind::Lend { .. })) => out.expired.push(id),
+            (Outcome::Failed(reason), _) => {
+                let start = out.invalid_blocks.len();
+                out.invalid_blocks.extend_from_slice(&self.retired);
+                out.failed_recving.push(FailedRecv {
+                    id,
+                    reason,
+                    blocks: start..out.invalid_blocks.len(),
+                });
+            }
+            (Outcome::SendDone | Outcome::LendReleased, _) => out.finished_sending.push(id),
+            (Outcome::SendExpired | Outcome::LendExpired, _) => out.expired.push(id),
+            (Outcome::HandleFailed { .. }, _) => {}
         }
         1
     }

@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 pub mod bench_e2e;
+pub mod core;
 pub mod engine;
 pub mod engine_bench;
 #[cfg(feature = "cuda")]

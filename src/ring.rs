@@ -76,6 +76,12 @@ pub fn commands<T>(capacity: usize) -> (CommandSender<T>, CommandReceiver<T>) {
 }
 
 impl<T> CommandSender<T> {
+    /// The most commands the ring holds: a batch larger than this can never
+    /// be sent.
+    pub fn capacity(&self) -> usize {
+        self.ring.buffer().capacity()
+    }
+
     /// Sends `cmd`, or hands it back if the ring is full.
     pub fn send(&mut self, cmd: T) -> Result<(), Full<T>> {
         self.ring.push(cmd).map_err(|PushError::Full(c)| Full(c))
@@ -101,6 +107,11 @@ impl<T> CommandReceiver<T> {
     /// The next command, if any.
     pub fn recv(&mut self) -> Option<T> {
         self.ring.pop().ok()
+    }
+
+    /// Whether no command is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.ring.is_empty()
     }
 }
 

@@ -268,7 +268,7 @@ fn push_is_done_only_after_the_consumer_acknowledged_and_the_data_is_there() {
 }
 
 #[test]
-fn a_failed_push_is_never_done_and_expires_by_its_lease() {
+fn a_failed_push_is_never_done_and_is_reported_failed_with_its_reason_once() {
     let mut p = engine("tcp", GUARD);
     let c = engine("tcp", GUARD);
     let to_c = connect(&mut p, &c);
@@ -286,17 +286,23 @@ fn a_failed_push_is_never_done_and_expires_by_its_lease() {
     )
     .unwrap();
     let mut out = Outcomes::default();
-    wait_for(&mut p, &mut out, "the expiry", |o| !o.expired.is_empty());
-    assert_eq!(out.expired, vec![id]);
+    wait_for(&mut p, &mut out, "the failure", |o| {
+        !o.failed_sending.is_empty()
+    });
+    assert_eq!(out.failed_sending.len(), 1);
+    assert_eq!(out.failed_sending[0].id, id);
+    assert_eq!(out.failed_sending[0].reason.cause, Cause::Setup);
     assert!(
         out.finished_sending.is_empty(),
         "a failed push was reported done"
     );
-    for _ in 0..50 {
+    // Past the lease: no second report (no expiry after the failure).
+    for _ in 0..80 {
         p.poll(&mut out);
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(out.expired, vec![id], "reported twice");
+    assert_eq!(out.failed_sending.len(), 1, "reported twice");
+    assert!(out.expired.is_empty(), "reported twice: {out:?}");
 }
 
 #[test]

@@ -222,17 +222,23 @@ fn push_whose_writes_finish_at_different_times_is_reported_once() {
 }
 
 #[test]
-fn failed_push_is_never_reported_done_and_expires_with_its_lease() {
+fn failed_push_is_never_reported_done_and_fails_with_its_reason_once_quiescent() {
     let mut h = Harness::new(4);
     let key = h.begin_posted(1, Kind::Write { acks: 1 }, 2, &[], T);
     h.complete(key, 0, err(IO_ERROR));
-    h.complete(key, 1, Ok(()));
     h.notify(1, 1).unwrap();
-    assert!(h.reports().is_empty(), "a failed push waits for its lease");
-    h.advance(T - 1);
-    assert!(h.reports().is_empty());
+    assert!(h.reports().is_empty(), "a failed push waits for quiescence");
+    h.complete(key, 1, Ok(()));
+    assert_eq!(
+        h.reports_of(1),
+        [Outcome::Failed(Reason::new(Cause::Transfer, IO_ERROR))]
+    );
     h.advance(T);
-    assert_eq!(h.reports_of(1), [Outcome::SendExpired]);
+    assert_eq!(
+        h.reports_of(1).len(),
+        1,
+        "no second report at the lease end"
+    );
     assert_eq!(h.retire(key), [], "a write invalidates nothing");
 }
 

@@ -20,6 +20,13 @@ pub enum Cause {
     LeaseExpired = 5,
     /// The engine aborted the request.
     Aborted = 6,
+    /// The handle's endpoint was force-closed because the peer was judged
+    /// stalled: another request on it passed its deadline or lease.
+    PeerStalled = 7,
+    /// The engine was shut down while the request was in flight.
+    Shutdown = 8,
+    /// The poller thread died; nothing more will happen to the request.
+    PollerDied = 9,
 }
 
 impl Cause {
@@ -31,6 +38,9 @@ impl Cause {
             4 => Cause::Deadline,
             5 => Cause::LeaseExpired,
             6 => Cause::Aborted,
+            7 => Cause::PeerStalled,
+            8 => Cause::Shutdown,
+            9 => Cause::PollerDied,
             _ => return None,
         })
     }
@@ -88,8 +98,9 @@ pub enum Outcome {
     /// A write completed, was flushed, and every expected acknowledgement
     /// arrived: its source blocks are free.
     SendDone,
-    /// A write's lease expired (it failed, or acknowledgements did not come):
-    /// its source blocks are free; it is never reported done.
+    /// A write's lease expired before every acknowledgement came: its
+    /// source blocks are free; it is never reported done. (A write that
+    /// failed is reported [`Outcome::Failed`] with its reason once quiescent.)
     SendExpired,
     /// Every expected reader notified: the lent blocks are free.
     LendReleased,

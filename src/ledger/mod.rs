@@ -117,10 +117,11 @@ pub use error::{AbortError, BeginError, ConfigError, InputError, NotifyError, Re
 pub use event::{Cancel, Cause, Event, Outcome, Reason};
 pub use key::{BlockId, HandleKey, Nanos, PeerId, RequestId, RequestKey, MAX_HANDLES, MAX_SLOTS};
 pub use request::{Kind, Request};
+pub(crate) use slots::bits;
 pub use slots::{Phase, SlotView, Slots, Stats};
 
 use index::IdIndex;
-use slots::{Cancelled, State, CANCELLING, FREE, K_LEND, K_READ, K_WRITE, LIVE};
+use slots::{Cancelled, State, CANCELLING, FREE, K_LEND, K_READ, K_RECEIVE, K_WRITE, LIVE};
 
 use std::sync::Arc;
 
@@ -250,14 +251,19 @@ impl Ledger {
             Kind::Read | Kind::Write { .. } if n == 0 => {
                 return Err(BeginError::EmptyPlan(req.kind))
             }
-            Kind::PrefixHit | Kind::NotifyOnly | Kind::Lend { .. } if n != 0 => {
+            Kind::PrefixHit | Kind::NotifyOnly | Kind::Lend { .. } | Kind::Receive { .. }
+                if n != 0 =>
+            {
                 return Err(BeginError::UnexpectedHandles(req.kind))
             }
-            Kind::Lend { notifications: 0 } => return Err(BeginError::NothingToAwait),
+            Kind::Lend { notifications: 0 } | Kind::Receive { writers: 0 } => {
+                return Err(BeginError::NothingToAwait)
+            }
             Kind::NotifyOnly => return Ok(Begun::Untracked),
             Kind::Read | Kind::PrefixHit => 0,
             Kind::Write { acks } => acks,
             Kind::Lend { notifications } => notifications,
+            Kind::Receive { writers } => writers,
         };
         if self.lookup(req.id).is_some() {
             return Err(BeginError::Duplicate(req.id));
@@ -337,9 +343,7 @@ impl Ledger {
         let refused = match self.lookup(id) {
             _ if count == 0 => NotifyError::ZeroCount(id),
             None => NotifyError::UnknownRequest(id),
-            Some((_, st)) if st.kind() != K_WRITE && st.kind() != K_LEND => {
-                NotifyError::NotAwaited(id)
-            }
+            Some((_, st)) if !awaits(st.kind()) => NotifyError::NotAwaited(id),
             Some((_, st)) if st.phase() != LIVE => NotifyError::UnknownRequest(id),
             Some((slot, st)) => {
                 self.slots
@@ -356,9 +360,7 @@ impl Ledger {
     /// ignored (and counted).
     pub fn heartbeat(&mut self, id: RequestId, until: Nanos) -> bool {
         match self.lookup(id) {
-            Some((slot, st))
-                if st.phase() == LIVE && (st.kind() == K_WRITE || st.kind() == K_LEND) =>
-            {
+            Some((slot, st)) if st.phase() == LIVE && awaits(st.kind()) => {
                 let owned = &mut self.owned[slot as usize];
                 owned.expires = owned.expires.max(until);
                 true
@@ -431,13 +433,68 @@ impl Ledger {
         self.next_expiry = next;
     }
 
+    /// Cancels every tracked request with `cause` (shutdown): as
+    /// [`Ledger::advance`] does at a deadline, for all of them at once.
+    pub fn cancel_all(
+        &mut self,
+        cause: Cause,
+        out: &mut impl FnMut(Event),
+        cancels: &mut impl FnMut(Cancel),
+    ) {
+        for slot in 0..self.slots.capacity() {
+            if self.slots.state(slot).phase() != LIVE {
+                continue;
+            }
+            if let Cancelled::Now(key, handles) = self.slots.cancel(slot, cause, out) {
+                if let Some(c) = cancel_of(key, handles) {
+                    cancels(c);
+                }
+            }
+        }
+    }
+
+    /// Handles of request `key` still in flight (posted, not ended): what a
+    /// forced close must reach when an aborted request outlives its
+    /// deadline.
+    pub fn in_flight(&self, key: RequestKey) -> u64 {
+        self.slots.posted_in_flight(key)
+    }
+
+    /// No live request expires before this (`Nanos(u64::MAX)`: none does).
+    pub fn next_expiry(&self) -> Nanos {
+        self.next_expiry
+    }
+
+    /// The expiry (deadline or lease end) of a tracked request.
+    pub fn expiry(&self, key: RequestKey) -> Option<Nanos> {
+        let st = self.slots.state(key.slot());
+        (st.generation() == key.generation() && st.phase() != FREE)
+            .then(|| self.owned[key.slot() as usize].expires)
+    }
+
+    /// Reports every tracked request failed with `reason` at once, quiescent
+    /// or not: for a driver whose transport is gone (a dead poller).
+    pub fn fail_all(&mut self, reason: Reason, out: &mut impl FnMut(Event)) {
+        self.slots.fail_all(reason, out);
+    }
+
     /// The peer's endpoint failed: every handle to it fails (deferred as
     /// always). Handles not yet posted stop now; those in flight are marked
     /// failed and stop when the driver's forced close completes them.
     /// Returns the number of handles failed.
     pub fn peer_lost(&mut self, peer: PeerId, out: &mut impl FnMut(Event)) -> u32 {
+        self.peer_lost_with(peer, Reason::of(Cause::PeerLost), out)
+    }
+
+    /// [`Ledger::peer_lost`] with the reason to record (a peer removed by
+    /// the engine, or lost).
+    pub fn peer_lost_with(
+        &mut self,
+        peer: PeerId,
+        reason: Reason,
+        out: &mut impl FnMut(Event),
+    ) -> u32 {
         let mut count = 0;
-        let reason = Reason::of(Cause::PeerLost);
         for slot in 0..self.slots.capacity() {
             let st = self.slots.state(slot);
             if st.phase() != LIVE && st.phase() != CANCELLING {
@@ -484,6 +541,12 @@ impl Ledger {
         self.slots
             .stats(self.slots.capacity() - self.free.len() as u32)
     }
+}
+
+/// Whether a request of kind code `k` waits for remote notifications (and
+/// so has a lease that heartbeats extend).
+fn awaits(k: u8) -> bool {
+    k == K_WRITE || k == K_LEND || k == K_RECEIVE
 }
 
 fn cancel_of(key: RequestKey, handles: u64) -> Option<Cancel> {

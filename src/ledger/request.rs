@@ -31,6 +31,24 @@ pub enum Kind {
         /// Reader notifications to wait for (at least 1).
         notifications: u32,
     },
+    /// Push destination: blocks lent to remote writers; no local handles.
+    /// Reported `Finished` when `writers` notified that their writes landed,
+    /// `Failed` (its blocks to invalidate: they may hold partial data) at
+    /// lease expiry, abort or shutdown.
+    Receive {
+        /// Writer notifications to wait for (at least 1).
+        writers: u32,
+    },
+}
+
+impl Kind {
+    /// Whether the request waits for notifications from remote engines.
+    pub fn awaits_notifications(self) -> bool {
+        matches!(
+            self,
+            Kind::Write { .. } | Kind::Lend { .. } | Kind::Receive { .. }
+        )
+    }
 }
 
 /// A request to begin tracking.

@@ -25,6 +25,7 @@ pub(crate) const K_READ: u8 = 1;
 pub(crate) const K_PREFIX_HIT: u8 = 2;
 pub(crate) const K_WRITE: u8 = 3;
 pub(crate) const K_LEND: u8 = 4;
+pub(crate) const K_RECEIVE: u8 = 5;
 
 const O_FINISHED: u8 = 1;
 const O_FAILED: u8 = 2;
@@ -612,11 +613,16 @@ impl Slots {
             (K_READ | K_PREFIX_HIT, None) if failed == 0 => Some((O_FINISHED, Outcome::Finished)),
             (K_READ | K_PREFIX_HIT, _) => Some(failure()),
             (K_WRITE, None) if failed == 0 && acked => Some((O_SEND_DONE, Outcome::SendDone)),
+            // A failed write is never done; quiescent, nothing reads its
+            // source blocks any more: report the failure with its reason.
+            (K_WRITE, None) if failed != 0 => Some(failure()),
             (K_WRITE, None) => None,
             (K_WRITE, Some(Cause::LeaseExpired)) => Some((O_SEND_EXPIRED, Outcome::SendExpired)),
             (K_LEND, None) if acked => Some((O_LEND_RELEASED, Outcome::LendReleased)),
             (K_LEND, None) => None,
             (K_LEND, Some(Cause::LeaseExpired)) => Some((O_LEND_EXPIRED, Outcome::LendExpired)),
+            (K_RECEIVE, None) if acked => Some((O_FINISHED, Outcome::Finished)),
+            (K_RECEIVE, None) => None,
             _ => Some(failure()),
         }
     }
@@ -660,6 +666,23 @@ impl Slots {
         // (a write waiting for acks, a lend), or our stops finished it.
         self.publish(key, out);
         Cancelled::Now(key, in_flight)
+    }
+
+    /// The handles of tracked request `key` that are posted and not ended.
+    pub(crate) fn posted_in_flight(&self, key: RequestKey) -> u64 {
+        let st = self.state(key.slot());
+        if st.generation() != key.generation() || !st.is_tracked() {
+            return 0;
+        }
+        // Relaxed: `planned` was published by the state acquired above.
+        let planned = self.slot(key.slot()).planned.load(Ordering::Relaxed);
+        bits(planned)
+            .filter(|&h| {
+                // Acquire: a read of the handle's latest step.
+                self.claim_word(key.slot(), h).load(Ordering::Acquire)
+                    == claim(key.generation(), H_POSTED)
+            })
+            .fold(0, |m, h| m | 1 << h)
     }
 
     /// Stops (as never posted) every handle of `mask` not yet posted; returns
@@ -709,8 +732,8 @@ impl Slots {
     // -- engine side ------------------------------------------------------
 
     /// The local blocks to invalidate of a reported request: for a failed
-    /// read, appends its block ids to `invalid`; for any other report, adds
-    /// nothing. The engine thread calls it on a terminal event, *before*
+    /// read or push destination ([`Kind::Receive`]), appends its block ids to
+    /// `invalid`; for any other report, adds nothing. The engine thread calls it on a terminal event, *before*
     /// handing the key back for [`crate::ledger::Ledger::retire`]: until then
     /// the slot cannot be reused, so the blocks read are the request's.
     pub fn blocks_to_invalidate(
@@ -719,7 +742,7 @@ impl Slots {
         invalid: &mut Vec<BlockId>,
     ) -> Result<(), RetireError> {
         let st = self.reported(key)?;
-        if st.kind() == K_READ && st.outcome() == O_FAILED {
+        if (st.kind() == K_READ || st.kind() == K_RECEIVE) && st.outcome() == O_FAILED {
             let s = self.slot(key.slot());
             let base = key.slot() as usize * self.max_blocks as usize;
             // Relaxed: published by begin's Release, acquired via the state.
@@ -764,6 +787,36 @@ impl Slots {
         // reported state, so a store suffices.
         self.slot(key.slot()).state.store(next.0, Ordering::Release);
         Ok(())
+    }
+
+    /// Reports every tracked request of the slab as failed with `reason`,
+    /// quiescent or not. Only for a driver that has nothing left to wait
+    /// for (its transport is gone): the poller after it died.
+    pub(crate) fn fail_all(&self, reason: Reason, out: &mut impl FnMut(Event)) {
+        for slot in 0..self.capacity() {
+            let s = self.slot(slot);
+            let mut st = self.state(slot);
+            while st.is_tracked() {
+                self.record_reason(s, reason);
+                let next = st.terminal(O_FAILED);
+                // AcqRel: decides the one report against any other publisher.
+                match s
+                    .state
+                    .compare_exchange(st.0, next.0, Ordering::AcqRel, Ordering::Acquire)
+                {
+                    Ok(_) => {
+                        let r = Reason::unpack(s.reason.load(Ordering::Relaxed)).unwrap_or(reason);
+                        out(Event {
+                            key: RequestKey::new(slot, st.generation()),
+                            id: RequestId(s.id.load(Ordering::Relaxed)),
+                            outcome: Outcome::Failed(r),
+                        });
+                        break;
+                    }
+                    Err(now) => st = State(now),
+                }
+            }
+        }
     }
 
     // -- observation --------------------------------------------------------
@@ -822,6 +875,7 @@ impl Slots {
             Kind::PrefixHit | Kind::NotifyOnly => K_PREFIX_HIT,
             Kind::Write { .. } => K_WRITE,
             Kind::Lend { .. } => K_LEND,
+            Kind::Receive { .. } => K_RECEIVE,
         }
     }
 }

@@ -62,6 +62,15 @@ pub enum UcxError {
     /// Packed rkey bytes from a peer did not check out.
     #[error("invalid remote key: {0}")]
     BadRemoteKey(FrameError),
+    /// A remote key names a region that does not fit the address space
+    /// (`base + len` overflows): refused before anything is posted with it.
+    #[error("remote key region {base:#x}+{len} overflows the address space")]
+    RemoteKeyBounds {
+        /// The region's base address, as packed.
+        base: u64,
+        /// Its length, as packed.
+        len: u64,
+    },
     /// A configuration option could not be set.
     #[error("UCX option {name}={value} rejected: {status}")]
     BadOption {

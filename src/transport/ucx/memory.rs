@@ -183,7 +183,12 @@ impl PackedRkey {
                 need: 17,
             }));
         }
-        Ok(Self(bytes.to_vec()))
+        let key = Self(bytes.to_vec());
+        let (base, len, _) = key.parts();
+        if base.checked_add(len).is_none() {
+            return Err(UcxError::RemoteKeyBounds { base, len });
+        }
+        Ok(key)
     }
 
     /// The framed bytes to send to a peer.
@@ -248,8 +253,11 @@ impl RemoteKey {
     }
 
     pub(crate) fn range_addr(&self, offset: u64, len: usize) -> Result<u64, UcxError> {
-        match offset.checked_add(len as u64) {
-            Some(end) if end <= self.len => Ok(self.base + offset),
+        // Checked all the way: base + len was checked at unpacking, but the
+        // sum is recomputed without trusting that.
+        let end = offset.checked_add(len as u64);
+        match (end, self.base.checked_add(offset)) {
+            (Some(end), Some(addr)) if end <= self.len => Ok(addr),
             _ => Err(UcxError::OutOfRange {
                 offset,
                 len,

@@ -21,12 +21,14 @@ mod endpoint;
 mod error;
 mod memory;
 mod request;
+mod transport;
 mod worker;
 
 pub use context::{Context, ContextOptions};
 pub use endpoint::{BlockOp, Endpoint, PostError};
 pub use error::{UcxError, UcxStatus};
 pub use memory::{MemoryRegion, PackedRkey, RemoteKey};
+pub use transport::{UcxTransport, NOTIFY_AM_ID};
 pub use worker::{ActiveMessage, Completion, EndpointFailure, Worker, WorkerAddress};
 
 /// Largest active-message payload kvpoll sends or accepts (notifications are

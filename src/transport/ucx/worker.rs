@@ -54,7 +54,6 @@ pub(crate) struct Sink {
     am_handlers: RefCell<Vec<Box<AmHandler>>>,
     send_buffers: RefCell<Vec<Box<[u8]>>>,
     free_buffers: RefCell<Vec<u32>>,
-    worker: Cell<sys::ucp_worker_h>,
 }
 
 pub(crate) struct AmHandler {
@@ -123,9 +122,11 @@ unsafe extern "C" fn am_callback(
         let attr = (*param).recv_attr;
         if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             // kvpoll only sends small eager messages; a rendezvous one is
-            // foreign. Release its descriptor and count it.
+            // foreign. Count it and return UCS_OK without receiving: UCX
+            // then answers the sender and releases the descriptor itself
+            // (ucp_am_rndv_process_rts). Releasing it here as well would
+            // free it twice.
             sink.am_rejected.set(sink.am_rejected.get() + 1);
-            sys::ucp_am_data_release(sink.worker.get(), data);
             return sys::ucs_status_t::UCS_OK;
         }
         if header_length != 0 || length > MAX_AM_PAYLOAD || (length > 0 && data.is_null()) {
@@ -184,7 +185,6 @@ impl Worker {
             am_handlers: RefCell::new(Vec::new()),
             send_buffers: RefCell::new(Vec::new()),
             free_buffers: RefCell::new(Vec::new()),
-            worker: Cell::new(handle),
         });
         Ok(Self {
             inner: Rc::new(WorkerInner {

@@ -149,7 +149,7 @@ pub fn run(
         tx,
         rx,
         buf: vec![0u8; cfg.block_size as usize],
-        hist: Histogram::new(3).map_err(|e| EngineError::Config(e.to_string()))?,
+        hist: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
     };
     let start = Instant::now();
     let mut issued = 0u64;

@@ -370,6 +370,7 @@ fn run_mode(
                 handle_error_every: s.handle_error_every,
                 release_failure_every: s.release_failure_every,
                 release_retry_after: Duration::from_millis(20),
+                ..Faults::default()
             };
         }
         let (reg, prog, st) = (registry.clone(), progress.clone(), stop.clone());

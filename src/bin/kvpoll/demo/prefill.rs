@@ -58,7 +58,7 @@ pub fn serve(
     let (tx, rx) = mpsc::channel::<Incoming>();
     listener
         .set_nonblocking(false)
-        .map_err(|e| EngineError::Config(e.to_string()))?;
+        .map_err(|_| EngineError::Config("control listener cannot block"))?;
     std::thread::spawn(move || {
         for (tag, stream) in listener.incoming().enumerate() {
             let Ok(stream) = stream else { continue };

@@ -1,0 +1,62 @@
+//! What the engine thread sends the poller: small `Copy` entries on the
+//! command ring. A request is one all-or-nothing batch: a [`Command::Begin`]
+//! followed by its handles (each followed by its block pairs) or its blocks.
+
+use crate::ledger::{BlockId, Kind, PeerId, RequestId};
+
+/// One entry of the command ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    /// A new request; its plan follows in the same batch.
+    Begin {
+        /// The engine's id.
+        id: RequestId,
+        /// What it is.
+        kind: Kind,
+        /// [`Command::Handle`] entries that follow.
+        handles: u8,
+        /// [`Command::Block`] entries that follow (lends and receives).
+        blocks: u32,
+        /// Deadline (reads) or lease (writes, lends, receives) from now, ns.
+        expires_in: u64,
+    },
+    /// One handle of the request begun last: its peer, and how many
+    /// [`Command::Pair`] entries follow.
+    Handle {
+        /// The remote rank.
+        peer: PeerId,
+        /// Pairs that follow.
+        pairs: u32,
+    },
+    /// A local block and the remote block it moves to or from.
+    Pair {
+        /// Local block.
+        local: BlockId,
+        /// Remote block.
+        remote: BlockId,
+    },
+    /// A lent block.
+    Block(BlockId),
+    /// Abort a request: it alone is affected.
+    Abort(RequestId),
+    /// Extend a lease to `extend_ns` from now (never shortening it).
+    Heartbeat {
+        /// The request.
+        id: RequestId,
+        /// How long from now.
+        extend_ns: u64,
+    },
+    /// Fault injection: the poller stops for this long, as a hung rank would.
+    #[cfg(feature = "fault-injection")]
+    Stall {
+        /// How long, ns.
+        ns: u64,
+    },
+}
+
+impl Command {
+    /// Ring entries a read or write with these handles takes.
+    pub fn entries_for_transfers(handles: usize, pairs: usize) -> usize {
+        1 + handles + pairs
+    }
+}

@@ -1,0 +1,1011 @@
+//! The request protocol as a sans-IO state machine.
+//!
+//! The [`crate::ledger`] does the atomic handle accounting; this core does
+//! everything around it that decides *what happens*: which operations to
+//! post on which endpoint, flush before notify, read-done / write-done
+//! notifications and acknowledgements counted per remote engine, release
+//! retries, aborts that touch only their own request, deadlines that judge a
+//! peer stalled and force-close its endpoint, peers lost, shutdown.
+//!
+//! It never reads a clock, never calls UCX, never spawns a thread: it is fed
+//! commands, transport events and `now`, and asked for [`Action`]s (which
+//! the driver executes on a [`crate::transport::Transport`], feeding the
+//! synchronous results back) and [`Event`]s (which the driver publishes to
+//! the engine thread). [`Core::next_deadline`] says when it next needs
+//! `advance`. So the simulator, proptest and unit tests reach all of it.
+//!
+//! Tokens: an operation's `u64` token is its [`HandleKey`] packed with two
+//! kind bits (30–31: free because slots are fewer than 2^24): data, flush,
+//! notification, and one the transport keeps for its own closes.
+
+pub mod command;
+
+use std::collections::{HashMap, VecDeque};
+
+pub use command::Command;
+
+use crate::ledger::{
+    Begun, BlockId, Cancel, Cause, Event, HandleKey, Kind, Ledger, Nanos, Outcome, PeerId, Reason,
+    Request, RequestId, RequestKey, Slots, MAX_HANDLES,
+};
+use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN};
+use crate::transport::{Direction, Ep, PostFailure, TransportEvent, CANCELED};
+
+const KIND_MASK: u64 = 3 << 30;
+const T_DATA: u64 = 0;
+const T_FLUSH: u64 = 1 << 30;
+const T_NOTE: u64 = 2 << 30;
+/// The token kind a transport uses for operations of its own (closes); the
+/// core never sees their completions.
+pub const T_TRANSPORT: u64 = 3 << 30;
+
+/// Most remote engines one request may await notifications from.
+pub const MAX_CONSUMERS: usize = 64;
+
+/// What the core is told about itself at start.
+#[derive(Debug, Clone, Copy)]
+pub struct CoreConfig {
+    /// This engine's instance id (notifications carry it).
+    pub instance: u64,
+    /// How long a handle whose release failed waits for its retry.
+    pub release_retry: Nanos,
+}
+
+/// Something the driver must do. Executed in order; the results of `Post`,
+/// `Flush` and `Release` are fed back before the next input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Post the handle's block pairs ([`Core::pairs`] of `pairs`) on `ep`;
+    /// feed the result to [`Core::on_posted`].
+    Post {
+        /// Endpoint generation to post on.
+        ep: Ep,
+        /// Get or put.
+        dir: Direction,
+        /// The handle.
+        handle: HandleKey,
+        /// Token every operation completes with.
+        token: u64,
+        /// Range of [`Core::pairs`].
+        pairs: (u32, u32),
+    },
+    /// Flush `ep` (the endpoint the handle's puts travelled on); feed a
+    /// failure to [`Core::on_flush_failed`].
+    Flush {
+        /// Endpoint generation.
+        ep: Ep,
+        /// The handle.
+        handle: HandleKey,
+        /// Token the flush completes with.
+        token: u64,
+    },
+    /// Send a notification; a failure to send is fed to
+    /// [`Core::on_send_failed`].
+    Send {
+        /// Endpoint generation.
+        ep: Ep,
+        /// Encoded notification.
+        note: [u8; NOTE_LEN],
+        /// Token it completes with.
+        token: u64,
+    },
+    /// Force-close endpoint generation `ep`.
+    Close {
+        /// Which one.
+        ep: Ep,
+    },
+    /// Release the handle's resources; feed the result to
+    /// [`Core::on_released`].
+    Release {
+        /// The handle.
+        handle: HandleKey,
+    },
+    /// The peer is gone: the transport forgets it.
+    ForgetPeer {
+        /// Which.
+        peer: PeerId,
+    },
+}
+
+/// What the core knows of a peer.
+#[derive(Debug, Clone, Copy)]
+struct Peer {
+    instance: u64,
+    /// Blocks per region, and regions, of the peer (remote block ids are
+    /// checked against them before anything is posted).
+    blocks: u64,
+    regions: usize,
+    /// The current endpoint generation; bumped when it is force-closed.
+    generation: u32,
+    /// Why recent generations were closed, newest first: a completion
+    /// cancelled by a close carries the close's reason.
+    closes: [(u32, Cause); 4],
+}
+
+impl Peer {
+    fn ep(&self, id: PeerId) -> Ep {
+        Ep {
+            peer: id,
+            generation: self.generation,
+        }
+    }
+
+    fn close_cause(&self, generation: u32) -> Option<Cause> {
+        self.closes
+            .iter()
+            .find(|(g, c)| *g == generation && *c != Cause::Transfer)
+            .map(|&(_, c)| c)
+    }
+}
+
+/// Per-handle progress, indexed by `slot * 64 + handle`.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    /// The request key's generation this entry belongs to.
+    generation: u32,
+    /// Operations outstanding (data, then the flush).
+    remaining: u32,
+    /// The first failure, if any.
+    failure: Option<Reason>,
+    peer: PeerId,
+    /// The endpoint generation the handle's operations travel on.
+    ep_generation: u32,
+    /// Puts completed; the flush is outstanding.
+    flushing: bool,
+    /// Ended; waits for (or retries) its release.
+    releasing: bool,
+    /// Its release failed once: the next success is a retry.
+    held: bool,
+    /// Whether it ended without error (puts flushed, gets landed).
+    ok: bool,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress {
+            generation: u32::MAX,
+            remaining: 0,
+            failure: None,
+            peer: PeerId(0),
+            ep_generation: 0,
+            flushing: false,
+            releasing: false,
+            held: false,
+            ok: false,
+        }
+    }
+}
+
+/// Per-slot facts the core needs after begin.
+#[derive(Debug, Clone, Copy)]
+struct Info {
+    generation: u32,
+    id: RequestId,
+    kind: Kind,
+    handles: u8,
+    /// Distinct engines that notified (their instances are in `notifiers`).
+    notified: u8,
+}
+
+/// Counters, for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreStats {
+    /// Notifications that did not decode.
+    pub malformed_notifications: u64,
+    /// Notifications that decoded but were refused: unknown request, wrong
+    /// kind for the request, a duplicate from an engine already counted, or
+    /// from an engine that is not a party to the request.
+    pub rejected_notifications: u64,
+    /// Operations posted.
+    pub ops_posted: u64,
+    /// Operations completed (data and flush).
+    pub ops_completed: u64,
+    /// Endpoints force-closed because a peer was judged stalled.
+    pub stall_closes: u64,
+    /// Peers lost (endpoint failures).
+    pub peers_lost: u64,
+    /// Requests the ledger refused after the engine admitted them (a bug
+    /// if ever non-zero).
+    pub refused_requests: u64,
+}
+
+/// The protocol core. See the module docs.
+pub struct Core {
+    cfg: CoreConfig,
+    ledger: Ledger,
+    slots: std::sync::Arc<Slots>,
+    local_blocks: u64,
+    local_regions: usize,
+    peers: Vec<Option<Peer>>,
+    by_instance: HashMap<u64, PeerId>,
+    progress: Vec<Progress>,
+    info: Vec<Info>,
+    notifiers: Vec<u64>,
+    /// Aborted requests and their expiry: past it with handles still in
+    /// flight, their peers are judged stalled.
+    aborted: Vec<(RequestKey, Nanos)>,
+    /// Handles whose release failed, and when to retry.
+    held: Vec<(HandleKey, Nanos)>,
+    ops_in_flight: u64,
+    notes_in_flight: u64,
+    actions: VecDeque<Action>,
+    events: Vec<Event>,
+    /// Pairs of the handles being posted (valid until the next begin).
+    pairs: Vec<(BlockId, BlockId)>,
+    handle_peers: Vec<PeerId>,
+    handle_pairs: Vec<u32>,
+    blocks: Vec<BlockId>,
+    cancels: Vec<Cancel>,
+    stats: CoreStats,
+    shutting_down: bool,
+    /// Events already looked at by `after_events`.
+    scanned: usize,
+}
+
+impl Core {
+    /// A core over `ledger`, with nothing registered and no peer.
+    pub fn new(cfg: CoreConfig, ledger: Ledger) -> Self {
+        let slots = ledger.slots().clone();
+        let capacity = slots.capacity() as usize;
+        Core {
+            cfg,
+            ledger,
+            slots,
+            local_blocks: 0,
+            local_regions: 0,
+            peers: Vec::new(),
+            by_instance: HashMap::new(),
+            progress: vec![Progress::default(); capacity * MAX_HANDLES],
+            info: vec![
+                Info {
+                    generation: u32::MAX,
+                    id: RequestId(0),
+                    kind: Kind::Read,
+                    handles: 0,
+                    notified: 0,
+                };
+                capacity
+            ],
+            notifiers: vec![0; capacity * MAX_CONSUMERS],
+            aborted: Vec::with_capacity(64),
+            held: Vec::new(),
+            ops_in_flight: 0,
+            notes_in_flight: 0,
+            actions: VecDeque::with_capacity(1024),
+            events: Vec::with_capacity(1024),
+            pairs: Vec::with_capacity(1024),
+            handle_peers: Vec::with_capacity(MAX_HANDLES),
+            handle_pairs: Vec::with_capacity(MAX_HANDLES),
+            blocks: Vec::with_capacity(1024),
+            cancels: Vec::with_capacity(64),
+            stats: CoreStats::default(),
+            shutting_down: false,
+            scanned: 0,
+        }
+    }
+
+    /// The shared ledger slots.
+    pub fn slots(&self) -> &std::sync::Arc<Slots> {
+        &self.slots
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CoreStats {
+        self.stats
+    }
+
+    /// Ledger counters and occupancy.
+    pub fn ledger_stats(&self) -> crate::ledger::Stats {
+        self.ledger.stats()
+    }
+
+    /// The next action to execute, if any.
+    pub fn next_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// The block pairs of a [`Action::Post`].
+    pub fn pairs(&self, range: (u32, u32)) -> &[(BlockId, BlockId)] {
+        &self.pairs[range.0 as usize..(range.0 + range.1) as usize]
+    }
+
+    /// Hands the events produced so far to `publish`, in order, and
+    /// forgets them.
+    pub fn drain_events(&mut self, mut publish: impl FnMut(Event)) -> usize {
+        let n = self.events.len();
+        for &e in &self.events {
+            publish(e);
+        }
+        self.events.clear();
+        self.scanned = 0;
+        n
+    }
+
+    /// Operations (data, flushes) and notifications still outstanding.
+    pub fn outstanding(&self) -> u64 {
+        self.ops_in_flight + self.notes_in_flight
+    }
+
+    // -- control plane ----------------------------------------------------
+
+    /// Local memory now holds `regions` regions of `blocks` blocks each.
+    pub fn set_local_layout(&mut self, regions: usize, blocks: u64) {
+        self.local_regions = regions;
+        self.local_blocks = blocks;
+    }
+
+    /// Whether a peer was ever added (registering more memory would leave
+    /// those peers with stale metadata).
+    pub fn has_peers(&self) -> bool {
+        self.peers.iter().any(Option::is_some)
+    }
+
+    /// Adds a peer. An engine re-added under the same instance replaces its
+    /// old entry, whose handles fail as if it had been lost.
+    pub fn add_peer(&mut self, instance: u64, regions: usize, blocks: u64) -> PeerId {
+        if let Some(&old) = self.by_instance.get(&instance) {
+            self.drop_peer(old, Cause::PeerLost);
+        }
+        let id = PeerId(self.peers.len() as u32);
+        self.peers.push(Some(Peer {
+            instance,
+            blocks,
+            regions,
+            generation: 1,
+            closes: [(0, Cause::Transfer); 4],
+        }));
+        self.by_instance.insert(instance, id);
+        id
+    }
+
+    /// Removes a peer: its handles in flight fail (deferred, as always).
+    /// Returns whether the id was ever issued (a second removal is fine).
+    pub fn remove_peer(&mut self, peer: PeerId) -> bool {
+        if (peer.0 as usize) >= self.peers.len() {
+            return false;
+        }
+        self.drop_peer(peer, Cause::PeerLost);
+        true
+    }
+
+    fn drop_peer(&mut self, peer: PeerId, cause: Cause) {
+        let Some(p) = self.peers.get_mut(peer.0 as usize).and_then(Option::take) else {
+            return;
+        };
+        if self.by_instance.get(&p.instance) == Some(&peer) {
+            self.by_instance.remove(&p.instance);
+        }
+        let events = &mut self.events;
+        self.ledger
+            .peer_lost_with(peer, Reason::of(cause), &mut |e| events.push(e));
+        self.actions.push_back(Action::ForgetPeer { peer });
+    }
+
+    // -- commands ---------------------------------------------------------
+
+    /// One command from the engine; `next` yields the entries of its batch
+    /// that follow (a request's plan).
+    pub fn on_command(
+        &mut self,
+        cmd: Command,
+        next: &mut dyn FnMut() -> Option<Command>,
+        now: Nanos,
+    ) {
+        match cmd {
+            Command::Begin {
+                id,
+                kind,
+                handles,
+                blocks,
+                expires_in,
+            } => {
+                if self.read_plan(handles, blocks, next) {
+                    self.begin(id, kind, now.saturating_add(Nanos(expires_in)));
+                }
+            }
+            Command::Abort(id) => self.abort(id, now),
+            Command::Heartbeat { id, extend_ns } => {
+                self.ledger
+                    .heartbeat(id, now.saturating_add(Nanos(extend_ns)));
+            }
+            #[cfg(feature = "fault-injection")]
+            Command::Stall { .. } => {}
+            // Plan entries are consumed with their Begin; a stray one is a
+            // bug in the engine's batching and is skipped.
+            Command::Handle { .. } | Command::Pair { .. } | Command::Block(_) => {}
+        }
+    }
+
+    fn read_plan(
+        &mut self,
+        handles: u8,
+        blocks: u32,
+        next: &mut dyn FnMut() -> Option<Command>,
+    ) -> bool {
+        self.handle_peers.clear();
+        self.handle_pairs.clear();
+        self.pairs.clear();
+        self.blocks.clear();
+        for _ in 0..handles {
+            let Some(Command::Handle { peer, pairs }) = next() else {
+                return false;
+            };
+            self.handle_peers.push(peer);
+            self.handle_pairs.push(pairs);
+            for _ in 0..pairs {
+                let Some(Command::Pair { local, remote }) = next() else {
+                    return false;
+                };
+                self.pairs.push((local, remote));
+                self.blocks.push(local);
+            }
+        }
+        for _ in 0..blocks {
+            let Some(Command::Block(b)) = next() else {
+                return false;
+            };
+            self.blocks.push(b);
+        }
+        true
+    }
+
+    /// Frees the slot of a request the engine consumed.
+    pub fn retire(&mut self, key: RequestKey) {
+        let _ = self.ledger.retire(key);
+    }
+
+    fn begin(&mut self, id: RequestId, kind: Kind, expires: Nanos) {
+        if kind == Kind::NotifyOnly {
+            // Nothing to read, nothing tracked: each producer engine (once
+            // per engine, whatever the handle count) hears that it may
+            // release.
+            for i in 0..self.handle_peers.len() {
+                let peer = self.handle_peers[i];
+                if !self.handle_peers[..i].contains(&peer) {
+                    self.notify(peer, None, NoteKind::ReadDone, id);
+                }
+            }
+            return;
+        }
+        let req = Request {
+            id,
+            kind,
+            peers: &self.handle_peers,
+            blocks: &self.blocks,
+            expires,
+        };
+        let events = &mut self.events;
+        let key = match self.ledger.begin(&req, &mut |e| events.push(e)) {
+            Ok(Begun::Tracked(key)) => key,
+            Ok(Begun::Untracked) => return,
+            Err(_) => {
+                // The engine validated the request; a refusal means the two
+                // disagree (a bug). Nothing was tracked; it is counted.
+                self.stats.refused_requests += 1;
+                return;
+            }
+        };
+        let slot = key.slot() as usize;
+        self.info[slot] = Info {
+            generation: key.generation(),
+            id,
+            kind,
+            handles: self.handle_peers.len() as u8,
+            notified: 0,
+        };
+        let dir = match kind {
+            Kind::Write { .. } => Direction::Put,
+            _ => Direction::Get,
+        };
+        let mut start = 0u32;
+        for h in 0..self.handle_peers.len() {
+            let n = self.handle_pairs[h];
+            self.start_handle(key, h as u8, dir, (start, n));
+            start += n;
+        }
+        self.after_events();
+    }
+
+    fn start_handle(&mut self, key: RequestKey, h: u8, dir: Direction, range: (u32, u32)) {
+        let Some(hk) = HandleKey::new(key, h) else {
+            return;
+        };
+        let peer_id = self.handle_peers[h as usize];
+        let idx = Self::index(hk);
+        self.progress[idx] = Progress {
+            generation: key.generation(),
+            peer: peer_id,
+            ..Progress::default()
+        };
+        if self.slots.posting(hk).is_err() {
+            return; // cancelled before it was posted: the ledger stopped it
+        }
+        let valid = match self.peers.get(peer_id.0 as usize).and_then(|p| p.as_ref()) {
+            Some(p) => {
+                let pairs = &self.pairs[range.0 as usize..(range.0 + range.1) as usize];
+                let ok = p.regions == self.local_regions
+                    && pairs.iter().all(|&(l, r)| {
+                        u64::from(l.0) < self.local_blocks && u64::from(r.0) < p.blocks
+                    });
+                ok.then_some(p.ep(peer_id))
+            }
+            None => None,
+        };
+        let Some(ep) = valid else {
+            let events = &mut self.events;
+            let _ = self
+                .slots
+                .setup_failed(hk, Reason::of(Cause::Setup), &mut |e| events.push(e));
+            return;
+        };
+        self.progress[idx].ep_generation = ep.generation;
+        self.actions.push_back(Action::Post {
+            ep,
+            dir,
+            handle: hk,
+            token: hk.to_u64() | T_DATA,
+            pairs: range,
+        });
+    }
+
+    fn index(hk: HandleKey) -> usize {
+        hk.key().slot() as usize * MAX_HANDLES + usize::from(hk.handle())
+    }
+
+    /// The result of an [`Action::Post`].
+    pub fn on_posted(&mut self, hk: HandleKey, result: Result<u32, PostFailure>) {
+        let idx = Self::index(hk);
+        let (n, failure) = match result {
+            Ok(n) => (n, None),
+            Err(f) => (f.posted, Some(f.status)),
+        };
+        self.stats.ops_posted += u64::from(n);
+        self.ops_in_flight += u64::from(n);
+        let p = &mut self.progress[idx];
+        p.remaining = n;
+        if let Some(status) = failure {
+            let cause = if n == 0 {
+                Cause::Setup
+            } else {
+                Cause::Transfer
+            };
+            p.failure = Some(Reason::new(cause, status.min(-1)));
+        }
+        if n == 0 {
+            let reason = p.failure.unwrap_or(Reason::of(Cause::Setup));
+            let events = &mut self.events;
+            let _ = self.slots.setup_failed(hk, reason, &mut |e| events.push(e));
+            self.after_events();
+        }
+    }
+
+    /// An [`Action::Flush`] could not be posted.
+    pub fn on_flush_failed(&mut self, hk: HandleKey, status: i8) {
+        let idx = Self::index(hk);
+        let p = &mut self.progress[idx];
+        if p.generation != hk.key().generation() || !p.flushing {
+            return;
+        }
+        p.remaining = 0;
+        p.flushing = false;
+        let (peer, generation) = (p.peer, p.ep_generation);
+        self.ops_in_flight = self.ops_in_flight.saturating_sub(1);
+        let reason = self.cancel_reason(peer, generation, status);
+        self.progress[idx].failure.get_or_insert(reason);
+        self.handle_ended(hk);
+    }
+
+    /// An [`Action::Send`] could not be posted (the notification is lost;
+    /// the other side's lease decides).
+    pub fn on_send_failed(&mut self) {
+        self.notes_in_flight = self.notes_in_flight.saturating_sub(1);
+    }
+
+    /// The result of an [`Action::Release`].
+    pub fn on_released(&mut self, hk: HandleKey, released: bool, now: Nanos) {
+        let idx = Self::index(hk);
+        let p = self.progress[idx];
+        if p.generation != hk.key().generation() || !p.releasing {
+            return;
+        }
+        let result = match p.failure {
+            None => Ok(()),
+            Some(r) => Err(r),
+        };
+        let events = &mut self.events;
+        let mut out = |e| events.push(e);
+        if p.held {
+            let _ = self.slots.release_retried(hk, released, &mut out);
+        } else if released {
+            let _ = self.slots.completed(hk, result, &mut out);
+        } else {
+            let _ = self.slots.release_failed(hk, result, &mut out);
+        }
+        if released {
+            self.progress[idx].releasing = false;
+            if p.ok && matches!(self.info[hk.key().slot() as usize].kind, Kind::Write { .. }) {
+                self.write_landed(hk);
+            }
+        } else {
+            self.progress[idx].held = true;
+            self.held
+                .push((hk, now.saturating_add(self.cfg.release_retry)));
+        }
+        self.after_events();
+    }
+
+    // -- transport events ---------------------------------------------------
+
+    /// Something the transport saw.
+    pub fn on_transport(&mut self, ev: TransportEvent<'_>, now: Nanos) {
+        match ev {
+            TransportEvent::Completion { token, status } => self.on_completion(token, status),
+            TransportEvent::Message(bytes) => self.on_message(bytes),
+            TransportEvent::EndpointFailed { ep, status: _ } => self.on_endpoint_failed(ep),
+        }
+        let _ = now;
+    }
+
+    fn on_completion(&mut self, token: u64, status: i8) {
+        let kind = token & KIND_MASK;
+        if kind == T_NOTE {
+            self.notes_in_flight = self.notes_in_flight.saturating_sub(1);
+            return;
+        }
+        if kind == T_TRANSPORT {
+            return;
+        }
+        self.ops_in_flight = self.ops_in_flight.saturating_sub(1);
+        self.stats.ops_completed += 1;
+        let hk = HandleKey::from_u64(token & !KIND_MASK);
+        let idx = Self::index(hk);
+        let Some(p) = self.progress.get(idx).copied() else {
+            return;
+        };
+        if p.generation != hk.key().generation() || p.remaining == 0 || p.releasing {
+            return; // not ours (cannot happen while slots retire after quiescence)
+        }
+        if status != 0 && p.failure.is_none() {
+            let reason = self.cancel_reason(p.peer, p.ep_generation, status);
+            self.progress[idx].failure = Some(reason);
+        }
+        self.progress[idx].remaining -= 1;
+        if self.progress[idx].remaining > 0 {
+            return;
+        }
+        let p = self.progress[idx];
+        if kind == T_DATA && p.failure.is_none() && self.is_write(hk) {
+            // Puts completed: flush the endpoint they travelled on before
+            // anyone is told (a completed put only frees the source). Never
+            // a fresh endpoint: if that one is closed, the flush fails.
+            let ep = Ep {
+                peer: p.peer,
+                generation: p.ep_generation,
+            };
+            self.progress[idx].flushing = true;
+            self.progress[idx].remaining = 1;
+            self.ops_in_flight += 1;
+            self.actions.push_back(Action::Flush {
+                ep,
+                handle: hk,
+                token: hk.to_u64() | T_FLUSH,
+            });
+            return;
+        }
+        self.handle_ended(hk);
+    }
+
+    fn is_write(&self, hk: HandleKey) -> bool {
+        matches!(self.info[hk.key().slot() as usize].kind, Kind::Write { .. })
+    }
+
+    /// The reason of an operation on `peer`'s endpoint generation that
+    /// ended with `status`: a cancellation by our own forced close carries
+    /// the close's cause (the peer stalled, the engine shut down).
+    fn cancel_reason(&self, peer: PeerId, generation: u32, status: i8) -> Reason {
+        let closed = self
+            .peers
+            .get(peer.0 as usize)
+            .and_then(|p| p.as_ref())
+            .and_then(|p| p.close_cause(generation));
+        match closed {
+            Some(cause) if status == CANCELED => Reason::new(cause, status),
+            _ => Reason::new(Cause::Transfer, status.min(-1)),
+        }
+    }
+
+    /// A handle's operations are all done: release it.
+    fn handle_ended(&mut self, hk: HandleKey) {
+        let idx = Self::index(hk);
+        let p = &mut self.progress[idx];
+        p.flushing = false;
+        p.remaining = 0;
+        p.releasing = true;
+        p.ok = p.failure.is_none();
+        self.actions.push_back(Action::Release { handle: hk });
+    }
+
+    /// A write handle ended well: once every handle of the request to the
+    /// same destination engine did, that engine hears (once) that its
+    /// blocks hold the data.
+    fn write_landed(&mut self, hk: HandleKey) {
+        let key = hk.key();
+        let info = self.info[key.slot() as usize];
+        let peer = self.progress[Self::index(hk)].peer;
+        let base = key.slot() as usize * MAX_HANDLES;
+        let all = (0..info.handles as usize).all(|h| {
+            let p = &self.progress[base + h];
+            p.peer != peer || (p.ok && !p.releasing && p.remaining == 0)
+        });
+        if all {
+            let ep_generation = self.progress[Self::index(hk)].ep_generation;
+            self.notify(peer, Some(ep_generation), NoteKind::WriteDone, info.id);
+        }
+    }
+
+    /// Queues a notification to `peer`, on endpoint generation `on` if given
+    /// (a write-done must follow its flush) or the current one.
+    fn notify(&mut self, peer: PeerId, on: Option<u32>, kind: NoteKind, id: RequestId) {
+        let Some(p) = self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) else {
+            return;
+        };
+        let ep = Ep {
+            peer,
+            generation: on.unwrap_or(p.generation),
+        };
+        let note = Notification {
+            kind,
+            id,
+            count: 1,
+            sender: self.cfg.instance,
+        };
+        self.notes_in_flight += 1;
+        self.actions.push_back(Action::Send {
+            ep,
+            note: note.encode(),
+            token: T_NOTE,
+        });
+    }
+
+    fn on_message(&mut self, bytes: &[u8]) {
+        let Ok(note) = Notification::decode(bytes) else {
+            self.stats.malformed_notifications += 1;
+            return;
+        };
+        self.accept(note);
+        self.after_events();
+    }
+
+    fn reject(&mut self) {
+        self.stats.rejected_notifications += 1;
+        self.slots.count_rejected_notification();
+    }
+
+    /// Checks a notification against the request it names, counts it once
+    /// per remote engine, and acknowledges a write; refusals are counted.
+    fn accept(&mut self, note: Notification) {
+        let Some(key) = self.ledger.key(note.id) else {
+            return self.reject();
+        };
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        if info.generation != key.generation() {
+            return self.reject();
+        }
+        let expected = match (info.kind, note.kind) {
+            (Kind::Lend { .. }, NoteKind::ReadDone) => true,
+            (Kind::Receive { .. }, NoteKind::WriteDone) => true,
+            (Kind::Write { .. }, NoteKind::Ack) => {
+                // Only an engine this write wrote to can acknowledge it.
+                let base = slot * MAX_HANDLES;
+                self.by_instance.get(&note.sender).is_some_and(|&peer| {
+                    (0..info.handles as usize).any(|h| self.progress[base + h].peer == peer)
+                })
+            }
+            _ => false,
+        };
+        let n = usize::from(info.notified);
+        let seen = &self.notifiers[slot * MAX_CONSUMERS..slot * MAX_CONSUMERS + n];
+        // One engine counts once, however many handles it had or however
+        // often it repeats itself.
+        if !expected || seen.contains(&note.sender) || n == MAX_CONSUMERS {
+            return self.reject();
+        }
+        let events = &mut self.events;
+        if self
+            .ledger
+            .notify(note.id, 1, &mut |e| events.push(e))
+            .is_err()
+        {
+            // Counted by the ledger (reported or cancelled already).
+            self.stats.rejected_notifications += 1;
+            return;
+        }
+        self.notifiers[slot * MAX_CONSUMERS + n] = note.sender;
+        self.info[slot].notified += 1;
+        if note.kind == NoteKind::WriteDone {
+            if let Some(&peer) = self.by_instance.get(&note.sender) {
+                self.notify(peer, None, NoteKind::Ack, note.id);
+            }
+        }
+    }
+
+    fn on_endpoint_failed(&mut self, ep: Ep) {
+        let current = matches!(
+            self.peers.get(ep.peer.0 as usize),
+            Some(Some(p)) if p.generation == ep.generation
+        );
+        if current {
+            // Rule 9: fail its handles (deferred) and drop the peer at once;
+            // add_peer with fresh metadata works again.
+            self.stats.peers_lost += 1;
+            self.drop_peer(ep.peer, Cause::PeerLost);
+            self.after_events();
+        }
+    }
+
+    // -- aborts, deadlines, time -----------------------------------------
+
+    fn abort(&mut self, id: RequestId, now: Nanos) {
+        let events = &mut self.events;
+        // An abort touches only its own request: what is not posted stops
+        // now, what is posted completes (or fails) on its own. Nothing is
+        // force-closed, so no sibling on the same endpoint is hurt.
+        if let Ok(Some(c)) = self.ledger.abort(id, &mut |e| events.push(e)) {
+            let expires = self.ledger.expiry(c.key).unwrap_or(now);
+            self.aborted.push((c.key, expires));
+        }
+        self.after_events();
+    }
+
+    /// Time is now `now`: retries that are due, deadlines and leases that
+    /// passed.
+    pub fn advance(&mut self, now: Nanos) {
+        let mut i = 0;
+        while i < self.held.len() {
+            if self.held[i].1 <= now {
+                let (hk, _) = self.held.swap_remove(i);
+                self.actions.push_back(Action::Release { handle: hk });
+            } else {
+                i += 1;
+            }
+        }
+        let events = &mut self.events;
+        let cancels = &mut self.cancels;
+        self.ledger
+            .advance(now, &mut |e| events.push(e), &mut |c| cancels.push(c));
+        // An aborted request past its own expiry with operations still out:
+        // their peer is stalled too.
+        let mut i = 0;
+        while i < self.aborted.len() {
+            let (key, expires) = self.aborted[i];
+            let in_flight = self.ledger.in_flight(key);
+            if in_flight == 0 {
+                self.aborted.swap_remove(i);
+            } else if expires <= now {
+                self.cancels.push(Cancel {
+                    key,
+                    handles: in_flight,
+                });
+                self.aborted.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        self.apply_cancels(Cause::PeerStalled);
+        self.after_events();
+    }
+
+    /// When the core next needs [`Core::advance`] (`None`: only when
+    /// something happens).
+    pub fn next_deadline(&self) -> Option<Nanos> {
+        let mut t = self.ledger.next_expiry();
+        for &(_, due) in &self.held {
+            t = t.min(due);
+        }
+        for &(_, due) in &self.aborted {
+            t = t.min(due);
+        }
+        (t != Nanos(u64::MAX)).then_some(t)
+    }
+
+    /// Force-closes the endpoints carrying cancelled handles: UCX completes
+    /// their operations with `UCS_ERR_CANCELED`, which stops the handles;
+    /// every other request on those endpoints fails with `cause`.
+    fn apply_cancels(&mut self, cause: Cause) {
+        while let Some(c) = self.cancels.pop() {
+            let base = c.key.slot() as usize * MAX_HANDLES;
+            for h in crate::ledger::bits(c.handles) {
+                let p = self.progress[base + usize::from(h)];
+                self.close(p.peer, p.ep_generation, cause);
+            }
+        }
+    }
+
+    /// Force-closes `peer`'s endpoint generation `generation` if it is the
+    /// current one; later operations go to a fresh endpoint.
+    fn close(&mut self, peer: PeerId, generation: u32, cause: Cause) {
+        let Some(Some(p)) = self.peers.get_mut(peer.0 as usize) else {
+            return;
+        };
+        if p.generation != generation {
+            return; // closed already
+        }
+        p.closes.rotate_right(1);
+        p.closes[0] = (generation, cause);
+        p.generation = generation.wrapping_add(1);
+        if cause == Cause::PeerStalled {
+            self.stats.stall_closes += 1;
+        }
+        self.actions.push_back(Action::Close {
+            ep: Ep { peer, generation },
+        });
+    }
+
+    /// After events were produced: a finished read tells each of its
+    /// producer engines, once, that it may release its blocks.
+    fn after_events(&mut self) {
+        while self.scanned < self.events.len() {
+            let i = self.scanned;
+            self.scanned += 1;
+            let ev = self.events[i];
+            if ev.outcome != Outcome::Finished {
+                continue;
+            }
+            let slot = ev.key.slot() as usize;
+            let info = self.info[slot];
+            if info.kind != Kind::Read || info.generation != ev.key.generation() {
+                continue;
+            }
+            let base = slot * MAX_HANDLES;
+            for h in 0..info.handles as usize {
+                let peer = self.progress[base + h].peer;
+                let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
+                if !dup {
+                    self.notify(peer, None, NoteKind::ReadDone, info.id);
+                }
+            }
+        }
+    }
+
+    // -- the end --------------------------------------------------------------
+
+    /// Shutdown: every request still tracked is cancelled (cause
+    /// `Shutdown`) and every endpoint force-closed. The driver then
+    /// progresses until [`Core::outstanding`] is 0 and publishes the reports.
+    pub fn shutdown(&mut self) {
+        if self.shutting_down {
+            return;
+        }
+        self.shutting_down = true;
+        let events = &mut self.events;
+        let cancels = &mut self.cancels;
+        self.ledger
+            .cancel_all(Cause::Shutdown, &mut |e| events.push(e), &mut |c| {
+                cancels.push(c)
+            });
+        self.cancels.clear();
+        for i in 0..self.peers.len() {
+            if let Some(p) = self.peers[i] {
+                self.close(PeerId(i as u32), p.generation, Cause::Shutdown);
+            }
+        }
+        self.after_events();
+    }
+
+    /// Whether nothing is outstanding any more.
+    pub fn quiescent(&self) -> bool {
+        self.ops_in_flight == 0 && self.held.is_empty()
+    }
+
+    /// The driver can go on no more (its thread died, or shutdown timed
+    /// out): every request still tracked is reported failed with `cause`.
+    pub fn abandon(&mut self, cause: Cause) {
+        let events = &mut self.events;
+        self.ledger
+            .fail_all(Reason::of(cause), &mut |e| events.push(e));
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1 @@
+//! Unit tests of the core: see tests/core_*.rs for whole-protocol runs.

@@ -1,0 +1,351 @@
+//! The [`Transport`] over real UCX: one context, one worker, the registered
+//! regions, and one endpoint per peer at a time.
+//!
+//! Endpoint generations: the core names the endpoint it wants with an
+//! [`Ep`]. A newer generation than the open one closes the open one and
+//! connects afresh; an older one is refused with `CANCELED` (its endpoint
+//! was force-closed: a flush or a post there must fail, not go to a new
+//! connection). A force-closed connection — its endpoint *and* the remote
+//! keys unpacked on it — is kept until UCX completed the close, so no rkey
+//! is destroyed while an operation that uses it is outstanding.
+
+use crate::core::T_TRANSPORT;
+use crate::ledger::{BlockId, PeerId};
+use crate::metadata::{BlockLayout, PeerMetadata, RegionDescriptor};
+use crate::transport::{
+    Direction, Ep, PostFailure, Transport, TransportEvent, CANCELED, INVALID_PARAM,
+};
+
+use super::{
+    BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
+    PackedRkey, RemoteKey, UcxError, Worker,
+};
+
+/// The active-message id kvpoll's notifications travel on.
+pub const NOTIFY_AM_ID: u16 = 0x6b76;
+
+/// A live connection. Field order is drop order: the rkeys go before the
+/// endpoint they were unpacked on.
+struct Conn {
+    rkeys: Vec<RemoteKey>,
+    ep: Endpoint,
+    generation: u32,
+}
+
+struct Peer {
+    meta: PeerMetadata,
+    conn: Option<Conn>,
+    /// The newest generation seen: older ones are closed.
+    newest: u32,
+}
+
+/// The UCX transport. Single-threaded: it lives on the poller thread.
+pub struct UcxTransport {
+    // Drop order: connections (live, then closing), regions, worker, context.
+    peers: Vec<Option<Peer>>,
+    /// Force-closed connections waiting for their close to complete, by
+    /// close token.
+    closing: Vec<(u64, Conn)>,
+    regions: Vec<MemoryRegion>,
+    region_rkeys: Vec<PackedRkey>,
+    region_blocks: u64,
+    block_size: u64,
+    worker: Worker,
+    context: Context,
+    completions: Vec<Completion>,
+    failures: Vec<EndpointFailure>,
+    ops: Vec<BlockOp>,
+    close_seq: u64,
+}
+
+impl UcxTransport {
+    /// A context and worker with `options`, listening for notifications.
+    pub fn new(options: &ContextOptions, block_size: u64) -> Result<Self, UcxError> {
+        let context = Context::new(options)?;
+        let worker = Worker::new(&context)?;
+        worker.listen_active_messages(NOTIFY_AM_ID)?;
+        Ok(UcxTransport {
+            peers: Vec::new(),
+            closing: Vec::new(),
+            regions: Vec::new(),
+            region_rkeys: Vec::new(),
+            region_blocks: 0,
+            block_size,
+            worker,
+            context,
+            completions: Vec::with_capacity(4096),
+            failures: Vec::with_capacity(16),
+            ops: Vec::with_capacity(1024),
+            close_seq: 0,
+        })
+    }
+
+    /// Registers a region of `blocks` blocks: UCX-allocated memory, or the
+    /// caller's at `user` (`len` bytes). Returns its base and length.
+    ///
+    /// # Safety
+    /// With `user`, the range must stay valid, writable and in place for the
+    /// transport's lifetime.
+    pub unsafe fn register(
+        &mut self,
+        blocks: u64,
+        len: usize,
+        user: Option<usize>,
+    ) -> Result<(usize, usize), UcxError> {
+        let region = match user {
+            // SAFETY: the caller's promise, passed on.
+            Some(base) => unsafe { MemoryRegion::map(&self.context, base as *mut u8, len)? },
+            None => MemoryRegion::allocate(&self.context, len)?,
+        };
+        let rkey = region.pack_rkey()?;
+        let out = (region.as_ptr() as usize, region.len());
+        self.region_blocks = blocks;
+        self.regions.push(region);
+        self.region_rkeys.push(rkey);
+        Ok(out)
+    }
+
+    /// Regions registered.
+    pub fn regions(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// This engine's metadata for its peers.
+    pub fn metadata(&self, instance: u64) -> Result<Vec<u8>, UcxError> {
+        let meta = PeerMetadata {
+            instance,
+            layout: BlockLayout {
+                block_size: self.block_size,
+            },
+            worker: self.worker.address()?,
+            regions: self
+                .region_rkeys
+                .iter()
+                .enumerate()
+                .map(|(i, rkey)| RegionDescriptor {
+                    id: i as u32,
+                    blocks: self.region_blocks,
+                    rkey: rkey.clone(),
+                })
+                .collect(),
+        };
+        Ok(meta.encode())
+    }
+
+    /// The open connection for `ep`, connecting if `ep` is newer than what
+    /// is open. `Err` with a status: `CANCELED` for a closed generation, or
+    /// why connecting failed.
+    fn conn(&mut self, ep: Ep) -> Result<&Conn, i8> {
+        self.connect(ep)?;
+        self.open(ep).ok_or(INVALID_PARAM)
+    }
+
+    /// The open connection of generation `ep`, if there is one.
+    fn open(&self, ep: Ep) -> Option<&Conn> {
+        let p = self.peers.get(ep.peer.0 as usize)?.as_ref()?;
+        p.conn
+            .as_ref()
+            .filter(|c| c.generation == ep.generation && !c.ep.is_closed())
+    }
+
+    fn connect(&mut self, ep: Ep) -> Result<(), i8> {
+        let Some(Some(p)) = self.peers.get_mut(ep.peer.0 as usize) else {
+            return Err(INVALID_PARAM);
+        };
+        if ep.generation < p.newest {
+            return Err(CANCELED);
+        }
+        let stale = match &p.conn {
+            Some(c) => c.generation != ep.generation || c.ep.is_closed(),
+            None => true,
+        };
+        if stale {
+            if let Some(c) = &p.conn {
+                if c.generation == ep.generation {
+                    // This generation's endpoint was closed under us (it
+                    // failed): it stays closed.
+                    return Err(CANCELED);
+                }
+            }
+            if let Some(old) = p.conn.take() {
+                if !old.ep.is_closed() {
+                    self.close_seq += 1;
+                    let token = T_TRANSPORT | self.close_seq;
+                    let _ = old.ep.force_close(token);
+                    self.closing.push((token, old));
+                }
+            }
+            p.newest = ep.generation;
+            let ep_conn = Endpoint::connect(&self.worker, &p.meta.worker, ep.to_u64())
+                .map_err(|e| status_of(&e))?;
+            let mut rkeys = Vec::with_capacity(p.meta.regions.len());
+            for r in &p.meta.regions {
+                rkeys.push(RemoteKey::unpack(&ep_conn, &r.rkey).map_err(|e| status_of(&e))?);
+            }
+            p.conn = Some(Conn {
+                rkeys,
+                ep: ep_conn,
+                generation: ep.generation,
+            });
+        }
+        Ok(())
+    }
+
+    /// Force-closes the open connection of `peer` if it is of generation
+    /// `generation` (or any, with `None`), keeping it until the close
+    /// completed.
+    fn close_conn(&mut self, peer: PeerId, generation: Option<u32>) {
+        let Some(Some(p)) = self.peers.get_mut(peer.0 as usize) else {
+            return;
+        };
+        if let Some(g) = generation {
+            p.newest = p.newest.max(g.wrapping_add(1));
+        }
+        let matches = p
+            .conn
+            .as_ref()
+            .is_some_and(|c| generation.is_none_or(|g| c.generation == g));
+        if !matches {
+            return;
+        }
+        if let Some(c) = p.conn.take() {
+            if c.ep.is_closed() {
+                return;
+            }
+            self.close_seq += 1;
+            let token = T_TRANSPORT | self.close_seq;
+            let _ = c.ep.force_close(token);
+            self.closing.push((token, c));
+        }
+    }
+}
+
+impl Transport for UcxTransport {
+    fn add_peer(&mut self, peer: PeerId, meta: &PeerMetadata) -> Result<(), i8> {
+        let i = peer.0 as usize;
+        if self.peers.len() <= i {
+            self.peers.resize_with(i + 1, || None);
+        }
+        self.peers[i] = Some(Peer {
+            meta: meta.clone(),
+            conn: None,
+            newest: 0,
+        });
+        Ok(())
+    }
+
+    fn forget_peer(&mut self, peer: PeerId) {
+        self.close_conn(peer, None);
+        if let Some(slot) = self.peers.get_mut(peer.0 as usize) {
+            *slot = None;
+        }
+    }
+
+    fn post(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        let bs = self.block_size;
+        let mut ops = std::mem::take(&mut self.ops);
+        let connected = self.connect(ep);
+        let result = match connected.and_then(|()| self.open(ep).ok_or(INVALID_PARAM)) {
+            Err(status) => Err(PostFailure { posted: 0, status }),
+            Ok(conn) => {
+                let mut posted = 0u32;
+                let mut failure = None;
+                for (region, rkey) in self.regions.iter().zip(&conn.rkeys) {
+                    ops.clear();
+                    ops.extend(pairs.iter().map(|&(l, r)| BlockOp {
+                        local_offset: u64::from(l.0) * bs,
+                        remote_offset: u64::from(r.0) * bs,
+                        len: bs as usize,
+                        token,
+                    }));
+                    let res = match dir {
+                        Direction::Get => conn.ep.get_batch(region, rkey, &ops),
+                        Direction::Put => conn.ep.put_batch(region, rkey, &ops),
+                    };
+                    match res {
+                        Ok(()) => posted += ops.len() as u32,
+                        Err(e) => {
+                            posted += e.posted as u32;
+                            failure = Some(status_of(&e.error));
+                            break;
+                        }
+                    }
+                }
+                match failure {
+                    None => Ok(posted),
+                    Some(status) => Err(PostFailure { posted, status }),
+                }
+            }
+        };
+        self.ops = ops;
+        result
+    }
+
+    fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
+        // Never connects: a flush on a generation that is not the open one
+        // would flush nothing of what it must cover.
+        match self.open(ep) {
+            Some(c) => c.ep.flush(token).map_err(|e| status_of(&e)),
+            None => Err(CANCELED),
+        }
+    }
+
+    fn send(&mut self, ep: Ep, payload: &[u8], token: u64) -> Result<(), i8> {
+        let conn = self.conn(ep)?;
+        conn.ep
+            .send_active_message(NOTIFY_AM_ID, payload, token)
+            .map_err(|e| status_of(&e))
+    }
+
+    fn close(&mut self, ep: Ep) {
+        self.close_conn(ep.peer, Some(ep.generation));
+    }
+
+    fn progress(&mut self) -> u32 {
+        self.worker.progress()
+    }
+
+    fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
+        self.worker.take_completions(&mut self.completions);
+        for i in 0..self.completions.len() {
+            let c = self.completions[i];
+            if c.token & T_TRANSPORT == T_TRANSPORT {
+                // A close completed: now its rkeys and endpoint may go.
+                if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
+                    self.closing.swap_remove(pos);
+                }
+                continue;
+            }
+            sink(TransportEvent::Completion {
+                token: c.token,
+                status: c.status.0,
+            });
+        }
+        self.completions.clear();
+        self.worker
+            .take_active_messages(|m| sink(TransportEvent::Message(m.payload)));
+        self.worker.take_endpoint_failures(&mut self.failures);
+        for f in self.failures.drain(..) {
+            sink(TransportEvent::EndpointFailed {
+                ep: Ep::from_u64(f.endpoint),
+                status: f.status.0,
+            });
+        }
+    }
+
+    fn closing(&self) -> bool {
+        !self.closing.is_empty()
+    }
+}
+
+/// The status to record for a failed UCX call; `UCS_ERR_INVALID_PARAM`
+/// when kvpoll refused the operation before UCX saw it.
+pub(crate) fn status_of(e: &UcxError) -> i8 {
+    e.status().map_or(INVALID_PARAM, |s| s.0)
+}
