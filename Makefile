@@ -13,7 +13,7 @@ deps:
 	@./scripts/deps.sh $(PKGS)
 
 demo: deps
-	$(CARGO) run --release --bin kvpoll -- demo
+	$(CARGO) run --release --features fault-injection --bin kvpoll -- demo
 
 test: deps
 	TEST_THREADS=$(TEST_THREADS) ./scripts/test.sh
@@ -25,7 +25,7 @@ loom:
 
 # benches/e2e spawns its peer processes from the release binary.
 bench: deps
-	$(CARGO) build --release --bin kvpoll
+	$(CARGO) build --release --features fault-injection --bin kvpoll
 	$(CARGO) bench
 
 fmt:

@@ -118,14 +118,17 @@ pub fn serve(
         }
         out.clear();
         engine.poll(&mut out);
-        for (ids, done) in [(&out.finished_sending, true), (&out.expired, false)] {
-            for id in ids {
-                if let Some(h) = held.remove(&id.0) {
-                    pool.release(&h.blocks);
-                    if let Some(tag) = h.push_conn {
-                        if let Some(c) = conns.get_mut(&tag) {
-                            link::send(&mut c.stream, &Msg::Pushed { req: id.0, done });
-                        }
+        // Done, or not (expired, failed): either way the source blocks are
+        // free again.
+        let failed = out.failed_sending.iter().map(|f| f.id);
+        let done = out.finished_sending.iter().map(|&id| (id, true));
+        let not_done = out.expired.iter().copied().chain(failed).map(|id| (id, false));
+        for (id, done) in done.chain(not_done) {
+            if let Some(h) = held.remove(&id.0) {
+                pool.release(&h.blocks);
+                if let Some(tag) = h.push_conn {
+                    if let Some(c) = conns.get_mut(&tag) {
+                        link::send(&mut c.stream, &Msg::Pushed { req: id.0, done });
                     }
                 }
             }
