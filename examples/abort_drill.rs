@@ -51,7 +51,11 @@ fn main() {
     let mut decode = engine(Duration::from_millis(500));
     let peers: Vec<_> = producers
         .iter()
-        .map(|p| decode.add_peer(&p.local_metadata().expect("meta")).expect("peer"))
+        .map(|p| {
+            decode
+                .add_peer(&p.local_metadata().expect("meta"))
+                .expect("peer")
+        })
         .collect();
     for p in producers.iter_mut() {
         let meta = decode.local_metadata().expect("meta");
@@ -102,7 +106,12 @@ fn main() {
                 .collect();
             for &p in &used {
                 producers[p]
-                    .lend(id, &[BlockId(0)], LendTo::Readers(1), Duration::from_secs(60))
+                    .lend(
+                        id,
+                        &[BlockId(0)],
+                        LendTo::Readers(1),
+                        Duration::from_secs(60),
+                    )
                     .expect("lend");
             }
             decode.read(id, &transfers).expect("read");
@@ -130,7 +139,9 @@ fn main() {
             let (_, _, lens) = &plan[&id];
             let mut buf = vec![0u8; BS as usize];
             for &(p, remote, local) in lens {
-                decode.read_block(0, BlockId(local), &mut buf).expect("read back");
+                decode
+                    .read_block(0, BlockId(local), &mut buf)
+                    .expect("read back");
                 if buf.iter().any(|&b| b != byte(p, remote)) {
                     corrupt += 1;
                 }

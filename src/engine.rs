@@ -512,6 +512,9 @@ impl Engine {
 
     /// Whether the engine still takes requests.
     fn alive(&self) -> Result<(), EngineError> {
+        if self.shared.dead.load(Ordering::Acquire) {
+            return Err(EngineError::PollerDied);
+        }
         match &self.thread {
             None => Err(EngineError::Shutdown),
             Some(t) if t.is_finished() => Err(self.gone()),

@@ -135,10 +135,11 @@ pub(crate) fn run(
     };
     let _ = ready.send(Ok(()));
     if catch_unwind(AssertUnwindSafe(|| poller.run())).is_err() {
-        // Whatever state the panic left, report what is still tracked (once:
-        // the ledger's state CAS decides) and make the death visible.
-        let _ = catch_unwind(AssertUnwindSafe(|| poller.die()));
+        // Make the death visible first (no call is accepted from now on),
+        // then report what is still tracked (once: the ledger's state CAS
+        // decides), whatever state the panic left.
         poller.shared.dead.store(true, Ordering::Release);
+        let _ = catch_unwind(AssertUnwindSafe(|| poller.die()));
     }
 }
 
@@ -485,7 +486,7 @@ impl Poller {
     /// After a panic: close every endpoint, give UCX a moment to cancel
     /// what was outstanding, then report everything still tracked.
     fn die(&mut self) {
-        self.core.shutdown();
+        self.core.close_all(Cause::PollerDied);
         self.execute();
         let start = Instant::now();
         while self.core.outstanding() > 0 && start.elapsed() < Duration::from_millis(500) {

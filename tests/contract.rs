@@ -837,8 +837,20 @@ fn overflowing_metadata(e: &Engine) -> Vec<u8> {
     assert!(len >= 2 * BS);
     let base = u64::MAX - BS / 2;
     payload[0..8].copy_from_slice(&base.to_le_bytes());
-    region.rkey = PackedRkey::from_bytes(&wire::encode(Kind::RemoteKey, &payload)).unwrap();
-    meta.encode()
+    // Splice the re-framed rkey into the encoded metadata by hand (a checked
+    // `PackedRkey` would refuse it) and re-frame the whole.
+    let good_rkey = region.rkey.as_bytes().to_vec();
+    let bad_rkey = wire::encode(Kind::RemoteKey, &payload);
+    assert_eq!(good_rkey.len(), bad_rkey.len());
+    let _: &PackedRkey = &region.rkey;
+    let encoded = meta.encode();
+    let mut inner = wire::decode(&encoded, Kind::PeerMetadata).unwrap().to_vec();
+    let at = inner
+        .windows(good_rkey.len())
+        .position(|w| w == good_rkey.as_slice())
+        .expect("the rkey inside the metadata");
+    inner[at..at + bad_rkey.len()].copy_from_slice(&bad_rkey);
+    wire::encode(Kind::PeerMetadata, &inner)
 }
 
 /// Defect 9. Peer metadata whose rkey has `base + len` past u64::MAX passes

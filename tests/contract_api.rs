@@ -90,7 +90,7 @@ fn reported(o: &Outcomes, id: RequestId) -> bool {
     o.finished_recving.contains(&id)
         || o.failed_recving.iter().any(|f| f.id == id)
         || o.finished_sending.contains(&id)
-        || o.failed_sending.iter().any(|&(x, _)| x == id)
+        || o.failed_sending.iter().any(|f| f.id == id)
         || o.expired.contains(&id)
 }
 
@@ -136,8 +136,8 @@ fn an_aborted_write_is_reported_in_failed_sending_with_its_reason() {
     let mut out = Outcomes::default();
     wait_for(&mut p, &mut out, "the aborted write", |o| reported(o, id));
     assert_eq!(out.failed_sending.len(), 1, "{out:?}");
-    assert_eq!(out.failed_sending[0].0, id);
-    assert_eq!(out.failed_sending[0].1.cause, Cause::Aborted);
+    assert_eq!(out.failed_sending[0].id, id);
+    assert_eq!(out.failed_sending[0].reason.cause, Cause::Aborted);
     assert!(
         out.expired.is_empty() && out.finished_sending.is_empty(),
         "{out:?}"
@@ -284,4 +284,49 @@ fn fill_one(e: &Engine) {
         kvpoll::pattern::fill(900, b, &mut buf);
         e.write_block(0, BlockId(b as u32), &buf).unwrap();
     }
+}
+
+/// Defect 9, the second half: a poller that dies (here: a panic injected at
+/// its second post) is visible. Its requests in flight are reported failed
+/// with `Cause::PollerDied`, exactly once, and every later call says
+/// `EngineError::PollerDied` instead of returning `Ok` into the void.
+#[test]
+fn a_dead_poller_reports_its_requests_failed_and_refuses_further_calls() {
+    let p = engine();
+    fill(&p, 3);
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .faults(kvpoll::engine::Faults {
+            panic_at_post: 2,
+            ..Default::default()
+        })
+        .build()
+        .expect("engine");
+    for _ in 0..REGIONS {
+        d.register(BLOCKS).unwrap();
+    }
+    let peer = connect(&mut d, &p);
+    let (l, r) = (ids(&[1]), ids(&[2]));
+    d.read(RequestId(1), &one(peer, &l, &r)).unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the first read", |o| {
+        o.finished_recving.contains(&RequestId(1))
+    });
+    // The second post panics the poller.
+    let (l2, r2) = (ids(&[3]), ids(&[4]));
+    d.read(RequestId(2), &one(peer, &l2, &r2)).unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the orphaned read's failure", |o| {
+        !o.failed_recving.is_empty()
+    });
+    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
+    assert_eq!(out.failed_recving[0].id, RequestId(2));
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::PollerDied);
+    assert_eq!(d.in_flight(), 0);
+    let again = d.read(RequestId(3), &one(peer, &l, &r));
+    assert!(matches!(again, Err(EngineError::PollerDied)), "{again:?}");
+    assert!(matches!(d.local_metadata(), Err(EngineError::PollerDied)));
+    d.poll(&mut out);
+    assert_eq!(out.failed_recving.len(), 1, "reported twice: {out:?}");
 }

@@ -985,12 +985,18 @@ impl Core {
                 cancels.push(c)
             });
         self.cancels.clear();
+        self.close_all(Cause::Shutdown);
+        self.after_events();
+    }
+
+    /// Force-closes every open endpoint: whatever is outstanding completes
+    /// (cancelled) and nothing more can reach a peer's memory through them.
+    pub fn close_all(&mut self, cause: Cause) {
         for i in 0..self.peers.len() {
             if let Some(p) = self.peers[i] {
-                self.close(PeerId(i as u32), p.generation, Cause::Shutdown);
+                self.close(PeerId(i as u32), p.generation, cause);
             }
         }
-        self.after_events();
     }
 
     /// Whether nothing is outstanding any more.

@@ -16,9 +16,9 @@ pub struct Faults {
     pub release_failure_every: u32,
     /// When a failed release is retried.
     pub release_retry_after: Duration,
-    /// Every n-th data operation completes with a transfer error (0: never),
-    /// as if it had failed; the data may have landed, so the request fails
-    /// and its blocks must be invalidated.
+    /// Every n-th handle fails with a transfer error (0: never): its first
+    /// operation to complete does, as if it had failed; the data may have
+    /// landed, so the request fails and its blocks must be invalidated.
     pub handle_error_every: u32,
     /// The poller panics at its n-th post (0: never): to see that a dead
     /// poller is reported, not hidden.
@@ -34,6 +34,9 @@ pub struct Faulty<T> {
     posts: u64,
     /// Handles whose release failed once: their retry succeeds.
     held: Vec<HandleKey>,
+    /// Data tokens (one per handle) seen lately, to count handles rather
+    /// than operations.
+    seen: Vec<u64>,
 }
 
 impl<T> Faulty<T> {
@@ -46,6 +49,7 @@ impl<T> Faulty<T> {
             releases: 0,
             posts: 0,
             held: Vec::new(),
+            seen: Vec::with_capacity(1024),
         }
     }
 
@@ -114,13 +118,22 @@ impl<T: Transport> Transport for Faulty<T> {
 
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
         let every = u64::from(self.faults.handle_error_every);
-        let count = &mut self.completions;
+        let (count, seen) = (&mut self.completions, &mut self.seen);
         self.inner.drain(&mut |ev| match ev {
             TransportEvent::Completion { token, status }
                 if every != 0 && token & crate::core::T_TRANSPORT == 0 =>
             {
-                *count += 1;
-                let status = if *count % every == 0 && status == 0 {
+                // The first completion of a handle's data operations counts
+                // the handle; every n-th handle fails there.
+                let first = !seen.contains(&token);
+                if first {
+                    if seen.len() == seen.capacity() {
+                        seen.clear();
+                    }
+                    seen.push(token);
+                    *count += 1;
+                }
+                let status = if first && *count % every == 0 && status == 0 {
                     IO_ERROR
                 } else {
                     status

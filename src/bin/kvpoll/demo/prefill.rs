@@ -122,7 +122,12 @@ pub fn serve(
         // free again.
         let failed = out.failed_sending.iter().map(|f| f.id);
         let done = out.finished_sending.iter().map(|&id| (id, true));
-        let not_done = out.expired.iter().copied().chain(failed).map(|id| (id, false));
+        let not_done = out
+            .expired
+            .iter()
+            .copied()
+            .chain(failed)
+            .map(|id| (id, false));
         for (id, done) in done.chain(not_done) {
             if let Some(h) = held.remove(&id.0) {
                 pool.release(&h.blocks);
