@@ -3,15 +3,12 @@
 //! failed.
 #![warn(missing_docs)]
 
-pub mod bench_e2e;
 pub mod engine;
-pub mod engine_bench;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod ledger;
 pub mod metadata;
 pub mod notification;
-pub mod pattern;
 pub mod placement;
 pub(crate) mod poller;
 pub mod ring;

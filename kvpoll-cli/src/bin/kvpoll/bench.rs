@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvpoll::bench_e2e::{self, E2eConfig, E2eFigures};
 use kvpoll::engine::IdlePolicy;
-use kvpoll::engine_bench;
-use kvpoll::ledger::bench::{compare, BenchConfig, Schedule};
+use kvpoll_cli::bench::e2e::{self as bench_e2e, E2eConfig, E2eFigures};
+use kvpoll_cli::bench::engine as engine_bench;
+use kvpoll_cli::bench::ledger::{compare, BenchConfig, Schedule};
 
 use crate::cli::{Args, CliError};
 

@@ -69,7 +69,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
     let region = MemoryRegion::allocate(&ctx, len as usize).map_err(fail)?;
     let mut block = vec![0u8; block_size as usize];
     for b in 0..blocks {
-        kvpoll::pattern::fill(seed, b, &mut block);
+        kvpoll_cli::pattern::fill(seed, b, &mut block);
         region.write(b * block_size, &block).map_err(fail)?;
     }
     let addr = worker.address().map_err(fail)?;
@@ -125,7 +125,7 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
         engine.register(blocks).map_err(fail)?;
         for b in 0..blocks {
             // Region r of rank `seed` holds the pattern of seed*100 + r.
-            kvpoll::pattern::fill(seed * 100 + r as u64, b, &mut block);
+            kvpoll_cli::pattern::fill(seed * 100 + r as u64, b, &mut block);
             engine
                 .write_block(r, kvpoll::ledger::BlockId(b as u32), &block)
                 .map_err(fail)?;

@@ -235,7 +235,7 @@ fn handle(
 fn fill(engine: &Engine, cfg: &ServeConfig, req: u64, blocks: &[BlockId], buf: &mut [u8]) {
     for layer in 0..cfg.layers {
         for (i, &b) in blocks.iter().enumerate() {
-            kvpoll::pattern::fill(seed(req, layer, cfg.rank), i as u64, buf);
+            kvpoll_cli::pattern::fill(seed(req, layer, cfg.rank), i as u64, buf);
             let _ = engine.write_block(layer, b, buf);
         }
     }

@@ -451,7 +451,7 @@ impl Decoder<'_> {
         };
         (0..self.cfg.layers).all(|layer| {
             self.engine.read_block(layer, b, &mut self.buf).is_ok()
-                && kvpoll::pattern::check(seed(req, layer, rank), u64::from(index), &self.buf)
+                && kvpoll_cli::pattern::check(seed(req, layer, rank), u64::from(index), &self.buf)
         })
     }
 

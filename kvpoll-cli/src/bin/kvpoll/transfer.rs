@@ -6,11 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvpoll::pattern;
 use kvpoll::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, RemoteKey, UcxError,
     Worker,
 };
+use kvpoll_cli::pattern;
 
 use crate::cli::{Args, CliError};
 
