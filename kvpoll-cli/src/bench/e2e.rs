@@ -26,13 +26,12 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, PeerId, RequestId};
 use kvpoll::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey,
     UcxError, Worker, WorkerAddress,
 };
 use kvpoll::wire::from_hex;
+use kvpoll::{BlockId, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 
 /// Blocks the peers serve (remote offsets wrap inside them).
 const PEER_BLOCKS: u64 = 64;

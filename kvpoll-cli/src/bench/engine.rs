@@ -17,10 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes};
-use kvpoll::ledger::{
-    Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, PeerId, Request, RequestId,
-};
+use kvpoll::ledger::{Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, Request};
+use kvpoll::{Engine, EngineError, IdlePolicy, Outcomes, PeerId, RequestId};
 
 /// The figures of one run.
 #[derive(Debug, Clone, Copy, PartialEq)]

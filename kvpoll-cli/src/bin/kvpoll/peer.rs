@@ -114,8 +114,8 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
     } = PeerArgs::take(&mut args, 4096)?;
     let regions: usize = args.option("--regions", "a region count")?.unwrap_or(2);
     args.finish()?;
-    let fail = |e: kvpoll::engine::EngineError| CliError::Failed(e.to_string());
-    let mut engine = kvpoll::engine::Engine::builder()
+    let fail = |e: kvpoll::EngineError| CliError::Failed(e.to_string());
+    let mut engine = kvpoll::Engine::builder()
         .block_size(block_size)
         .ucx(ContextOptions::with_transports(&tls))
         .build()
@@ -127,7 +127,7 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
             // Region r of rank `seed` holds the pattern of seed*100 + r.
             kvpoll_cli::pattern::fill(seed * 100 + r as u64, b, &mut block);
             engine
-                .write_block(r, kvpoll::ledger::BlockId(b as u32), &block)
+                .write_block(r, kvpoll::BlockId(b as u32), &block)
                 .map_err(fail)?;
         }
     }
@@ -138,7 +138,7 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
         .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
     drop(out);
     let closed = stdin_closed();
-    let mut outcomes = kvpoll::engine::Outcomes::default();
+    let mut outcomes = kvpoll::Outcomes::default();
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();
         engine.poll(&mut outcomes);

@@ -9,9 +9,10 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpoll::engine::{Engine, EngineError, Faults, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, PeerId, RequestId};
-use kvpoll::transport::ucx::ContextOptions;
+use kvpoll::engine::Faults;
+use kvpoll::{
+    BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
+};
 
 use super::link::{self, Incoming};
 use super::pool::{seed, Pool};
