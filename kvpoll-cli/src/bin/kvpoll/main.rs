@@ -1,5 +1,6 @@
 //! The `kvpoll` tool: `demo` (the main job), `serve`/`connect` (its two
-//! sides on two hosts), `bench`, `topo`, and peer processes for the tests.
+//! sides on two hosts), `transfer`, `bench`, `topo`, shell completions, and
+//! peer processes for the tests.
 
 mod bench;
 mod cli;
@@ -11,74 +12,65 @@ mod transfer;
 
 use std::process::ExitCode;
 
-use cli::{Args, CliError};
+use clap::{CommandFactory, Parser};
 
-const USAGE: &str = "\
-usage: kvpoll <command> [options]
+use cli::{Cli, CliError, Command};
 
-commands:
-  demo                  prefill TP=4 and decode TP=2 over real UCX, pull then push, with
-                        faults; every block checked; exit 1 on corruption or a leak
-        --ranks processes|threads   prefill ranks as processes (default) or threads
-        --policy safe|eager         eager frees blocks at the first handle failure:
-                                    UNSAFE, for comparison only
-        --requests N                requests per decode rank and mode (default 3000)
-        --no-faults, --no-kill      turn the fault mix, or the rank kill, off
-        --handle-error-every N, --release-failure-every N, --setup-failure-every N
-        --stall-every-ms N, --stall-ms N
-        --tls LIST, --blocks N, --block-size B, --layers N, --blocks-per-handle N,
-        --window N, --json
-  serve                 one prefill rank: --rank R --listen ADDR (prints LISTEN addr)
-  connect               one decode rank: --to ADDR,ADDR --mode pull|push [demo options]
-  transfer              move blocks between two UCX workers; report bytes and rate
-        --tls LIST        UCX transports (default: posix,sysv,cma)
-        --blocks N        blocks per round (default 4096)
-        --block-size B    bytes per block (default 16384)
-        --rounds N        rounds (default 8)
-        --json            one JSON object
-  bench [all|ledger|engine|e2e|trace]
-                        measure against baselines in the same run (default: all,
-                        the whole suite as one table, under 2 minutes)
-        --json            one JSON object
-        --svg FILE        (all) draw latency CDFs of kvpoll and its baselines
-        --tls LIST        (all, e2e) UCX transports (default: posix,sysv,cma, then tcp)
-        --out FILE        (trace) write the ledger bench's completion trace
-  topo                  show CPUs, caches, NUMA nodes, NICs/GPUs and isolation; suggest a core map
-        --check MAP       validate a core map (a path, or `auto`) on this machine and warn
-                          about costly placements (exit 0 valid, 1 invalid)
-        --map             print only the suggested core map
-  ucx-peer              serve a UCX region to a parent process (used by tests)
-  engine-peer           run a kvpoll engine serving patterned blocks (used by tests)
-";
-
-fn run(mut args: Args) -> Result<(), CliError> {
-    match args.command()?.as_str() {
-        "demo" => demo::run(args),
-        "serve" => demo::serve(args),
-        "connect" => demo::connect(args),
-        "transfer" => transfer::run(args),
-        "topo" => topo::run(args),
-        "bench" => bench::run(args),
-        "ucx-peer" => peer::run(args),
-        "engine-peer" => peer::run_engine(args),
-        "help" | "--help" | "-h" => {
-            print!("{USAGE}");
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Demo(a) => demo::run(&a),
+        Command::Serve(a) => demo::serve(&a),
+        Command::Connect(a) => demo::connect(&a),
+        Command::Transfer(a) => transfer::run(&a),
+        Command::Topo(a) => topo::run(&a),
+        Command::Bench(a) => bench::run(a),
+        Command::UcxPeer(a) => peer::run(&a),
+        Command::EnginePeer(a) => peer::run_engine(&a),
+        Command::Completions(a) => {
+            clap_complete::generate(
+                a.shell,
+                &mut Cli::command(),
+                "kvpoll",
+                &mut std::io::stdout(),
+            );
             Ok(())
         }
-        other => Err(CliError::UnknownCommand(other.to_owned())),
     }
 }
 
 fn main() -> ExitCode {
-    match run(Args::from_env()) {
+    let cli = Cli::parse();
+    let name = subcommand_name(&cli.command);
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(CliError::Failed(msg)) => {
             eprintln!("kvpoll: {msg}");
             ExitCode::from(1)
         }
-        Err(e) => {
-            eprintln!("kvpoll: {e}\n\n{USAGE}");
-            ExitCode::from(2)
+        // Options that do not fit together: reported like a parse error.
+        Err(CliError::Usage(msg)) => {
+            let mut cmd = Cli::command();
+            cmd.build();
+            match cmd.find_subcommand_mut(name) {
+                Some(sub) => sub.error(clap::error::ErrorKind::ArgumentConflict, msg),
+                None => cmd.error(clap::error::ErrorKind::ArgumentConflict, msg),
+            }
+            .exit()
         }
+    }
+}
+
+/// The subcommand's name as the command line spells it.
+fn subcommand_name(c: &Command) -> &'static str {
+    match c {
+        Command::Demo(_) => "demo",
+        Command::Serve(_) => "serve",
+        Command::Connect(_) => "connect",
+        Command::Transfer(_) => "transfer",
+        Command::Bench(_) => "bench",
+        Command::Topo(_) => "topo",
+        Command::Completions(_) => "completions",
+        Command::UcxPeer(_) => "ucx-peer",
+        Command::EnginePeer(_) => "engine-peer",
     }
 }

@@ -21,14 +21,17 @@ use super::link::{self, Incoming};
 use super::pool::{seed, Expect, Pool};
 use super::proto::Msg;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Who moves the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
+    /// The decode rank reads from the prefill ranks.
     Pull,
+    /// The prefill ranks write into blocks the decode rank lends them.
     Push,
 }
 
 /// What to do when a handle of a request fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Policy {
     /// kvpoll's contract: free the blocks when the failure is reported,
     /// i.e. once every handle stopped.
