@@ -41,7 +41,7 @@ fn e2e(tls: Option<&str>) -> Result<E2eFigures, CliError> {
         match bench_e2e::compare(&exe, &cfg) {
             Ok(f) => return Ok(f),
             Err(e) => {
-                eprintln!("kvpoll: e2e over {} did not run: {e}", cfg.tls);
+                tracing::warn!(tls = %cfg.tls, "e2e did not run: {e}");
                 last = Some(e);
             }
         }
@@ -220,7 +220,7 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
     let e2e = match e2e(tls) {
         Ok(f) => Some(f),
         Err(e) => {
-            eprintln!("kvpoll: e2e figures unavailable: {e}");
+            tracing::warn!("e2e figures unavailable: {e}");
             None
         }
     };

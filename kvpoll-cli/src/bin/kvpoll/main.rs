@@ -38,8 +38,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
+/// Logs go to standard error, filtered by RUST_LOG (default `warn`), so
+/// standard output stays the command's own (tables, JSON, READY lines).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging();
     let name = subcommand_name(&cli.command);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -229,7 +229,7 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
         let (cfg, flag) = (serve_config(s, rank), stop.clone());
         let t = std::thread::spawn(move || {
             if let Err(e) = prefill::serve(listener, cfg, flag) {
-                eprintln!("kvpoll: prefill rank {rank}: {e}");
+                tracing::error!(rank, "prefill rank stopped: {e}");
             }
         });
         Ok((Rank::Thread(stop, t), addr))
