@@ -11,6 +11,8 @@
 //! (what peers exchange), [`transport`] (the safe UCX layer and a seeded
 //! simulator).
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod engine;
 #[cfg(feature = "cuda")]
