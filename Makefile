@@ -13,7 +13,7 @@ deps:
 	@./scripts/deps.sh $(PKGS)
 
 demo: deps
-	$(CARGO) run --release --features fault-injection --bin kvpoll -- demo
+	$(CARGO) run --release -p kvpoll-cli --bin kvpoll -- demo
 
 test: deps
 	TEST_THREADS=$(TEST_THREADS) ./scripts/test.sh
@@ -23,10 +23,11 @@ test: deps
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test --release --lib --tests loom -- --test-threads=1
 
-# benches/e2e spawns its peer processes from the release binary.
+# The benches live beside the tool (kvpoll-cli/benches); e2e spawns its peer
+# processes from the release binary.
 bench: deps
-	$(CARGO) build --release --features fault-injection --bin kvpoll
-	$(CARGO) bench
+	$(CARGO) build --release -p kvpoll-cli --bin kvpoll
+	$(CARGO) bench -p kvpoll-cli
 
 fmt:
 	$(CARGO) fmt --all

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test suite (unit, integration over real UCX, doc tests, loom)
+# Checks formatting and lints (rustfmt, clippy -D warnings), then runs every
+# test suite (unit, integration over real UCX, doc tests, loom)
 # and closes with one total line: "N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,12 @@ step() {
     fi
 }
 
+# The habits first: formatting and lints are failures like any test's.
+if ! "$CARGO" fmt --version >/dev/null 2>&1 || ! "$CARGO" clippy --version >/dev/null 2>&1; then
+    command -v rustup >/dev/null 2>&1 && rustup component add rustfmt clippy
+fi
+step "$CARGO" fmt --all -- --check
+step "$CARGO" clippy --workspace --all-targets -- -D warnings
 step "$CARGO" test --workspace --lib --bins --tests -- --test-threads="$THREADS"
 # Benches run once each in test mode (criterion takes no libtest flags).
 step "$CARGO" test --workspace --benches

@@ -112,6 +112,7 @@ impl GpuRegion {
         // which this struct keeps alive until after `region` is dropped (field
         // order); the memory type tells UCX not to touch it as host memory.
         let region = unsafe { MemoryRegion::map_params(context, &params)? };
+        tracing::debug!(ordinal, len, "GPU region registered");
         Ok(Self {
             region,
             memory,
@@ -185,6 +186,7 @@ impl GpuRegion {
 
 fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
     if !driver_present() {
+        tracing::debug!(ordinal, "no CUDA driver: GPU memory unavailable");
         return Err(GpuError::NoDriver);
     }
     let count = CudaContext::device_count().map_err(|e| GpuError::NoDevice {

@@ -1,24 +1,46 @@
 //! kvpoll: moves KV-cache blocks between prefill and decode ranks over UCX and
 //! reports, exactly once and without locks, which requests finished and which
 //! failed.
+//!
+//! The everyday types are at the crate root: build an [`Engine`] with
+//! [`Engine::builder`], submit [`Transfer`]s with [`Engine::read`],
+//! [`Engine::write`] and [`Engine::lend`], and collect [`Outcomes`] with
+//! [`Engine::poll`]. The modules hold the rest: [`engine`] (fault injection,
+//! the API's details), [`ledger`] (the sans-IO request ledger the engine is
+//! built on), [`placement`] (core maps, topology, pinning), [`metadata`]
+//! (what peers exchange), [`transport`] (the safe UCX layer and a seeded
+//! simulator).
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod bench_e2e;
 pub mod core;
 pub mod engine;
-pub mod engine_bench;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod ledger;
 pub mod metadata;
+/// Consumer notifications on the wire: internal, public for the tests that
+/// send malformed ones.
+#[doc(hidden)]
 pub mod notification;
-pub mod pattern;
 pub mod placement;
 pub(crate) mod poller;
+/// The SPSC rings between the engine thread and the poller: internal,
+/// public for the ledger benches and tests that drive the ledger directly.
+#[doc(hidden)]
 pub mod ring;
 pub(crate) mod sync;
 pub mod transport;
 pub mod wire;
+
+pub use engine::{
+    Engine, EngineBuilder, EngineError, FailedRecv, IdlePolicy, LendTo, Outcomes, PollerStats,
+    Transfer,
+};
+pub use ledger::{BlockId, Cause, PeerId, Reason, RequestId};
+pub use placement::CoreMap;
+pub use transport::ucx::ContextOptions;
 
 /// The README's example compiles (checked by `cargo test --doc`).
 #[cfg(doctest)]

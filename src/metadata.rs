@@ -119,6 +119,16 @@ impl PeerMetadata {
 
     /// Checks bytes from a peer. On error nothing is kept.
     pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
+        let decoded = Self::decode_checked(bytes);
+        if let Err(e) = &decoded {
+            // Control path (adding a peer): rare, and the caller gets the
+            // error; this event is for whoever watches the process.
+            tracing::debug!(len = bytes.len(), error = %e, "peer metadata refused");
+        }
+        decoded
+    }
+
+    fn decode_checked(bytes: &[u8]) -> Result<Self, MetadataError> {
         let payload = wire::decode(bytes, Kind::PeerMetadata)?;
         let mut r = Reader(payload);
         let instance = r.u64("instance")?;

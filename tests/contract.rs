@@ -13,11 +13,15 @@
 //! picture.
 
 use std::collections::HashMap;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
+
+use common::pattern;
 
 const BS: u64 = 4096;
 const BLOCKS: u64 = 64;
@@ -53,7 +57,7 @@ fn fill(e: &Engine, rank: u64, regions: usize, blocks: u64) {
     let mut buf = vec![0u8; BS as usize];
     for r in 0..regions {
         for b in 0..blocks {
-            kvpoll::pattern::fill(seed(rank, r), b, &mut buf);
+            pattern::fill(seed(rank, r), b, &mut buf);
             e.write_block(r, BlockId(b as u32), &buf).unwrap();
         }
     }
@@ -65,7 +69,7 @@ fn holds(e: &Engine, regions: usize, local: u32, rank: u64, remote: u32) -> bool
     let mut buf = vec![0u8; BS as usize];
     (0..regions).all(|r| {
         e.read_block(r, BlockId(local), &mut buf).unwrap();
-        kvpoll::pattern::check(seed(rank, r), u64::from(remote), &buf)
+        pattern::check(seed(rank, r), u64::from(remote), &buf)
     })
 }
 

@@ -7,11 +7,15 @@
 //! the old code it does not compile; that is expected. The behaviours
 //! themselves are in `tests/contract.rs`, which compiles on both.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
+
+use common::pattern;
 
 const BS: u64 = 4096;
 const BLOCKS: u64 = 64;
@@ -34,7 +38,7 @@ fn fill(e: &Engine, rank: u64) {
     let mut buf = vec![0u8; BS as usize];
     for r in 0..REGIONS {
         for b in 0..BLOCKS {
-            kvpoll::pattern::fill(rank * 100 + r as u64, b, &mut buf);
+            pattern::fill(rank * 100 + r as u64, b, &mut buf);
             e.write_block(r, BlockId(b as u32), &buf).unwrap();
         }
     }
@@ -44,7 +48,7 @@ fn holds(e: &Engine, local: u32, rank: u64, remote: u32) -> bool {
     let mut buf = vec![0u8; BS as usize];
     (0..REGIONS).all(|r| {
         e.read_block(r, BlockId(local), &mut buf).unwrap();
-        kvpoll::pattern::check(rank * 100 + r as u64, u64::from(remote), &buf)
+        pattern::check(rank * 100 + r as u64, u64::from(remote), &buf)
     })
 }
 
@@ -275,13 +279,13 @@ fn register_after_add_peer_is_regions_frozen() {
     assert_eq!(out.finished_recving, vec![id], "{out:?}");
     let mut buf = vec![0u8; BS as usize];
     d.read_block(0, BlockId(4), &mut buf).unwrap();
-    assert!(kvpoll::pattern::check(900, 14, &buf));
+    assert!(pattern::check(900, 14, &buf));
 }
 
 fn fill_one(e: &Engine) {
     let mut buf = vec![0u8; BS as usize];
     for b in 0..BLOCKS {
-        kvpoll::pattern::fill(900, b, &mut buf);
+        pattern::fill(900, b, &mut buf);
         e.write_block(0, BlockId(b as u32), &buf).unwrap();
     }
 }

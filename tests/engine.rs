@@ -2,11 +2,15 @@
 //! each with its own poller thread (adaptive idle policy, so a 2-core
 //! machine is not starved), moving verified blocks.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
+
+use common::pattern;
 
 const BS: u64 = 4096;
 const BLOCKS: u64 = 64;
@@ -34,7 +38,7 @@ fn fill(e: &Engine, rank: u64) {
     let mut buf = vec![0u8; BS as usize];
     for r in 0..REGIONS {
         for b in 0..BLOCKS {
-            kvpoll::pattern::fill(seed(rank, r), b, &mut buf);
+            pattern::fill(seed(rank, r), b, &mut buf);
             e.write_block(r, BlockId(b as u32), &buf).unwrap();
         }
     }
@@ -44,7 +48,7 @@ fn holds(e: &Engine, local: u32, rank: u64, remote: u32) -> bool {
     let mut buf = vec![0u8; BS as usize];
     (0..REGIONS).all(|r| {
         e.read_block(r, BlockId(local), &mut buf).unwrap();
-        kvpoll::pattern::check(seed(rank, r), u64::from(remote), &buf)
+        pattern::check(seed(rank, r), u64::from(remote), &buf)
     })
 }
 
@@ -728,6 +732,6 @@ fn reads_land_in_caller_registered_memory() {
     drop(d);
     for (r, layer) in layers.iter().enumerate() {
         let block = &layer[(3 * BS) as usize..(4 * BS) as usize];
-        assert!(kvpoll::pattern::check(seed(8, r), 17, block), "layer {r}");
+        assert!(pattern::check(seed(8, r), 17, block), "layer {r}");
     }
 }

@@ -107,8 +107,6 @@ mod key;
 mod request;
 mod slots;
 
-pub mod bench;
-
 use std::collections::VecDeque;
 
 use arrayvec::ArrayVec;

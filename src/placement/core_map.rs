@@ -338,10 +338,21 @@ impl CoreMap {
     /// `topology`. This is the one call an engine needs.
     pub fn load(path: impl AsRef<Path>, topology: &Topology) -> Result<Self, PlacementError> {
         let path = path.as_ref();
-        if path.as_os_str() == AUTO {
-            return Self::auto(topology);
+        let map = if path.as_os_str() == AUTO {
+            Self::auto(topology)
+        } else {
+            CoreMapFile::load(path).and_then(|f| f.resolve(topology))
+        };
+        match &map {
+            Ok(m) => tracing::debug!(
+                path = %path.display(),
+                pollers = m.pollers().len(),
+                engine_cores = ?m.engine_cores(),
+                "core map loaded"
+            ),
+            Err(e) => tracing::debug!(path = %path.display(), error = %e, "core map refused"),
         }
-        CoreMapFile::load(path)?.resolve(topology)
+        map
     }
 
     /// Parses an explicit map (not `auto = true`); `name` appears in errors.

@@ -21,7 +21,7 @@
 //!     std::thread::spawn(move || {
 //!         let outcome = pin_current_thread(poller.core, poller.idle)?;
 //!         if let Some(w) = &outcome.warning {
-//!             eprintln!("poller: {w}");
+//!             tracing::warn!(core = poller.core, "poller: {w}");
 //!         }
 //!         // ... create poller.workers, run the loop with poller.idle ...
 //!         Ok::<(), kvpoll::placement::PlacementError>(())

@@ -76,6 +76,15 @@ pub fn pin_current_thread(core: usize, policy: IdlePolicy) -> Result<PinOutcome,
     let problem = pin_and_verify(core);
     let affinity = current_affinity().unwrap_or_default();
     let running_on = current_cpu();
+    match &problem {
+        None => tracing::debug!(core, ?running_on, "thread pinned"),
+        Some(reason) => match policy {
+            IdlePolicy::Busy => tracing::debug!(core, %reason, "pinning a busy thread failed"),
+            IdlePolicy::Adaptive => {
+                tracing::warn!(core, %reason, "adaptive thread left unpinned")
+            }
+        },
+    }
     match problem {
         None => Ok(PinOutcome {
             core,

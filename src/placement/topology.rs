@@ -173,6 +173,13 @@ impl Topology {
         let isolation = Isolation::read(&ids);
         let mut topo = Self::from_hwloc(&hw, isolation);
         topo.interfaces = kernel_interfaces();
+        tracing::debug!(
+            cpus = topo.cpus.len(),
+            numa_nodes = topo.numa_nodes.len(),
+            devices = topo.devices.len(),
+            isolated = topo.isolation.isolated.len(),
+            "topology detected"
+        );
         Ok(topo)
     }
 

@@ -2,6 +2,8 @@
 //! events and cancels they produced, in order.
 #![allow(dead_code)]
 
+pub mod pattern;
+
 use kvpoll::ledger::*;
 use std::sync::Arc;
 

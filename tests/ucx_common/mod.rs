@@ -5,12 +5,15 @@ use std::time::{Duration, Instant};
 
 use kvpoll::transport::ucx::{Completion, Context, ContextOptions, Worker};
 
-/// `blocks` blocks of `block_size` bytes filled with `kvpoll::pattern`.
+#[path = "../common/pattern.rs"]
+pub mod pattern;
+
+/// `blocks` blocks of `block_size` bytes filled with the tests' block pattern.
 pub fn pattern_bytes(seed: u64, blocks: u64, block_size: u64) -> Vec<u8> {
     let mut v = Vec::with_capacity((blocks * block_size) as usize);
     let mut block = vec![0u8; block_size as usize];
     for b in 0..blocks {
-        kvpoll::pattern::fill(seed, b, &mut block);
+        pattern::fill(seed, b, &mut block);
         v.extend_from_slice(&block);
     }
     v

@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 
 use kvpoll::engine::Faults;
 
-use crate::cli::{Args, CliError};
-use decode::{DecodeConfig, DecodeReport, Mode, Policy, Registry};
+use crate::cli::{CliError, ConnectArgs, DemoArgs, Ranks, ServeArgs, Workload};
+use decode::{DecodeConfig, DecodeReport, Registry};
+pub use decode::{Mode, Policy};
 use prefill::ServeConfig;
 use proto::Msg;
 
@@ -57,82 +58,51 @@ struct Settings {
     json: bool,
 }
 
-fn settings(args: &mut Args) -> Result<Settings, CliError> {
-    let ranks: String = args
-        .option("--ranks", "processes or threads")?
-        .unwrap_or_else(|| "processes".into());
-    let processes = match ranks.as_str() {
-        "processes" => true,
-        "threads" => false,
-        _ => {
-            return Err(CliError::BadValue {
-                option: "--ranks".into(),
-                value: ranks,
-                expected: "processes or threads",
-            })
-        }
-    };
-    let policy: String = args
-        .option("--policy", "safe or eager")?
-        .unwrap_or_else(|| "safe".into());
-    let policy = match policy.as_str() {
-        "safe" => Policy::Safe,
-        "eager" => Policy::Eager,
-        _ => {
-            return Err(CliError::BadValue {
-                option: "--policy".into(),
-                value: policy,
-                expected: "safe or eager",
-            })
-        }
-    };
-    let faults = !args.flag("--no-faults");
-    let s = Settings {
-        processes,
-        policy,
-        requests: args
-            .option("--requests", "a request count")?
-            .unwrap_or(3000),
-        tls: args
-            .option("--tls", "a UCX transport list")?
-            .unwrap_or_else(|| "tcp".into()),
-        block_size: args
-            .option("--block-size", "a size in bytes")?
-            .unwrap_or(16384),
-        layers: args.option("--layers", "a layer count")?.unwrap_or(2),
-        blocks: args.option("--blocks", "a block count")?.unwrap_or(512),
-        per_handle: args
-            .option("--blocks-per-handle", "a block count")?
-            .unwrap_or(4),
-        window: args.option("--window", "a request count")?.unwrap_or(16),
-        faults,
-        handle_error_every: args
-            .option("--handle-error-every", "a count")?
-            .unwrap_or(40),
-        release_failure_every: args
-            .option("--release-failure-every", "a count")?
-            .unwrap_or(50),
-        setup_failure_every: args
-            .option("--setup-failure-every", "a count")?
-            .unwrap_or(97),
-        stall_every: Duration::from_millis(
-            args.option("--stall-every-ms", "milliseconds")?
-                .unwrap_or(2500),
-        ),
-        stall_for: Duration::from_millis(args.option("--stall-ms", "milliseconds")?.unwrap_or(400)),
-        kill: !args.flag("--no-kill"),
-        json: args.flag("--json"),
-    };
-    if s.requests == 0 || s.block_size == 0 || s.layers == 0 || s.per_handle == 0 || s.window == 0 {
-        return Err(CliError::Failed("counts and sizes must be positive".into()));
+impl Settings {
+    /// A demo run's settings: the workload, the fault mix and how ranks run.
+    fn demo(a: &DemoArgs) -> Result<Settings, CliError> {
+        let mut s = Settings::workload(&a.workload)?;
+        s.processes = a.ranks == Ranks::Processes;
+        s.policy = a.policy;
+        s.faults = !a.no_faults;
+        s.handle_error_every = a.handle_error_every;
+        s.release_failure_every = a.release_failure_every;
+        s.setup_failure_every = a.setup_failure_every;
+        s.stall_every = Duration::from_millis(a.stall_every_ms);
+        s.stall_for = Duration::from_millis(a.stall_ms);
+        s.kill = !a.no_kill;
+        Ok(s)
     }
-    if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
-        return Err(CliError::Failed(format!(
-            "--blocks {} cannot hold --window {} requests of 2 x {} blocks",
-            s.blocks, s.window, s.per_handle
-        )));
+
+    /// The workload alone (what `connect` takes), faults off.
+    fn workload(w: &Workload) -> Result<Settings, CliError> {
+        let s = Settings {
+            processes: true,
+            policy: Policy::Safe,
+            requests: w.requests,
+            tls: w.tls.clone(),
+            block_size: w.block_size,
+            layers: usize::from(w.layers),
+            blocks: w.blocks,
+            per_handle: w.blocks_per_handle,
+            window: w.window as usize,
+            faults: false,
+            handle_error_every: 0,
+            release_failure_every: 0,
+            setup_failure_every: 0,
+            stall_every: Duration::from_millis(2500),
+            stall_for: Duration::ZERO,
+            kill: false,
+            json: w.json,
+        };
+        if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
+            return Err(CliError::Usage(format!(
+                "--blocks {} cannot hold --window {} requests of 2 x {} blocks (--blocks-per-handle)",
+                s.blocks, s.window, s.per_handle
+            )));
+        }
+        Ok(s)
     }
-    Ok(s)
 }
 
 /// A started prefill rank.
@@ -259,7 +229,7 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
         let (cfg, flag) = (serve_config(s, rank), stop.clone());
         let t = std::thread::spawn(move || {
             if let Err(e) = prefill::serve(listener, cfg, flag) {
-                eprintln!("kvpoll: prefill rank {rank}: {e}");
+                tracing::error!(rank, "prefill rank stopped: {e}");
             }
         });
         Ok((Rank::Thread(stop, t), addr))
@@ -293,9 +263,8 @@ struct ModeReport {
     stalls: u32,
 }
 
-pub fn run(mut args: Args) -> Result<(), CliError> {
-    let s = settings(&mut args)?;
-    args.finish()?;
+pub fn run(args: &DemoArgs) -> Result<(), CliError> {
+    let s = Settings::demo(args)?;
     let mut ranks = Vec::new();
     let registry = Arc::new(Registry::default());
     for r in 0..PREFILL_RANKS {
@@ -591,29 +560,21 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
 }
 
 /// `kvpoll serve`: one prefill rank, listening for decode ranks.
-pub fn serve(mut args: Args) -> Result<(), CliError> {
-    let rank: u32 = args.option("--rank", "a rank number")?.unwrap_or(0);
-    let listen: String = args
-        .option("--listen", "an address:port")?
-        .unwrap_or_else(|| "127.0.0.1:0".into());
+pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
+    let listen = &args.listen;
     let cfg = ServeConfig {
-        rank,
-        tls: args
-            .option("--tls", "a UCX transport list")?
-            .unwrap_or_else(|| "tcp".into()),
-        blocks: args.option("--blocks", "a block count")?.unwrap_or(512),
-        block_size: args
-            .option("--block-size", "a size in bytes")?
-            .unwrap_or(16384),
-        layers: args.option("--layers", "a layer count")?.unwrap_or(2),
+        rank: args.rank,
+        tls: args.tls.clone(),
+        blocks: args.blocks,
+        block_size: args.block_size,
+        layers: usize::from(args.layers),
         lease: Duration::from_secs(2),
         faults: Faults {
-            handle_error_every: args.option("--handle-error-every", "a count")?.unwrap_or(0),
+            handle_error_every: args.handle_error_every,
             ..Faults::default()
         },
     };
-    args.finish()?;
-    let listener = TcpListener::bind(&listen)
+    let listener = TcpListener::bind(listen)
         .map_err(|e| CliError::Failed(format!("listening on {listen}: {e}")))?;
     let addr = listener
         .local_addr()
@@ -627,35 +588,16 @@ pub fn serve(mut args: Args) -> Result<(), CliError> {
 }
 
 /// `kvpoll connect`: one decode rank reading from two prefill ranks.
-pub fn connect(mut args: Args) -> Result<(), CliError> {
-    let to: String = args
-        .option("--to", "two addresses, comma separated")?
-        .ok_or_else(|| CliError::MissingValue("--to".into()))?;
-    let addrs: Vec<String> = to.split(',').map(str::to_owned).collect();
-    if addrs.len() != 2 {
-        return Err(CliError::BadValue {
-            option: "--to".into(),
-            value: to,
-            expected: "two addresses, comma separated",
-        });
+pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
+    if args.to.len() != 2 {
+        return Err(CliError::Usage(format!(
+            "--to takes two addresses, comma separated; got {}",
+            args.to.len()
+        )));
     }
-    let mode: String = args
-        .option("--mode", "pull or push")?
-        .unwrap_or_else(|| "pull".into());
-    let mode = match mode.as_str() {
-        "pull" => Mode::Pull,
-        "push" => Mode::Push,
-        _ => {
-            return Err(CliError::BadValue {
-                option: "--mode".into(),
-                value: mode,
-                expected: "pull or push",
-            })
-        }
-    };
-    let mut s = settings(&mut args)?;
-    args.finish()?;
-    s.faults = false;
+    let addrs = args.to.clone();
+    let mode = args.mode;
+    let s = Settings::workload(&args.workload)?;
     let registry = Registry::default();
     if let Ok(mut a) = registry.addrs.lock() {
         a.extend(addrs.into_iter().map(|x| (x, 0)));

@@ -78,7 +78,10 @@ fn gets_from_a_peer_process_over_tcp_match_its_pattern() {
     let mut block = vec![0u8; BLOCK as usize];
     for b in 0..64 {
         local.read(b * BLOCK, &mut block).unwrap();
-        assert!(kvpoll::pattern::check(5, b, &block), "block {b} differs");
+        assert!(
+            kvpoll_cli::pattern::check(5, b, &block),
+            "block {b} differs"
+        );
     }
 }
 

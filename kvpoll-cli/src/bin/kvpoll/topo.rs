@@ -3,20 +3,18 @@
 
 use kvpoll::placement::{check, format_cpu_list, CoreMap, CoreMapFile, Topology, AUTO};
 
-use crate::cli::{Args, CliError};
+use crate::cli::{CliError, TopoArgs};
 
 /// The line after which `kvpoll topo` prints the suggested map (TOML to the
 /// end of the output).
 const MAP_MARKER: &str = "--- suggested core map (TOML; save it and pass it to --check) ---";
 
-pub fn run(mut args: Args) -> Result<(), CliError> {
-    let map_path: Option<String> = args.option("--check", "a core-map path or `auto`")?;
-    let map_only = args.flag("--map");
-    args.finish()?;
+pub fn run(args: &TopoArgs) -> Result<(), CliError> {
+    let map_only = args.map;
 
     let topology = Topology::detect().map_err(|e| CliError::Failed(e.to_string()))?;
-    if let Some(path) = map_path {
-        return check_map(&path, &topology);
+    if let Some(path) = &args.check {
+        return check_map(path, &topology);
     }
     let suggestion = CoreMap::auto_toml(&topology);
     if map_only {

@@ -125,3 +125,33 @@ fn topo_usage_errors_exit_2() {
     assert_eq!(kvpoll(&["topo", "--bogus"]).status.code(), Some(2));
     assert_eq!(kvpoll(&["topo", "--check"]).status.code(), Some(2));
 }
+
+#[test]
+fn rust_log_shows_the_librarys_events_on_stderr_and_the_default_level_hides_debug() {
+    let quiet = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["topo", "--map"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert_eq!(quiet.status.code(), Some(0));
+    assert!(
+        !text(&quiet.stderr).contains("topology detected"),
+        "{}",
+        text(&quiet.stderr)
+    );
+
+    let loud = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["topo", "--map"])
+        .env("RUST_LOG", "kvpoll=debug")
+        .output()
+        .unwrap();
+    assert_eq!(loud.status.code(), Some(0));
+    let stderr = text(&loud.stderr);
+    assert!(stderr.contains("topology detected"), "{stderr}");
+    // Standard output is still the map alone.
+    assert!(
+        text(&loud.stdout).starts_with("# Core map derived"),
+        "{}",
+        text(&loud.stdout)
+    );
+}

@@ -9,9 +9,10 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpoll::engine::{Engine, EngineError, Faults, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, PeerId, RequestId};
-use kvpoll::transport::ucx::ContextOptions;
+use kvpoll::engine::Faults;
+use kvpoll::{
+    BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
+};
 
 use super::link::{self, Incoming};
 use super::pool::{seed, Pool};
@@ -243,7 +244,7 @@ fn handle(
 fn fill(engine: &Engine, cfg: &ServeConfig, req: u64, blocks: &[BlockId], buf: &mut [u8]) {
     for layer in 0..cfg.layers {
         for (i, &b) in blocks.iter().enumerate() {
-            kvpoll::pattern::fill(seed(req, layer, cfg.rank), i as u64, buf);
+            kvpoll_cli::pattern::fill(seed(req, layer, cfg.rank), i as u64, buf);
             let _ = engine.write_block(layer, b, buf);
         }
     }

@@ -12,22 +12,26 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kvpoll::engine::{Engine, EngineError, Faults, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, PeerId, RequestId};
-use kvpoll::transport::ucx::ContextOptions;
+use kvpoll::engine::Faults;
+use kvpoll::{
+    BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
+};
 
 use super::link::{self, Incoming};
 use super::pool::{seed, Expect, Pool};
 use super::proto::Msg;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Who moves the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
+    /// The decode rank reads from the prefill ranks.
     Pull,
+    /// The prefill ranks write into blocks the decode rank lends them.
     Push,
 }
 
 /// What to do when a handle of a request fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Policy {
     /// kvpoll's contract: free the blocks when the failure is reported,
     /// i.e. once every handle stopped.
@@ -451,7 +455,7 @@ impl Decoder<'_> {
         };
         (0..self.cfg.layers).all(|layer| {
             self.engine.read_block(layer, b, &mut self.buf).is_ok()
-                && kvpoll::pattern::check(seed(req, layer, rank), u64::from(index), &self.buf)
+                && kvpoll_cli::pattern::check(seed(req, layer, rank), u64::from(index), &self.buf)
         })
     }
 

@@ -3,13 +3,13 @@
 //! tracker doing the same bookkeeping, in the same run.
 //!
 //! Targets (DESIGN.md §6): ≥ 20 M completions/s, ≥ 10× the locked tracker.
-//! `cargo run --release -- bench ledger --json` prints the same comparison as
+//! `cargo run --release -p kvpoll-cli -- bench ledger --json` prints the same comparison as
 //! one JSON object.
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvpoll::ledger::bench::{run_ledger, run_locked, BenchConfig, Schedule};
+use kvpoll_cli::bench::ledger::{run_ledger, run_locked, BenchConfig, Schedule};
 
 fn completions(c: &mut Criterion) {
     let config = BenchConfig {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker};
 use kvpoll::wire::to_hex;
 
-use crate::cli::{Args, CliError};
+use crate::cli::{CliError, EnginePeerArgs, UcxPeerArgs};
 
 /// A flag that turns true when standard input closes: how a child process
 /// learns that its parent is done with it.
@@ -27,40 +27,16 @@ pub fn stdin_closed() -> Arc<AtomicBool> {
     closed
 }
 
-/// The options both peer commands take.
-struct PeerArgs {
-    tls: String,
-    blocks: u64,
-    block_size: u64,
-    seed: u64,
-}
-
-impl PeerArgs {
-    fn take(args: &mut Args, default_block_size: u64) -> Result<Self, CliError> {
-        Ok(Self {
-            tls: args
-                .option("--tls", "a UCX transport list")?
-                .unwrap_or_else(|| "tcp".into()),
-            blocks: args.option("--blocks", "a block count")?.unwrap_or(64),
-            block_size: args
-                .option("--block-size", "a size in bytes")?
-                .unwrap_or(default_block_size),
-            seed: args.option("--seed", "an integer")?.unwrap_or(1),
-        })
-    }
-}
-
-pub fn run(mut args: Args) -> Result<(), CliError> {
-    let PeerArgs {
-        tls,
+pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
+    let UcxPeerArgs {
+        ref tls,
         blocks,
         block_size,
         seed,
-    } = PeerArgs::take(&mut args, 16384)?;
-    args.finish()?;
+    } = *args;
     let fail = |e: kvpoll::transport::ucx::UcxError| CliError::Failed(e.to_string());
 
-    let ctx = Context::new(&ContextOptions::with_transports(&tls)).map_err(fail)?;
+    let ctx = Context::new(&ContextOptions::with_transports(tls)).map_err(fail)?;
     let worker = Worker::new(&ctx).map_err(fail)?;
     let len = blocks
         .checked_mul(block_size)
@@ -69,7 +45,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
     let region = MemoryRegion::allocate(&ctx, len as usize).map_err(fail)?;
     let mut block = vec![0u8; block_size as usize];
     for b in 0..blocks {
-        kvpoll::pattern::fill(seed, b, &mut block);
+        kvpoll_cli::pattern::fill(seed, b, &mut block);
         region.write(b * block_size, &block).map_err(fail)?;
     }
     let addr = worker.address().map_err(fail)?;
@@ -105,19 +81,19 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
 /// `kvpoll engine-peer`: a whole kvpoll engine in its own process, serving
 /// its blocks (filled with the pattern of `--seed`) to readers. Prints
 /// `READY <hex metadata>` and runs until its standard input closes.
-pub fn run_engine(mut args: Args) -> Result<(), CliError> {
-    let PeerArgs {
-        tls,
+pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
+    let EnginePeerArgs {
+        ref tls,
         blocks,
         block_size,
         seed,
-    } = PeerArgs::take(&mut args, 4096)?;
-    let regions: usize = args.option("--regions", "a region count")?.unwrap_or(2);
-    args.finish()?;
-    let fail = |e: kvpoll::engine::EngineError| CliError::Failed(e.to_string());
-    let mut engine = kvpoll::engine::Engine::builder()
+        regions,
+    } = *args;
+    let regions = usize::from(regions);
+    let fail = |e: kvpoll::EngineError| CliError::Failed(e.to_string());
+    let mut engine = kvpoll::Engine::builder()
         .block_size(block_size)
-        .ucx(ContextOptions::with_transports(&tls))
+        .ucx(ContextOptions::with_transports(tls))
         .build()
         .map_err(fail)?;
     let mut block = vec![0u8; block_size as usize];
@@ -125,9 +101,9 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
         engine.register(blocks).map_err(fail)?;
         for b in 0..blocks {
             // Region r of rank `seed` holds the pattern of seed*100 + r.
-            kvpoll::pattern::fill(seed * 100 + r as u64, b, &mut block);
+            kvpoll_cli::pattern::fill(seed * 100 + r as u64, b, &mut block);
             engine
-                .write_block(r, kvpoll::ledger::BlockId(b as u32), &block)
+                .write_block(r, kvpoll::BlockId(b as u32), &block)
                 .map_err(fail)?;
         }
     }
@@ -138,7 +114,7 @@ pub fn run_engine(mut args: Args) -> Result<(), CliError> {
         .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
     drop(out);
     let closed = stdin_closed();
-    let mut outcomes = kvpoll::engine::Outcomes::default();
+    let mut outcomes = kvpoll::Outcomes::default();
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();
         engine.poll(&mut outcomes);

@@ -2,17 +2,17 @@
 //! from a `kvpoll engine-peer` against a raw UCX loop reading from a `kvpoll
 //! ucx-peer`, same operations, same run (DESIGN §6: overhead ≤ 10 %).
 //!
-//! Needs the release binary for the peer processes: `cargo build --release`
+//! Needs the release binary for the peer processes: `cargo build --release -p kvpoll-cli`
 //! first (it is looked up as `target/release/kvpoll`, next to this bench's
 //! own `target/release/deps/` directory). `KVPOLL_E2E_TLS` picks the
 //! transports (default `posix,sysv,cma`). The one-object summary is
-//! `cargo run --release -- bench e2e --json`.
+//! `cargo run --release -p kvpoll-cli -- bench e2e --json`.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvpoll::bench_e2e::{E2eConfig, Session};
+use kvpoll_cli::bench::e2e::{E2eConfig, Session};
 
 fn kvpoll_exe() -> PathBuf {
     let exe = std::env::current_exe()
@@ -21,7 +21,7 @@ fn kvpoll_exe() -> PathBuf {
     match exe {
         Some(p) if p.is_file() => p,
         other => panic!(
-            "benches/e2e needs the kvpoll binary at {other:?} for its peer processes: run `cargo build --release` first"
+            "benches/e2e needs the kvpoll binary at {other:?} for its peer processes: run `cargo build --release -p kvpoll-cli` first"
         ),
     }
 }

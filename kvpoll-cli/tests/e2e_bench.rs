@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use kvpoll::bench_e2e::{compare, E2eConfig};
+use kvpoll_cli::bench::e2e::{compare, E2eConfig};
 
 fn small(tls: &str) -> E2eConfig {
     E2eConfig {

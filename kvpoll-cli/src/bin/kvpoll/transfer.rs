@@ -6,47 +6,24 @@
 
 use std::time::{Duration, Instant};
 
-use kvpoll::pattern;
 use kvpoll::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, RemoteKey, UcxError,
     Worker,
 };
+use kvpoll_cli::pattern;
 
-use crate::cli::{Args, CliError};
+use crate::cli::{CliError, TransferArgs};
 
-struct Plan {
-    tls: String,
-    blocks: u64,
-    block_size: u64,
-    rounds: u64,
-    json: bool,
-}
-
-pub fn run(mut args: Args) -> Result<(), CliError> {
-    let plan = Plan {
-        tls: args
-            .option("--tls", "a UCX transport list")?
-            .unwrap_or_else(|| "posix,sysv,cma".into()),
-        blocks: args.option("--blocks", "a block count")?.unwrap_or(4096),
-        block_size: args
-            .option("--block-size", "a size in bytes")?
-            .unwrap_or(16384),
-        rounds: args.option("--rounds", "a round count")?.unwrap_or(8),
-        json: args.flag("--json"),
-    };
-    args.finish()?;
-    if plan.blocks == 0 || plan.block_size == 0 || plan.rounds == 0 {
-        return Err(CliError::Failed(
-            "--blocks, --block-size and --rounds must be positive".into(),
+pub fn run(plan: &TransferArgs) -> Result<(), CliError> {
+    if plan.blocks.saturating_mul(plan.block_size) > 4 << 30 {
+        return Err(CliError::Usage(
+            "--blocks x --block-size would exceed 4 GiB".into(),
         ));
     }
-    if plan.blocks.saturating_mul(plan.block_size) > 4 << 30 {
-        return Err(CliError::Failed("the region would exceed 4 GiB".into()));
-    }
-    transfer(&plan).map_err(|e| CliError::Failed(e.to_string()))
+    transfer(plan).map_err(|e| CliError::Failed(e.to_string()))
 }
 
-fn transfer(plan: &Plan) -> Result<(), UcxError> {
+fn transfer(plan: &TransferArgs) -> Result<(), UcxError> {
     let len = (plan.blocks * plan.block_size) as usize;
     let options = ContextOptions::with_transports(&plan.tls);
     let (prefill_ctx, decode_ctx) = (Context::new(&options)?, Context::new(&options)?);

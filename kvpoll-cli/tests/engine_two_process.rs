@@ -99,7 +99,7 @@ fn read_and_verify(d: &mut Engine, peer: kvpoll::ledger::PeerId, id: u64, seed: 
     for r in 0..2 {
         for (l, rb) in local.iter().zip(&remote) {
             d.read_block(r, *l, &mut buf).unwrap();
-            assert!(kvpoll::pattern::check(
+            assert!(kvpoll_cli::pattern::check(
                 seed * 100 + r as u64,
                 u64::from(rb.0),
                 &buf

@@ -1,12 +1,12 @@
 //! Engine latencies next to the cache-line round trip measured in the same
 //! run (DESIGN §6). `cargo bench --bench engine`; the one-object summary is
-//! `cargo run --release -- bench engine --json`.
+//! `cargo run --release -p kvpoll-cli -- bench engine --json`.
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvpoll::engine::{Engine, Outcomes};
-use kvpoll::engine_bench::{cache_line_round_trip, completion_to_visible};
+use kvpoll_cli::bench::engine::{cache_line_round_trip, completion_to_visible};
 
 fn latency(c: &mut Criterion) {
     let mut g = c.benchmark_group("handoff");

@@ -1,17 +1,16 @@
-//! `kvpoll bench [all|ledger|engine|e2e|trace] [--json] [--tls LIST]
-//! [--svg FILE] [--out FILE]`: the comparison figures, each measured in one
+//! `kvpoll bench [all|ledger|engine|e2e|trace]`: the comparison figures, each measured in one
 //! run against its baseline. With no word (or `all`) the whole suite runs
 //! and prints one table.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kvpoll::bench_e2e::{self, E2eConfig, E2eFigures};
 use kvpoll::engine::IdlePolicy;
-use kvpoll::engine_bench;
-use kvpoll::ledger::bench::{compare, BenchConfig, Schedule};
+use kvpoll_cli::bench::e2e::{self as bench_e2e, E2eConfig, E2eFigures};
+use kvpoll_cli::bench::engine as engine_bench;
+use kvpoll_cli::bench::ledger::{compare, BenchConfig, Schedule};
 
-use crate::cli::{Args, CliError};
+use crate::cli::{BenchArgs, BenchWhat, CliError, E2eArgs, JsonArgs, SuiteArgs, TraceArgs};
 
 /// Interleaved runs of each tracker (about 25 ms a pair here).
 const RUNS: u32 = 31;
@@ -42,7 +41,7 @@ fn e2e(tls: Option<&str>) -> Result<E2eFigures, CliError> {
         match bench_e2e::compare(&exe, &cfg) {
             Ok(f) => return Ok(f),
             Err(e) => {
-                eprintln!("kvpoll: e2e over {} did not run: {e}", cfg.tls);
+                tracing::warn!(tls = %cfg.tls, "e2e did not run: {e}");
                 last = Some(e);
             }
         }
@@ -221,7 +220,7 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
     let e2e = match e2e(tls) {
         Ok(f) => Some(f),
         Err(e) => {
-            eprintln!("kvpoll: e2e figures unavailable: {e}");
+            tracing::warn!("e2e figures unavailable: {e}");
             None
         }
     };
@@ -362,15 +361,9 @@ fn print_json(s: &Suite) {
     );
 }
 
-pub fn run(mut args: Args) -> Result<(), CliError> {
-    let what = args.subcommand_or("all");
-    let json = args.flag("--json");
-    let tls: Option<String> = args.option("--tls", "a UCX transport list")?;
-    let svg: Option<PathBuf> = args.option("--svg", "a file path")?;
-    let out: Option<PathBuf> = args.option("--out", "a file path")?;
-    args.finish()?;
-    match what.as_str() {
-        "all" => {
+pub fn run(args: BenchArgs) -> Result<(), CliError> {
+    match args.what.unwrap_or(BenchWhat::All(args.all)) {
+        BenchWhat::All(SuiteArgs { json, tls, svg }) => {
             let s = suite(tls.as_deref())?;
             if json {
                 print_json(&s);
@@ -382,11 +375,10 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
                 eprintln!("kvpoll: latency CDFs written to {}", path.display());
             }
         }
-        "trace" => {
-            let path = out.ok_or_else(|| CliError::MissingValue("--out".into()))?;
-            write_trace(BenchConfig::default(), &path).map_err(CliError::Failed)?;
+        BenchWhat::Trace(TraceArgs { out }) => {
+            write_trace(BenchConfig::default(), &out).map_err(CliError::Failed)?;
         }
-        "ledger" => {
+        BenchWhat::Ledger(JsonArgs { json }) => {
             let t = compare(BenchConfig::default(), RUNS).map_err(failed)?;
             if json {
                 println!("{}", t.to_json());
@@ -401,7 +393,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
                 );
             }
         }
-        "engine" => {
+        BenchWhat::Engine(JsonArgs { json }) => {
             let f = engine_bench::measure(20_000).map_err(failed)?;
             if json {
                 println!("{}", f.to_json());
@@ -417,7 +409,7 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
                 );
             }
         }
-        "e2e" => {
+        BenchWhat::E2e(E2eArgs { json, tls }) => {
             let f = e2e(tls.as_deref())?;
             if json {
                 println!("{}", f.to_json());
@@ -434,13 +426,6 @@ pub fn run(mut args: Args) -> Result<(), CliError> {
                     f.requests.overhead_pct
                 );
             }
-        }
-        other => {
-            return Err(CliError::BadValue {
-                option: "bench".into(),
-                value: other.to_owned(),
-                expected: "all, ledger, engine, e2e or trace",
-            })
         }
     }
     Ok(())

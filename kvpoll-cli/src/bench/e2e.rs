@@ -26,13 +26,12 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::engine::{Engine, EngineError, Outcomes, Transfer};
-use crate::ledger::{BlockId, PeerId, RequestId};
-use crate::transport::ucx::{
+use kvpoll::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey,
     UcxError, Worker, WorkerAddress,
 };
-use crate::wire::from_hex;
+use kvpoll::wire::from_hex;
+use kvpoll::{BlockId, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 
 /// Blocks the peers serve (remote offsets wrap inside them).
 const PEER_BLOCKS: u64 = 64;

@@ -11,16 +11,14 @@
 //!   clock (`Instant`), whose own cost (~20 ns a read) is included.
 //! - **`Engine::poll` with nothing new**: a real engine, nothing in flight.
 //!
-//! Used by `benches/engine.rs` and `kvpoll bench engine`.
+//! Used by `kvpoll-cli/benches/engine.rs` and `kvpoll bench engine`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, EngineError, Outcomes};
-use crate::ledger::{
-    Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, PeerId, Request, RequestId,
-};
+use kvpoll::ledger::{Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, Request};
+use kvpoll::{Engine, EngineError, IdlePolicy, Outcomes, PeerId, RequestId};
 
 /// The figures of one run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,9 +59,7 @@ fn cores() -> usize {
 /// Pins the calling thread to `core` if the machine has more than one;
 /// returns whether it did.
 fn try_pin(core: usize) -> bool {
-    cores() > 1
-        && crate::placement::pin_current_thread(core % cores(), crate::placement::IdlePolicy::Busy)
-            .is_ok()
+    cores() > 1 && kvpoll::placement::pin_current_thread(core % cores(), IdlePolicy::Busy).is_ok()
 }
 
 fn percentile(sorted: &[u64], p: f64) -> f64 {
@@ -128,8 +124,8 @@ pub fn completion_to_visible(n: usize) -> Vec<u64> {
         return Vec::new();
     };
     let slots = ledger.slots().clone();
-    let (mut tx, mut rx) = crate::ring::events::<crate::ledger::Event>(1024, 1024);
-    let (mut back, mut retired_keys) = crate::ring::commands::<crate::ledger::RequestKey>(64);
+    let (mut tx, mut rx) = kvpoll::ring::events::<kvpoll::ledger::Event>(1024, 1024);
+    let (mut back, mut retired_keys) = kvpoll::ring::commands::<kvpoll::ledger::RequestKey>(64);
     let epoch = Instant::now();
     let stamp = Arc::new(AtomicU64::new(0));
     let seen = Arc::new(AtomicU64::new(0));
@@ -214,10 +210,7 @@ pub fn poll_idle(calls: u64) -> Result<f64, EngineError> {
 /// Share of one core the poller thread of an engine with this idle policy
 /// uses over `quiet` with nothing to do (0.0–1.0); `None` where the
 /// poller's CPU time cannot be read.
-pub fn idle_cpu(
-    idle: crate::engine::IdlePolicy,
-    quiet: Duration,
-) -> Result<Option<f64>, EngineError> {
+pub fn idle_cpu(idle: IdlePolicy, quiet: Duration) -> Result<Option<f64>, EngineError> {
     let mut engine = Engine::builder().idle(idle).build()?;
     // Let it settle into its idle state first.
     std::thread::sleep(Duration::from_millis(50));
@@ -237,9 +230,7 @@ pub fn idle_cpu(
 /// move (a prefix hit) is submitted and the time until [`Engine::poll`]
 /// reports it is one sample (engine → poller → engine).
 pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
-    let mut engine = Engine::builder()
-        .idle(crate::engine::IdlePolicy::Adaptive)
-        .build()?;
+    let mut engine = Engine::builder().idle(IdlePolicy::Adaptive).build()?;
     let mut out = Outcomes::default();
     let mut samples = Vec::with_capacity(n);
     for i in 0..n as u64 {
@@ -295,7 +286,7 @@ mod tests {
 
     #[test]
     fn idle_cpu_and_wake_up_produce_figures() {
-        let busy = idle_cpu(crate::engine::IdlePolicy::Busy, Duration::from_millis(50)).unwrap();
+        let busy = idle_cpu(IdlePolicy::Busy, Duration::from_millis(50)).unwrap();
         if let Some(b) = busy {
             assert!(b > 0.0, "a busy poller used no CPU");
         }

@@ -5,7 +5,7 @@
 //! in an order drawn from the seeded transport simulator; when a request's
 //! last handle completes it is handed to the engine thread, which retires it.
 //!
-//! - **ledger**: [`crate::ledger::Ledger`] + [`crate::ring::events`]; the
+//! - **ledger**: [`kvpoll::ledger::Ledger`] + `kvpoll::ring::events`; the
 //!   engine thread polls the event ring and hands each reported key back
 //!   over a second ring; the poller retires them when it needs slots.
 //! - **locked**: a `Mutex<HashMap<request, Vec<handle state>>>` plus a
@@ -16,7 +16,7 @@
 //! Both wait with the same `Backoff` (spin, then yield) when the other
 //! thread is behind, so that neither burns a shared core waiting.
 //!
-//! Used by `benches/ledger.rs` (criterion) and `kvpoll bench ledger`.
+//! Used by `kvpoll-cli/benches/ledger.rs` (criterion) and `kvpoll bench ledger`.
 
 use std::collections::HashMap;
 use std::sync::{Barrier, Mutex};
@@ -24,13 +24,12 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::Backoff;
 
-use super::{
-    BeginError, Begun, Event, HandleKey, Kind, Ledger, LedgerConfig, Nanos, PeerId, Request,
-    RequestId, RequestKey, MAX_HANDLES,
+use kvpoll::ledger::{
+    BeginError, Begun, Cause, Event, HandleKey, Kind, Ledger, LedgerConfig, Nanos, PeerId, Reason,
+    Request, RequestId, RequestKey, MAX_HANDLES,
 };
-use super::{Cause, Reason};
-use crate::ring;
-use crate::transport::sim::{Sim, SimConfig, SimEvent};
+use kvpoll::ring;
+use kvpoll::transport::sim::{Sim, SimConfig, SimEvent};
 
 const FAILED: Reason = Reason {
     cause: Cause::Transfer,
@@ -157,7 +156,7 @@ impl Schedule {
     }
 
     /// Writes the schedule as text, for baselines in other languages
-    /// (`benches/reference/vllm_style.py` replays it):
+    /// (`kvpoll-cli/benches/reference/vllm_style.py` replays it):
     ///
     /// ```text
     /// kvpoll-trace 1 <requests> <handles> <window> <seed> <orders>
@@ -391,7 +390,7 @@ pub fn compare(config: BenchConfig, runs: u32) -> Result<Throughput, BenchError>
     })
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -15,7 +15,7 @@ friendliest spacing for this design (each handle is re-checked about once);
 more frequent steps only re-check more.
 
     kvpoll bench trace --out /tmp/trace.txt
-    python3 benches/reference/vllm_style.py --trace /tmp/trace.txt
+    python3 kvpoll-cli/benches/reference/vllm_style.py --trace /tmp/trace.txt
 
 Prints one JSON object: completions/s (median of --runs runs), completions
 and requests a run. Needs only the standard library.

@@ -1,0 +1,347 @@
+//! The command line: one `clap` subcommand per job, every option with its
+//! type, range and default, so `--help` shows them and a bad value is an
+//! error that names its option (exit 2).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use thiserror::Error;
+
+use crate::demo::{Mode, Policy};
+
+/// What failed after the command line was accepted.
+#[derive(Debug, Error)]
+pub enum CliError {
+    /// Options that parse one by one but not together (exit 2, like a
+    /// parse error).
+    #[error("{0}")]
+    Usage(String),
+    /// The command ran and failed (exit 1).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Moves KV-cache blocks between prefill and decode engines over UCX, and
+/// shows it: the demo, two-host runs, transfers, the machine's topology and
+/// the bench suite.
+///
+/// Logging: RUST_LOG (for example `RUST_LOG=kvpoll=debug`); default `warn`.
+#[derive(Debug, Parser)]
+#[command(name = "kvpoll", version, propagate_version = true)]
+pub struct Cli {
+    /// The job.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The jobs.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Prefill TP=4 and decode TP=2 over real UCX, pull then push, with
+    /// faults; every block checked; exit 1 on corruption or a leak.
+    Demo(DemoArgs),
+    /// One prefill rank: listens for decode ranks (prints `LISTEN addr`)
+    /// and serves until its standard input closes.
+    Serve(ServeArgs),
+    /// One decode rank reading from two prefill ranks started with `serve`.
+    Connect(ConnectArgs),
+    /// Moves blocks between two UCX workers in this process; reports bytes
+    /// and rate, every block verified.
+    Transfer(TransferArgs),
+    /// Measures kvpoll against its baselines in the same run (default: the
+    /// whole suite as one table, under 2 minutes).
+    Bench(BenchArgs),
+    /// Shows CPUs, caches, NUMA nodes, NICs/GPUs and isolation; suggests a
+    /// core map, or checks one.
+    Topo(TopoArgs),
+    /// Prints a shell completion script, e.g. `kvpoll completions bash >
+    /// /etc/bash_completion.d/kvpoll`.
+    Completions(CompletionsArgs),
+    /// (Internal) serves a UCX region filled with the block pattern to a
+    /// parent process: the tests and `bench e2e` spawn it.
+    UcxPeer(UcxPeerArgs),
+    /// (Internal) runs a kvpoll engine serving patterned blocks to a parent
+    /// process: the tests and `bench e2e` spawn it.
+    EnginePeer(EnginePeerArgs),
+}
+
+/// How the demo runs its prefill ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Ranks {
+    /// Each rank its own process (a killed rank is a killed process).
+    Processes,
+    /// Each rank a thread of this process.
+    Threads,
+}
+
+/// The shape of a demo or `connect` run: sizes, counts and transports.
+#[derive(Debug, Clone, Args)]
+pub struct Workload {
+    /// Requests per decode rank and mode.
+    #[arg(long, value_name = "N", default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub requests: u64,
+    /// UCX transports (UCX_TLS).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    pub tls: String,
+    /// Blocks per KV layer, on each rank.
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub blocks: u32,
+    /// Bytes per block.
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pub block_size: u64,
+    /// KV layers (registered regions) per rank.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    pub layers: u16,
+    /// Blocks each prefill rank contributes to a request.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub blocks_per_handle: u32,
+    /// Requests in flight per decode rank.
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub window: u32,
+    /// Print one JSON object instead of the tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvpoll demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Prefill ranks as processes or as threads.
+    #[arg(long, value_enum, default_value_t = Ranks::Processes)]
+    pub ranks: Ranks,
+    /// `eager` frees a request's blocks at its first handle failure: UNSAFE,
+    /// the pre-fix behaviour of Python connectors, for comparison only.
+    #[arg(long, value_enum, default_value_t = Policy::Safe)]
+    pub policy: Policy,
+    /// Turn the fault mix off.
+    #[arg(long)]
+    pub no_faults: bool,
+    /// Do not kill and restart a prefill rank mid-run.
+    #[arg(long)]
+    pub no_kill: bool,
+    /// Every N-th handle fails with a transfer error (0: never).
+    #[arg(long, value_name = "N", default_value_t = 40)]
+    pub handle_error_every: u32,
+    /// Every N-th handle's release fails once (0: never).
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    pub release_failure_every: u32,
+    /// Every N-th request's setup fails (0: never).
+    #[arg(long, value_name = "N", default_value_t = 97)]
+    pub setup_failure_every: u64,
+    /// Stall a prefill rank this often, in ms.
+    #[arg(long, value_name = "MS", default_value_t = 2500, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stall_every_ms: u64,
+    /// How long a stall lasts, in ms.
+    #[arg(long, value_name = "MS", default_value_t = 400)]
+    pub stall_ms: u64,
+    /// Sizes, counts and transports.
+    #[command(flatten)]
+    pub workload: Workload,
+}
+
+/// `kvpoll serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// This prefill rank's number (it seeds the block pattern).
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub rank: u32,
+    /// Address the control listener binds (port 0: any free port).
+    #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// UCX transports (UCX_TLS).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    pub tls: String,
+    /// Blocks per KV layer.
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub blocks: u32,
+    /// Bytes per block.
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pub block_size: u64,
+    /// KV layers (registered regions).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    pub layers: u16,
+    /// Every N-th handle fails with a transfer error (0: never).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub handle_error_every: u32,
+}
+
+/// `kvpoll connect`.
+#[derive(Debug, Clone, Args)]
+pub struct ConnectArgs {
+    /// The two prefill ranks' `LISTEN` addresses, comma separated.
+    #[arg(
+        long,
+        value_name = "ADDR,ADDR",
+        required = true,
+        value_delimiter = ',',
+        num_args = 1
+    )]
+    pub to: Vec<String>,
+    /// Pull (this rank reads) or push (the prefill ranks write).
+    #[arg(long, value_enum, default_value_t = Mode::Pull)]
+    pub mode: Mode,
+    /// Sizes, counts and transports (as for `demo`; they must match the
+    /// prefill ranks').
+    #[command(flatten)]
+    pub workload: Workload,
+}
+
+/// `kvpoll transfer`.
+#[derive(Debug, Clone, Args)]
+pub struct TransferArgs {
+    /// UCX transports (UCX_TLS).
+    #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
+    pub tls: String,
+    /// Blocks per round.
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    pub blocks: u64,
+    /// Bytes per block.
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pub block_size: u64,
+    /// Rounds (the first is a warm-up, verified but not timed).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rounds: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvpoll bench`: the suite, or one comparison.
+#[derive(Debug, Clone, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    /// One comparison instead of the suite.
+    #[command(subcommand)]
+    pub what: Option<BenchWhat>,
+    /// The suite's options (`kvpoll bench` is `kvpoll bench all`).
+    #[command(flatten)]
+    pub all: SuiteArgs,
+}
+
+/// The comparisons `kvpoll bench` runs.
+#[derive(Debug, Clone, Subcommand)]
+pub enum BenchWhat {
+    /// The whole suite as one table (the default).
+    All(SuiteArgs),
+    /// Handle completions/s: the ledger against a Mutex<HashMap> tracker.
+    Ledger(JsonArgs),
+    /// Completion -> visible against a cache-line round trip;
+    /// `Engine::poll` with nothing new.
+    Engine(JsonArgs),
+    /// End to end over UCX between two processes, against a raw UCX loop.
+    E2e(E2eArgs),
+    /// Writes the ledger bench's completion trace, for the Python
+    /// reference (kvpoll-cli/benches/reference/vllm_style.py).
+    Trace(TraceArgs),
+}
+
+/// `kvpoll bench [all]`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct SuiteArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// UCX transports of the e2e figures [default: posix,sysv,cma, then tcp
+    /// if shared memory cannot be used].
+    #[arg(long, value_name = "LIST")]
+    pub tls: Option<String>,
+    /// Draw the latency CDFs of kvpoll and its baselines into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+}
+
+/// `--json` alone.
+#[derive(Debug, Clone, Args)]
+pub struct JsonArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvpoll bench e2e`.
+#[derive(Debug, Clone, Args)]
+pub struct E2eArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// UCX transports of both processes [default: posix,sysv,cma, then tcp
+    /// if shared memory cannot be used].
+    #[arg(long, value_name = "LIST")]
+    pub tls: Option<String>,
+}
+
+/// `kvpoll bench trace`.
+#[derive(Debug, Clone, Args)]
+pub struct TraceArgs {
+    /// Where to write the trace.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// `kvpoll topo`.
+#[derive(Debug, Clone, Args)]
+pub struct TopoArgs {
+    /// Validate a core map (a TOML path, or `auto`) on this machine and warn
+    /// about costly placements (exit 0 valid, 1 invalid).
+    #[arg(long, value_name = "MAP")]
+    pub check: Option<String>,
+    /// Print only the suggested core map.
+    #[arg(long, conflicts_with = "check")]
+    pub map: bool,
+}
+
+/// `kvpoll completions`.
+#[derive(Debug, Clone, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+/// `kvpoll ucx-peer`.
+#[derive(Debug, Clone, Args)]
+pub struct UcxPeerArgs {
+    /// UCX transports (UCX_TLS).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    pub tls: String,
+    /// Blocks in the region.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub blocks: u64,
+    /// Bytes per block.
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pub block_size: u64,
+    /// Seed of the block pattern.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// `kvpoll engine-peer`.
+#[derive(Debug, Clone, Args)]
+pub struct EnginePeerArgs {
+    /// UCX transports (UCX_TLS).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    pub tls: String,
+    /// Blocks per region.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub blocks: u64,
+    /// Bytes per block.
+    #[arg(long, value_name = "BYTES", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    pub block_size: u64,
+    /// Seed of the block pattern (region r holds the pattern of seed*100 + r).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Regions (KV layers) to register.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    pub regions: u16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,8 @@
+//! The `kvpoll` tool's own library: the bench drivers and the checkable
+//! block pattern that the tool, its criterion benches and its integration
+//! tests share. Not for embedding: a serving engine needs only the `kvpoll`
+//! crate.
+#![warn(missing_docs)]
+
+pub mod bench;
+pub mod pattern;
