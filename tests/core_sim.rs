@@ -1096,3 +1096,184 @@ fn notify_only_releases_a_lend() {
     h.settle();
     h.check_end();
 }
+
+// -- whole runs -----------------------------------------------------------------
+
+/// One random run, all of it drawn from `seed`: 2–3 nodes, up to 20
+/// requests (pulls with lends on the producers, pushes into receives,
+/// notify-only), aborts, short deadlines and leases, pauses, transfer
+/// errors, setup failures, release failures, late writes, a kill, and
+/// shutdown at a random moment. The checks run at every step (see
+/// `Harness::report` and `Harness::check_writes`) and at the end.
+fn whole_run(seed: u64) -> Harness {
+    let mut rng = Rng::new(seed ^ 0x5eed_cafe);
+    let nodes = 2 + rng.below(2) as usize;
+    let pick = |rng: &mut Rng, xs: &[u32]| xs[rng.below(xs.len() as u64) as usize];
+    let net = SimNetConfig {
+        seed,
+        nodes,
+        regions: 1 + rng.below(2) as usize,
+        blocks: 160,
+        block_size: 64,
+        latency: (1_000, 1_000 + rng.below(40_000)),
+        transfer_error: pick(&mut rng, &[0, 0, 20_000, 100_000]),
+        setup_failure: pick(&mut rng, &[0, 0, 20_000, 100_000]),
+        late_write: pick(&mut rng, &[0, 300_000, 1_000_000]),
+        shm: rng.below(2) == 0,
+    };
+    let mut h = Harness::new(net);
+    for n in 0..nodes {
+        h.nodes[n].fail_releases = if rng.below(4) == 0 {
+            rng.below(3) as u32
+        } else {
+            0
+        };
+    }
+    let requests = 1 + rng.below(20);
+    let shutdown_after = (rng.below(4) == 0).then(|| rng.below(requests + 1));
+    let kill_after =
+        (rng.below(8) == 0).then(|| (rng.below(requests + 1), rng.below(nodes as u64) as usize));
+    let mut id = 0u64;
+    let time = |rng: &mut Rng| match rng.below(4) {
+        0 => 20_000 + rng.below(200_000),
+        _ => 200_000 + rng.below(5 * MS),
+    };
+    for i in 0..requests {
+        let until = Nanos(h.now.0 + rng.below(100_000));
+        h.run_until(until);
+        if kill_after.is_some_and(|(k, _)| k == i) {
+            h.net.kill(kill_after.unwrap().1);
+        }
+        if shutdown_after == Some(i) {
+            break;
+        }
+        let live: Vec<usize> = (0..nodes).filter(|&n| !h.net.dead(n)).collect();
+        if live.len() < 2 {
+            break;
+        }
+        let a = live[rng.below(live.len() as u64) as usize];
+        let others: Vec<usize> = live.iter().copied().filter(|&n| n != a).collect();
+        id += 1;
+        match rng.below(10) {
+            0..=4 => {
+                // Pull: `a` reads from 1–2 producers, 1–2 handles each.
+                let np = 1 + rng.below(others.len().min(2) as u64) as usize;
+                let mut handles = Vec::new();
+                for &p in &others[..np] {
+                    let k = 1 + rng.below(3) as usize;
+                    let src = lend_filled(&mut h, p, id, k, 1, time(&mut rng));
+                    let dst = h.alloc(a, k);
+                    let split = if k > 1 && rng.below(2) == 0 { 1 } else { k };
+                    handles.push((p, pairs(&dst[..split], &src[..split])));
+                    if split < k {
+                        handles.push((p, pairs(&dst[split..], &src[split..])));
+                    }
+                }
+                let deadline = time(&mut rng);
+                h.read(a, id, &handles, deadline);
+            }
+            5..=7 => {
+                // Push: `a` writes into blocks `d` lent to one writer.
+                let d = others[0];
+                let k = 1 + rng.below(3) as usize;
+                let dst = h.alloc(d, k);
+                let lease = time(&mut rng);
+                h.lend(d, id, &dst, Kind::Receive { writers: 1 }, lease);
+                let src = h.alloc(a, k);
+                h.fill(a, &src);
+                h.reqs.get_mut(&(d, id)).unwrap().expect =
+                    dst.iter().zip(&src).map(|(&x, &s)| (x, a, s)).collect();
+                let mut handles = vec![(
+                    d,
+                    pairs(&dst, &src)
+                        .iter()
+                        .map(|&(x, s)| (s, x))
+                        .collect::<Vec<_>>(),
+                )];
+                if k > 1 && rng.below(2) == 0 {
+                    let second = handles[0].1.split_off(1);
+                    handles.push((d, second));
+                }
+                let lease = time(&mut rng);
+                h.write(a, id, &handles, 1, lease);
+            }
+            8 => {
+                // Abort something still tracked on a live, running node.
+                let open: Vec<(usize, u64)> = h
+                    .reqs
+                    .iter()
+                    .filter(|(&(n, _), r)| r.report.is_none() && h.live(n) && !h.nodes[n].shut)
+                    .map(|(&k, _)| k)
+                    .collect();
+                if !open.is_empty() {
+                    let (n, x) = open[rng.below(open.len() as u64) as usize];
+                    h.abort(n, x);
+                }
+            }
+            _ => {
+                if rng.below(2) == 0 {
+                    let until = Nanos(h.now.0 + 50_000 + rng.below(3 * MS));
+                    if h.live(a) {
+                        h.pause(a, until);
+                    }
+                } else {
+                    let p = others[0];
+                    lend_filled(&mut h, p, id, 1, 1, time(&mut rng));
+                    h.notify_only(a, id, &[p]);
+                }
+            }
+        }
+    }
+    if shutdown_after.is_some() {
+        // Shutdown at a random moment: every live engine stops.
+        for n in 0..nodes {
+            if !h.net.dead(n) {
+                h.net.resume(n);
+                h.shutdown(n);
+            }
+        }
+    }
+    h.settle();
+    h.check_end();
+    h
+}
+
+fn sim_cases() -> u32 {
+    std::env::var("KVPOLL_SIM_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000)
+}
+
+proptest! {
+    // Soak: KVPOLL_SIM_CASES=200000 cargo test --release --test core_sim
+    #![proptest_config(ProptestConfig {
+        cases: sim_cases(),
+        max_shrink_iters: 64,
+        ..ProptestConfig::default()
+    })]
+    #[test]
+    fn whole_runs_report_each_request_once_after_quiescence_and_nothing_lands_late(seed in any::<u64>()) {
+        whole_run(seed);
+    }
+}
+
+/// The proptest's runs really exercise faults: over a fixed set of seeds,
+/// some requests fail and some finish, and late writes happen.
+#[test]
+fn whole_runs_cover_failures_and_successes() {
+    let (mut ok, mut failed, mut late) = (0, 0, 0);
+    for seed in 0..300 {
+        let h = whole_run(seed);
+        for r in h.reqs.values() {
+            match r.report.as_ref().map(|r| &r.1) {
+                Some(Report::FinishedRecving | Report::FinishedSending) => ok += 1,
+                Some(_) => failed += 1,
+                None => {}
+            }
+        }
+        late += h.net.writes().iter().filter(|w| w.after_completion).count();
+    }
+    assert!(ok > 100 && failed > 100, "ok {ok} failed {failed}");
+    assert!(late > 0, "no late write");
+}
