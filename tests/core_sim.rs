@@ -478,6 +478,17 @@ impl Harness {
             (Outcome::SendExpired | Outcome::LendExpired, _) => Report::Expired,
             (Outcome::HandleFailed { .. }, _) => unreachable!(),
         };
+        if let Report::FailedRecving(_, ref invalid) = r {
+            // A failed read or receive names every block it may have
+            // written (issue 10, defect 3).
+            let (mut got, mut want) = (invalid.clone(), req.blocks.clone());
+            got.sort();
+            want.sort();
+            assert_eq!(
+                got, want,
+                "seed {seed}: node {node} {id:?} {r:?} names the wrong blocks"
+            );
+        }
         if r == Report::FinishedRecving {
             // A finished read or receive holds exactly the source's bytes.
             for &(local, src, sb) in &req.expect {
@@ -1262,7 +1273,8 @@ proptest! {
 /// some requests fail and some finish, and late writes happen.
 #[test]
 fn whole_runs_cover_failures_and_successes() {
-    let (mut ok, mut failed, mut late) = (0, 0, 0);
+    let (mut ok, mut failed, mut late, mut i11) = (0, 0, 0, 0);
+    let mut causes = BTreeMap::new();
     for seed in 0..300 {
         let h = whole_run(seed);
         for r in h.reqs.values() {
@@ -1273,7 +1285,15 @@ fn whole_runs_cover_failures_and_successes() {
             }
         }
         late += h.net.writes().iter().filter(|w| w.after_completion).count();
+        i11 += h.issue11_late_writes;
+        for r in h.reqs.values() {
+            if let Some((_, Report::FailedRecving(r, _) | Report::FailedSending(r), _)) = &r.report
+            {
+                *causes.entry(format!("{:?}", r.cause)).or_insert(0) += 1;
+            }
+        }
     }
+    eprintln!("ok {ok} failed {failed} late {late} causes {causes:?} issue11 {i11}");
     assert!(ok > 100 && failed > 100, "ok {ok} failed {failed}");
     assert!(late > 0, "no late write");
 }
