@@ -882,18 +882,12 @@ fn write_flush_on_a_closed_puts_generation_fails_the_handle_never_write_done() {
     // deadline closes that generation.
     h.pause(1, Nanos(3 * MS));
     let s = h.alloc(0, 1);
-    h.read(
-        0,
-        6,
-        &[(1, vec![(s[0], BlockId(200))])],
-        h.now.0 + MS / 2 - h.now.0,
-    );
+    h.read(0, 6, &[(1, vec![(s[0], BlockId(200))])], MS / 2);
     h.run_until(Nanos(2 * MS));
     match h.report_of(0, 5) {
         Some(Report::FailedSending(r)) => assert_eq!(r.cause, Cause::PeerStalled),
         other => panic!("{other:?}"),
     }
-    h.owners.insert((1, 200), BlockOwner { id: 5 });
     h.settle();
     assert!(
         !h.nodes[0].sent.iter().any(|s| s.0 == NoteKind::WriteDone),
