@@ -16,6 +16,7 @@
 #[cfg(feature = "fault-injection")]
 pub mod faulty;
 pub mod sim;
+pub mod simnet;
 pub mod ucx;
 
 use crate::ledger::{BlockId, PeerId};
