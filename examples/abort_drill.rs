@@ -34,6 +34,10 @@ fn engine(deadline: Duration) -> Engine {
     e
 }
 
+/// A request: the producers it reads from, whether it was aborted, and per
+/// handle (producer, remote block, local block).
+type Plan = (Vec<usize>, bool, Vec<(usize, u64, u32)>);
+
 fn byte(producer: usize, block: u64) -> u8 {
     (producer as u64 * 31 + block * 7) as u8 | 1
 }
@@ -64,8 +68,7 @@ fn main() {
 
     let mut out = Outcomes::default();
     let mut prod_out = Outcomes::default();
-    // request -> (producers used, aborted, local blocks)
-    let mut plan: HashMap<RequestId, (Vec<usize>, bool, Vec<(usize, u64, u32)>)> = HashMap::new();
+    let mut plan: HashMap<RequestId, Plan> = HashMap::new();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = || {
         rng ^= rng << 13;

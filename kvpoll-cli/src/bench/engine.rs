@@ -242,9 +242,7 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
             engine.poll(&mut out);
             if t.elapsed() > Duration::from_secs(10) {
                 engine.shutdown();
-                return Err(EngineError::Config(
-                    "a prefix hit was not reported in 10 s".into(),
-                ));
+                return Err(EngineError::Config("a prefix hit was not reported in 10 s"));
             }
         }
         samples.push(t.elapsed().as_nanos() as u64);
