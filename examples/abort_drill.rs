@@ -81,9 +81,11 @@ fn main() {
     let mut reported = 0u64;
     let mut failed_innocent = Vec::new();
     let (mut finished, mut failed, mut aborted, mut on_stalled, mut corrupt) = (0, 0, 0, 0, 0);
-    let mut local_next = 0u32;
+    // Local blocks come from a pool and go back only when their request was
+    // reported: no two requests in flight share a block.
+    let mut free: Vec<u32> = (0..BLOCKS as u32).collect();
     while reported < REQUESTS {
-        while issued < REQUESTS && decode.in_flight() < 64 {
+        while issued < REQUESTS && decode.in_flight() < 64 && free.len() >= HANDLES {
             let id = RequestId(issued + 1);
             let first = (next() % PRODUCERS as u64) as usize;
             let used: Vec<usize> = (0..HANDLES).map(|h| (first + h * 2) % PRODUCERS).collect();
@@ -92,8 +94,9 @@ fn main() {
             let mut remotes = Vec::new();
             for &p in &used {
                 let remote = next() % BLOCKS;
-                let local = local_next % BLOCKS as u32;
-                local_next += 1;
+                let Some(local) = free.pop() else {
+                    unreachable!("checked above")
+                };
                 lens.push((p, remote, local));
                 locals.push([BlockId(local)]);
                 remotes.push([BlockId(remote as u32)]);
@@ -148,12 +151,14 @@ fn main() {
                 if buf.iter().any(|&b| b != byte(p, remote)) {
                     corrupt += 1;
                 }
+                free.push(local);
             }
         }
         for f in &out.failed_recving {
             reported += 1;
             failed += 1;
-            let (used, was_aborted, _) = &plan[&f.id];
+            let (used, was_aborted, lens) = &plan[&f.id];
+            free.extend(lens.iter().map(|&(_, _, local)| local));
             if *was_aborted {
                 aborted += 1;
             } else if used.contains(&STALLED) {
