@@ -275,6 +275,23 @@ impl Endpoint {
     /// Sends `payload` as an eager active message to `id` on the peer. The
     /// payload is copied, so the caller's buffer is free at once.
     pub fn send_active_message(&self, id: u16, payload: &[u8], token: u64) -> Result<(), UcxError> {
+        self.send_am(id, payload, token, sys::UCP_AM_SEND_FLAG_EAGER)
+    }
+
+    /// Sends `payload` with UCX's rendezvous protocol, as a foreign peer
+    /// might: kvpoll never does, and refuses what it receives this way. For
+    /// tests of that refusal.
+    #[doc(hidden)]
+    pub fn send_active_message_rendezvous(
+        &self,
+        id: u16,
+        payload: &[u8],
+        token: u64,
+    ) -> Result<(), UcxError> {
+        self.send_am(id, payload, token, sys::UCP_AM_SEND_FLAG_RNDV)
+    }
+
+    fn send_am(&self, id: u16, payload: &[u8], token: u64, flag: u32) -> Result<(), UcxError> {
         if payload.len() > MAX_AM_PAYLOAD {
             return Err(UcxError::MessageTooLong(payload.len()));
         }
@@ -283,7 +300,7 @@ impl Endpoint {
         let (buffer, data) = sink.take_send_buffer(payload);
         let mut params = request::params(sink, ptr::null_mut());
         params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
-        params.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+        params.flags = flag;
         // SAFETY: ep is live; the send buffer stays allocated and untouched
         // until the completion gives it back; params point at the sink.
         let ret = unsafe {

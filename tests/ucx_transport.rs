@@ -1,0 +1,142 @@
+//! The UCX transport under the protocol core, over real UCX in one process:
+//! what a forced close keeps alive, and what a foreign peer cannot do to a
+//! poller.
+
+use std::time::{Duration, Instant};
+
+use kvpoll::engine::{Engine, LendTo, Outcomes};
+use kvpoll::ledger::{BlockId, PeerId, RequestId};
+use kvpoll::metadata::PeerMetadata;
+use kvpoll::notification::{NoteKind, Notification};
+use kvpoll::transport::ucx::{ContextOptions, Endpoint, UcxTransport, Worker, NOTIFY_AM_ID};
+use kvpoll::transport::{Direction, Ep, Transport, TransportEvent, CANCELED};
+
+const BS: u64 = 4096;
+const BLOCKS: u64 = 64;
+const GUARD: Duration = Duration::from_secs(10);
+
+fn transport() -> (UcxTransport, PeerMetadata) {
+    let mut t = UcxTransport::new(&ContextOptions::with_transports("tcp"), BS).unwrap();
+    // SAFETY: no caller memory: UCX allocates the region.
+    unsafe { t.register(BLOCKS, (BLOCKS * BS) as usize, None).unwrap() };
+    let meta = PeerMetadata::decode(&t.metadata(7).unwrap()).unwrap();
+    (t, meta)
+}
+
+/// Defect 7: remote keys must outlive every operation that uses them. A
+/// forced close keeps the connection (its rkeys and endpoint) until UCX
+/// completed the close; only then are they released. Here the target is
+/// never progressed, so over tcp the gets stay outstanding until the forced
+/// close cancels them.
+#[test]
+fn a_force_closed_connection_keeps_its_rkeys_until_the_close_completed() {
+    let (mut a, _) = transport();
+    let (_b, b_meta) = transport();
+    let peer = PeerId(0);
+    a.add_peer(peer, &b_meta).unwrap();
+    let ep = Ep {
+        peer,
+        generation: 1,
+    };
+    let pairs: Vec<(BlockId, BlockId)> = (0..32).map(|i| (BlockId(i), BlockId(i))).collect();
+    let posted = a.post(ep, Direction::Get, &pairs, 42).unwrap();
+    assert_eq!(posted, 32);
+    a.close(ep);
+    assert!(
+        a.closing(),
+        "the closed connection (and its rkeys) must be kept until the close completes"
+    );
+    let (mut completed, mut cancelled) = (0, 0);
+    let t = Instant::now();
+    while a.closing() || completed < posted {
+        a.progress();
+        a.drain(&mut |ev| {
+            if let TransportEvent::Completion { token, status } = ev {
+                assert_eq!(token, 42);
+                completed += 1;
+                if status == CANCELED {
+                    cancelled += 1;
+                }
+            }
+        });
+        if !a.closing() {
+            // Released only now: every operation on it has completed.
+            assert_eq!(
+                completed, posted,
+                "rkeys released with operations outstanding"
+            );
+        }
+        assert!(t.elapsed() < GUARD, "the close never completed");
+    }
+    assert!(
+        cancelled > 0,
+        "the target was never progressed: gets must be cancelled"
+    );
+    // The closed generation refuses more work; a newer one connects afresh.
+    assert_eq!(a.flush(ep, 1), Err(CANCELED));
+    assert_eq!(
+        a.post(ep, Direction::Get, &pairs[..1], 43)
+            .map_err(|f| f.status),
+        Err(CANCELED)
+    );
+}
+
+/// Defect 8: a rendezvous active message is UCX's to release. A foreign peer
+/// sending the notification id large (rendezvous) messages — here with a
+/// well-formed read-done inside — neither crashes the poller (a double
+/// release) nor counts as a notification; the engine goes on working.
+#[test]
+fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
+    let mut p = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .build()
+        .unwrap();
+    p.register(BLOCKS).unwrap();
+    let id = RequestId(5);
+    p.lend(id, &[BlockId(1)], LendTo::Readers(1), GUARD)
+        .unwrap();
+    let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
+
+    let ctx =
+        kvpoll::transport::ucx::Context::new(&ContextOptions::with_transports("tcp")).unwrap();
+    let w = Worker::new(&ctx).unwrap();
+    let ep = Endpoint::connect(&w, &meta.worker, 1).unwrap();
+    let note = Notification {
+        kind: NoteKind::ReadDone,
+        id,
+        count: 1,
+        sender: 99,
+    }
+    .encode();
+    let mut sent = Vec::new();
+    for i in 0..20u64 {
+        ep.send_active_message_rendezvous(NOTIFY_AM_ID, &note, i)
+            .unwrap();
+        sent.push(i);
+    }
+    let mut done = Vec::new();
+    let t = Instant::now();
+    while done.len() < sent.len() {
+        w.progress();
+        w.take_completions(&mut done);
+        assert!(t.elapsed() < GUARD, "the rendezvous sends never completed");
+    }
+    let mut out = Outcomes::default();
+    p.poll(&mut out);
+    assert!(
+        out.is_empty(),
+        "a rendezvous message released the lend: {out:?}"
+    );
+    assert_eq!(p.in_flight(), 1);
+
+    // The same note, sent as kvpoll sends it, releases it.
+    ep.send_active_message(NOTIFY_AM_ID, &note, 100).unwrap();
+    let t = Instant::now();
+    while out.finished_sending.is_empty() {
+        w.progress();
+        p.poll(&mut out);
+        assert!(t.elapsed() < GUARD, "the poller stopped working: {out:?}");
+    }
+    assert_eq!(out.finished_sending, vec![id]);
+}
