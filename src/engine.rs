@@ -256,6 +256,7 @@ pub struct EngineBuilder {
     idle: IdlePolicy,
     ucx: ContextOptions,
     read_deadline: Duration,
+    confirm_reads: bool,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
@@ -272,6 +273,7 @@ impl Default for EngineBuilder {
             idle: IdlePolicy::Adaptive,
             ucx: ContextOptions::default(),
             read_deadline: Duration::from_secs(30),
+            confirm_reads: true,
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
@@ -345,6 +347,17 @@ impl EngineBuilder {
         self
     }
 
+    /// Whether a read finishes only once each of its lender engines
+    /// confirmed that its lend was live when the data was read (default:
+    /// yes). A lend that expired, was consumed or never existed is refused,
+    /// and the read fails with `Cause::LeaseLost`, naming its blocks — never
+    /// finishes with another request's bytes. Turn it off only for reads of
+    /// memory that no lend guards (the lenders are then told afterwards).
+    pub fn confirm_reads(mut self, confirm: bool) -> Self {
+        self.confirm_reads = confirm;
+        self
+    }
+
     /// Faults to inject (default: none). Test hook: `fault-injection` only.
     #[cfg(feature = "fault-injection")]
     pub fn faults(mut self, faults: Faults) -> Self {
@@ -376,6 +389,7 @@ impl EngineBuilder {
             idle: self.idle,
             ucx: self.ucx.clone(),
             instance: instance_id(),
+            confirm_reads: self.confirm_reads,
             #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };

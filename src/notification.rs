@@ -5,8 +5,9 @@
 //!
 //! ```text
 //! 0   2  magic "KN"
-//! 2   1  version (1)
-//! 3   1  kind: 1 read done, 2 write done, 3 ack
+//! 2   1  version (2)
+//! 3   1  kind: 1 read done, 2 write done, 3 ack, 4 read confirmed,
+//!          5 read refused, 6 gave up, 7 write abandoned
 //! 4   8  request id
 //! 12  4  count
 //! 16  8  sender instance (its metadata's instance)
@@ -21,17 +22,31 @@ use crate::wire::fnv1a64;
 /// Encoded size of a notification.
 pub const LEN: usize = 28;
 const MAGIC: [u8; 2] = *b"KN";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// What a notification says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoteKind {
-    /// A consumer finished reading the request's lent blocks (pull).
+    /// Consumer → lender: "I read the request's lent blocks; was the lend
+    /// live?" The lender answers [`NoteKind::ReadConfirmed`] (and counts the
+    /// consumer) or [`NoteKind::ReadRefused`]; the read finishes only on a
+    /// confirmation.
     ReadDone = 1,
-    /// A producer wrote and flushed the request's blocks (push).
+    /// Writer → destination: the request's blocks were written and flushed.
     WriteDone = 2,
-    /// A consumer acknowledges a push.
+    /// Destination → writer: the push arrived.
     Ack = 3,
+    /// Lender → consumer: the lend was live when the read was done.
+    ReadConfirmed = 4,
+    /// Lender → consumer: the lend was not live (expired, consumed or
+    /// unknown): the bytes read may be another request's; fail the read.
+    ReadRefused = 5,
+    /// Consumer → lender: this consumer will not read (its read failed,
+    /// was aborted or hit its deadline, and has stopped): stop waiting.
+    GaveUp = 6,
+    /// Writer → destination: this writer's push ended without success and
+    /// nothing more of it is in flight.
+    WriteAbandoned = 7,
 }
 
 /// One notification.
@@ -108,6 +123,10 @@ impl Notification {
             1 => NoteKind::ReadDone,
             2 => NoteKind::WriteDone,
             3 => NoteKind::Ack,
+            4 => NoteKind::ReadConfirmed,
+            5 => NoteKind::ReadRefused,
+            6 => NoteKind::GaveUp,
+            7 => NoteKind::WriteAbandoned,
             k => return Err(NotificationError::Kind(k)),
         };
         let count = word(12..16) as u32;

@@ -70,6 +70,7 @@ pub(crate) struct Config {
     pub(crate) idle: IdlePolicy,
     pub(crate) ucx: ContextOptions,
     pub(crate) instance: u64,
+    pub(crate) confirm_reads: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::transport::faulty::Faults,
 }
@@ -167,6 +168,7 @@ impl Poller {
             CoreConfig {
                 instance: cfg.instance,
                 release_retry: Nanos(release_retry(&cfg).as_nanos() as u64),
+                confirm_reads: cfg.confirm_reads,
             },
             ledger,
         );
@@ -413,8 +415,18 @@ impl Poller {
                         self.core.on_flush_failed(handle, status);
                     }
                 }
-                Action::Send { ep, note, token } => {
-                    if self.wire.send(ep, &note, token).is_err() {
+                Action::Send {
+                    ep,
+                    note,
+                    token,
+                    want_reply,
+                } => {
+                    if self.wire.send(ep, &note, token, want_reply).is_err() {
+                        self.core.on_send_failed();
+                    }
+                }
+                Action::Reply { to, note, token } => {
+                    if self.wire.reply(to, &note, token).is_err() {
                         self.core.on_send_failed();
                     }
                 }

@@ -26,6 +26,9 @@ fn engine() -> Engine {
     let mut e = Engine::builder()
         .block_size(BS)
         .ucx(ContextOptions::with_transports("tcp"))
+        // These tests read memory that no lend guards; lend confirmation
+        // has its own tests (tests/fencing.rs, tests/core_sim.rs).
+        .confirm_reads(false)
         .build()
         .expect("engine");
     for _ in 0..REGIONS {
@@ -229,6 +232,7 @@ fn requests_cancelled_by_shutdown_fail_with_cause_shutdown() {
 #[test]
 fn a_request_larger_than_the_command_ring_is_request_too_large() {
     let mut d = Engine::builder()
+        .confirm_reads(false)
         .block_size(BS)
         .ucx(ContextOptions::with_transports("tcp"))
         .command_ring(64)
@@ -263,6 +267,7 @@ fn register_after_add_peer_is_regions_frozen() {
     p.register(BLOCKS).unwrap();
     fill_one(&p);
     let mut d = Engine::builder()
+        .confirm_reads(false)
         .block_size(BS)
         .ucx(ContextOptions::with_transports("tcp"))
         .build()
@@ -299,6 +304,7 @@ fn a_dead_poller_reports_its_requests_failed_and_refuses_further_calls() {
     let p = engine();
     fill(&p, 3);
     let mut d = Engine::builder()
+        .confirm_reads(false)
         .block_size(BS)
         .ucx(ContextOptions::with_transports("tcp"))
         .faults(kvpoll::engine::Faults {

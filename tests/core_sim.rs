@@ -101,6 +101,7 @@ fn new_core(instance: u64, regions: usize, blocks: u64) -> Core {
         CoreConfig {
             instance,
             release_retry: Nanos(RELEASE_RETRY),
+            confirm_reads: true,
         },
         ledger,
     );
@@ -362,7 +363,12 @@ impl Harness {
                         me.core.on_flush_failed(handle, status);
                     }
                 }
-                Action::Send { ep, note, token } => {
+                Action::Send {
+                    ep,
+                    note,
+                    token,
+                    want_reply,
+                } => {
                     if let Ok(n) = Notification::decode(&note) {
                         let to = me
                             .peers
@@ -371,7 +377,15 @@ impl Harness {
                             .map(|(&n, _)| n);
                         me.sent.push((n.kind, n.id, to.unwrap_or(usize::MAX)));
                     }
-                    if wire.send(ep, &note, token).is_err() {
+                    if wire.send(ep, &note, token, want_reply).is_err() {
+                        me.core.on_send_failed();
+                    }
+                }
+                Action::Reply { to, note, token } => {
+                    if let Ok(n) = Notification::decode(&note) {
+                        me.sent.push((n.kind, n.id, to as usize));
+                    }
+                    if wire.reply(to, &note, token).is_err() {
                         me.core.on_send_failed();
                     }
                 }
@@ -735,7 +749,10 @@ fn wrong_kind_notification_is_rejected_and_changes_nothing() {
         };
         let now = h.now;
         h.nodes[1].core.on_transport(
-            kvpoll::transport::TransportEvent::Message(&note.encode()),
+            kvpoll::transport::TransportEvent::Message {
+                payload: &note.encode(),
+                reply: None,
+            },
             now,
         );
         h.pump(1);
@@ -893,9 +910,18 @@ fn write_flush_on_a_closed_puts_generation_fails_the_handle_never_write_done() {
         !h.nodes[0].sent.iter().any(|s| s.0 == NoteKind::WriteDone),
         "WriteDone sent though the flush's endpoint was closed"
     );
+    // The writer's quiescent failure tells the destination, which fails at
+    // once (naming its blocks) instead of holding them to its lease's end.
+    assert!(
+        h.nodes[0]
+            .sent
+            .iter()
+            .any(|s| s.0 == NoteKind::WriteAbandoned),
+        "the failed writer did not tell its destination"
+    );
     match h.report_of(1, 5) {
         Some(Report::FailedRecving(r, b)) => {
-            assert_eq!(r.cause, Cause::LeaseExpired);
+            assert_eq!(r.cause, Cause::LeaseLost);
             assert_eq!(b, &dst);
         }
         other => panic!("{other:?}"),
@@ -1290,4 +1316,82 @@ fn whole_runs_cover_failures_and_successes() {
     eprintln!("ok {ok} failed {failed} late {late} causes {causes:?} issue11 {i11}");
     assert!(ok > 100 && failed > 100, "ok {ok} failed {failed}");
     assert!(late > 0, "no late write");
+}
+
+// -- issue 11: a read finishes only if its lend was live ----------------------
+
+/// A read of a lend that had already expired (and been reported, so its
+/// blocks may hold another request now) is refused by the lender: the read
+/// fails with `LeaseLost`, naming its blocks, instead of finishing.
+#[test]
+fn a_read_of_an_expired_lend_is_refused_and_fails_naming_its_blocks() {
+    let mut h = Harness::new(cfg(21, 2));
+    let src = lend_filled(&mut h, 1, 8, 2, 1, MS);
+    h.run_until(Nanos(2 * MS));
+    assert_eq!(h.report_of(1, 8), Some(&Report::Expired));
+    let dst = h.alloc(0, 2);
+    h.read(0, 8, &[(1, pairs(&dst, &src))], 50 * MS);
+    h.settle();
+    match h.report_of(0, 8) {
+        Some(Report::FailedRecving(r, b)) => {
+            assert_eq!(r.cause, Cause::LeaseLost);
+            assert_eq!(b, &dst);
+        }
+        other => panic!("a read of an expired lend: {other:?}"),
+    }
+    h.check_end();
+}
+
+/// One reader consumed a `Readers(1)` lend; a second engine reading it is
+/// refused (the blocks were released to the lender's engine).
+#[test]
+fn a_lend_consumed_by_one_reader_is_refused_to_a_second() {
+    let mut h = Harness::new(cfg(22, 3));
+    let src = lend_filled(&mut h, 2, 9, 1, 1, 100 * MS);
+    let d0 = h.alloc(0, 1);
+    h.read(0, 9, &[(2, pairs(&d0, &src))], 50 * MS);
+    h.settle();
+    assert_eq!(h.report_of(0, 9), Some(&Report::FinishedRecving));
+    assert_eq!(h.report_of(2, 9), Some(&Report::FinishedSending));
+    let d1 = h.alloc(1, 1);
+    h.read(1, 9, &[(2, pairs(&d1, &src))], 50 * MS);
+    h.settle();
+    match h.report_of(1, 9) {
+        Some(Report::FailedRecving(r, _)) => assert_eq!(r.cause, Cause::LeaseLost),
+        other => panic!("a second read of a consumed lend: {other:?}"),
+    }
+    h.check_end();
+}
+
+/// A read that fails (here: one handle names a block beyond its producer's
+/// regions) tells its other lender once it is quiescent, which releases its
+/// blocks at once instead of at the end of its lease.
+#[test]
+fn a_failed_read_tells_its_lenders_which_release_at_once() {
+    let mut h = Harness::new(cfg(23, 3));
+    let a = lend_filled(&mut h, 1, 10, 1, 1, 1_000 * MS);
+    let b = lend_filled(&mut h, 2, 10, 1, 1, 1_000 * MS);
+    let la = h.alloc(0, 1);
+    let lb = h.alloc(0, 1);
+    let beyond = [BlockId(10_000)];
+    h.read(
+        0,
+        10,
+        &[(1, pairs(&la, &a)), (2, pairs(&lb, &beyond))],
+        50 * MS,
+    );
+    h.run_until(Nanos(10 * MS));
+    assert!(matches!(
+        h.report_of(0, 10),
+        Some(Report::FailedRecving(..))
+    ));
+    assert!(
+        h.nodes[0].sent.iter().any(|s| s.0 == NoteKind::GaveUp),
+        "the failed read did not tell its lenders"
+    );
+    // Released long before the 1 s lease.
+    assert_eq!(h.report_of(1, 10), Some(&Report::FinishedSending));
+    assert_eq!(h.report_of(2, 10), Some(&Report::FinishedSending));
+    let _ = b;
+    h.check_end();
 }

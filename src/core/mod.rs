@@ -49,6 +49,11 @@ pub struct CoreConfig {
     pub instance: u64,
     /// How long a handle whose release failed waits for its retry.
     pub release_retry: Nanos,
+    /// Whether a read finishes only once each lender confirmed that its
+    /// lend was live when the data was read (the safe default). Off, a read
+    /// finishes when its data landed and then tells its lenders, as for
+    /// reads of memory that no lend guards.
+    pub confirm_reads: bool,
 }
 
 /// Something the driver must do. Executed in order; the results of `Post`,
@@ -84,6 +89,20 @@ pub enum Action {
     Send {
         /// Endpoint generation.
         ep: Ep,
+        /// Encoded notification.
+        note: [u8; NOTE_LEN],
+        /// Token it completes with.
+        token: u64,
+        /// Whether the receiver must be able to answer it (a read's
+        /// question to its lender).
+        want_reply: bool,
+    },
+    /// Answer a received notification through its reply handle (before
+    /// the transport's next progress); a failure is fed to
+    /// [`Core::on_send_failed`].
+    Reply {
+        /// The received message's reply handle.
+        to: u32,
         /// Encoded notification.
         note: [u8; NOTE_LEN],
         /// Token it completes with.
@@ -185,6 +204,11 @@ struct Info {
     handles: u8,
     /// Distinct engines that notified (their instances are in `notifiers`).
     notified: u8,
+    /// A read whose handles all landed asked its lenders whether their
+    /// lends were live.
+    queried: bool,
+    /// A push destination one of whose writers gave up.
+    abandoned: bool,
 }
 
 /// Counters, for metrics and tests.
@@ -263,6 +287,8 @@ impl Core {
                     kind: Kind::Read,
                     handles: 0,
                     notified: 0,
+                    queried: false,
+                    abandoned: false,
                 };
                 capacity
             ],
@@ -462,7 +488,7 @@ impl Core {
             for i in 0..self.handle_peers.len() {
                 let peer = self.handle_peers[i];
                 if !self.handle_peers[..i].contains(&peer) {
-                    self.notify(peer, None, NoteKind::ReadDone, id);
+                    self.notify(peer, None, NoteKind::GaveUp, id);
                 }
             }
             return;
@@ -492,7 +518,17 @@ impl Core {
             kind,
             handles: self.handle_peers.len() as u8,
             notified: 0,
+            queried: false,
+            abandoned: false,
         };
+        if kind == Kind::Read && self.cfg.confirm_reads {
+            // Finished only once each lender engine confirmed its lend was
+            // live when the data was read.
+            let distinct = (0..self.handle_peers.len())
+                .filter(|&h| !self.handle_peers[..h].contains(&self.handle_peers[h]))
+                .count();
+            self.ledger.expect(key, distinct as u32);
+        }
         let dir = match kind {
             Kind::Write { .. } => Direction::Put,
             _ => Direction::Get,
@@ -623,8 +659,10 @@ impl Core {
         }
         if released {
             self.progress[idx].releasing = false;
-            if p.ok && matches!(self.info[hk.key().slot() as usize].kind, Kind::Write { .. }) {
-                self.write_landed(hk);
+            match self.info[hk.key().slot() as usize].kind {
+                Kind::Write { .. } if p.ok => self.write_landed(hk),
+                Kind::Read if self.cfg.confirm_reads => self.maybe_query(hk.key()),
+                _ => {}
             }
         } else {
             self.progress[idx].held = true;
@@ -640,7 +678,7 @@ impl Core {
     pub fn on_transport(&mut self, ev: TransportEvent<'_>, now: Nanos) {
         match ev {
             TransportEvent::Completion { token, status } => self.on_completion(token, status),
-            TransportEvent::Message(bytes) => self.on_message(bytes),
+            TransportEvent::Message { payload, reply } => self.on_message(payload, reply),
             TransportEvent::EndpointFailed { ep, status: _ } => self.on_endpoint_failed(ep),
         }
         let _ = now;
@@ -743,9 +781,67 @@ impl Core {
         }
     }
 
+    /// Once every handle of read `key` landed without error, asks each of
+    /// its lender engines (once) whether its lend was live: the read
+    /// finishes only on their confirmations.
+    fn maybe_query(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        if info.queried || info.generation != key.generation() {
+            return;
+        }
+        let Some(view) = self.slots.snapshot(key) else {
+            return;
+        };
+        if view.phase != crate::ledger::Phase::Live
+            || view.stopped != view.planned
+            || view.failed != 0
+        {
+            return;
+        }
+        self.info[slot].queried = true;
+        self.each_peer_once(key, NoteKind::ReadDone, true);
+    }
+
+    /// Sends `kind` about request `key` once to each distinct peer of its
+    /// handles.
+    fn each_peer_once(&mut self, key: RequestKey, kind: NoteKind, want_reply: bool) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let base = slot * MAX_HANDLES;
+        for h in 0..info.handles as usize {
+            let peer = self.progress[base + h].peer;
+            let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
+            if !dup {
+                self.send_note(peer, None, kind, info.id, want_reply);
+            }
+        }
+    }
+
     /// Queues a notification to `peer`, on endpoint generation `on` if given
     /// (a write-done must follow its flush) or the current one.
     fn notify(&mut self, peer: PeerId, on: Option<u32>, kind: NoteKind, id: RequestId) {
+        self.send_note(peer, on, kind, id, false);
+    }
+
+    fn note(&self, kind: NoteKind, id: RequestId) -> [u8; NOTE_LEN] {
+        Notification {
+            kind,
+            id,
+            count: 1,
+            sender: self.cfg.instance,
+        }
+        .encode()
+    }
+
+    fn send_note(
+        &mut self,
+        peer: PeerId,
+        on: Option<u32>,
+        kind: NoteKind,
+        id: RequestId,
+        want_reply: bool,
+    ) {
         let Some(p) = self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) else {
             return;
         };
@@ -753,26 +849,43 @@ impl Core {
             peer,
             generation: on.unwrap_or(p.generation),
         };
-        let note = Notification {
-            kind,
-            id,
-            count: 1,
-            sender: self.cfg.instance,
-        };
+        let note = self.note(kind, id);
         self.notes_in_flight += 1;
         self.actions.push_back(Action::Send {
             ep,
-            note: note.encode(),
+            note,
             token: T_NOTE,
+            want_reply,
         });
     }
 
-    fn on_message(&mut self, bytes: &[u8]) {
+    /// Answers a received note through its reply handle, if its sender
+    /// asked for answers.
+    fn answer(&mut self, reply: Option<u32>, kind: NoteKind, id: RequestId) {
+        if let Some(to) = reply {
+            let note = self.note(kind, id);
+            self.notes_in_flight += 1;
+            self.actions.push_back(Action::Reply {
+                to,
+                note,
+                token: T_NOTE,
+            });
+        }
+    }
+
+    /// Acknowledges a push to writer engine `from`, through its endpoint.
+    fn acknowledge(&mut self, from: u64, id: RequestId) {
+        if let Some(&peer) = self.by_instance.get(&from) {
+            self.notify(peer, None, NoteKind::Ack, id);
+        }
+    }
+
+    fn on_message(&mut self, bytes: &[u8], reply: Option<u32>) {
         let Ok(note) = Notification::decode(bytes) else {
             self.stats.malformed_notifications += 1;
             return;
         };
-        self.accept(note);
+        self.accept(note, reply);
         self.after_events();
     }
 
@@ -781,53 +894,121 @@ impl Core {
         self.slots.count_rejected_notification();
     }
 
-    /// Checks a notification against the request it names, counts it once
-    /// per remote engine, and acknowledges a write; refusals are counted.
-    fn accept(&mut self, note: Notification) {
-        let Some(key) = self.ledger.key(note.id) else {
-            return self.reject();
+    /// Checks a notification against the request it names and acts on it;
+    /// each remote engine counts once per request. Refusals are counted.
+    fn accept(&mut self, note: Notification, reply: Option<u32>) {
+        let live = self.ledger.key(note.id).filter(|k| {
+            let info = &self.info[k.slot() as usize];
+            info.generation == k.generation()
+        });
+        let Some(key) = live else {
+            // Unknown (never lent, released, expired and retired): a read
+            // of it must not finish.
+            if note.kind == NoteKind::ReadDone {
+                self.answer(reply, NoteKind::ReadRefused, note.id);
+            }
+            if note.kind != NoteKind::GaveUp && note.kind != NoteKind::WriteAbandoned {
+                self.reject();
+            }
+            return;
         };
         let slot = key.slot() as usize;
         let info = self.info[slot];
-        if info.generation != key.generation() {
-            return self.reject();
-        }
-        let expected = match (info.kind, note.kind) {
-            (Kind::Lend { .. }, NoteKind::ReadDone) => true,
-            (Kind::Receive { .. }, NoteKind::WriteDone) => true,
+        let n = usize::from(info.notified);
+        let seen =
+            self.notifiers[slot * MAX_CONSUMERS..slot * MAX_CONSUMERS + n].contains(&note.sender);
+        match (info.kind, note.kind) {
+            (Kind::Lend { .. }, NoteKind::ReadDone) => {
+                // The read happened before this question: the lend was live
+                // for it if it is live now and this engine has not been
+                // counted (a second read of a consumed lend is refused).
+                if !seen && n < MAX_CONSUMERS && self.ledger_notify(note.id) {
+                    self.counted(slot, note.sender);
+                    self.answer(reply, NoteKind::ReadConfirmed, note.id);
+                } else {
+                    self.reject();
+                    self.answer(reply, NoteKind::ReadRefused, note.id);
+                }
+            }
+            (Kind::Lend { .. }, NoteKind::GaveUp) => {
+                // That engine will not read (its read stopped): stop waiting.
+                if !seen && n < MAX_CONSUMERS && self.ledger_notify(note.id) {
+                    self.counted(slot, note.sender);
+                }
+            }
+            (Kind::Read, NoteKind::ReadConfirmed | NoteKind::ReadRefused) => {
+                if seen || !self.is_party(slot, note.sender) {
+                    return self.reject();
+                }
+                self.counted(slot, note.sender);
+                if note.kind == NoteKind::ReadConfirmed {
+                    self.ledger_confirm(key);
+                } else {
+                    self.ledger_fail(key, Cause::LeaseLost);
+                }
+            }
+            (Kind::Receive { writers }, NoteKind::WriteDone | NoteKind::WriteAbandoned) => {
+                if seen || n == MAX_CONSUMERS {
+                    return self.reject();
+                }
+                self.counted(slot, note.sender);
+                let abandoned = info.abandoned || note.kind == NoteKind::WriteAbandoned;
+                self.info[slot].abandoned = abandoned;
+                if abandoned && n + 1 >= writers as usize {
+                    // Every writer has spoken and one gave up: nothing more
+                    // lands; the blocks hold partial data.
+                    self.ledger_fail(key, Cause::LeaseLost);
+                } else if !abandoned || n + 1 < writers as usize {
+                    self.ledger_notify(note.id);
+                }
+                if note.kind == NoteKind::WriteDone {
+                    self.acknowledge(note.sender, note.id);
+                }
+            }
             (Kind::Write { .. }, NoteKind::Ack) => {
                 // Only an engine this write wrote to can acknowledge it.
-                let base = slot * MAX_HANDLES;
-                self.by_instance.get(&note.sender).is_some_and(|&peer| {
-                    (0..info.handles as usize).any(|h| self.progress[base + h].peer == peer)
-                })
+                if seen || !self.is_party(slot, note.sender) {
+                    return self.reject();
+                }
+                if self.ledger_notify(note.id) {
+                    self.counted(slot, note.sender);
+                }
             }
-            _ => false,
-        };
-        let n = usize::from(info.notified);
-        let seen = &self.notifiers[slot * MAX_CONSUMERS..slot * MAX_CONSUMERS + n];
-        // One engine counts once, however many handles it had or however
-        // often it repeats itself.
-        if !expected || seen.contains(&note.sender) || n == MAX_CONSUMERS {
-            return self.reject();
+            _ => self.reject(),
         }
+    }
+
+    fn ledger_notify(&mut self, id: RequestId) -> bool {
         let events = &mut self.events;
-        if self
-            .ledger
-            .notify(note.id, 1, &mut |e| events.push(e))
-            .is_err()
-        {
-            // Counted by the ledger (reported or cancelled already).
-            self.stats.rejected_notifications += 1;
-            return;
+        self.ledger.notify(id, 1, &mut |e| events.push(e)).is_ok()
+    }
+
+    fn ledger_confirm(&mut self, key: RequestKey) {
+        let events = &mut self.events;
+        let _ = self.ledger.confirm(key, &mut |e| events.push(e));
+    }
+
+    fn ledger_fail(&mut self, key: RequestKey, cause: Cause) {
+        let events = &mut self.events;
+        self.ledger.fail(key, cause, &mut |e| events.push(e));
+    }
+
+    /// Remembers that engine `sender` was counted for the request in `slot`.
+    fn counted(&mut self, slot: usize, sender: u64) {
+        let n = usize::from(self.info[slot].notified);
+        if n < MAX_CONSUMERS {
+            self.notifiers[slot * MAX_CONSUMERS + n] = sender;
+            self.info[slot].notified += 1;
         }
-        self.notifiers[slot * MAX_CONSUMERS + n] = note.sender;
-        self.info[slot].notified += 1;
-        if note.kind == NoteKind::WriteDone {
-            if let Some(&peer) = self.by_instance.get(&note.sender) {
-                self.notify(peer, None, NoteKind::Ack, note.id);
-            }
-        }
+    }
+
+    /// Whether engine `instance` is the peer of one of the request's handles.
+    fn is_party(&self, slot: usize, instance: u64) -> bool {
+        let Some(&peer) = self.by_instance.get(&instance) else {
+            return false;
+        };
+        let base = slot * MAX_HANDLES;
+        (0..self.info[slot].handles as usize).any(|h| self.progress[base + h].peer == peer)
     }
 
     fn on_endpoint_failed(&mut self, ep: Ep) {
@@ -942,28 +1123,34 @@ impl Core {
         });
     }
 
-    /// After events were produced: a finished read tells each of its
-    /// producer engines, once, that it may release its blocks.
+    /// After events were produced: a read or write that ended without
+    /// success tells the engines it was working with, once each, so that
+    /// they stop waiting for it (their lends and receives are released at
+    /// once instead of at their lease's end). The report means quiescence:
+    /// nothing of this request is in flight any more.
     fn after_events(&mut self) {
         while self.scanned < self.events.len() {
-            let i = self.scanned;
+            let ev = self.events[self.scanned];
             self.scanned += 1;
-            let ev = self.events[i];
-            if ev.outcome != Outcome::Finished {
+            if !ev.outcome.is_terminal() {
                 continue;
             }
             let slot = ev.key.slot() as usize;
             let info = self.info[slot];
-            if info.kind != Kind::Read || info.generation != ev.key.generation() {
+            if info.generation != ev.key.generation() {
                 continue;
             }
-            let base = slot * MAX_HANDLES;
-            for h in 0..info.handles as usize {
-                let peer = self.progress[base + h].peer;
-                let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
-                if !dup {
-                    self.notify(peer, None, NoteKind::ReadDone, info.id);
+            if ev.outcome == Outcome::Finished {
+                if info.kind == Kind::Read && !self.cfg.confirm_reads {
+                    // Unconfirmed reads tell their lenders afterwards.
+                    self.each_peer_once(ev.key, NoteKind::ReadDone, false);
                 }
+                continue;
+            }
+            match info.kind {
+                Kind::Read => self.each_peer_once(ev.key, NoteKind::GaveUp, false),
+                Kind::Write { .. } => self.each_peer_once(ev.key, NoteKind::WriteAbandoned, false),
+                _ => {}
             }
         }
     }

@@ -27,6 +27,10 @@ pub enum Cause {
     Shutdown = 8,
     /// The poller thread died; nothing more will happen to the request.
     PollerDied = 9,
+    /// A read's lender answered that its lend was not live when the data
+    /// was read (expired, consumed or unknown): the bytes may be another
+    /// request's. Or a push destination's writer gave up.
+    LeaseLost = 10,
 }
 
 impl Cause {
@@ -41,6 +45,7 @@ impl Cause {
             7 => Cause::PeerStalled,
             8 => Cause::Shutdown,
             9 => Cause::PollerDied,
+            10 => Cause::LeaseLost,
             _ => return None,
         })
     }

@@ -353,6 +353,49 @@ impl Ledger {
         Err(refused)
     }
 
+    /// Request `key` (tracked, just begun, before any of its handles was
+    /// posted) waits for `n` notifications besides its handles: a read, for
+    /// the confirmations of its lenders.
+    pub fn expect(&mut self, key: RequestKey, n: u32) {
+        if self.key_is_live(key) {
+            self.slots.set_expected(key, n);
+        }
+    }
+
+    fn key_is_live(&self, key: RequestKey) -> bool {
+        let st = self.slots.state(key.slot());
+        st.generation() == key.generation() && st.phase() == LIVE
+    }
+
+    /// Confirmations of a read (`count` of them) arrived. Like
+    /// [`Ledger::notify`], for a read.
+    pub fn confirm(
+        &mut self,
+        key: RequestKey,
+        out: &mut impl FnMut(Event),
+    ) -> Result<(), NotifyError> {
+        let st = self.slots.state(key.slot());
+        if st.generation() != key.generation() || st.phase() != LIVE || st.kind() != K_READ {
+            self.slots.count_rejected_notification();
+            return Err(NotifyError::UnknownRequest(RequestId(0)));
+        }
+        self.slots.add_acks(key, 1, out);
+        Ok(())
+    }
+
+    /// Fails live request `key` with `cause` (a lender refused a read, a
+    /// writer gave up): as an abort, but with its own cause. Returns the
+    /// handles still in flight (none, for the callers above).
+    pub fn fail(&mut self, key: RequestKey, cause: Cause, out: &mut impl FnMut(Event)) -> u64 {
+        if !self.key_is_live(key) {
+            return 0;
+        }
+        match self.slots.cancel(key.slot(), cause, out) {
+            Cancelled::Now(_, handles) => handles,
+            _ => 0,
+        }
+    }
+
     /// Extends the lease of write or lend `id` to `until`, never shortening
     /// it. Returns whether a live write or lend had that id; other ids are
     /// ignored (and counted).

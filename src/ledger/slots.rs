@@ -610,7 +610,12 @@ impl Slots {
         };
         let cancel = st.cause();
         match (st.kind(), cancel) {
-            (K_READ | K_PREFIX_HIT, None) if failed == 0 => Some((O_FINISHED, Outcome::Finished)),
+            // A read also waits for its `expected` confirmations (one per
+            // lender that must say its lend was live); a failed one does not.
+            (K_READ | K_PREFIX_HIT, None) if failed == 0 && acked => {
+                Some((O_FINISHED, Outcome::Finished))
+            }
+            (K_READ | K_PREFIX_HIT, None) if failed == 0 => None,
             (K_READ | K_PREFIX_HIT, _) => Some(failure()),
             (K_WRITE, None) if failed == 0 && acked => Some((O_SEND_DONE, Outcome::SendDone)),
             // A failed write is never done; quiescent, nothing reads its
@@ -705,6 +710,14 @@ impl Slots {
             }
         }
         (unposted, in_flight)
+    }
+
+    /// Sets the notifications request `key` waits for (owner only, before
+    /// any of its handles can complete).
+    pub(crate) fn set_expected(&self, key: RequestKey, n: u32) {
+        // Relaxed: read by the owner thread's later publish attempts, and by
+        // other threads through the state word's release sequence.
+        self.slot(key.slot()).expected.store(n, Ordering::Relaxed);
     }
 
     /// Adds `count` notifications to a live request and tries to report it.

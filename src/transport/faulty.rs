@@ -104,8 +104,12 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.flush(ep, token)
     }
 
-    fn send(&mut self, ep: Ep, payload: &[u8], token: u64) -> Result<(), i8> {
-        self.inner.send(ep, payload, token)
+    fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8> {
+        self.inner.send(ep, payload, token, want_reply)
+    }
+
+    fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8> {
+        self.inner.reply(to, payload, token)
     }
 
     fn close(&mut self, ep: Ep) {

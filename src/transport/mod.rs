@@ -89,7 +89,13 @@ pub enum TransportEvent<'a> {
         status: i8,
     },
     /// A notification arrived (the payload is unchecked outside bytes).
-    Message(&'a [u8]),
+    Message {
+        /// The payload.
+        payload: &'a [u8],
+        /// Where an answer goes ([`Transport::reply`]), if the sender asked
+        /// for one: valid until the transport's next `progress`.
+        reply: Option<u32>,
+    },
     /// An endpoint failed (peer gone, link down).
     EndpointFailed {
         /// Which endpoint.
@@ -125,8 +131,14 @@ pub trait Transport {
     /// the endpoint's current, open generation.
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8>;
 
-    /// Sends a notification to `ep`'s peer, completing with `token`.
-    fn send(&mut self, ep: Ep, payload: &[u8], token: u64) -> Result<(), i8>;
+    /// Sends a notification to `ep`'s peer, completing with `token`; with
+    /// `want_reply` the receiver can answer it ([`Transport::reply`]) even
+    /// if it never added this engine as a peer.
+    fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8>;
+
+    /// Answers a received message (its `reply` handle, before the next
+    /// `progress`), completing with `token`.
+    fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8>;
 
     /// Force-closes endpoint generation `ep` if it is the open one: every
     /// operation outstanding on it completes with [`CANCELED`]. Remote keys

@@ -110,7 +110,7 @@ enum OpKind {
         region: usize,
     },
     Flush,
-    Send(Vec<u8>),
+    Send(Vec<u8>, bool),
 }
 
 #[derive(Debug, Clone)]
@@ -131,9 +131,19 @@ struct Op {
 
 #[derive(Debug, Clone)]
 enum Ev {
-    Completion { token: u64, status: i8 },
-    Message(Vec<u8>),
-    EndpointFailed { ep: Ep, status: i8 },
+    Completion {
+        token: u64,
+        status: i8,
+    },
+    Message {
+        bytes: Vec<u8>,
+        /// The sending node, when it asked for answers.
+        reply: Option<u32>,
+    },
+    EndpointFailed {
+        ep: Ep,
+        status: i8,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -320,7 +330,7 @@ impl SimNet {
     fn ready(&self, op: &Op) -> bool {
         let t = &self.nodes[op.target];
         match op.kind {
-            OpKind::Send(_) => true,
+            OpKind::Send(..) => true,
             _ => op.status != 0 || t.dead || !t.paused || self.cfg.shm,
         }
     }
@@ -395,7 +405,7 @@ impl SimNet {
             o.owner == op.owner
                 && o.peer == op.peer
                 && o.generation == op.generation
-                && !matches!(o.kind, OpKind::Send(_))
+                && !matches!(o.kind, OpKind::Send(..))
                 && (!o.completed || o.data_at.is_some())
         })
     }
@@ -448,9 +458,12 @@ impl SimNet {
         if op.data_at.is_none() {
             self.ops.remove(&id);
         }
-        if let OpKind::Send(bytes) = op.kind {
+        if let OpKind::Send(bytes, wants_reply) = op.kind {
             if op.status == 0 && !self.nodes[op.target].dead {
-                self.nodes[op.target].events.push_back(Ev::Message(bytes));
+                let reply = wants_reply.then_some(op.owner as u32);
+                self.nodes[op.target]
+                    .events
+                    .push_back(Ev::Message { bytes, reply });
             }
         }
         if !self.nodes[op.owner].dead {
@@ -655,7 +668,7 @@ impl Transport for SimTransport<'_> {
         Ok(())
     }
 
-    fn send(&mut self, ep: Ep, payload: &[u8], token: u64) -> Result<(), i8> {
+    fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8> {
         let node = self.node;
         let target = self.net.conn(node, ep, true)?;
         self.net.push_op(Op {
@@ -664,7 +677,29 @@ impl Transport for SimTransport<'_> {
             peer: ep.peer,
             generation: ep.generation,
             token,
-            kind: OpKind::Send(payload.to_vec()),
+            kind: OpKind::Send(payload.to_vec(), want_reply),
+            data_at: None,
+            done_at: Nanos(0),
+            status: 0,
+            completed: false,
+        });
+        Ok(())
+    }
+
+    fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8> {
+        let target = to as usize;
+        if target >= self.net.nodes.len() || self.net.nodes[target].dead {
+            return Err(crate::transport::ENDPOINT_TIMEOUT);
+        }
+        // Answers travel on the sender's own connection, which no close of
+        // ours names: an endpoint id no peer has.
+        self.net.push_op(Op {
+            owner: self.node,
+            target,
+            peer: PeerId(u32::MAX),
+            generation: u32::MAX,
+            token,
+            kind: OpKind::Send(payload.to_vec(), false),
             data_at: None,
             done_at: Nanos(0),
             status: 0,
@@ -689,7 +724,10 @@ impl Transport for SimTransport<'_> {
                 Ev::Completion { token, status } => {
                     sink(TransportEvent::Completion { token, status })
                 }
-                Ev::Message(bytes) => sink(TransportEvent::Message(&bytes)),
+                Ev::Message { bytes, reply } => sink(TransportEvent::Message {
+                    payload: &bytes,
+                    reply,
+                }),
                 Ev::EndpointFailed { ep, status } => {
                     sink(TransportEvent::EndpointFailed { ep, status })
                 }

@@ -291,36 +291,25 @@ impl Endpoint {
         self.send_am(id, payload, token, sys::UCP_AM_SEND_FLAG_RNDV)
     }
 
-    fn send_am(&self, id: u16, payload: &[u8], token: u64, flag: u32) -> Result<(), UcxError> {
-        if payload.len() > MAX_AM_PAYLOAD {
-            return Err(UcxError::MessageTooLong(payload.len()));
-        }
+    /// Sends an eager active message asking for a reply: the receiver may
+    /// answer through [`Worker::reply`] without an endpoint of its own.
+    pub fn send_active_message_with_reply(
+        &self,
+        id: u16,
+        payload: &[u8],
+        token: u64,
+    ) -> Result<(), UcxError> {
+        self.send_am(
+            id,
+            payload,
+            token,
+            sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
+        )
+    }
+
+    fn send_am(&self, id: u16, payload: &[u8], token: u64, flags: u32) -> Result<(), UcxError> {
         let ep = self.inner.live_handle()?;
-        let sink = &*self.inner.worker.sink;
-        let (buffer, data) = sink.take_send_buffer(payload);
-        let mut params = request::params(sink, ptr::null_mut());
-        params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
-        params.flags = flag;
-        // SAFETY: ep is live; the send buffer stays allocated and untouched
-        // until the completion gives it back; params point at the sink.
-        let ret = unsafe {
-            sys::ucp_am_send_nbx(
-                ep,
-                id.into(),
-                ptr::null(),
-                0,
-                data as *const c_void,
-                payload.len(),
-                &params,
-            )
-        };
-        request::finish(sink, ret, token, buffer).map_err(|status| {
-            sink.return_send_buffer(buffer);
-            UcxError::Call {
-                op: "ucp_am_send_nbx",
-                status,
-            }
-        })
+        send_am_on(&self.inner.worker, ep, id, payload, token, flags)
     }
 
     /// Force-closes the endpoint: UCX completes every outstanding operation
@@ -340,6 +329,47 @@ impl Endpoint {
             status,
         })
     }
+}
+
+/// Sends `payload` (copied into a send buffer that lives until the send
+/// completes) as an active message to `id` on raw endpoint `ep` of `worker`.
+pub(crate) fn send_am_on(
+    worker: &WorkerInner,
+    ep: sys::ucp_ep_h,
+    id: u16,
+    payload: &[u8],
+    token: u64,
+    flags: u32,
+) -> Result<(), UcxError> {
+    if payload.len() > MAX_AM_PAYLOAD {
+        return Err(UcxError::MessageTooLong(payload.len()));
+    }
+    let sink = &*worker.sink;
+    let (buffer, data) = sink.take_send_buffer(payload);
+    let mut params = request::params(sink, ptr::null_mut());
+    params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+    params.flags = flags;
+    // SAFETY: the caller passes a live endpoint of `worker`; the send buffer
+    // stays allocated and untouched until the completion gives it back;
+    // params point at the worker's sink.
+    let ret = unsafe {
+        sys::ucp_am_send_nbx(
+            ep,
+            id.into(),
+            ptr::null(),
+            0,
+            data as *const c_void,
+            payload.len(),
+            &params,
+        )
+    };
+    request::finish(sink, ret, token, buffer).map_err(|status| {
+        sink.return_send_buffer(buffer);
+        UcxError::Call {
+            op: "ucp_am_send_nbx",
+            status,
+        }
+    })
 }
 
 #[derive(Clone, Copy)]

@@ -296,10 +296,20 @@ impl Transport for UcxTransport {
         }
     }
 
-    fn send(&mut self, ep: Ep, payload: &[u8], token: u64) -> Result<(), i8> {
+    fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8> {
         let conn = self.conn(ep)?;
-        conn.ep
-            .send_active_message(NOTIFY_AM_ID, payload, token)
+        let sent = if want_reply {
+            conn.ep
+                .send_active_message_with_reply(NOTIFY_AM_ID, payload, token)
+        } else {
+            conn.ep.send_active_message(NOTIFY_AM_ID, payload, token)
+        };
+        sent.map_err(|e| status_of(&e))
+    }
+
+    fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8> {
+        self.worker
+            .reply(to, NOTIFY_AM_ID, payload, token)
             .map_err(|e| status_of(&e))
     }
 
@@ -328,8 +338,12 @@ impl Transport for UcxTransport {
             });
         }
         self.completions.clear();
-        self.worker
-            .take_active_messages(|m| sink(TransportEvent::Message(m.payload)));
+        self.worker.take_active_messages(|m| {
+            sink(TransportEvent::Message {
+                payload: m.payload,
+                reply: m.reply,
+            })
+        });
         self.worker.take_endpoint_failures(&mut self.failures);
         for f in self.failures.drain(..) {
             sink(TransportEvent::EndpointFailed {

@@ -35,6 +35,9 @@ pub struct ActiveMessage<'a> {
     pub id: u16,
     /// Its payload.
     pub payload: &'a [u8],
+    /// Where to answer it with [`Worker::reply`], if the sender asked for
+    /// answers: valid until the next [`Worker::progress`].
+    pub reply: Option<u32>,
 }
 
 /// Where callbacks leave what they saw. One per worker, boxed so that its
@@ -46,7 +49,14 @@ pub(crate) struct Sink {
     completions: RefCell<Vec<Completion>>,
     failures: RefCell<Vec<EndpointFailure>>,
     am_bytes: RefCell<Vec<u8>>,
-    am_index: RefCell<Vec<(u16, usize, usize)>>,
+    am_index: RefCell<Vec<AmEntry>>,
+    /// Reply endpoints of the messages received since the last progress
+    /// (UCX's own endpoints; a handle is never kept past the next progress,
+    /// which could destroy it).
+    am_reply: RefCell<Vec<sys::ucp_ep_h>>,
+    /// Bumped at every progress: reply handles carry it, so a stale one is
+    /// refused instead of reaching a destroyed endpoint.
+    am_epoch: Cell<u16>,
     am_rejected: Cell<u64>,
     // Boxed: UCX keeps each handler's address as its callback argument, so
     // it must not move when the list grows.
@@ -55,6 +65,10 @@ pub(crate) struct Sink {
     send_buffers: RefCell<Vec<Box<[u8]>>>,
     free_buffers: RefCell<Vec<u32>>,
 }
+
+/// A received message in the sink: its id, where its bytes are in
+/// `am_bytes` (start, length), and its reply handle.
+type AmEntry = (u16, usize, usize, Option<u32>);
 
 pub(crate) struct AmHandler {
     sink: *const Sink,
@@ -137,7 +151,18 @@ unsafe extern "C" fn am_callback(
         let mut store = sink.am_bytes.borrow_mut();
         let start = store.len();
         store.extend_from_slice(bytes);
-        sink.am_index.borrow_mut().push((handler.id, start, length));
+        let reply = if attr & u64::from(sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0
+            && !(*param).reply_ep.is_null()
+        {
+            let mut eps = sink.am_reply.borrow_mut();
+            eps.push((*param).reply_ep);
+            Some(u32::from(sink.am_epoch.get()) << 16 | (eps.len() - 1) as u32)
+        } else {
+            None
+        };
+        sink.am_index
+            .borrow_mut()
+            .push((handler.id, start, length, reply));
         // UCS_OK: we copied the data, UCX may release it.
         sys::ucs_status_t::UCS_OK
     }
@@ -181,6 +206,8 @@ impl Worker {
             failures: RefCell::new(Vec::new()),
             am_bytes: RefCell::new(Vec::with_capacity(16 * 1024)),
             am_index: RefCell::new(Vec::with_capacity(256)),
+            am_reply: RefCell::new(Vec::with_capacity(256)),
+            am_epoch: Cell::new(0),
             am_rejected: Cell::new(0),
             am_handlers: RefCell::new(Vec::new()),
             send_buffers: RefCell::new(Vec::new()),
@@ -215,8 +242,37 @@ impl Worker {
     /// (0 means nothing happened). Completion callbacks run in here.
     #[inline]
     pub fn progress(&self) -> u32 {
+        let sink = &self.inner.sink;
+        if !sink.am_reply.borrow().is_empty() {
+            sink.am_reply.borrow_mut().clear();
+            sink.am_epoch.set(sink.am_epoch.get().wrapping_add(1));
+        }
         // SAFETY: the worker is live and used only from this thread.
         unsafe { sys::ucp_worker_progress(self.inner.handle) }
+    }
+
+    /// Answers a message received since the last progress (its
+    /// [`ActiveMessage::reply`]) with an eager active message to `id`.
+    pub fn reply(&self, to: u32, id: u16, payload: &[u8], token: u64) -> Result<(), UcxError> {
+        let sink = &self.inner.sink;
+        let ep = {
+            let eps = sink.am_reply.borrow();
+            let fresh = (to >> 16) as u16 == sink.am_epoch.get();
+            match eps.get((to & 0xffff) as usize) {
+                Some(&ep) if fresh => ep,
+                _ => return Err(UcxError::EndpointClosed(None)),
+            }
+        };
+        // The endpoint is UCX's, alive until the next progress (none ran
+        // since the message arrived).
+        super::endpoint::send_am_on(
+            &self.inner,
+            ep,
+            id,
+            payload,
+            token,
+            sys::UCP_AM_SEND_FLAG_EAGER,
+        )
     }
 
     /// Moves the completions seen so far into `out` (appended). Keeps the
@@ -260,10 +316,11 @@ impl Worker {
         let sink = &self.inner.sink;
         let mut index = sink.am_index.borrow_mut();
         let mut bytes = sink.am_bytes.borrow_mut();
-        for &(id, start, len) in index.iter() {
+        for &(id, start, len, reply) in index.iter() {
             f(ActiveMessage {
                 id,
                 payload: &bytes[start..start + len],
+                reply,
             });
         }
         index.clear();

@@ -1,0 +1,199 @@
+//! Issue 11 over real UCX (tcp, one process): a read finishes only if its
+//! lend was live for the whole read. The lender answers each reader's
+//! question; a lend that expired (and whose blocks the lender's engine got
+//! back and reused) is refused, and the read fails naming its blocks — it
+//! never finishes with another request's bytes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use kvpoll::engine::{Engine, LendTo, Outcomes, Transfer};
+use kvpoll::ledger::{BlockId, Cause, RequestId};
+use kvpoll::transport::ucx::ContextOptions;
+
+use common::pattern;
+
+const BS: u64 = 4096;
+const BLOCKS: u64 = 16;
+const GUARD: Duration = Duration::from_secs(10);
+
+fn engine() -> Engine {
+    let mut e = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .build()
+        .expect("engine");
+    e.register(BLOCKS).unwrap();
+    e
+}
+
+fn fill(e: &Engine, seed: u64, block: u32) {
+    let mut buf = vec![0u8; BS as usize];
+    pattern::fill(seed, u64::from(block), &mut buf);
+    e.write_block(0, BlockId(block), &buf).unwrap();
+}
+
+fn holds(e: &Engine, block: u32, seed: u64, remote: u32) -> bool {
+    let mut buf = vec![0u8; BS as usize];
+    e.read_block(0, BlockId(block), &mut buf).unwrap();
+    pattern::check(seed, u64::from(remote), &buf)
+}
+
+fn wait(e: &mut Engine, out: &mut Outcomes, what: &str, done: impl Fn(&Outcomes) -> bool) {
+    let t = Instant::now();
+    loop {
+        e.poll(out);
+        if done(out) {
+            return;
+        }
+        assert!(t.elapsed() < GUARD, "timed out waiting for {what}: {out:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_read_of_a_live_lend_is_confirmed_and_finishes_with_the_lenders_bytes() {
+    let mut p = engine();
+    let mut d = engine();
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    fill(&p, 1, 3);
+    let id = RequestId(1);
+    p.lend(id, &[BlockId(3)], LendTo::Readers(1), GUARD)
+        .unwrap();
+    d.read(
+        id,
+        &[Transfer {
+            peer,
+            local: &[BlockId(5)],
+            remote: &[BlockId(3)],
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait(&mut d, &mut out, "the read", |o| {
+        !o.finished_recving.is_empty()
+    });
+    assert_eq!(out.finished_recving, vec![id]);
+    assert!(holds(&d, 5, 1, 3));
+    let mut pout = Outcomes::default();
+    wait(&mut p, &mut pout, "the release", |o| {
+        !o.finished_sending.is_empty()
+    });
+    assert_eq!(pout.finished_sending, vec![id]);
+}
+
+/// The reader's poller stalls right after posting its read (as a paused
+/// decode process would); the lease runs out meanwhile, the lender's engine
+/// gets its block back and fills it with another request's KV. When the
+/// reader resumes, its get lands those new bytes; the lender refuses the
+/// read, and it fails `LeaseLost`, naming its blocks. Checked on arrival and
+/// again when the block is reused.
+#[test]
+fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
+    let mut p = engine();
+    let mut d = engine();
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    // Wire the endpoint up first (a read of a live lend).
+    fill(&p, 1, 0);
+    p.lend(RequestId(9), &[BlockId(0)], LendTo::Readers(1), GUARD)
+        .unwrap();
+    d.read(
+        RequestId(9),
+        &[Transfer {
+            peer,
+            local: &[BlockId(0)],
+            remote: &[BlockId(0)],
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait(&mut d, &mut out, "the warm-up read", |o| {
+        !o.finished_recving.is_empty()
+    });
+
+    let id = RequestId(10);
+    fill(&p, 10, 4);
+    p.lend(
+        id,
+        &[BlockId(4)],
+        LendTo::Readers(1),
+        Duration::from_millis(200),
+    )
+    .unwrap();
+    d.read(
+        id,
+        &[Transfer {
+            peer,
+            local: &[BlockId(6)],
+            remote: &[BlockId(4)],
+        }],
+    )
+    .unwrap();
+    d.stall(Duration::from_millis(1_000)).unwrap();
+    // The lend expires; the lender's engine reuses the block for request 11.
+    let mut pout = Outcomes::default();
+    wait(&mut p, &mut pout, "the lend's expiry", |o| {
+        o.expired.contains(&id)
+    });
+    fill(&p, 11, 4);
+    let mut out = Outcomes::default();
+    wait(&mut d, &mut out, "the read's report", |o| {
+        !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
+    });
+    assert!(
+        out.finished_recving.is_empty(),
+        "a read finished although its lend expired before it was confirmed \
+         (block 6 holds request {}'s bytes)",
+        if holds(&d, 6, 11, 4) { 11 } else { 10 }
+    );
+    assert_eq!(out.failed_recving.len(), 1);
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::LeaseLost);
+    assert_eq!(out.blocks_of(&out.failed_recving[0]), &[BlockId(6)]);
+    // Reused by the lender, the block holds the new request's bytes.
+    assert!(holds(&p, 4, 11, 4));
+}
+
+/// A read that fails tells its lenders at once (once it stopped), so a
+/// lender does not hold its blocks for the rest of a long lease.
+#[test]
+fn a_failed_read_releases_its_lenders_blocks_at_once() {
+    let mut a = engine();
+    let mut d = engine();
+    let to_a = d.add_peer(&a.local_metadata().unwrap()).unwrap();
+    let gone = d.add_peer(&engine().local_metadata().unwrap()).unwrap();
+    d.remove_peer(gone).unwrap();
+    let id = RequestId(20);
+    a.lend(
+        id,
+        &[BlockId(1)],
+        LendTo::Readers(1),
+        Duration::from_secs(600),
+    )
+    .unwrap();
+    d.read(
+        id,
+        &[
+            Transfer {
+                peer: to_a,
+                local: &[BlockId(1)],
+                remote: &[BlockId(1)],
+            },
+            Transfer {
+                peer: gone,
+                local: &[BlockId(2)],
+                remote: &[BlockId(2)],
+            },
+        ],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait(&mut d, &mut out, "the failure", |o| {
+        !o.failed_recving.is_empty()
+    });
+    let mut aout = Outcomes::default();
+    wait(&mut a, &mut aout, "the early release", |o| {
+        !o.finished_sending.is_empty()
+    });
+    assert_eq!(aout.finished_sending, vec![id]);
+}
