@@ -232,6 +232,9 @@ impl KvpollSide {
         let mut engine = Engine::builder()
             .block_size(cfg.block_size)
             .ucx(ContextOptions::with_transports(&cfg.tls))
+            // The peer serves its blocks without lending them per request,
+            // as the raw loop reads them: no lender to confirm.
+            .confirm_reads(false)
             .build()?;
         engine.register(local_blocks)?;
         let peer = engine.add_peer(metadata)?;
