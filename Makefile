@@ -4,10 +4,12 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 PKGS := libucx-dev libhwloc-dev libudev-dev libclang-dev pkg-config
+# For tests only: promtool (package prometheus) validates the metrics text.
+TEST_PKGS := prometheus
 # Engine tests drive busy-poll threads: keep them from starving a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: deps demo test loom bench fmt clippy
+.PHONY: deps test-deps demo test loom bench fmt clippy
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -15,7 +17,10 @@ deps:
 demo: deps
 	$(CARGO) run --release -p kvpoll-cli --bin kvpoll -- demo
 
-test: deps
+test-deps:
+	@./scripts/deps.sh $(PKGS) --test $(TEST_PKGS)
+
+test: test-deps
 	TEST_THREADS=$(TEST_THREADS) ./scripts/test.sh
 
 # loom explores every interleaving of the bitmap-and-publish protocol. It uses

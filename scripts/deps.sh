@@ -1,7 +1,45 @@
 #!/usr/bin/env bash
 # Installs the system packages kvpoll builds against, if they are missing.
-# Usage: scripts/deps.sh PKG...
+# Usage: scripts/deps.sh PKG... [--test PKG...]
+# Packages after --test are for tests only (prometheus: promtool validates
+# the metrics exposition); they are installed when missing, best effort: a
+# test that needs one says so and skips that check.
 set -euo pipefail
+
+build=()
+test_only=()
+for arg in "$@"; do
+    case "$arg" in
+        --test) mode=test ;;
+        *) if [ "${mode:-build}" = test ]; then test_only+=("$arg"); else build+=("$arg"); fi ;;
+    esac
+done
+set -- "${build[@]}"
+
+# Test-only packages, each with the command that shows it is there.
+install_test_packages() {
+    local missing=()
+    for pkg in "${test_only[@]}"; do
+        case "$pkg" in
+            prometheus) command -v promtool >/dev/null 2>&1 || missing+=("$pkg") ;;
+            *) dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg") ;;
+        esac
+    done
+    [ "${#missing[@]}" -eq 0 ] && return 0
+    local sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null 2>&1 && sudo="sudo"
+    fi
+    if ! command -v apt-get >/dev/null 2>&1 || { [ "$(id -u)" -ne 0 ] && [ -z "$sudo" ]; }; then
+        echo "note: tests would also use: ${missing[*]} (not installed)" >&2
+        return 0
+    fi
+    echo "Installing (tests): ${missing[*]}"
+    $sudo apt-get update -qq || true
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
+        echo "note: could not install ${missing[*]}; the checks that need them are skipped" >&2
+}
+trap install_test_packages EXIT
 
 have_all() {
     command -v pkg-config >/dev/null 2>&1 || return 1

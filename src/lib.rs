@@ -8,7 +8,8 @@
 //! [`Engine::poll`]. The modules hold the rest: [`engine`] (fault injection,
 //! the API's details), [`ledger`] (the sans-IO request ledger the engine is
 //! built on), [`placement`] (core maps, topology, pinning), [`metadata`]
-//! (what peers exchange), [`transport`] (the safe UCX layer and a seeded
+//! (what peers exchange), [`metrics`] (a snapshot and its Prometheus
+//! exposition), [`transport`] (the safe UCX layer and a seeded
 //! simulator).
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -20,6 +21,7 @@ pub mod engine;
 pub mod gpu;
 pub mod ledger;
 pub mod metadata;
+pub mod metrics;
 /// Consumer notifications on the wire: internal, public for the tests that
 /// send malformed ones.
 #[doc(hidden)]

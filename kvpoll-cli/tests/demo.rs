@@ -69,11 +69,24 @@ fn demo_with_rank_processes_survives_a_killed_and_restarted_rank() {
 fn eager_policy_corrupts_blocks_where_the_safe_policy_does_not() {
     let mut eager = vec!["demo", "--ranks", "threads", "--policy", "eager"];
     eager.extend_from_slice(DENSE);
-    let (code, json) = kvpoll(&eager);
-    assert_eq!(code, Some(0), "the eager run itself must complete: {json}");
+    // Corruption under the eager policy needs a sibling transfer to land
+    // after the blocks were reused: a race that a heavily loaded machine
+    // sometimes schedules away. One corrupting run of a few proves the
+    // checker can fail; every run must complete.
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let (code, json) = kvpoll(&eager);
+        assert_eq!(code, Some(0), "the eager run itself must complete: {json}");
+        let corrupted = sum(&json, "corrupted_blocks");
+        runs.push(json);
+        if corrupted > 0 {
+            break;
+        }
+    }
     assert!(
-        sum(&json, "corrupted_blocks") > 0,
-        "the eager policy corrupted nothing, so the checker proves nothing: {json}"
+        runs.iter().any(|j| sum(j, "corrupted_blocks") > 0),
+        "the eager policy corrupted nothing in {} runs, so the checker proves nothing: {runs:?}",
+        runs.len()
     );
     let mut safe = vec!["demo", "--ranks", "threads", "--policy", "safe"];
     safe.extend_from_slice(DENSE);

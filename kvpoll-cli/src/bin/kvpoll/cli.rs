@@ -163,6 +163,11 @@ pub struct ServeArgs {
     /// Every N-th handle fails with a transfer error (0: never).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub handle_error_every: u32,
+    /// Serve the engine's metrics over HTTP at this address (GET /metrics,
+    /// Prometheus text or OpenMetrics; port 0: any free port, printed as
+    /// `METRICS addr`). Off by default.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// `kvpoll connect`.

@@ -5,6 +5,7 @@
 mod bench;
 mod cli;
 mod demo;
+mod metrics_http;
 mod peer;
 mod plot;
 mod topo;

@@ -168,6 +168,7 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         // Shorter than the decode side's lend lease: a producer's failed
         // writes are force-closed before the consumer frees their target.
         lease: Duration::from_secs(2),
+        metrics: None,
         faults: Faults {
             handle_error_every: if s.faults {
                 s.handle_error_every * 2
@@ -573,6 +574,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
             handle_error_every: args.handle_error_every,
             ..Faults::default()
         },
+        metrics: args.metrics.map(|_| Arc::default()),
     };
     let listener = TcpListener::bind(listen)
         .map_err(|e| CliError::Failed(format!("listening on {listen}: {e}")))?;
@@ -580,6 +582,11 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         .local_addr()
         .map_err(|e| CliError::Failed(e.to_string()))?;
     println!("LISTEN {addr}");
+    if let (Some(at), Some(snapshot)) = (args.metrics, &cfg.metrics) {
+        let bound = crate::metrics_http::start(at, snapshot.clone())
+            .map_err(|e| CliError::Failed(format!("--metrics {at}: {e}")))?;
+        println!("METRICS {bound}");
+    }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
     // Serve until standard input closes (the parent went away).

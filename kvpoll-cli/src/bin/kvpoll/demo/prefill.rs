@@ -6,10 +6,11 @@ use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use kvpoll::engine::Faults;
+use kvpoll::metrics::MetricsSnapshot;
 use kvpoll::{
     BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
 };
@@ -28,7 +29,13 @@ pub struct ServeConfig {
     /// Lease of a lend or a push.
     pub lease: Duration,
     pub faults: Faults,
+    /// Where to publish the engine's metrics (`serve --metrics`), about
+    /// every 100 ms.
+    pub metrics: Option<Arc<Mutex<MetricsSnapshot>>>,
 }
+
+/// How often a serving rank refreshes its published metrics.
+const METRICS_EVERY: Duration = Duration::from_millis(100);
 
 struct Conn {
     stream: TcpStream,
@@ -39,6 +46,8 @@ struct Held {
     blocks: Vec<BlockId>,
     /// The connection to answer for a push.
     push_conn: Option<usize>,
+    /// When the lend or write was submitted.
+    since: Instant,
 }
 
 /// Serves decode ranks on `listener` until `stop` is set.
@@ -82,7 +91,17 @@ pub fn serve(
     let mut out = Outcomes::default();
     let mut buf = vec![0u8; cfg.block_size as usize];
     let mut alloc = Vec::new();
+    // Outcomes and latencies seen here; the engine's own counters are read
+    // at each refresh.
+    let mut tally = MetricsSnapshot::default();
+    let mut published: Option<Instant> = None;
     while !stop.load(Ordering::Acquire) {
+        if let Some(m) = &cfg.metrics {
+            if published.is_none_or(|t| t.elapsed() >= METRICS_EVERY) {
+                publish(&engine, &tally, m);
+                published = Some(Instant::now());
+            }
+        }
         // Everything that arrived, then the engine; wait a little only when
         // there was nothing.
         let mut first = rx.recv_timeout(Duration::from_micros(500)).ok();
@@ -119,6 +138,7 @@ pub fn serve(
         }
         out.clear();
         engine.poll(&mut out);
+        tally.count(&out);
         // Done, or not (expired, failed): either way the source blocks are
         // free again.
         let failed = out.failed_sending.iter().map(|f| f.id);
@@ -131,6 +151,11 @@ pub fn serve(
             .map(|id| (id, false));
         for (id, done) in done.chain(not_done) {
             if let Some(h) = held.remove(&id.0) {
+                let ns = u64::try_from(h.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                match h.push_conn {
+                    Some(_) => tally.latency.write.record(ns),
+                    None => tally.latency.lend.record(ns),
+                }
                 pool.release(&h.blocks);
                 if let Some(tag) = h.push_conn {
                     if let Some(c) = conns.get_mut(&tag) {
@@ -142,6 +167,16 @@ pub fn serve(
     }
     engine.shutdown();
     Ok(())
+}
+
+/// The engine's counters with this rank's tally of outcomes and latencies.
+fn publish(engine: &Engine, tally: &MetricsSnapshot, to: &Mutex<MetricsSnapshot>) {
+    let mut snap = engine.metrics();
+    snap.requests = tally.requests;
+    snap.handle_failures = tally.handle_failures;
+    snap.latency = tally.latency;
+    // A poisoned lock only means a scrape panicked: the data is still whole.
+    *to.lock().unwrap_or_else(|p| p.into_inner()) = snap;
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -177,6 +212,7 @@ fn handle(
                         Held {
                             blocks: alloc.clone(),
                             push_conn: None,
+                            since: Instant::now(),
                         },
                     );
                     Some(Msg::Ready {
@@ -212,6 +248,7 @@ fn handle(
                         Held {
                             blocks: alloc.clone(),
                             push_conn: Some(tag),
+                            since: Instant::now(),
                         },
                     );
                     None
