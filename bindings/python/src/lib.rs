@@ -273,10 +273,19 @@ fn bytes_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
             "{what} must be bytes, not str"
         )));
     }
-    let converted = obj.py().get_type::<PyBytes>().call1((obj,)).map_err(|_| {
-        PyTypeError::new_err(format!("{what} must be bytes-like, not {}", type_name(obj)))
-    })?;
-    Ok(converted.downcast::<PyBytes>()?.as_bytes().to_vec())
+    // Any other buffer (bytearray, memoryview, numpy...), through
+    // memoryview: `bytes(12)` would make 12 zero bytes of an int.
+    let view = obj
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,))
+        .map_err(|_| {
+            PyTypeError::new_err(format!("{what} must be bytes-like, not {}", type_name(obj)))
+        })?;
+    let copied = view.call_method0("tobytes")?;
+    view.call_method0("release")?;
+    Ok(copied.downcast::<PyBytes>()?.as_bytes().to_vec())
 }
 
 // ----------------------------------------------------------- request ids
