@@ -13,6 +13,7 @@
 //! - the GIL released around every call that waits for the poller thread.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError, PyValueError};
@@ -419,7 +420,10 @@ impl Transfer {
 /// informational (the request is reported later, when every sibling
 /// handle stopped). ``len(result)`` counts the reports; an empty result is
 /// false.
-#[pyclass(module = "kvpoll")]
+///
+/// A poll with nothing new returns one shared empty result, whose
+/// attributes are new empty containers at every access.
+#[pyclass(module = "kvpoll", frozen)]
 #[derive(Default)]
 struct PollResult {
     recving: Vec<PyObject>,
@@ -427,23 +431,31 @@ struct PollResult {
     expired: Vec<PyObject>,
     failed: Vec<(PyObject, Vec<u32>, Reason)>,
     handle_failures: Vec<(PyObject, u8, Reason)>,
-    /// The Python objects handed out, built on first access.
-    cache: [Option<PyObject>; 6],
+    /// The Python objects handed out, built on first access (so that
+    /// `r.finished_recving is r.finished_recving`).
+    cache: [OnceLock<PyObject>; 6],
 }
 
 impl PollResult {
     fn cached(
-        &mut self,
+        &self,
         py: Python<'_>,
         slot: usize,
         make: impl FnOnce(&Self, Python<'_>) -> PyResult<PyObject>,
     ) -> PyResult<PyObject> {
-        if let Some(o) = &self.cache[slot] {
+        if self.count() == 0 {
+            return make(self, py);
+        }
+        if let Some(o) = self.cache[slot].get() {
             return Ok(o.clone_ref(py));
         }
         let o = make(self, py)?;
-        self.cache[slot] = Some(o.clone_ref(py));
-        Ok(o)
+        // Another thread may have filled the slot meanwhile: hand out the
+        // one that stays.
+        Ok(match self.cache[slot].set(o.clone_ref(py)) {
+            Ok(()) => o,
+            Err(_) => self.cache[slot].get().map_or(o, |kept| kept.clone_ref(py)),
+        })
     }
 
     fn set_of(py: Python<'_>, ids: &[PyObject]) -> PyResult<PyObject> {
@@ -463,28 +475,28 @@ impl PollResult {
 impl PollResult {
     /// Reads (and push destinations) whose data is all here: ``set`` of ids.
     #[getter]
-    fn finished_recving(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+    fn finished_recving(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 0, |s, py| Self::set_of(py, &s.recving))
     }
 
     /// Writes every consumer acknowledged, and lends every reader notified:
     /// their source blocks are free. ``set`` of ids.
     #[getter]
-    fn finished_sending(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+    fn finished_sending(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 1, |s, py| Self::set_of(py, &s.sending))
     }
 
     /// Writes and lends whose lease ended first: their blocks are free, the
     /// transfer is not done. ``set`` of ids.
     #[getter]
-    fn expired(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+    fn expired(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 2, |s, py| Self::set_of(py, &s.expired))
     }
 
     /// Receives that failed, reported once every handle stopped: ``dict``
     /// of id -> list of local block ids whose contents are invalid.
     #[getter]
-    fn failed_recving(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+    fn failed_recving(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 3, |s, py| {
             let d = PyDict::new(py);
             for (id, blocks, _) in &s.failed {
@@ -499,7 +511,7 @@ impl PollResult {
     /// ``"transfer"``, ``"peer_lost"``, ``"deadline"``, ``"aborted"``...) and
     /// the transport's status code (0 when none).
     #[getter]
-    fn failure_reasons(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+    fn failure_reasons(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 4, |s, py| {
             let d = PyDict::new(py);
             for (id, _, reason) in &s.failed {
@@ -513,7 +525,7 @@ impl PollResult {
     /// failed handle (its index in the request's handles). The request
     /// itself is reported later, once every sibling handle stopped.
     #[getter]
-    fn handle_failures(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+    fn handle_failures(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 5, |s, py| {
             let l = PyList::empty(py);
             for (id, handle, reason) in &s.handle_failures {
@@ -527,7 +539,7 @@ impl PollResult {
         self.count()
     }
 
-    fn __repr__(&mut self, py: Python<'_>) -> PyResult<String> {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let parts = [
             ("finished_recving", self.finished_recving(py)?),
             ("finished_sending", self.finished_sending(py)?),
@@ -606,6 +618,8 @@ struct Engine {
     spans: Vec<Span>,
     keys: Vec<RequestId>,
     shut_down: bool,
+    /// What a poll with nothing new returns (no allocation).
+    empty: Py<PollResult>,
     /// ctypes views of buffers registered with `register_buffer`: each
     /// holds its buffer exported (so it cannot move or be freed) until the
     /// engine is gone.
@@ -779,6 +793,7 @@ impl Engine {
             spans: Vec::new(),
             keys: Vec::new(),
             shut_down: false,
+            empty: Py::new(py, PollResult::default())?,
             views: Vec::new(),
         })
     }
@@ -1025,13 +1040,13 @@ impl Engine {
 
     /// Collects what happened since the last poll (see ``PollResult``).
     /// Cheap when nothing happened: call it every engine step.
-    fn poll(&mut self, py: Python<'_>) -> PyResult<PollResult> {
+    fn poll(&mut self, py: Python<'_>) -> PyResult<Py<PollResult>> {
         self.out.clear();
         self.inner.get().poll(&mut self.out);
-        let mut r = PollResult::default();
         if self.out.is_empty() {
-            return Ok(r);
+            return Ok(self.empty.clone_ref(py));
         }
+        let mut r = PollResult::default();
         let out = std::mem::take(&mut self.out);
         // Informational first: a request may fail and be reported in the
         // same poll, after which its id is forgotten.
@@ -1053,7 +1068,7 @@ impl Engine {
             r.failed.push((self.take_id(py, f.id)?, blocks, f.reason));
         }
         self.out = out;
-        Ok(r)
+        Py::new(py, r)
     }
 
     /// Stops the poller: requests in flight are cancelled and reported by
