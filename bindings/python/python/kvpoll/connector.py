@@ -181,8 +181,9 @@ class KvConnectorWorker:
         - ``reqs_to_recv_push``: request -> (block ids, writers): lend our
           blocks to remote writers (push destination).
 
-        A submission the engine refuses as busy is retried next step; any
-        other refusal raises (the request is not submitted)."""
+        A submission the engine refuses as busy is retried next step (in
+        order); any other refusal raises at once: that request and the
+        ones after it in this call are not submitted."""
         self._retry_backlog()
         for req_id, spec in (reqs_to_send or {}).items():
             self._submit("lend_readers", req_id, spec)
