@@ -3,13 +3,19 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-PKGS := libucx-dev libhwloc-dev libudev-dev libclang-dev pkg-config
+PKGS := libucx-dev libhwloc-dev libudev-dev libclang-dev pkg-config gcc python3 python3-venv
 # For tests only: promtool (package prometheus) validates the metrics text.
 TEST_PKGS := prometheus
 # Engine tests drive busy-poll threads: keep them from starving a 2-core box.
 TEST_THREADS ?= 2
 
-.PHONY: deps test-deps demo test loom bench fmt clippy
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+# What libkvpoll_c.a needs besides itself (`cargo rustc -p kvpoll-c --lib
+# --crate-type staticlib -- --print native-static-libs`).
+C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
+C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
+
+.PHONY: deps test-deps demo test loom bench fmt clippy c-test header
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -34,8 +40,25 @@ bench: deps
 	$(CARGO) build --release -p kvpoll-cli --bin kvpoll
 	$(CARGO) bench -p kvpoll-cli
 
+# The C ABI: tests/pull.c linked against libkvpoll_c.so, then libkvpoll_c.a.
+c-test:
+	$(CARGO) build -p kvpoll-c
+	mkdir -p $(TARGET_DIR)/c
+	cc $(C_FLAGS) -o $(TARGET_DIR)/c/pull-shared bindings/c/tests/pull.c \
+		-L$(TARGET_DIR)/debug -lkvpoll_c -Wl,-rpath,$(abspath $(TARGET_DIR))/debug
+	cc $(C_FLAGS) -o $(TARGET_DIR)/c/pull-static bindings/c/tests/pull.c \
+		$(TARGET_DIR)/debug/libkvpoll_c.a $(C_STATIC_LIBS)
+	$(TARGET_DIR)/c/pull-shared
+	$(TARGET_DIR)/c/pull-static
+
+# Regenerates bindings/c/kvpoll.h (cbindgen); `cargo test` fails while the
+# checked-in header differs from what this would write.
+header:
+	KVPOLL_BLESS=1 $(CARGO) test -p kvpoll-c --test header
+
 fmt:
 	$(CARGO) fmt --all
+	cd bindings/python && $(CARGO) fmt
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -48,6 +48,10 @@ have_all() {
     pkg-config --exists libudev 2>/dev/null || return 1
     # bindgen loads libclang at build time.
     ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/*/libclang*.so* >/dev/null 2>&1 || return 1
+    # The C test is compiled with cc; the Python bindings' tests run in a
+    # virtual environment (venv needs ensurepip: Debian's python3-venv).
+    command -v cc >/dev/null 2>&1 || return 1
+    python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || return 1
 }
 
 if have_all; then
@@ -56,7 +60,7 @@ fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
     echo "kvpoll needs these system packages (Debian/Ubuntu names): $*" >&2
-    echo "Install UCX >= 1.10, hwloc 2.x, libudev, libclang and pkg-config with your package manager." >&2
+    echo "Install UCX >= 1.10, hwloc 2.x, libudev, libclang, pkg-config, a C compiler and Python 3 with venv with your package manager." >&2
     exit 1
 fi
 

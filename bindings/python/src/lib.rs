@@ -1,0 +1,1182 @@
+//! The `kvpoll._kvpoll` extension module: Python bindings of
+//! [`kvpoll::engine::Engine`].
+//!
+//! A thin layer: every call goes to the Rust engine, nothing is
+//! reimplemented. What this layer adds is what Python callers need:
+//!
+//! - request ids that are `str` (as in vLLM) or `int`, mapped to kvpoll's
+//!   `RequestId(u64)` deterministically (so a producer and a consumer in two
+//!   processes agree on them) and reported back as the very objects given;
+//!   the map entry goes when the request's terminal report is delivered;
+//! - one exception class per kind of kvpoll error, under `KvpollError`;
+//!   bad arguments raise `TypeError` or `ValueError`, never a panic;
+//! - the GIL released around every call that waits for the poller thread.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
+
+use kvpoll::engine::{
+    Engine as RsEngine, EngineError, IdlePolicy, LendTo, Outcomes, Transfer as RsTransfer,
+};
+use kvpoll::ledger::{BlockId, PeerId, Reason, RequestId};
+use kvpoll::transport::ucx::ContextOptions;
+
+// ---------------------------------------------------------------- errors
+
+pyo3::create_exception!(
+    kvpoll,
+    KvpollError,
+    PyException,
+    "Base class of every error the kvpoll engine reports. The message is the engine's."
+);
+
+/// The kinds of kvpoll errors, one Python class each (all under
+/// `KvpollError`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Config,
+    Region,
+    Request,
+    Peer,
+    Busy,
+    Transport,
+    Shutdown,
+}
+
+/// Name, whether it is also a `ValueError`, and docstring of each kind, in
+/// `Kind` order.
+const KINDS: [(Kind, &str, bool, &str); 7] = [
+    (
+        Kind::Config,
+        "ConfigError",
+        true,
+        "The engine's settings are invalid.",
+    ),
+    (
+        Kind::Region,
+        "RegionError",
+        true,
+        "A region does not fit the layout, or none is registered yet.",
+    ),
+    (
+        Kind::Request,
+        "RequestError",
+        true,
+        "A request was refused (duplicate id, bad pairing, block out of range, \
+         unknown request...). Nothing was submitted.",
+    ),
+    (
+        Kind::Peer,
+        "PeerError",
+        true,
+        "Peer metadata was refused, or the peer is not known.",
+    ),
+    (
+        Kind::Busy,
+        "BusyError",
+        false,
+        "Every request slot or the command ring is full: poll, then retry.",
+    ),
+    (
+        Kind::Transport,
+        "TransportError",
+        false,
+        "A UCX call failed.",
+    ),
+    (
+        Kind::Shutdown,
+        "ShutdownError",
+        false,
+        "The engine is shut down (or its poller died).",
+    ),
+];
+
+static CLASSES: GILOnceCell<Vec<Py<PyType>>> = GILOnceCell::new();
+
+/// Builds the subclasses with `type(name, bases, dict)`: some have two
+/// bases (`KvpollError` and `ValueError`), which `create_exception!` cannot
+/// express.
+fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    CLASSES.get_or_try_init(py, || {
+        let base = py.get_type::<KvpollError>();
+        let value_error = py.get_type::<PyValueError>();
+        let meta = py.get_type::<PyType>();
+        let mut out = Vec::with_capacity(KINDS.len());
+        for (_, name, is_value, doc) in KINDS {
+            let bases = if is_value {
+                PyTuple::new(py, [base.clone(), value_error.clone()])?
+            } else {
+                PyTuple::new(py, [base.clone()])?
+            };
+            let dict = PyDict::new(py);
+            dict.set_item("__module__", "kvpoll")?;
+            dict.set_item("__doc__", doc)?;
+            let class = meta.call1((name, bases, dict))?;
+            out.push(class.downcast_into::<PyType>()?.unbind());
+        }
+        Ok(out)
+    })
+}
+
+fn error(py: Python<'_>, kind: Option<Kind>, msg: String) -> PyErr {
+    let Some(kind) = kind else {
+        return KvpollError::new_err(msg);
+    };
+    match classes(py) {
+        Ok(all) => {
+            let i = KINDS.iter().position(|k| k.0 == kind).unwrap_or(0);
+            PyErr::from_type(all[i].bind(py).clone(), msg)
+        }
+        Err(e) => e,
+    }
+}
+
+/// The class of an engine error. Variants added to kvpoll after these
+/// bindings were written fall to the base class, except those known by
+/// name below.
+fn kind_of(e: &EngineError) -> Option<Kind> {
+    #[allow(unreachable_patterns)]
+    match e {
+        EngineError::Duplicate(_)
+        | EngineError::TooManyHandles(_)
+        | EngineError::BadPairing { .. }
+        | EngineError::TooManyBlocks { .. }
+        | EngineError::BlockOutOfRange { .. }
+        | EngineError::NothingToAwait
+        | EngineError::UnknownRequest(_) => Some(Kind::Request),
+        EngineError::UnknownPeer(_) | EngineError::Metadata(_) => Some(Kind::Peer),
+        EngineError::Full(_) | EngineError::RingFull(_) => Some(Kind::Busy),
+        EngineError::Ucx(_) => Some(Kind::Transport),
+        EngineError::BadRegion { .. } | EngineError::NoRegions => Some(Kind::Region),
+        EngineError::Config(_) => Some(Kind::Config),
+        EngineError::Shutdown => Some(Kind::Shutdown),
+        other => kind_by_name(other),
+    }
+}
+
+fn kind_by_name(e: &EngineError) -> Option<Kind> {
+    let debug = format!("{e:?}");
+    let name = debug
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .next()
+        .unwrap_or("");
+    match name {
+        "PollerDied" => Some(Kind::Shutdown),
+        "RequestTooLarge" => Some(Kind::Request),
+        "RegionsFrozen" => Some(Kind::Region),
+        _ => None,
+    }
+}
+
+fn engine_err(py: Python<'_>, e: EngineError) -> PyErr {
+    error(py, kind_of(&e), e.to_string())
+}
+
+// ------------------------------------------------------------- arguments
+
+/// Non-negative integer arguments: `OverflowError` (negative, too large)
+/// becomes `ValueError`, anything but an int (or `bool`) a `TypeError`.
+fn uint<T>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T>
+where
+    T: for<'py> FromPyObject<'py>,
+{
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not bool"
+        )));
+    }
+    match obj.extract::<T>() {
+        Ok(v) => Ok(v),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(PyValueError::new_err(
+            format!("{what} is out of range: {obj}"),
+        )),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not {}",
+            type_name(obj)
+        ))),
+    }
+}
+
+/// An argument that is a non-negative int, with `uint`'s errors.
+#[derive(Clone, Copy)]
+struct UInt<T>(T);
+
+impl<'py, T> FromPyObject<'py> for UInt<T>
+where
+    T: for<'a> FromPyObject<'a>,
+{
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        uint::<T>(ob, "value").map(UInt)
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn seconds(s: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a finite, non-negative number of seconds, not {s}"
+        ))
+    })
+}
+
+fn block(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockId> {
+    uint::<u32>(obj, what).map(BlockId)
+}
+
+/// Appends the block ids of a list, tuple or other iterable of ints.
+fn blocks_into(obj: &Bound<'_, PyAny>, what: &str, out: &mut Vec<BlockId>) -> PyResult<()> {
+    if let Ok(list) = obj.downcast::<PyList>() {
+        for x in list.iter() {
+            out.push(block(&x, what)?);
+        }
+    } else if let Ok(tuple) = obj.downcast::<PyTuple>() {
+        for x in tuple.iter() {
+            out.push(block(&x, what)?);
+        }
+    } else if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what}s must be a sequence of ints, not {}",
+            type_name(obj)
+        )));
+    } else {
+        let iter = obj.try_iter().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what}s must be a sequence of ints, not {}",
+                type_name(obj)
+            ))
+        })?;
+        for x in iter {
+            out.push(block(&x?, what)?);
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of a `bytes`, `bytearray`, `memoryview` or other buffer, copied.
+fn bytes_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
+    if let Ok(b) = obj.downcast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be bytes, not str"
+        )));
+    }
+    // Any other buffer (bytearray, memoryview, numpy...), through
+    // memoryview: `bytes(12)` would make 12 zero bytes of an int.
+    let view = obj
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,))
+        .map_err(|_| {
+            PyTypeError::new_err(format!("{what} must be bytes-like, not {}", type_name(obj)))
+        })?;
+    let copied = view.call_method0("tobytes")?;
+    view.call_method0("release")?;
+    Ok(copied.downcast::<PyBytes>()?.as_bytes().to_vec())
+}
+
+// ----------------------------------------------------------- request ids
+
+/// Set on every id made from a `str`; ints must stay below it.
+const STR_FLAG: u64 = 1 << 63;
+
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// kvpoll's id of a Python request id: an int in `0..2**63` is itself; a
+/// str is the FNV-1a hash of its UTF-8 bytes with the top bit set. The same
+/// in every process, so a producer's lend and a consumer's read of "req-7"
+/// name one request.
+fn request_key(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(s) = obj.downcast::<PyString>() {
+        let text = s.to_cow()?;
+        return Ok(STR_FLAG | (fnv1a64(text.as_bytes()) & !STR_FLAG));
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(
+            "a request id is a str or an int, not bool",
+        ));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return match obj.extract::<u64>() {
+            Ok(v) if v < STR_FLAG => Ok(v),
+            _ => Err(PyValueError::new_err(format!(
+                "an int request id must be in 0..2**63, not {obj}"
+            ))),
+        };
+    }
+    Err(PyTypeError::new_err(format!(
+        "a request id is a str or an int, not {}",
+        type_name(obj)
+    )))
+}
+
+/// kvpoll's 64-bit request id for a Python request id (`str` or `int`): what
+/// a Rust or C peer must use to name the same request.
+#[pyfunction]
+fn request_id(req_id: &Bound<'_, PyAny>) -> PyResult<u64> {
+    request_key(req_id)
+}
+
+/// `Cause::PeerLost` -> "peer_lost"; new causes get their names the same way.
+fn cause_name(reason: &Reason) -> String {
+    let debug = format!("{:?}", reason.cause);
+    let mut out = String::with_capacity(debug.len() + 4);
+    for (i, c) in debug.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('_');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+// -------------------------------------------------------------- Transfer
+
+/// One handle of a read or write: the blocks moved with one remote rank.
+///
+/// ``local[i]`` pairs with ``remote[i]``. A plain tuple
+/// ``(peer, local, remote)`` works everywhere a ``Transfer`` does.
+#[pyclass(module = "kvpoll", frozen)]
+struct Transfer {
+    /// The remote rank, as returned by ``Engine.add_peer``.
+    #[pyo3(get)]
+    peer: u32,
+    local: Vec<BlockId>,
+    remote: Vec<BlockId>,
+}
+
+#[pymethods]
+impl Transfer {
+    #[new]
+    #[pyo3(signature = (peer, local, remote))]
+    fn new(
+        peer: &Bound<'_, PyAny>,
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let peer = uint::<u32>(peer, "peer")?;
+        let (mut l, mut r) = (Vec::new(), Vec::new());
+        blocks_into(local, "local block id", &mut l)?;
+        blocks_into(remote, "remote block id", &mut r)?;
+        Ok(Transfer {
+            peer,
+            local: l,
+            remote: r,
+        })
+    }
+
+    /// Local block ids.
+    #[getter]
+    fn local(&self) -> Vec<u32> {
+        self.local.iter().map(|b| b.0).collect()
+    }
+
+    /// Remote block ids, as many as local ones.
+    #[getter]
+    fn remote(&self) -> Vec<u32> {
+        self.remote.iter().map(|b| b.0).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Transfer(peer={}, local={:?}, remote={:?})",
+            self.peer,
+            self.local(),
+            self.remote()
+        )
+    }
+}
+
+// ------------------------------------------------------------ PollResult
+
+/// What one ``Engine.poll()`` reported. Each request appears in exactly one
+/// of ``finished_recving``, ``finished_sending``, ``failed_recving`` and
+/// ``expired``, once over the engine's life; ``handle_failures`` is
+/// informational (the request is reported later, when every sibling
+/// handle stopped). ``len(result)`` counts the reports; an empty result is
+/// false.
+///
+/// A poll with nothing new returns one shared empty result, whose
+/// attributes are new empty containers at every access.
+#[pyclass(module = "kvpoll", frozen)]
+#[derive(Default)]
+struct PollResult {
+    recving: Vec<PyObject>,
+    sending: Vec<PyObject>,
+    expired: Vec<PyObject>,
+    failed: Vec<(PyObject, Vec<u32>, Reason)>,
+    handle_failures: Vec<(PyObject, u8, Reason)>,
+    /// The Python objects handed out, built on first access (so that
+    /// `r.finished_recving is r.finished_recving`).
+    cache: [OnceLock<PyObject>; 6],
+}
+
+impl PollResult {
+    fn cached(
+        &self,
+        py: Python<'_>,
+        slot: usize,
+        make: impl FnOnce(&Self, Python<'_>) -> PyResult<PyObject>,
+    ) -> PyResult<PyObject> {
+        if self.count() == 0 {
+            return make(self, py);
+        }
+        if let Some(o) = self.cache[slot].get() {
+            return Ok(o.clone_ref(py));
+        }
+        let o = make(self, py)?;
+        // Another thread may have filled the slot meanwhile: hand out the
+        // one that stays.
+        Ok(match self.cache[slot].set(o.clone_ref(py)) {
+            Ok(()) => o,
+            Err(_) => self.cache[slot].get().map_or(o, |kept| kept.clone_ref(py)),
+        })
+    }
+
+    fn set_of(py: Python<'_>, ids: &[PyObject]) -> PyResult<PyObject> {
+        Ok(PySet::new(py, ids)?.into_any().unbind())
+    }
+
+    fn count(&self) -> usize {
+        self.recving.len()
+            + self.sending.len()
+            + self.expired.len()
+            + self.failed.len()
+            + self.handle_failures.len()
+    }
+}
+
+#[pymethods]
+impl PollResult {
+    /// Reads (and push destinations) whose data is all here: ``set`` of ids.
+    #[getter]
+    fn finished_recving(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 0, |s, py| Self::set_of(py, &s.recving))
+    }
+
+    /// Writes every consumer acknowledged, and lends every reader notified:
+    /// their source blocks are free. ``set`` of ids.
+    #[getter]
+    fn finished_sending(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 1, |s, py| Self::set_of(py, &s.sending))
+    }
+
+    /// Writes and lends whose lease ended first: their blocks are free, the
+    /// transfer is not done. ``set`` of ids.
+    #[getter]
+    fn expired(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 2, |s, py| Self::set_of(py, &s.expired))
+    }
+
+    /// Receives that failed, reported once every handle stopped: ``dict``
+    /// of id -> list of local block ids whose contents are invalid.
+    #[getter]
+    fn failed_recving(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 3, |s, py| {
+            let d = PyDict::new(py);
+            for (id, blocks, _) in &s.failed {
+                d.set_item(id, blocks)?;
+            }
+            Ok(d.into_any().unbind())
+        })
+    }
+
+    /// Why each of ``failed_recving`` failed: ``dict`` of id ->
+    /// ``(cause, status)``, the first failure's cause (``"setup"``,
+    /// ``"transfer"``, ``"peer_lost"``, ``"deadline"``, ``"aborted"``...) and
+    /// the transport's status code (0 when none).
+    #[getter]
+    fn failure_reasons(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 4, |s, py| {
+            let d = PyDict::new(py);
+            for (id, _, reason) in &s.failed {
+                d.set_item(id, (cause_name(reason), reason.status))?;
+            }
+            Ok(d.into_any().unbind())
+        })
+    }
+
+    /// Informational: ``list`` of ``(id, handle, cause, status)``, one per
+    /// failed handle (its index in the request's handles). The request
+    /// itself is reported later, once every sibling handle stopped.
+    #[getter]
+    fn handle_failures(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 5, |s, py| {
+            let l = PyList::empty(py);
+            for (id, handle, reason) in &s.handle_failures {
+                l.append((id, *handle, cause_name(reason), reason.status))?;
+            }
+            Ok(l.into_any().unbind())
+        })
+    }
+
+    fn __len__(&self) -> usize {
+        self.count()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let parts = [
+            ("finished_recving", self.finished_recving(py)?),
+            ("finished_sending", self.finished_sending(py)?),
+            ("failed_recving", self.failed_recving(py)?),
+            ("expired", self.expired(py)?),
+            ("handle_failures", self.handle_failures(py)?),
+        ];
+        let mut s = String::from("PollResult(");
+        for (i, (name, v)) in parts.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            s.push_str(name);
+            s.push('=');
+            s.push_str(&v.bind(py).repr()?.to_cow()?);
+        }
+        s.push(')');
+        Ok(s)
+    }
+}
+
+// ---------------------------------------------------------------- Engine
+
+/// The Rust engine, reachable only through `&mut`: it is `Send` but not
+/// `Sync` (its rings' ends are single-owner), and a pyclass must be both.
+/// Without any `&self` access to the engine, sharing `&Exclusive` between
+/// threads can reach nothing, so it is `Sync` (the `SyncWrapper` pattern).
+struct Exclusive<T>(T);
+
+// SAFETY: no method gives access to the inner value through `&self`.
+unsafe impl<T: Send> Sync for Exclusive<T> {}
+
+impl<T> Exclusive<T> {
+    fn get(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+/// One handle as parsed: peer and its ranges in the scratch block lists.
+#[derive(Clone, Copy)]
+struct Span {
+    peer: PeerId,
+    local: (usize, usize),
+    remote: (usize, usize),
+}
+
+/// A kvpoll engine: one poller thread that owns the UCX worker, moving
+/// KV-cache blocks to and from peers, and reporting each request exactly
+/// once through ``poll()``.
+///
+/// - ``block_size``: bytes per block in every region (one region per KV
+///   layer); peers must agree on it.
+/// - ``core``: pin the poller to this CPU (``None``: not pinned).
+/// - ``idle``: ``"adaptive"`` (spin, back off, park: near-zero idle CPU) or
+///   ``"busy"`` (spin forever, for a dedicated core only).
+/// - ``read_deadline_s``: a read still in flight after this fails.
+/// - ``tls``: UCX transport list (``UCX_TLS``), e.g. ``"tcp"``; ``None``
+///   lets UCX choose.
+/// - ``slots``, ``max_blocks``: requests tracked at once, local blocks per
+///   request.
+///
+/// Request ids are ``str`` or ``int``; reports give back the same objects.
+/// Use it as a context manager (``with Engine(...) as e:``) or call
+/// ``shutdown()``. Methods that wait for the poller release the GIL;
+/// ``poll()`` and submits do not need to.
+#[pyclass(module = "kvpoll")]
+struct Engine {
+    // Dropped first (its Drop shuts the poller down), before the buffers
+    // registered from Python are released.
+    inner: Exclusive<RsEngine>,
+    block_size: u64,
+    out: Outcomes,
+    ids: HashMap<u64, PyObject>,
+    locals: Vec<BlockId>,
+    remotes: Vec<BlockId>,
+    spans: Vec<Span>,
+    keys: Vec<RequestId>,
+    shut_down: bool,
+    /// What a poll with nothing new returns (no allocation).
+    empty: Py<PollResult>,
+    /// ctypes views of buffers registered with `register_buffer`: each
+    /// holds its buffer exported (so it cannot move or be freed) until the
+    /// engine is gone.
+    views: Vec<PyObject>,
+}
+
+fn transfers<'a>(
+    spans: &[Span],
+    locals: &'a [BlockId],
+    remotes: &'a [BlockId],
+) -> Vec<RsTransfer<'a>> {
+    spans
+        .iter()
+        .map(|s| RsTransfer {
+            peer: s.peer,
+            local: &locals[s.local.0..s.local.1],
+            remote: &remotes[s.remote.0..s.remote.1],
+        })
+        .collect()
+}
+
+impl Engine {
+    /// Parses `handles` into the scratch lists.
+    fn parse_handles(&mut self, handles: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.locals.clear();
+        self.remotes.clear();
+        self.spans.clear();
+        if handles.is_instance_of::<PyString>() || handles.is_instance_of::<PyBytes>() {
+            return Err(PyTypeError::new_err(
+                "handles must be a sequence of Transfer or (peer, local, remote) tuples",
+            ));
+        }
+        let iter = handles.try_iter().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "handles must be a sequence of Transfer or (peer, local, remote) tuples, not {}",
+                type_name(handles)
+            ))
+        })?;
+        for h in iter {
+            let h = h?;
+            let (l0, r0) = (self.locals.len(), self.remotes.len());
+            let peer = if let Ok(t) = h.downcast::<Transfer>() {
+                let t = t.get();
+                self.locals.extend_from_slice(&t.local);
+                self.remotes.extend_from_slice(&t.remote);
+                t.peer
+            } else if let Ok(tuple) = h.downcast::<PyTuple>() {
+                if tuple.len() != 3 {
+                    return Err(PyValueError::new_err(format!(
+                        "a handle tuple is (peer, local_blocks, remote_blocks); got {} items",
+                        tuple.len()
+                    )));
+                }
+                let peer = uint::<u32>(&tuple.get_item(0)?, "peer")?;
+                blocks_into(&tuple.get_item(1)?, "local block id", &mut self.locals)?;
+                blocks_into(&tuple.get_item(2)?, "remote block id", &mut self.remotes)?;
+                peer
+            } else {
+                return Err(PyTypeError::new_err(format!(
+                    "a handle is a Transfer or a (peer, local_blocks, remote_blocks) tuple, not {}",
+                    type_name(&h)
+                )));
+            };
+            self.spans.push(Span {
+                peer: PeerId(peer),
+                local: (l0, self.locals.len()),
+                remote: (r0, self.remotes.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses a new request whose kvpoll id is held by another, unequal
+    /// Python id still in flight (two strings with one hash). An equal one
+    /// is left to the engine, which refuses the duplicate.
+    fn check_unique(&self, py: Python<'_>, req_id: &Bound<'_, PyAny>, key: u64) -> PyResult<()> {
+        if let Some(prev) = self.ids.get(&key) {
+            let prev = prev.bind(py);
+            if !prev.eq(req_id)? {
+                return Err(error(
+                    py,
+                    Some(Kind::Request),
+                    format!(
+                        "request id {} maps to kvpoll id {key:#x}, held by {} which is still in flight",
+                        req_id.repr()?,
+                        prev.repr()?
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The Python id of a terminal report, forgetting it.
+    fn take_id(&mut self, py: Python<'_>, id: RequestId) -> PyResult<PyObject> {
+        match self.ids.remove(&id.0) {
+            Some(o) => Ok(o),
+            None => Ok(id.0.into_pyobject(py)?.into_any().unbind()),
+        }
+    }
+
+    fn peek_id(&self, py: Python<'_>, id: RequestId) -> PyResult<PyObject> {
+        match self.ids.get(&id.0) {
+            Some(o) => Ok(o.clone_ref(py)),
+            None => Ok(id.0.into_pyobject(py)?.into_any().unbind()),
+        }
+    }
+
+    fn register_raw(&mut self, py: Python<'_>, addr: usize, len: usize) -> PyResult<usize> {
+        let inner = self.inner.get();
+        // SAFETY: the caller of register_buffer vouches for addr..addr+len
+        // (a tuple), or it is the exported buffer of a Python object that
+        // a ctypes view keeps exported until the engine is dropped.
+        py.allow_threads(move || unsafe { inner.register_memory(addr as *mut u8, len) })
+            .map_err(|e| engine_err(py, e))
+    }
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512)))]
+    #[pyo3(
+        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512)"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        block_size: UInt<u64>,
+        core: Option<UInt<usize>>,
+        idle: &str,
+        read_deadline_s: f64,
+        tls: Option<String>,
+        slots: UInt<u32>,
+        max_blocks: UInt<u32>,
+    ) -> PyResult<Self> {
+        let block_size = block_size.0;
+        let core = core.map(|c| c.0);
+        let idle = match idle {
+            "adaptive" => IdlePolicy::Adaptive,
+            "busy" => IdlePolicy::Busy,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "idle must be \"adaptive\" or \"busy\", not {other:?}"
+                )))
+            }
+        };
+        let deadline = seconds(read_deadline_s, "read_deadline_s")?;
+        let (slots, max_blocks) = (slots.0, max_blocks.0);
+        let ucx = match tls {
+            Some(t) => ContextOptions::with_transports(&t),
+            None => ContextOptions::default(),
+        };
+        let builder = RsEngine::builder()
+            .block_size(block_size)
+            .core(core)
+            .idle(idle)
+            .read_deadline(deadline)
+            .ledger(slots, max_blocks)
+            .ucx(ucx);
+        let inner = py
+            .allow_threads(move || builder.build())
+            .map_err(|e| engine_err(py, e))?;
+        Ok(Engine {
+            inner: Exclusive(inner),
+            block_size,
+            out: Outcomes::default(),
+            ids: HashMap::new(),
+            locals: Vec::new(),
+            remotes: Vec::new(),
+            spans: Vec::new(),
+            keys: Vec::new(),
+            shut_down: false,
+            empty: Py::new(py, PollResult::default())?,
+            views: Vec::new(),
+        })
+    }
+
+    /// Registers a region of ``n_blocks`` blocks (one KV layer), allocated
+    /// by UCX in host memory. Every region must hold the same number of
+    /// blocks. Returns the region's index.
+    #[pyo3(signature = (n_blocks))]
+    fn register(&mut self, py: Python<'_>, n_blocks: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let n = uint::<u64>(n_blocks, "n_blocks")?;
+        let inner = self.inner.get();
+        py.allow_threads(move || inner.register(n))
+            .map_err(|e| engine_err(py, e))
+    }
+
+    /// Registers memory the caller owns as a region (one KV layer) of
+    /// ``nbytes / block_size`` blocks. ``obj`` is either
+    ///
+    /// - a writable, C-contiguous object with the buffer protocol (a numpy
+    ///   array, a ``bytearray``): the engine keeps it exported, so it can
+    ///   neither move nor be freed while the engine lives; or
+    /// - a ``(ptr, nbytes)`` tuple, e.g. ``(t.data_ptr(), t.numel() *
+    ///   t.element_size())`` for a torch tensor in host memory: the caller
+    ///   must keep that memory allocated until the engine is shut down.
+    ///
+    /// Returns the region's index.
+    #[pyo3(signature = (obj))]
+    fn register_buffer(&mut self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+        if let Ok(t) = obj.downcast::<PyTuple>() {
+            if t.len() != 2 {
+                return Err(PyValueError::new_err(
+                    "a raw region is a (ptr, nbytes) tuple",
+                ));
+            }
+            let addr = uint::<usize>(&t.get_item(0)?, "ptr")?;
+            let len = uint::<usize>(&t.get_item(1)?, "nbytes")?;
+            if addr == 0 || len == 0 {
+                return Err(PyValueError::new_err(format!(
+                    "a raw region needs a non-null ptr and nbytes > 0, got ({addr:#x}, {len})"
+                )));
+            }
+            return self.register_raw(py, addr, len);
+        }
+        // The buffer protocol is not in the stable ABI before 3.11: go
+        // through memoryview (checks) and ctypes (address, kept exported).
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((obj,))
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "register_buffer takes a buffer (numpy array, bytearray...) or a (ptr, nbytes) tuple, not {}",
+                    type_name(obj)
+                ))
+            })?;
+        let readonly: bool = view.getattr("readonly")?.extract()?;
+        let contiguous: bool = view.getattr("c_contiguous")?.extract()?;
+        let nbytes: usize = view.getattr("nbytes")?.extract()?;
+        view.call_method0("release")?;
+        if readonly {
+            return Err(PyValueError::new_err("the buffer is read-only"));
+        }
+        if !contiguous {
+            return Err(PyValueError::new_err("the buffer is not C-contiguous"));
+        }
+        if nbytes == 0 {
+            return Err(PyValueError::new_err("the buffer is empty"));
+        }
+        let ctypes = py.import("ctypes")?;
+        let array_type = ctypes
+            .getattr("c_char")?
+            .call_method1("__mul__", (nbytes,))?;
+        let exported = array_type.call_method1("from_buffer", (obj,))?;
+        let addr: usize = ctypes
+            .getattr("addressof")?
+            .call1((&exported,))?
+            .extract()?;
+        let region = self.register_raw(py, addr, nbytes)?;
+        self.views.push(exported.unbind());
+        Ok(region)
+    }
+
+    /// This engine's metadata for its peers (worker address, region keys,
+    /// layout), versioned and checksummed: ``bytes`` to hand to
+    /// ``add_peer`` on the other side.
+    fn local_metadata(&mut self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
+        let inner = self.inner.get();
+        let meta = py
+            .allow_threads(move || inner.local_metadata())
+            .map_err(|e| engine_err(py, e))?;
+        Ok(PyBytes::new(py, &meta).unbind())
+    }
+
+    /// Adds a peer from its ``local_metadata()`` bytes; returns its peer id
+    /// (an ``int``) for handles. Bad metadata raises ``PeerError`` and
+    /// changes nothing.
+    #[pyo3(signature = (metadata))]
+    fn add_peer(&mut self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let meta = bytes_of(metadata, "metadata")?;
+        let inner = self.inner.get();
+        py.allow_threads(move || inner.add_peer(&meta))
+            .map(|p| p.0)
+            .map_err(|e| engine_err(py, e))
+    }
+
+    /// Removes a peer: its handles in flight fail (reported as usual, once
+    /// every sibling stopped), its endpoint is closed.
+    #[pyo3(signature = (peer))]
+    fn remove_peer(&mut self, py: Python<'_>, peer: &Bound<'_, PyAny>) -> PyResult<()> {
+        let peer = PeerId(uint::<u32>(peer, "peer")?);
+        let inner = self.inner.get();
+        py.allow_threads(move || inner.remove_peer(peer))
+            .map_err(|e| engine_err(py, e))
+    }
+
+    /// Pull: reads ``handles`` (``Transfer`` or ``(peer, local_blocks,
+    /// remote_blocks)``, one per remote rank). Reported in
+    /// ``finished_recving``, or in ``failed_recving`` with the blocks to
+    /// invalidate once every handle stopped. On success each producer is
+    /// notified (releasing its lend of the same id). No handles: a full
+    /// prefix hit, finished at once.
+    #[pyo3(signature = (req_id, handles))]
+    fn read(
+        &mut self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
+        handles: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let key = request_key(req_id)?;
+        self.check_unique(py, req_id, key)?;
+        self.parse_handles(handles)?;
+        let t = transfers(&self.spans, &self.locals, &self.remotes);
+        self.inner
+            .get()
+            .read(RequestId(key), &t)
+            .map_err(|e| engine_err(py, e))?;
+        self.ids.insert(key, req_id.clone().unbind());
+        Ok(())
+    }
+
+    /// Push: writes ``handles`` into remote blocks the consumers lent with
+    /// ``lend(..., writers=n)``. Reported in ``finished_sending`` only after
+    /// every write completed and ``expected_acks`` acknowledgements
+    /// arrived; else ``expired`` when ``lease_s`` ends.
+    #[pyo3(signature = (req_id, handles, expected_acks=UInt(1), lease_s=30.0))]
+    #[pyo3(text_signature = "($self, req_id, handles, expected_acks=1, lease_s=30.0)")]
+    fn write(
+        &mut self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
+        handles: &Bound<'_, PyAny>,
+        expected_acks: UInt<u32>,
+        lease_s: f64,
+    ) -> PyResult<()> {
+        let key = request_key(req_id)?;
+        let acks = expected_acks.0;
+        let lease = seconds(lease_s, "lease_s")?;
+        self.check_unique(py, req_id, key)?;
+        self.parse_handles(handles)?;
+        let t = transfers(&self.spans, &self.locals, &self.remotes);
+        self.inner
+            .get()
+            .write(RequestId(key), &t, acks, lease)
+            .map_err(|e| engine_err(py, e))?;
+        self.ids.insert(key, req_id.clone().unbind());
+        Ok(())
+    }
+
+    /// Lends local ``blocks`` until ``readers`` remote readers (pull) or
+    /// ``writers`` remote writers (push destination) notified, or
+    /// ``lease_s`` ends (then ``expired``). Give exactly one of ``readers``
+    /// and ``writers``. Released lends to readers are reported in
+    /// ``finished_sending``; completed lends to writers (the data is here)
+    /// in ``finished_recving``.
+    #[pyo3(signature = (req_id, blocks, *, readers=None, writers=None, lease_s=30.0))]
+    fn lend(
+        &mut self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        readers: Option<&Bound<'_, PyAny>>,
+        writers: Option<&Bound<'_, PyAny>>,
+        lease_s: f64,
+    ) -> PyResult<()> {
+        let key = request_key(req_id)?;
+        let to = match (readers, writers) {
+            (Some(r), None) => LendTo::Readers(uint::<u32>(r, "readers")?),
+            (None, Some(w)) => LendTo::Writers(uint::<u32>(w, "writers")?),
+            _ => {
+                return Err(PyValueError::new_err(
+                    "lend takes exactly one of readers= and writers=",
+                ))
+            }
+        };
+        let lease = seconds(lease_s, "lease_s")?;
+        self.check_unique(py, req_id, key)?;
+        self.locals.clear();
+        blocks_into(blocks, "block id", &mut self.locals)?;
+        self.inner
+            .get()
+            .lend(RequestId(key), &self.locals, to, lease)
+            .map_err(|e| engine_err(py, e))?;
+        self.ids.insert(key, req_id.clone().unbind());
+        Ok(())
+    }
+
+    /// Extends the leases of these writes or lends to ``extend_s`` from now
+    /// (never shortening). Unknown ids are ignored.
+    #[pyo3(signature = (ids, extend_s))]
+    fn heartbeat(&mut self, py: Python<'_>, ids: &Bound<'_, PyAny>, extend_s: f64) -> PyResult<()> {
+        let extend = seconds(extend_s, "extend_s")?;
+        if ids.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "heartbeat takes a sequence of request ids, not one str",
+            ));
+        }
+        self.keys.clear();
+        let iter = ids.try_iter().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "heartbeat takes a sequence of request ids, not {}",
+                type_name(ids)
+            ))
+        })?;
+        for id in iter {
+            self.keys.push(RequestId(request_key(&id?)?));
+        }
+        self.inner
+            .get()
+            .heartbeat(&self.keys, extend)
+            .map_err(|e| engine_err(py, e))
+    }
+
+    /// Aborts a request: it is reported failed (cause ``"aborted"``) once
+    /// its operations were cancelled. ``RequestError`` if it is not in
+    /// flight.
+    #[pyo3(signature = (req_id))]
+    fn abort(&mut self, py: Python<'_>, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let key = request_key(req_id)?;
+        self.inner
+            .get()
+            .abort(RequestId(key))
+            .map_err(|e| engine_err(py, e))
+    }
+
+    /// Collects what happened since the last poll (see ``PollResult``).
+    /// Cheap when nothing happened: call it every engine step.
+    fn poll(&mut self, py: Python<'_>) -> PyResult<Py<PollResult>> {
+        self.out.clear();
+        self.inner.get().poll(&mut self.out);
+        if self.out.is_empty() {
+            return Ok(self.empty.clone_ref(py));
+        }
+        let mut r = PollResult::default();
+        let out = std::mem::take(&mut self.out);
+        // Informational first: a request may fail and be reported in the
+        // same poll, after which its id is forgotten.
+        for &(id, handle, reason) in &out.handle_failures {
+            r.handle_failures
+                .push((self.peek_id(py, id)?, handle, reason));
+        }
+        for &id in &out.finished_recving {
+            r.recving.push(self.take_id(py, id)?);
+        }
+        for &id in &out.finished_sending {
+            r.sending.push(self.take_id(py, id)?);
+        }
+        for &id in &out.expired {
+            r.expired.push(self.take_id(py, id)?);
+        }
+        for f in &out.failed_recving {
+            let blocks = out.blocks_of(f).iter().map(|b| b.0).collect();
+            r.failed.push((self.take_id(py, f.id)?, blocks, f.reason));
+        }
+        self.out = out;
+        Py::new(py, r)
+    }
+
+    /// Stops the poller: requests in flight are cancelled and reported by
+    /// the next ``poll()``; every endpoint, region and the worker are
+    /// released. Idempotent. Later submits raise ``ShutdownError``.
+    fn shutdown(&mut self, py: Python<'_>) {
+        let inner = self.inner.get();
+        py.allow_threads(move || inner.shutdown());
+        self.shut_down = true;
+    }
+
+    /// Copies ``data`` (at most ``block_size`` bytes) into block ``block``
+    /// of region ``region``. For tests and for filling KV by hand.
+    #[pyo3(signature = (region, block, data))]
+    fn write_block(
+        &mut self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        block: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let region = uint::<usize>(region, "region")?;
+        let b = self::block(block, "block")?;
+        let data = bytes_of(data, "data")?;
+        self.inner
+            .get()
+            .write_block(region, b, &data)
+            .map_err(|e| engine_err(py, e))
+    }
+
+    /// The ``block_size`` bytes of block ``block`` of region ``region``.
+    #[pyo3(signature = (region, block))]
+    fn read_block(
+        &mut self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        block: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyBytes>> {
+        let region = uint::<usize>(region, "region")?;
+        let b = self::block(block, "block")?;
+        let len = usize::try_from(self.block_size)
+            .map_err(|_| PyValueError::new_err("block size does not fit in memory"))?;
+        let mut buf = vec![0u8; len];
+        self.inner
+            .get()
+            .read_block(region, b, &mut buf)
+            .map_err(|e| engine_err(py, e))?;
+        Ok(PyBytes::new(py, &buf).unbind())
+    }
+
+    /// Bytes per block.
+    #[getter]
+    fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// Requests submitted and not yet reported.
+    #[getter]
+    fn in_flight(&mut self) -> usize {
+        self.inner.get().in_flight()
+    }
+
+    /// Whether ``shutdown()`` was called.
+    #[getter]
+    fn is_shut_down(&self) -> bool {
+        self.shut_down
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Shuts the engine down (see ``shutdown``); exceptions propagate.
+    #[pyo3(signature = (exc_type=None, exc=None, tb=None))]
+    fn __exit__(
+        &mut self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        exc: Option<&Bound<'_, PyAny>>,
+        tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        let _ = (exc_type, exc, tb);
+        self.shutdown(py);
+        false
+    }
+
+    fn __repr__(&mut self) -> String {
+        format!(
+            "Engine(block_size={}, in_flight={}{})",
+            self.block_size,
+            self.inner.get().in_flight(),
+            if self.shut_down { ", shut down" } else { "" }
+        )
+    }
+}
+
+/// kvpoll: KV-cache block transfers between prefill and decode engines over
+/// UCX, each request reported exactly once. See ``Engine``.
+#[pymodule]
+fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Engine>()?;
+    m.add_class::<Transfer>()?;
+    m.add_class::<PollResult>()?;
+    m.add_function(wrap_pyfunction!(request_id, m)?)?;
+    m.add("KvpollError", py.get_type::<KvpollError>())?;
+    for ((_, name, _, _), class) in KINDS.iter().zip(classes(py)?) {
+        m.add(*name, class.bind(py))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,143 @@
+"""kvpoll.connector.KvConnectorWorker driven as vLLM's scheduler drives a
+KV connector's worker side: one get_finished per engine step."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from kvpoll.connector import KvConnectorWorker
+from kvpoll_remote import BLOCKS, BS, REGIONS, pattern
+
+N = 3000  # requests
+FAIL_EVERY = 10  # every 10th read also has a handle to an unknown peer
+UNKNOWN_PEER = 4242
+
+
+def test_a_scheduler_loop_calling_get_finished_every_step_sees_each_request_exactly_once(make_producer):
+    p = make_producer(seed=11, slots=4096)
+    ids = [f"cmpl-{n:05d}-0" for n in range(N)]
+    failing = {ids[n] for n in range(0, N, FAIL_EVERY)}
+    # The producer lends one block per request it will be read from (not
+    # the failing ones: a failed read notifies nobody) and runs its own
+    # loop, get_finished every step, until every lend came back.
+    lent = [(n, i) for n, i in enumerate(ids) if i not in failing]
+    p.start_producer_loop(lent, 256, 60.0, 90.0)
+
+    w = KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive")
+    try:
+        w.register_kv_caches({f"layer.{r}": np.zeros((BLOCKS, BS), np.uint8) for r in range(REGIONS)})
+        w.add_remote("prefill-0", p.metadata)
+        recving, sending = Counter(), Counter()
+        load_errors = set()
+        expected_errors = set()
+        next_n, steps, in_flight = 0, 0, set()
+        end = time.monotonic() + 90
+        while (next_n < N or in_flight) and time.monotonic() < end:
+            batch = {}
+            while next_n < N and len(in_flight) + len(batch) < 256 and len(batch) < 64:
+                n, i = next_n, ids[next_n]
+                local = n % BLOCKS
+                handles = [("prefill-0", [local], [n % BLOCKS])]
+                if i in failing:
+                    handles.append((UNKNOWN_PEER, [(local + 1) % BLOCKS], [0]))
+                    expected_errors.update({local, (local + 1) % BLOCKS})
+                batch[i] = handles
+                next_n += 1
+            w.start_load_kv(reqs_to_recv=batch)
+            in_flight.update(batch)
+            s, r = w.get_finished(set())
+            steps += 1
+            for i in r or ():
+                recving[i] += 1
+                in_flight.discard(i)
+            for i in s or ():
+                sending[i] += 1
+            load_errors |= w.get_block_ids_with_load_errors()
+            time.sleep(0.0002)
+        for _ in range(50):  # later steps must not report anything again
+            s, r = w.get_finished(set())
+            recving.update(r or ())
+            sending.update(s or ())
+            load_errors |= w.get_block_ids_with_load_errors()
+            time.sleep(0.002)
+    finally:
+        w.shutdown()
+    assert not in_flight, f"{len(in_flight)} requests never reported after {steps} steps"
+    assert set(recving) == set(ids)
+    assert max(recving.values()) == 1, [i for i, c in recving.items() if c > 1][:5]
+    assert not sending, "a consumer reported a send"
+    assert load_errors == expected_errors
+    assert w.pending == 0
+
+    got = p.answer(timeout=120)
+    assert got["pending"] == 0
+    assert set(got["sending"]) == {i for _, i in lent}
+    assert max(got["sending"].values()) == 1
+    assert not got["recving"]
+
+
+def test_a_failed_load_is_in_recving_once_and_its_blocks_in_the_load_errors_once(make_producer):
+    p = make_producer(seed=12)
+    with KvConnectorWorker(block_size=BS, tls="tcp") as w:
+        w.register_kv_caches({"l0": [np.zeros((BLOCKS, BS), np.uint8), np.zeros((BLOCKS, BS), np.uint8)]})
+        w.add_remote("p", p.metadata)
+        w.start_load_kv(reqs_to_recv={"ok": [("p", [1, 2], [5, 6])], "bad": [("p", [3], [7]), (999, [4], [8])]})
+        seen = Counter()
+        errors = []
+        end = time.monotonic() + 30
+        while len(seen) < 2 and time.monotonic() < end:
+            _, r = w.get_finished(())
+            seen.update(r or ())
+            errors.append(w.get_block_ids_with_load_errors())
+            time.sleep(0.001)
+        for _ in range(20):
+            _, r = w.get_finished(())
+            seen.update(r or ())
+            errors.append(w.get_block_ids_with_load_errors())
+        assert seen == Counter({"ok": 1, "bad": 1})
+        assert [e for e in errors if e] == [{3, 4}]
+        assert w.engine.read_block(0, 1) == pattern(12, 0, 5)
+        assert w.engine.read_block(1, 2) == pattern(12, 1, 6)
+
+
+def test_a_push_through_the_connector_is_sent_once_released_by_the_scheduler_and_received_once(make_producer):
+    # This process is the prefill side here: it pushes into the remote's
+    # blocks, lent to one writer.
+    d = make_producer(seed=13)
+    with KvConnectorWorker(block_size=BS, tls="tcp") as w:
+        for r in range(REGIONS):
+            w.engine.register(BLOCKS)
+            w.engine.write_block(r, 9, pattern(14, r, 9))
+        to_d = w.add_remote("decode-0", d.metadata)
+        d.call("add_peer", w.metadata())
+        d.call("lend", "push-9", [50], writers=1)
+        w.save_kv("push-9", [("decode-0", [9], [50])])
+        w.wait_for_save()
+        sent_before_release = []
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            s, _ = w.get_finished(())
+            if s:
+                sent_before_release.append(s)
+            if w.engine.in_flight == 0:
+                break
+            time.sleep(0.001)
+        # Done on the wire, but vLLM has not finished the request: held.
+        assert w.engine.in_flight == 0 and sent_before_release == []
+        s, _ = w.get_finished({"push-9"})
+        assert s == {"push-9"}
+        assert w.get_finished({"push-9"}) == (None, None)
+        assert to_d == 0
+    seen = d.wait("finished_recving", "push-9")
+    assert seen["finished_recving"] == ["push-9"]
+    assert d.call("read_block", 0, 50) == pattern(14, 0, 9)
+
+
+def test_register_kv_caches_names_the_layer_it_refuses():
+    with KvConnectorWorker(block_size=BS, tls="tcp") as w:
+        with pytest.raises(ValueError, match="'layer.1'"):
+            w.register_kv_caches({"layer.0": np.zeros((8, BS), np.uint8), "layer.1": np.zeros((8, BS), np.uint8)[::-1]})
