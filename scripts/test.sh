@@ -28,7 +28,8 @@ if ! "$CARGO" fmt --version >/dev/null 2>&1 || ! "$CARGO" clippy --version >/dev
 fi
 step "$CARGO" fmt --all -- --check
 step "$CARGO" clippy --workspace --all-targets -- -D warnings
-step "$CARGO" test --workspace --lib --bins --tests -- --test-threads="$THREADS"
+# --no-fail-fast: one failing suite must not hide the results of the others.
+step "$CARGO" test --workspace --no-fail-fast --lib --bins --tests -- --test-threads="$THREADS"
 # Benches run once each in test mode (criterion takes no libtest flags).
 step "$CARGO" test --workspace --benches
 step "$CARGO" test --workspace --doc
