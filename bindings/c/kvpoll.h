@@ -129,6 +129,12 @@
 #define KVPOLL_HANDLE_FAILURE 5
 
 /**
+ * Report kind: a write failed or was aborted, after every handle stopped
+ * (`cause`, `status` say why): never done; its source blocks are free.
+ */
+#define KVPOLL_FAILED_SENDING 6
+
+/**
  * An engine (opaque).
  */
 typedef struct kvpoll_engine kvpoll_engine;
@@ -204,8 +210,8 @@ typedef struct kvpoll_report {
   uint32_t kind;
   /**
    * For failures: the cause (1 transfer, 2 setup, 3 peer lost,
-   * 4 deadline, 5 lease expired, 6 aborted; later versions may add
-   * more); else 0.
+   * 4 deadline, 5 lease expired, 6 aborted, 7 peer stalled, 8 shutdown,
+   * 9 poller died, 10 lease lost; later versions may add more); else 0.
    */
   uint8_t cause;
   /**

@@ -75,6 +75,9 @@ pub const KVPOLL_EXPIRED: u32 = 4;
 /// Report kind, informational: one handle (`handle`) failed; the request
 /// is reported later.
 pub const KVPOLL_HANDLE_FAILURE: u32 = 5;
+/// Report kind: a write failed or was aborted, after every handle stopped
+/// (`cause`, `status` say why): never done; its source blocks are free.
+pub const KVPOLL_FAILED_SENDING: u32 = 6;
 
 /// Engine settings; start from `kvpoll_config_default()`.
 #[repr(C)]
@@ -120,8 +123,8 @@ pub struct kvpoll_report {
     /// `KVPOLL_FINISHED_RECVING`, `KVPOLL_FAILED_RECVING`, ...
     pub kind: u32,
     /// For failures: the cause (1 transfer, 2 setup, 3 peer lost,
-    /// 4 deadline, 5 lease expired, 6 aborted; later versions may add
-    /// more); else 0.
+    /// 4 deadline, 5 lease expired, 6 aborted, 7 peer stalled, 8 shutdown,
+    /// 9 poller died, 10 lease lost; later versions may add more); else 0.
     pub cause: u8,
     /// For failures: the transport's status code (0 when none).
     pub status: i8,
@@ -741,6 +744,13 @@ pub unsafe extern "C" fn kvpoll_poll(
             }
             for &id in &e.out.expired {
                 e.reports.push(plain(id, KVPOLL_EXPIRED));
+            }
+            for f in &e.out.failed_sending {
+                e.reports.push(kvpoll_report {
+                    cause: f.reason.cause as u8,
+                    status: f.reason.status,
+                    ..plain(f.id, KVPOLL_FAILED_SENDING)
+                });
             }
             for f in &e.out.failed_recving {
                 let start = e.blocks.len();

@@ -430,10 +430,11 @@ struct PollResult {
     sending: Vec<PyObject>,
     expired: Vec<PyObject>,
     failed: Vec<(PyObject, Vec<u32>, Reason)>,
+    failed_send: Vec<(PyObject, Reason)>,
     handle_failures: Vec<(PyObject, u8, Reason)>,
     /// The Python objects handed out, built on first access (so that
     /// `r.finished_recving is r.finished_recving`).
-    cache: [OnceLock<PyObject>; 6],
+    cache: [OnceLock<PyObject>; 7],
 }
 
 impl PollResult {
@@ -467,6 +468,7 @@ impl PollResult {
             + self.sending.len()
             + self.expired.len()
             + self.failed.len()
+            + self.failed_send.len()
             + self.handle_failures.len()
     }
 }
@@ -501,6 +503,20 @@ impl PollResult {
             let d = PyDict::new(py);
             for (id, blocks, _) in &s.failed {
                 d.set_item(id, blocks)?;
+            }
+            Ok(d.into_any().unbind())
+        })
+    }
+
+    /// Writes that failed or were aborted, reported once every handle
+    /// stopped (never done; their source blocks are free): ``dict`` of id ->
+    /// ``(cause, status)``.
+    #[getter]
+    fn failed_sending(&self, py: Python<'_>) -> PyResult<PyObject> {
+        self.cached(py, 6, |s, py| {
+            let d = PyDict::new(py);
+            for (id, reason) in &s.failed_send {
+                d.set_item(id, (cause_name(reason), reason.status))?;
             }
             Ok(d.into_any().unbind())
         })
@@ -544,6 +560,7 @@ impl PollResult {
             ("finished_recving", self.finished_recving(py)?),
             ("finished_sending", self.finished_sending(py)?),
             ("failed_recving", self.failed_recving(py)?),
+            ("failed_sending", self.failed_sending(py)?),
             ("expired", self.expired(py)?),
             ("handle_failures", self.handle_failures(py)?),
         ];
@@ -600,6 +617,9 @@ struct Span {
 ///   lets UCX choose.
 /// - ``slots``, ``max_blocks``: requests tracked at once, local blocks per
 ///   request.
+/// - ``confirm_reads``: a read finishes only once each lender confirmed its
+///   lend was live for the whole read (default); ``False`` only for reads
+///   of memory no lend guards.
 ///
 /// Request ids are ``str`` or ``int``; reports give back the same objects.
 /// Use it as a context manager (``with Engine(...) as e:``) or call
@@ -741,9 +761,9 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512)))]
+    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true))]
     #[pyo3(
-        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512)"
+        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512, confirm_reads=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -755,6 +775,7 @@ impl Engine {
         tls: Option<String>,
         slots: UInt<u32>,
         max_blocks: UInt<u32>,
+        confirm_reads: bool,
     ) -> PyResult<Self> {
         let block_size = block_size.0;
         let core = core.map(|c| c.0);
@@ -778,6 +799,7 @@ impl Engine {
             .core(core)
             .idle(idle)
             .read_deadline(deadline)
+            .confirm_reads(confirm_reads)
             .ledger(slots, max_blocks)
             .ucx(ucx);
         let inner = py
@@ -914,22 +936,27 @@ impl Engine {
     /// ``finished_recving``, or in ``failed_recving`` with the blocks to
     /// invalidate once every handle stopped. On success each producer is
     /// notified (releasing its lend of the same id). No handles: a full
-    /// prefix hit, finished at once.
-    #[pyo3(signature = (req_id, handles))]
+    /// prefix hit, finished at once. ``deadline_s`` overrides the engine's
+    /// read deadline for this read.
+    #[pyo3(signature = (req_id, handles, deadline_s=None))]
     fn read(
         &mut self,
         py: Python<'_>,
         req_id: &Bound<'_, PyAny>,
         handles: &Bound<'_, PyAny>,
+        deadline_s: Option<f64>,
     ) -> PyResult<()> {
         let key = request_key(req_id)?;
+        let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
         self.check_unique(py, req_id, key)?;
         self.parse_handles(handles)?;
         let t = transfers(&self.spans, &self.locals, &self.remotes);
-        self.inner
-            .get()
-            .read(RequestId(key), &t)
-            .map_err(|e| engine_err(py, e))?;
+        let engine = self.inner.get();
+        match deadline {
+            Some(d) => engine.read_with_deadline(RequestId(key), &t, d),
+            None => engine.read(RequestId(key), &t),
+        }
+        .map_err(|e| engine_err(py, e))?;
         self.ids.insert(key, req_id.clone().unbind());
         Ok(())
     }
@@ -1000,6 +1027,27 @@ impl Engine {
         Ok(())
     }
 
+    /// Nothing to read (a full prefix hit), but each of ``producers`` (peer
+    /// ids) lent blocks for ``req_id``: each is told once, so it releases
+    /// them at once. Nothing is reported here.
+    #[pyo3(signature = (req_id, producers))]
+    fn notify_only(
+        &mut self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
+        producers: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let key = request_key(req_id)?;
+        let mut peers = Vec::new();
+        for p in producers.try_iter()? {
+            peers.push(PeerId(uint::<u32>(&p?, "producer")?));
+        }
+        self.inner
+            .get()
+            .notify_only(RequestId(key), &peers)
+            .map_err(|e| engine_err(py, e))
+    }
+
     /// Extends the leases of these writes or lends to ``extend_s`` from now
     /// (never shortening). Unknown ids are ignored.
     #[pyo3(signature = (ids, extend_s))]
@@ -1066,6 +1114,9 @@ impl Engine {
         for f in &out.failed_recving {
             let blocks = out.blocks_of(f).iter().map(|b| b.0).collect();
             r.failed.push((self.take_id(py, f.id)?, blocks, f.reason));
+        }
+        for f in &out.failed_sending {
+            r.failed_send.push((self.take_id(py, f.id)?, f.reason));
         }
         self.out = out;
         Py::new(py, r)

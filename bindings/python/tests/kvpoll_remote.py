@@ -49,12 +49,20 @@ def new_engine(**kwargs: Any) -> Any:
 class Reports:
     """Every report of one engine, in order, kept for the engine's life."""
 
-    FIELDS = ("finished_recving", "finished_sending", "expired", "failed_recving", "handle_failures")
+    FIELDS = (
+        "finished_recving",
+        "finished_sending",
+        "expired",
+        "failed_recving",
+        "failed_sending",
+        "handle_failures",
+    )
 
     def __init__(self) -> None:
         self.finished_recving: List[Any] = []
         self.finished_sending: List[Any] = []
         self.expired: List[Any] = []
+        self.failed_sending: List[Any] = []
         self.failed_recving: List[Any] = []  # (id, blocks, (cause, status))
         self.handle_failures: List[Any] = []  # (id, handle, cause, status)
 
@@ -64,6 +72,7 @@ class Reports:
         self.finished_recving += r.finished_recving
         self.finished_sending += r.finished_sending
         self.expired += r.expired
+        self.failed_sending += list(r.failed_sending.items())
         reasons = r.failure_reasons
         for i, blocks in r.failed_recving.items():
             self.failed_recving.append((i, blocks, reasons[i]))
@@ -71,7 +80,7 @@ class Reports:
 
     def ids(self, field: str) -> List[Any]:
         items = getattr(self, field)
-        if field in ("failed_recving", "handle_failures"):
+        if field in ("failed_recving", "failed_sending", "handle_failures"):
             return [x[0] for x in items]
         return list(items)
 

@@ -85,6 +85,9 @@ def test_a_failed_load_is_in_recving_once_and_its_blocks_in_the_load_errors_once
     with KvConnectorWorker(block_size=BS, tls="tcp") as w:
         w.register_kv_caches({"l0": [np.zeros((BLOCKS, BS), np.uint8), np.zeros((BLOCKS, BS), np.uint8)]})
         w.add_remote("p", p.metadata)
+        # Reads finish only once their lender confirmed the lend was live.
+        p.call("lend", "ok", [5, 6], readers=1)
+        p.call("lend", "bad", [7], readers=1)
         w.start_load_kv(reqs_to_recv={"ok": [("p", [1, 2], [5, 6])], "bad": [("p", [3], [7]), (999, [4], [8])]})
         seen = Counter()
         errors = []

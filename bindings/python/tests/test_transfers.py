@@ -218,6 +218,8 @@ def test_reads_land_in_numpy_arrays_registered_as_regions(make_producer):
         assert c.register_buffer(layers[0]) == 0
         assert c.register_buffer((layers[1].ctypes.data, layers[1].nbytes)) == 1
         peer = c.add_peer(p.metadata)
+        # A read finishes only once its lender confirmed the lend was live.
+        p.call("lend", "np-1", [40, 41], readers=1)
         c.read("np-1", [(peer, [2, 3], [40, 41])])
         reports = Reports()
         wait(c, reports, "finished_recving", "np-1")
@@ -227,3 +229,33 @@ def test_reads_land_in_numpy_arrays_registered_as_regions(make_producer):
             assert not layers[r][4].any()
     finally:
         c.shutdown()
+
+
+def test_a_write_to_a_block_beyond_the_consumer_fails_once_in_failed_sending_with_its_reason(
+    make_producer, make_consumer
+):
+    p = make_producer(seed=15)
+    c = make_consumer()
+    to_p = c.add_peer(p.metadata)
+    c.write("bad-push", [(to_p, [1], [10_000])], expected_acks=1, lease_s=0.3)
+    reports = Reports()
+    wait(c, reports, "failed_sending", "bad-push")
+    assert reports.failed_sending == [("bad-push", ("setup", 0))]
+    poll_for(c, reports, 0.5)
+    assert reports.failed_sending == [("bad-push", ("setup", 0))]
+    assert reports.expired == [] and reports.finished_sending == []
+
+
+def test_notify_only_releases_the_producers_lend_and_reports_nothing_here(
+    make_producer, make_consumer
+):
+    p = make_producer(seed=16)
+    c = make_consumer()
+    to_p = c.add_peer(p.metadata)
+    p.call("lend", "hit-1", [5], readers=1, lease_s=60.0)
+    c.notify_only("hit-1", [to_p])
+    seen = p.wait("finished_sending", "hit-1")
+    assert seen["finished_sending"] == ["hit-1"]
+    reports = Reports()
+    poll_for(c, reports, 0.2)
+    assert reports.as_dict() == {f: [] for f in Reports.FIELDS}

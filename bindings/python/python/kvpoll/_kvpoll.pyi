@@ -68,6 +68,9 @@ class PollResult:
     def failed_recving(self) -> Dict[RequestId, List[int]]:
         """Failed receives -> local block ids whose contents are invalid."""
     @property
+    def failed_sending(self) -> Dict[RequestId, Tuple[str, int]]:
+        """Failed or aborted writes -> (cause, transport status); never done."""
+    @property
     def failure_reasons(self) -> Dict[RequestId, Tuple[str, int]]:
         """Failed receives -> (cause, transport status)."""
     @property
@@ -89,6 +92,7 @@ class Engine:
         tls: Optional[str] = None,
         slots: int = 1024,
         max_blocks: int = 512,
+        confirm_reads: bool = True,
     ) -> None: ...
     def register(self, n_blocks: int) -> int:
         """Registers a UCX-allocated region of ``n_blocks`` blocks; returns its index."""
@@ -101,8 +105,15 @@ class Engine:
         """Adds a peer from its metadata; returns its peer id."""
     def remove_peer(self, peer: int) -> None:
         """Removes a peer; its handles in flight fail."""
-    def read(self, req_id: RequestId, handles: Iterable[Handle]) -> None:
+    def read(
+        self,
+        req_id: RequestId,
+        handles: Iterable[Handle],
+        deadline_s: Optional[float] = None,
+    ) -> None:
         """Pull: reads the handles; reported finished or failed (once)."""
+    def notify_only(self, req_id: RequestId, producers: Iterable[int]) -> None:
+        """Nothing to read: each producer releases its lend of ``req_id``."""
     def write(
         self,
         req_id: RequestId,

@@ -233,6 +233,8 @@ class KvConnectorWorker:
                 for blocks in failed.values():
                     self._load_errors.update(blocks)
             freed = r.finished_sending
+            # A failed write is never done, but its source blocks are free.
+            freed |= r.failed_sending.keys()
             for req_id in r.expired:
                 blocks = self._push_dest.pop(req_id, None)
                 if blocks is None:
