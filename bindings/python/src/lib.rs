@@ -1074,9 +1074,11 @@ impl Engine {
             .map_err(|e| engine_err(py, e))
     }
 
-    /// Aborts a request: it is reported failed (cause ``"aborted"``) once
-    /// its operations were cancelled. ``RequestError`` if it is not in
-    /// flight.
+    /// Aborts a request. It alone is affected: what is not posted is
+    /// cancelled, what is posted completes or fails on its own (past the
+    /// request's deadline its peers are judged stalled), and it is reported
+    /// failed (cause ``"aborted"``) once quiescent. ``RequestError`` if it is
+    /// not in flight.
     #[pyo3(signature = (req_id))]
     fn abort(&mut self, py: Python<'_>, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = request_key(req_id)?;

@@ -135,11 +135,23 @@ def test_a_heartbeat_keeps_a_lend_alive_past_its_twins_lease_and_a_reader_still_
     assert seen["finished_sending"] == ["kept"] and seen["expired"] == ["dropped"]
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``T`` in /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 def test_abort_fails_a_stuck_read_once_with_cause_aborted(make_producer, make_consumer):
     p = make_producer(seed=6)
-    c = make_consumer()
+    # An abort touches only its own request: the posted read stays until its
+    # producer answers or its deadline judges the producer stalled.
+    c = make_consumer(read_deadline_s=2.0)
     peer = c.add_peer(p.metadata)
     os.kill(p.pid, signal.SIGSTOP)
+    end = time.monotonic() + 10
+    while not stopped(p.pid):
+        assert time.monotonic() < end, "the producer did not stop"
+        time.sleep(0.001)
     try:
         c.read("abort-1", [(peer, [0, 1], [0, 1])])
         reports = Reports()
