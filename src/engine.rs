@@ -435,6 +435,7 @@ impl EngineBuilder {
             shared,
             thread: Some(thread),
             in_flight: HashMap::with_capacity(self.ledger.slots as usize),
+            tally: crate::metrics::Tally::default(),
             scratch: Vec::with_capacity(1024),
             parked: Vec::new(),
             retired: Vec::with_capacity(self.ledger.max_blocks as usize),
@@ -479,7 +480,10 @@ pub struct Engine {
     control: mpsc::Sender<Control>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
-    in_flight: HashMap<RequestId, Kind>,
+    /// What each request in flight is, and when it was submitted.
+    in_flight: HashMap<RequestId, (Kind, std::time::Instant)>,
+    /// Outcomes and latencies of what was reported, for `metrics()`.
+    pub(crate) tally: crate::metrics::Tally,
     scratch: Vec<Command>,
     /// Events drained during shutdown, reported by the next poll.
     parked: Vec<Event>,
@@ -505,6 +509,13 @@ pub struct PollerStats {
     /// wrong kind for it, a repeat from an engine already counted, or an
     /// acknowledgement from an engine the write did not write to.
     pub rejected_notifications: u64,
+    /// Transfer operations posted (one block of one region each, plus
+    /// flushes).
+    pub ops_posted: u64,
+    /// Transfer operations completed, successfully or not.
+    pub ops_completed: u64,
+    /// Bytes moved by operations that completed successfully.
+    pub bytes_moved: u64,
 }
 
 impl Engine {
@@ -773,7 +784,7 @@ impl Engine {
             .send_all(&self.scratch)
             .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
         if kind != Kind::NotifyOnly {
-            self.in_flight.insert(id, kind);
+            self.in_flight.insert(id, (kind, std::time::Instant::now()));
         }
         self.wake();
         Ok(())
@@ -983,6 +994,9 @@ impl Engine {
             idle_iterations: self.shared.idle_iterations.load(Ordering::Relaxed),
             malformed_notifications: self.shared.malformed_notes.load(Ordering::Relaxed),
             rejected_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
+            ops_posted: self.shared.ops_posted.load(Ordering::Relaxed),
+            ops_completed: self.shared.ops_completed.load(Ordering::Relaxed),
+            bytes_moved: self.shared.bytes_moved.load(Ordering::Relaxed),
         }
     }
 
@@ -1050,7 +1064,7 @@ impl Engine {
             n += self.report(ev, out);
         }
         let reason = Reason::of(Cause::PollerDied);
-        for (id, kind) in std::mem::take(&mut self.in_flight) {
+        for (id, (kind, _)) in std::mem::take(&mut self.in_flight) {
             n += 1;
             match kind {
                 Kind::Write { .. } => out.failed_sending.push(FailedSend { id, reason }),
@@ -1072,9 +1086,16 @@ impl Engine {
         let Event { key, id, outcome } = ev;
         if let Outcome::HandleFailed { handle, reason } = outcome {
             out.handle_failures.push((id, handle, reason));
+            *self.tally.handle_failures.of(reason.cause) += 1;
             return 1;
         }
-        let kind = self.in_flight.remove(&id);
+        let (kind, since) = match self.in_flight.remove(&id) {
+            Some((k, t)) => (Some(k), Some(t)),
+            None => (None, None),
+        };
+        if let (Some(k), Some(t)) = (kind, since) {
+            self.tally.record(k, &outcome, t.elapsed());
+        }
         self.retired.clear();
         // Read the blocks to invalidate, then hand the key back: the slot
         // (and its block list) cannot be reused before the poller retires it.

@@ -34,7 +34,9 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::engine::{Engine, Outcomes};
-use crate::ledger::Cause;
+use std::time::Duration;
+
+use crate::ledger::{Cause, Kind, Outcome};
 
 /// The HTTP `Content-Type` of [`render`]'s output.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
@@ -278,11 +280,43 @@ impl MetricsSnapshot {
     }
 }
 
+/// What the engine thread counts as it reports: requests by outcome,
+/// handle failures by cause, submit → report latency by kind. Plain
+/// integers on the engine thread: no lock, no allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Tally {
+    pub(crate) requests: RequestOutcomes,
+    pub(crate) handle_failures: HandleFailures,
+    pub(crate) latency: RequestLatency,
+}
+
+impl Tally {
+    /// A terminal report of a request of `kind`, `elapsed` after its submit.
+    pub(crate) fn record(&mut self, kind: Kind, outcome: &Outcome, elapsed: Duration) {
+        let r = &mut self.requests;
+        match (outcome, kind) {
+            (Outcome::Finished, _) => r.finished_recving += 1,
+            (Outcome::Failed(_), Kind::Write { .. }) => r.failed_sending += 1,
+            (Outcome::Failed(_), Kind::Lend { .. }) => r.expired += 1,
+            (Outcome::Failed(_), _) => r.failed_recving += 1,
+            (Outcome::SendDone | Outcome::LendReleased, _) => r.finished_sending += 1,
+            (Outcome::SendExpired | Outcome::LendExpired, _) => r.expired += 1,
+            (Outcome::HandleFailed { .. }, _) => return,
+        }
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        match kind {
+            Kind::Write { .. } => self.latency.write.record(ns),
+            Kind::Lend { .. } => self.latency.lend.record(ns),
+            _ => self.latency.read.record(ns),
+        }
+    }
+}
+
 impl Engine {
-    /// A snapshot of this engine's counters, from [`Engine::poller_stats`]
-    /// and [`Engine::ledger_stats`]. Figures the poller does not measure
-    /// yet read 0; requests and handle failures are counted by the caller
-    /// ([`MetricsSnapshot::count`]), who sees the outcomes.
+    /// A snapshot of this engine's counters: the poller's (iterations,
+    /// operations, bytes, refused inputs), the ledger's (slots), and what
+    /// this engine reported (requests by outcome, handle failures by cause,
+    /// submit → report latency by kind).
     pub fn metrics(&self) -> MetricsSnapshot {
         let p = self.poller_stats();
         let l = self.ledger_stats();
@@ -290,8 +324,14 @@ impl Engine {
             pollers: vec![PollerMetrics {
                 busy_iterations: p.busy_iterations,
                 idle_iterations: p.idle_iterations,
+                ops_posted: p.ops_posted,
+                ops_completed: p.ops_completed,
+                bytes: p.bytes_moved,
                 ..PollerMetrics::default()
             }],
+            requests: self.tally.requests,
+            handle_failures: self.tally.handle_failures,
+            latency: self.tally.latency,
             rejected: RejectedInputs {
                 handle_inputs: l.rejected_inputs,
                 malformed_notifications: p.malformed_notifications,

@@ -39,6 +39,9 @@ pub(crate) struct Shared {
     pub(crate) idle_iterations: AtomicU64,
     pub(crate) malformed_notes: AtomicU64,
     pub(crate) rejected_notes: AtomicU64,
+    pub(crate) ops_posted: AtomicU64,
+    pub(crate) ops_completed: AtomicU64,
+    pub(crate) bytes_moved: AtomicU64,
     /// The CPU the poller was pinned to and verified on; `u64::MAX` if none.
     pub(crate) pinned_core: AtomicU64,
     pub(crate) epoch: Instant,
@@ -57,6 +60,9 @@ impl Shared {
             idle_iterations: AtomicU64::new(0),
             malformed_notes: AtomicU64::new(0),
             rejected_notes: AtomicU64::new(0),
+            ops_posted: AtomicU64::new(0),
+            ops_completed: AtomicU64::new(0),
+            bytes_moved: AtomicU64::new(0),
             pinned_core: AtomicU64::new(u64::MAX),
             epoch: Instant::now(),
             tid: AtomicI32::new(0),
@@ -243,6 +249,16 @@ impl Poller {
         self.shared
             .rejected_notes
             .store(stats.rejected_notifications, Ordering::Relaxed);
+        self.shared
+            .ops_posted
+            .store(stats.ops_posted, Ordering::Relaxed);
+        self.shared
+            .ops_completed
+            .store(stats.ops_completed, Ordering::Relaxed);
+        self.shared.bytes_moved.store(
+            stats.blocks_moved.saturating_mul(self.cfg.block_size),
+            Ordering::Relaxed,
+        );
     }
 
     fn idle_wait(&self, streak: u32) {

@@ -741,3 +741,39 @@ fn reads_land_in_caller_registered_memory() {
         assert!(pattern::check(seed(8, r), 17, block), "layer {r}");
     }
 }
+
+#[test]
+fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
+    let mut p = engine("tcp", GUARD);
+    let mut d = engine("tcp", GUARD);
+    fill(&p, 4);
+    let peer = connect(&mut d, &p);
+    let id = RequestId(120);
+    p.lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
+        .unwrap();
+    d.read(
+        id,
+        &[Transfer {
+            peer,
+            local: &ids(&[7, 8]),
+            remote: &ids(&[1, 2]),
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the read", |o| o.finished_recving == [id]);
+    let mut pout = Outcomes::default();
+    wait_for(&mut p, &mut pout, "the release", |o| {
+        o.finished_sending == [id]
+    });
+    d.shutdown(); // publishes the poller's last counters
+    let m = d.metrics();
+    assert_eq!(m.requests.finished_recving, 1);
+    assert_eq!(m.latency.read.count(), 1);
+    // Two blocks in each of the regions.
+    let ops = 2 * REGIONS as u64;
+    assert_eq!(m.pollers[0].ops_posted, ops);
+    assert_eq!(m.pollers[0].ops_completed, ops);
+    assert_eq!(m.pollers[0].bytes, ops * BS);
+    assert_eq!(p.metrics().requests.finished_sending, 1);
+}

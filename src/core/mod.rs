@@ -224,6 +224,9 @@ pub struct CoreStats {
     pub ops_posted: u64,
     /// Operations completed (data and flush).
     pub ops_completed: u64,
+    /// Data operations (one block of one region each) that completed
+    /// successfully.
+    pub blocks_moved: u64,
     /// Endpoints force-closed because a peer was judged stalled.
     pub stall_closes: u64,
     /// Peers lost (endpoint failures).
@@ -695,6 +698,9 @@ impl Core {
         }
         self.ops_in_flight = self.ops_in_flight.saturating_sub(1);
         self.stats.ops_completed += 1;
+        if kind == T_DATA && status == 0 {
+            self.stats.blocks_moved += 1;
+        }
         let hk = HandleKey::from_u64(token & !KIND_MASK);
         let idx = Self::index(hk);
         let Some(p) = self.progress.get(idx).copied() else {
