@@ -257,6 +257,7 @@ pub struct EngineBuilder {
     ucx: ContextOptions,
     read_deadline: Duration,
     confirm_reads: bool,
+    read_heartbeat: Duration,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
@@ -274,6 +275,7 @@ impl Default for EngineBuilder {
             ucx: ContextOptions::default(),
             read_deadline: Duration::from_secs(30),
             confirm_reads: true,
+            read_heartbeat: Duration::from_millis(250),
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
@@ -358,6 +360,16 @@ impl EngineBuilder {
         self
     }
 
+    /// How often a read still in flight tells its lenders to keep their
+    /// lends (default 250 ms): each heartbeat extends a lend by its own
+    /// lease length from then. A reader that stops (a paused process, a
+    /// cut link) stops sending them, and its lenders' leases run out.
+    /// `Duration::MAX`: never.
+    pub fn read_heartbeat(mut self, every: Duration) -> Self {
+        self.read_heartbeat = every;
+        self
+    }
+
     /// Faults to inject (default: none). Test hook: `fault-injection` only.
     #[cfg(feature = "fault-injection")]
     pub fn faults(mut self, faults: Faults) -> Self {
@@ -390,6 +402,7 @@ impl EngineBuilder {
             ucx: self.ucx.clone(),
             instance: instance_id(),
             confirm_reads: self.confirm_reads,
+            read_heartbeat: self.read_heartbeat,
             #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };

@@ -7,7 +7,7 @@
 //! 0   2  magic "KN"
 //! 2   1  version (2)
 //! 3   1  kind: 1 read done, 2 write done, 3 ack, 4 read confirmed,
-//!          5 read refused, 6 gave up, 7 write abandoned
+//!          5 read refused, 6 gave up, 7 write abandoned, 8 heartbeat
 //! 4   8  request id
 //! 12  4  count
 //! 16  8  sender instance (its metadata's instance)
@@ -47,6 +47,9 @@ pub enum NoteKind {
     /// Writer → destination: this writer's push ended without success and
     /// nothing more of it is in flight.
     WriteAbandoned = 7,
+    /// Reader → lender: my read of this lend is still in flight; keep it
+    /// (the lender extends the lend's lease by its own length).
+    Heartbeat = 8,
 }
 
 /// One notification.
@@ -127,6 +130,7 @@ impl Notification {
             5 => NoteKind::ReadRefused,
             6 => NoteKind::GaveUp,
             7 => NoteKind::WriteAbandoned,
+            8 => NoteKind::Heartbeat,
             k => return Err(NotificationError::Kind(k)),
         };
         let count = word(12..16) as u32;

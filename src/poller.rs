@@ -77,6 +77,7 @@ pub(crate) struct Config {
     pub(crate) ucx: ContextOptions,
     pub(crate) instance: u64,
     pub(crate) confirm_reads: bool,
+    pub(crate) read_heartbeat: Duration,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::transport::faulty::Faults,
 }
@@ -175,6 +176,7 @@ impl Poller {
                 instance: cfg.instance,
                 release_retry: Nanos(release_retry(&cfg).as_nanos() as u64),
                 confirm_reads: cfg.confirm_reads,
+                heartbeat: Nanos(cfg.read_heartbeat.as_nanos().min(u128::from(u64::MAX)) as u64),
             },
             ledger,
         );

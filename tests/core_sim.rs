@@ -91,7 +91,7 @@ fn pattern(node: usize, block: BlockId, region: usize, i: usize) -> u8 {
     (node as u32 * 131 + block.0 * 31 + region as u32 * 7 + i as u32 * 13 + 1) as u8
 }
 
-fn new_core(instance: u64, regions: usize, blocks: u64) -> Core {
+fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core {
     let ledger = Ledger::new(LedgerConfig {
         slots: 64,
         max_blocks: 64,
@@ -102,6 +102,7 @@ fn new_core(instance: u64, regions: usize, blocks: u64) -> Core {
             instance,
             release_retry: Nanos(RELEASE_RETRY),
             confirm_reads: true,
+            heartbeat: Nanos(heartbeat),
         },
         ledger,
     );
@@ -111,6 +112,11 @@ fn new_core(instance: u64, regions: usize, blocks: u64) -> Core {
 
 impl Harness {
     fn new(cfg: SimNetConfig) -> Self {
+        Self::with_heartbeat(cfg, u64::MAX)
+    }
+
+    /// Cores whose reads tell their lenders every `heartbeat` ns.
+    fn with_heartbeat(cfg: SimNetConfig, heartbeat: u64) -> Self {
         let mut h = Harness {
             net: SimNet::new(cfg),
             nodes: Vec::new(),
@@ -126,7 +132,7 @@ impl Harness {
         for n in 0..cfg.nodes {
             let instance = instance_of(n, 0);
             h.nodes.push(NodeState {
-                core: new_core(instance, cfg.regions, cfg.blocks),
+                core: new_core(instance, cfg.regions, cfg.blocks, heartbeat),
                 instance,
                 peers: HashMap::new(),
                 fail_releases: 0,
@@ -1096,7 +1102,7 @@ fn a_lost_peer_fails_its_handles_and_can_be_re_added() {
     h.resumes.clear();
     let cfgn = *h.net.config();
     let inst = instance_of(1, 1);
-    h.nodes[1].core = new_core(inst, cfgn.regions, cfgn.blocks);
+    h.nodes[1].core = new_core(inst, cfgn.regions, cfgn.blocks, u64::MAX);
     h.nodes[1].instance = inst;
     h.reqs.retain(|k, _| k.0 != 1);
     h.connect(0, 1);
@@ -1394,4 +1400,34 @@ fn a_failed_read_tells_its_lenders_which_release_at_once() {
     assert_eq!(h.report_of(2, 10), Some(&Report::FinishedSending));
     let _ = b;
     h.check_end();
+}
+
+/// A read slower than its lender's lease: its heartbeats keep the lend
+/// alive (each extends it by the lease's length), and it finishes with the
+/// lender's bytes. Without heartbeats, the same read is refused.
+#[test]
+fn a_reads_heartbeats_keep_its_lend_alive_past_the_lease() {
+    for (heartbeat, finishes) in [(MS / 4, true), (u64::MAX, false)] {
+        let mut cfg = cfg(24, 2);
+        // Every operation and message takes 3-4 ms: the read's data lands
+        // after ~4 ms and its question reaches the lender after ~8 ms; the
+        // lease is 6 ms.
+        cfg.latency = (3 * MS, 4 * MS);
+        let mut h = Harness::with_heartbeat(cfg, heartbeat);
+        let src = lend_filled(&mut h, 1, 11, 2, 1, 6 * MS);
+        let dst = h.alloc(0, 2);
+        h.read(0, 11, &[(1, pairs(&dst, &src))], 100 * MS);
+        h.settle();
+        let report = h.report_of(0, 11).cloned();
+        if finishes {
+            assert_eq!(report, Some(Report::FinishedRecving), "with heartbeats");
+            assert_eq!(h.report_of(1, 11), Some(&Report::FinishedSending));
+        } else {
+            assert!(
+                matches!(report, Some(Report::FailedRecving(r, _)) if r.cause == Cause::LeaseLost),
+                "without heartbeats: {report:?}"
+            );
+        }
+        h.check_end();
+    }
 }

@@ -54,6 +54,9 @@ pub struct CoreConfig {
     /// finishes when its data landed and then tells its lenders, as for
     /// reads of memory that no lend guards.
     pub confirm_reads: bool,
+    /// How often a read still in flight tells its lenders to keep their
+    /// lends (`Nanos(u64::MAX)`: never).
+    pub heartbeat: Nanos,
 }
 
 /// Something the driver must do. Executed in order; the results of `Post`,
@@ -209,6 +212,9 @@ struct Info {
     queried: bool,
     /// A push destination one of whose writers gave up.
     abandoned: bool,
+    /// A lend's lease length, ns: a reader's heartbeat extends the lend by
+    /// as much from now.
+    lease: u64,
 }
 
 /// Counters, for metrics and tests.
@@ -251,6 +257,8 @@ pub struct Core {
     /// Aborted requests and their expiry: past it with handles still in
     /// flight, their peers are judged stalled.
     aborted: Vec<(RequestKey, Nanos)>,
+    /// Reads in flight and when each next tells its lenders it is alive.
+    beating: Vec<(RequestKey, Nanos)>,
     /// Handles whose release failed, and when to retry.
     held: Vec<(HandleKey, Nanos)>,
     ops_in_flight: u64,
@@ -292,11 +300,13 @@ impl Core {
                     notified: 0,
                     queried: false,
                     abandoned: false,
+                    lease: 0,
                 };
                 capacity
             ],
             notifiers: vec![0; capacity * MAX_CONSUMERS],
             aborted: Vec::with_capacity(64),
+            beating: Vec::with_capacity(1024),
             held: Vec::new(),
             ops_in_flight: 0,
             notes_in_flight: 0,
@@ -429,7 +439,7 @@ impl Core {
                 expires_in,
             } => {
                 if self.read_plan(handles, blocks, next) {
-                    self.begin(id, kind, now.saturating_add(Nanos(expires_in)));
+                    self.begin(id, kind, now, expires_in);
                 }
             }
             Command::Abort(id) => self.abort(id, now),
@@ -483,7 +493,8 @@ impl Core {
         let _ = self.ledger.retire(key);
     }
 
-    fn begin(&mut self, id: RequestId, kind: Kind, expires: Nanos) {
+    fn begin(&mut self, id: RequestId, kind: Kind, now: Nanos, lease_ns: u64) {
+        let expires = now.saturating_add(Nanos(lease_ns));
         if kind == Kind::NotifyOnly {
             // Nothing to read, nothing tracked: each producer engine (once
             // per engine, whatever the handle count) hears that it may
@@ -523,7 +534,12 @@ impl Core {
             notified: 0,
             queried: false,
             abandoned: false,
+            lease: lease_ns,
         };
+        if kind == Kind::Read && self.cfg.heartbeat != Nanos(u64::MAX) {
+            self.beating
+                .push((key, now.saturating_add(self.cfg.heartbeat)));
+        }
         if kind == Kind::Read && self.cfg.confirm_reads {
             // Finished only once each lender engine confirmed its lend was
             // live when the data was read.
@@ -681,7 +697,7 @@ impl Core {
     pub fn on_transport(&mut self, ev: TransportEvent<'_>, now: Nanos) {
         match ev {
             TransportEvent::Completion { token, status } => self.on_completion(token, status),
-            TransportEvent::Message { payload, reply } => self.on_message(payload, reply),
+            TransportEvent::Message { payload, reply } => self.on_message(payload, reply, now),
             TransportEvent::EndpointFailed { ep, status: _ } => self.on_endpoint_failed(ep),
         }
         let _ = now;
@@ -886,12 +902,12 @@ impl Core {
         }
     }
 
-    fn on_message(&mut self, bytes: &[u8], reply: Option<u32>) {
+    fn on_message(&mut self, bytes: &[u8], reply: Option<u32>, now: Nanos) {
         let Ok(note) = Notification::decode(bytes) else {
             self.stats.malformed_notifications += 1;
             return;
         };
-        self.accept(note, reply);
+        self.accept(note, reply, now);
         self.after_events();
     }
 
@@ -902,7 +918,7 @@ impl Core {
 
     /// Checks a notification against the request it names and acts on it;
     /// each remote engine counts once per request. Refusals are counted.
-    fn accept(&mut self, note: Notification, reply: Option<u32>) {
+    fn accept(&mut self, note: Notification, reply: Option<u32>, now: Nanos) {
         let live = self.ledger.key(note.id).filter(|k| {
             let info = &self.info[k.slot() as usize];
             info.generation == k.generation()
@@ -913,7 +929,10 @@ impl Core {
             if note.kind == NoteKind::ReadDone {
                 self.answer(reply, NoteKind::ReadRefused, note.id);
             }
-            if note.kind != NoteKind::GaveUp && note.kind != NoteKind::WriteAbandoned {
+            if !matches!(
+                note.kind,
+                NoteKind::GaveUp | NoteKind::WriteAbandoned | NoteKind::Heartbeat
+            ) {
                 self.reject();
             }
             return;
@@ -935,6 +954,11 @@ impl Core {
                     self.reject();
                     self.answer(reply, NoteKind::ReadRefused, note.id);
                 }
+            }
+            (Kind::Lend { .. }, NoteKind::Heartbeat) => {
+                // A reader is still at it: keep the lend as long again.
+                let until = now.saturating_add(Nanos(info.lease));
+                self.ledger.heartbeat(note.id, until);
             }
             (Kind::Lend { .. }, NoteKind::GaveUp) => {
                 // That engine will not read (its read stopped): stop waiting.
@@ -1080,7 +1104,31 @@ impl Core {
             }
         }
         self.apply_cancels(Cause::PeerStalled);
+        self.beat(now);
         self.after_events();
+    }
+
+    /// Reads still in flight whose heartbeat is due tell their lenders.
+    fn beat(&mut self, now: Nanos) {
+        let mut i = 0;
+        while i < self.beating.len() {
+            let (key, due) = self.beating[i];
+            if due > now {
+                i += 1;
+                continue;
+            }
+            let live = self
+                .slots
+                .snapshot(key)
+                .is_some_and(|v| v.phase == crate::ledger::Phase::Live);
+            if !live {
+                self.beating.swap_remove(i);
+                continue;
+            }
+            self.each_peer_once(key, NoteKind::Heartbeat, false);
+            self.beating[i].1 = now.saturating_add(self.cfg.heartbeat);
+            i += 1;
+        }
     }
 
     /// When the core next needs [`Core::advance`] (`None`: only when
@@ -1091,6 +1139,9 @@ impl Core {
             t = t.min(due);
         }
         for &(_, due) in &self.aborted {
+            t = t.min(due);
+        }
+        for &(_, due) in &self.beating {
             t = t.min(due);
         }
         (t != Nanos(u64::MAX)).then_some(t)
