@@ -15,7 +15,7 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
 C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
 
-.PHONY: deps test-deps demo test loom bench fmt clippy c-test header
+.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -63,3 +63,8 @@ fmt:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features cuda -- -D warnings
+
+# The protocol core over the simulator, many more random whole runs than
+# `make test` (10 000): faults, pauses, kills, aborts, deadlines, shutdown.
+soak:
+	KVPOLL_SIM_CASES=$${KVPOLL_SIM_CASES:-200000} $(CARGO) test --release --test core_sim -- --nocapture
