@@ -938,6 +938,64 @@ impl Engine {
         self.send(id, kind)
     }
 
+    /// A push destination whose writers are named: `blocks` wait for each
+    /// writer engine of `writers` to say its write landed (or that it gave
+    /// up). Its lease is a fence, not a timer: when it ends (or on
+    /// [`Engine::abort`]) with a writer still silent, the blocks stay
+    /// quarantined — not reported, so not reused — until that writer speaks
+    /// (a stalled writer does, once it resumes and its own lease ends) or
+    /// its peer is lost (its endpoint fails, or [`Engine::remove_peer`]).
+    /// Reported in `finished_recving`, or in `failed_recving` naming the
+    /// blocks. (With [`LendTo::Writers`] the writers are unnamed and the
+    /// lease is a timer: a writer stalled past it can still land bytes.)
+    pub fn lend_to_writers(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        writers: &[PeerId],
+        lease: Duration,
+    ) -> Result<(), EngineError> {
+        self.admit(id)?;
+        let mut distinct: arrayvec::ArrayVec<PeerId, MAX_HANDLES> = arrayvec::ArrayVec::new();
+        for &w in writers {
+            if !distinct.contains(&w) {
+                distinct
+                    .try_push(w)
+                    .map_err(|_| EngineError::TooManyConsumers(writers.len() as u32))?;
+            }
+        }
+        if distinct.is_empty() {
+            return Err(EngineError::NothingToAwait);
+        }
+        self.check_blocks(blocks.iter())?;
+        if blocks.len() > self.max_blocks as usize {
+            return Err(EngineError::TooManyBlocks {
+                given: blocks.len(),
+                max: self.max_blocks,
+            });
+        }
+        self.fits(1 + distinct.len() + blocks.len())?;
+        let kind = Kind::Receive {
+            writers: distinct.len() as u32,
+        };
+        self.scratch.clear();
+        self.scratch.push(Command::Begin {
+            id,
+            kind,
+            handles: distinct.len() as u8,
+            blocks: blocks.len() as u32,
+            expires_in: nanos(lease),
+        });
+        self.scratch.extend(
+            distinct
+                .iter()
+                .map(|&peer| Command::Handle { peer, pairs: 0 }),
+        );
+        self.scratch
+            .extend(blocks.iter().map(|&b| Command::Block(b)));
+        self.send(id, kind)
+    }
+
     /// Extends the leases of these writes or lends to `extend` from now
     /// (never shortening). Unknown ids are ignored (and counted).
     pub fn heartbeat(&mut self, ids: &[RequestId], extend: Duration) -> Result<(), EngineError> {

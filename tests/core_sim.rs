@@ -310,6 +310,36 @@ impl Harness {
         self.feed(node, cmds);
     }
 
+    /// `Engine::lend_to_writers`: a push destination with named writers.
+    fn receive_from(
+        &mut self,
+        node: usize,
+        id: u64,
+        blocks: &[BlockId],
+        writers: &[usize],
+        lease: u64,
+    ) {
+        let kind = Kind::Receive {
+            writers: writers.len() as u32,
+        };
+        self.track(node, id, kind, blocks.to_vec());
+        let mut cmds = vec![Command::Begin {
+            id: RequestId(id),
+            kind,
+            handles: writers.len() as u8,
+            blocks: blocks.len() as u32,
+            expires_in: lease,
+        }];
+        for &w in writers {
+            cmds.push(Command::Handle {
+                peer: self.peer(node, w),
+                pairs: 0,
+            });
+        }
+        cmds.extend(blocks.iter().map(|&b| Command::Block(b)));
+        self.feed(node, cmds);
+    }
+
     /// `Engine::notify_only` (not tracked).
     fn notify_only(&mut self, node: usize, id: u64, producers: &[usize]) {
         let mut cmds = vec![Command::Begin {
@@ -1430,4 +1460,76 @@ fn a_reads_heartbeats_keep_its_lend_alive_past_the_lease() {
         }
         h.check_end();
     }
+}
+
+// -- issue 11: a push destination's lease is a fence ---------------------------
+
+/// The writer stops (a paused process) right after posting its puts; the
+/// destination's lease runs out meanwhile. Its blocks are not reported (so
+/// not reused) while the writer is silent; once the writer resumes, its
+/// word releases them, and nothing lands after the report.
+#[test]
+fn a_named_writer_paused_past_the_destinations_lease_keeps_its_blocks_quarantined() {
+    let mut h = Harness::new(cfg(25, 2));
+    let dst = h.alloc(1, 2);
+    h.receive_from(1, 12, &dst, &[0], 2 * MS);
+    let src = h.alloc(0, 2);
+    h.fill(0, &src);
+    h.write(0, 12, &[(1, pairs(&src, &dst))], 1, 50 * MS);
+    h.pause(0, Nanos(10 * MS));
+    h.run_until(Nanos(8 * MS));
+    assert_eq!(
+        h.report_of(1, 12),
+        None,
+        "reported while its writer was silent"
+    );
+    assert_eq!(h.nodes[1].core.stats().quarantined_now, 1);
+    h.settle();
+    assert!(h.report_of(1, 12).is_some(), "never released");
+    assert_eq!(h.nodes[1].core.stats().quarantined_now, 0);
+    h.check_end();
+}
+
+/// A named writer that is lost (its process killed) releases the
+/// quarantine: the destination fails, naming its blocks.
+#[test]
+fn a_lost_named_writer_releases_the_quarantine() {
+    let mut h = Harness::new(cfg(26, 2));
+    let dst = h.alloc(1, 2);
+    h.receive_from(1, 13, &dst, &[0], 2 * MS);
+    h.run_until(Nanos(5 * MS));
+    assert_eq!(
+        h.report_of(1, 13),
+        None,
+        "a silent writer's destination was reported"
+    );
+    h.net.kill(0);
+    // The destination's poller sees its endpoint to the writer fail.
+    h.pump(1);
+    h.settle();
+    match h.report_of(1, 13) {
+        Some(Report::FailedRecving(_, b)) => assert_eq!(b, &dst),
+        other => panic!("after the writer was lost: {other:?}"),
+    }
+}
+
+/// An abort of a push destination with named writers waits for them too.
+#[test]
+fn an_aborted_named_destination_waits_for_its_writers() {
+    let mut h = Harness::new(cfg(27, 2));
+    let dst = h.alloc(1, 1);
+    h.receive_from(1, 14, &dst, &[0], 100 * MS);
+    h.abort(1, 14);
+    h.run_until(Nanos(MS));
+    assert_eq!(
+        h.report_of(1, 14),
+        None,
+        "released while its writer might write"
+    );
+    let src = h.alloc(0, 1);
+    h.fill(0, &src);
+    h.write(0, 14, &[(1, pairs(&src, &dst))], 1, 50 * MS);
+    h.settle();
+    assert!(h.report_of(1, 14).is_some());
+    h.check_end();
 }

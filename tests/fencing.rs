@@ -197,3 +197,59 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
     });
     assert_eq!(aout.finished_sending, vec![id]);
 }
+
+/// Push: the writer's poller stops right after posting its puts (a paused
+/// prefill process); the destination's lease runs out meanwhile. The
+/// destination reports nothing — its blocks stay quarantined, not reused —
+/// until the writer resumes and says its push ended. Then the blocks are
+/// reported (named), and once reused, no late put overwrites them.
+#[test]
+fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_blocks() {
+    let mut w = engine();
+    let mut c = engine();
+    let to_c = w.add_peer(&c.local_metadata().unwrap()).unwrap();
+    let to_w = c.add_peer(&w.local_metadata().unwrap()).unwrap();
+    fill(&w, 30, 2);
+    let id = RequestId(30);
+    c.lend_to_writers(id, &[BlockId(7)], &[to_w], Duration::from_millis(200))
+        .unwrap();
+    w.write(
+        id,
+        &[Transfer {
+            peer: to_c,
+            local: &[BlockId(2)],
+            remote: &[BlockId(7)],
+        }],
+        1,
+        Duration::from_millis(500),
+    )
+    .unwrap();
+    w.stall(Duration::from_millis(1_200)).unwrap();
+    let stalled_at = Instant::now();
+    let mut out = Outcomes::default();
+    let mut wout = Outcomes::default();
+    loop {
+        c.poll(&mut out);
+        w.poll(&mut wout);
+        if !out.is_empty() {
+            break;
+        }
+        assert!(stalled_at.elapsed() < GUARD, "never released");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let released_after = stalled_at.elapsed();
+    assert!(
+        released_after >= Duration::from_millis(1_000),
+        "the destination released its blocks after {released_after:?}, while its writer \
+         was still stopped: {out:?}"
+    );
+    // The engine reuses the block for another request; nothing lands later.
+    fill(&c, 31, 7);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(300) {
+        c.poll(&mut out);
+        w.poll(&mut wout);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(holds(&c, 7, 31, 7), "a late put overwrote a reused block");
+}

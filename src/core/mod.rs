@@ -215,6 +215,13 @@ struct Info {
     /// A lend's lease length, ns: a reader's heartbeat extends the lend by
     /// as much from now.
     lease: u64,
+    /// A push destination with named writers whose lease ran out while one
+    /// of them had not spoken: its blocks wait, quarantined, for that
+    /// writer's word or its loss.
+    quarantined: bool,
+    /// The engine aborted it (a push destination with named writers waits
+    /// for them all the same).
+    aborted: bool,
 }
 
 /// Counters, for metrics and tests.
@@ -240,6 +247,11 @@ pub struct CoreStats {
     /// Requests the ledger refused after the engine admitted them (a bug
     /// if ever non-zero).
     pub refused_requests: u64,
+    /// Push destinations whose lease ran out while a named writer had not
+    /// spoken: quarantined until it does or is lost (a counter).
+    pub quarantined_receives: u64,
+    /// Of those, still quarantined now (a gauge).
+    pub quarantined_now: u64,
 }
 
 /// The protocol core. See the module docs.
@@ -259,6 +271,9 @@ pub struct Core {
     aborted: Vec<(RequestKey, Nanos)>,
     /// Reads in flight and when each next tells its lenders it is alive.
     beating: Vec<(RequestKey, Nanos)>,
+    /// Push destinations with named writers, and their lease ends (kept
+    /// here, not in the ledger: expiry starts a fence, it frees nothing).
+    fences: Vec<(RequestKey, Nanos)>,
     /// Handles whose release failed, and when to retry.
     held: Vec<(HandleKey, Nanos)>,
     ops_in_flight: u64,
@@ -301,12 +316,15 @@ impl Core {
                     queried: false,
                     abandoned: false,
                     lease: 0,
+                    quarantined: false,
+                    aborted: false,
                 };
                 capacity
             ],
             notifiers: vec![0; capacity * MAX_CONSUMERS],
             aborted: Vec::with_capacity(64),
             beating: Vec::with_capacity(1024),
+            fences: Vec::with_capacity(64),
             held: Vec::new(),
             ops_in_flight: 0,
             notes_in_flight: 0,
@@ -417,6 +435,7 @@ impl Core {
         let events = &mut self.events;
         self.ledger
             .peer_lost_with(peer, Reason::of(cause), &mut |e| events.push(e));
+        self.writer_lost(peer, p.instance);
         self.actions.push_back(Action::ForgetPeer { peer });
     }
 
@@ -444,8 +463,13 @@ impl Core {
             }
             Command::Abort(id) => self.abort(id, now),
             Command::Heartbeat { id, extend_ns } => {
-                self.ledger
-                    .heartbeat(id, now.saturating_add(Nanos(extend_ns)));
+                let until = now.saturating_add(Nanos(extend_ns));
+                self.ledger.heartbeat(id, until);
+                if let Some(key) = self.ledger.key(id) {
+                    for f in self.fences.iter_mut().filter(|f| f.0 == key) {
+                        f.1 = f.1.max(until);
+                    }
+                }
             }
             #[cfg(feature = "fault-injection")]
             Command::Stall { .. } => {}
@@ -507,12 +531,26 @@ impl Core {
             }
             return;
         }
+        // A push destination's handles name its writers: nothing is posted
+        // for them, and its lease is the core's (a fence, not a timer).
+        let named = matches!(kind, Kind::Receive { .. }) && !self.handle_peers.is_empty();
+        if named {
+            // Each writer engine counts once.
+            let mut i = 0;
+            while i < self.handle_peers.len() {
+                if self.handle_peers[..i].contains(&self.handle_peers[i]) {
+                    self.handle_peers.remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+        }
         let req = Request {
             id,
             kind,
-            peers: &self.handle_peers,
+            peers: if named { &[] } else { &self.handle_peers },
             blocks: &self.blocks,
-            expires,
+            expires: if named { Nanos(u64::MAX) } else { expires },
         };
         let events = &mut self.events;
         let key = match self.ledger.begin(&req, &mut |e| events.push(e)) {
@@ -535,7 +573,25 @@ impl Core {
             queried: false,
             abandoned: false,
             lease: lease_ns,
+            quarantined: false,
+            aborted: false,
         };
+        if named {
+            let base = slot * MAX_HANDLES;
+            for h in 0..self.handle_peers.len() {
+                self.progress[base + h] = Progress {
+                    generation: key.generation(),
+                    peer: self.handle_peers[h],
+                    ..Progress::default()
+                };
+            }
+            self.fences.push((key, expires));
+            // Open an endpoint to each writer now, so that its loss is seen
+            // (UCX reports a failed endpoint) even if it never writes.
+            self.each_peer_once(key, NoteKind::Heartbeat, false);
+            self.after_events();
+            return;
+        }
         if kind == Kind::Read && self.cfg.heartbeat != Nanos(u64::MAX) {
             self.beating
                 .push((key, now.saturating_add(self.cfg.heartbeat)));
@@ -978,7 +1034,8 @@ impl Core {
                 }
             }
             (Kind::Receive { writers }, NoteKind::WriteDone | NoteKind::WriteAbandoned) => {
-                if seen || n == MAX_CONSUMERS {
+                let named = info.handles > 0;
+                if seen || n == MAX_CONSUMERS || (named && !self.is_party(slot, note.sender)) {
                     return self.reject();
                 }
                 self.counted(slot, note.sender);
@@ -994,6 +1051,10 @@ impl Core {
                 if note.kind == NoteKind::WriteDone {
                     self.acknowledge(note.sender, note.id);
                 }
+                self.lift_fence(key);
+            }
+            (Kind::Write { .. }, NoteKind::Heartbeat) => {
+                // A destination opened its endpoint to us: nothing to do.
             }
             (Kind::Write { .. }, NoteKind::Ack) => {
                 // Only an engine this write wrote to can acknowledge it.
@@ -1021,6 +1082,85 @@ impl Core {
     fn ledger_fail(&mut self, key: RequestKey, cause: Cause) {
         let events = &mut self.events;
         self.ledger.fail(key, cause, &mut |e| events.push(e));
+    }
+
+    /// A quarantined push destination whose named writers have all spoken
+    /// (or were lost) is released: nothing of theirs can land any more.
+    fn lift_fence(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        if !info.quarantined || info.generation != key.generation() {
+            return;
+        }
+        if usize::from(info.notified) >= usize::from(info.handles) {
+            self.info[slot].quarantined = false;
+            self.stats.quarantined_now = self.stats.quarantined_now.saturating_sub(1);
+            let cause = if info.aborted {
+                Cause::Aborted
+            } else if info.abandoned {
+                Cause::LeaseLost
+            } else {
+                Cause::LeaseExpired
+            };
+            self.ledger_fail(key, cause);
+        }
+    }
+
+    /// Push destinations whose lease ran out: those whose named writers
+    /// all spoke fail now; the others are quarantined until they do.
+    fn expire_fences(&mut self, now: Nanos) {
+        let mut i = 0;
+        while i < self.fences.len() {
+            let (key, end) = self.fences[i];
+            let live = self.ledger.expiry(key).is_some()
+                && self.info[key.slot() as usize].generation == key.generation()
+                && self
+                    .slots
+                    .snapshot(key)
+                    .is_some_and(|v| v.phase == crate::ledger::Phase::Live);
+            if !live {
+                self.fences.swap_remove(i);
+                continue;
+            }
+            if end <= now && !self.info[key.slot() as usize].quarantined {
+                self.info[key.slot() as usize].quarantined = true;
+                self.stats.quarantined_receives += 1;
+                self.stats.quarantined_now += 1;
+                self.lift_fence(key);
+                self.fences.swap_remove(i);
+                continue;
+            }
+            i += 1;
+        }
+    }
+
+    /// Writer `instance` (peer `peer`) is gone: the push destinations that
+    /// named it and did not hear from it count it as having given up.
+    fn writer_lost(&mut self, peer: PeerId, instance: u64) {
+        for slot in 0..self.info.len() {
+            let info = self.info[slot];
+            if !matches!(info.kind, Kind::Receive { .. }) || info.handles == 0 {
+                continue;
+            }
+            let key = RequestKey::new(slot as u32, info.generation);
+            if self.ledger.expiry(key).is_none() {
+                continue;
+            }
+            let base = slot * MAX_HANDLES;
+            let named = (0..info.handles as usize).any(|h| self.progress[base + h].peer == peer);
+            let n = usize::from(info.notified);
+            let spoke =
+                self.notifiers[slot * MAX_CONSUMERS..slot * MAX_CONSUMERS + n].contains(&instance);
+            if named && !spoke {
+                self.counted(slot, instance);
+                self.info[slot].abandoned = true;
+                if self.info[slot].quarantined {
+                    self.lift_fence(key);
+                } else if usize::from(self.info[slot].notified) >= usize::from(info.handles) {
+                    self.ledger_fail(key, Cause::PeerLost);
+                }
+            }
+        }
     }
 
     /// Remembers that engine `sender` was counted for the request in `slot`.
@@ -1058,6 +1198,22 @@ impl Core {
     // -- aborts, deadlines, time -----------------------------------------
 
     fn abort(&mut self, id: RequestId, now: Nanos) {
+        if let Some(key) = self.ledger.key(id) {
+            let slot = key.slot() as usize;
+            let info = self.info[slot];
+            let named = matches!(info.kind, Kind::Receive { .. }) && info.handles > 0;
+            if named && info.generation == key.generation() && !info.quarantined {
+                // Its writers may still be writing: wait for each one's word
+                // (or loss), as at the lease's end.
+                self.info[slot].aborted = true;
+                self.info[slot].quarantined = true;
+                self.stats.quarantined_receives += 1;
+                self.stats.quarantined_now += 1;
+                self.lift_fence(key);
+                self.after_events();
+                return;
+            }
+        }
         let events = &mut self.events;
         // An abort touches only its own request: what is not posted stops
         // now, what is posted completes (or fails) on its own. Nothing is
@@ -1105,6 +1261,7 @@ impl Core {
         }
         self.apply_cancels(Cause::PeerStalled);
         self.beat(now);
+        self.expire_fences(now);
         self.after_events();
     }
 
@@ -1143,6 +1300,11 @@ impl Core {
         }
         for &(_, due) in &self.beating {
             t = t.min(due);
+        }
+        for &(key, end) in &self.fences {
+            if !self.info[key.slot() as usize].quarantined {
+                t = t.min(end);
+            }
         }
         (t != Nanos(u64::MAX)).then_some(t)
     }
@@ -1204,9 +1366,12 @@ impl Core {
                 }
                 continue;
             }
+            let unsuccessful = matches!(ev.outcome, Outcome::Failed(_) | Outcome::SendExpired);
             match info.kind {
-                Kind::Read => self.each_peer_once(ev.key, NoteKind::GaveUp, false),
-                Kind::Write { .. } => self.each_peer_once(ev.key, NoteKind::WriteAbandoned, false),
+                Kind::Read if unsuccessful => self.each_peer_once(ev.key, NoteKind::GaveUp, false),
+                Kind::Write { .. } if unsuccessful => {
+                    self.each_peer_once(ev.key, NoteKind::WriteAbandoned, false)
+                }
                 _ => {}
             }
         }

@@ -263,16 +263,25 @@ impl Decoder<'_> {
                 }
             }
             Mode::Push => {
-                if self
-                    .engine
-                    .lend(
+                // Name the writers when both are known: the lease is then a
+                // fence (the blocks wait for each writer's word or loss).
+                let writers: Vec<PeerId> = self.links.iter().filter_map(|l| l.peer).collect();
+                let lent = if writers.len() == self.links.len() {
+                    self.engine.lend_to_writers(
+                        RequestId(id),
+                        &req.blocks,
+                        &writers,
+                        self.cfg.lease,
+                    )
+                } else {
+                    self.engine.lend(
                         RequestId(id),
                         &req.blocks,
                         LendTo::Writers(2),
                         self.cfg.lease,
                     )
-                    .is_err()
-                {
+                };
+                if lent.is_err() {
                     self.pool.release(&req.blocks);
                     self.report.refused += 1;
                     return true;
