@@ -183,6 +183,9 @@ pub enum ReadError {
         /// Bytes it needs.
         need: usize,
     },
+    /// The peer reset the connection (it closed with our bytes unread).
+    #[error("connection closed by peer (reset)")]
+    Reset,
     /// Nothing arrived for the idle limit.
     #[error("no message for {0:?} (idle timeout)")]
     Idle(Duration),
@@ -522,6 +525,14 @@ impl<R: Read> FrameReader<R> {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    return Err(ReadError::Reset)
+                }
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }

@@ -72,7 +72,7 @@ pub enum LinkError {
     Connect(std::io::Error),
     #[error("handshake: {0}")]
     Read(#[from] ReadError),
-    #[error("handshake: write failed: {0}")]
+    #[error("handshake: write failed (connection closed by peer?): {0}")]
     Write(std::io::Error),
     #[error("refused by the server: {0}")]
     Refused(String),
