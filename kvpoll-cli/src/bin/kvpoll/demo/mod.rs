@@ -65,6 +65,7 @@ impl Settings {
     /// A demo run's settings: the workload, the fault mix and how ranks run.
     fn demo(a: &DemoArgs) -> Result<Settings, CliError> {
         let mut s = Settings::workload(&a.workload)?;
+        check_sizes(s.layers as u64, s.blocks, s.block_size, DEMO_RANKS)?;
         s.processes = a.ranks == Ranks::Processes;
         s.policy = a.policy;
         s.faults = !a.no_faults;
@@ -99,7 +100,6 @@ impl Settings {
             json: w.json,
             give_up_after: Duration::from_secs(30),
         };
-        check_sizes(s.layers as u64, s.blocks, s.block_size, DEMO_RANKS)?;
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
                 "--blocks {} cannot hold --window {} requests of 2 x {} blocks (--blocks-per-handle)",
@@ -747,6 +747,7 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     let mode = args.mode;
     let mut s = Settings::workload(&args.workload)?;
     s.give_up_after = Duration::from_secs(args.give_up_after);
+    check_sizes(s.layers as u64, s.blocks, s.block_size, 1)?;
     let registry = Registry::default();
     if let Ok(mut a) = registry.addrs.lock() {
         a.extend(addrs.into_iter().map(|x| (x, 0)));
