@@ -206,9 +206,9 @@ fn pools_that_cannot_be_registered_are_refused_at_once_with_exit_2() {
     ] {
         let out = kvpoll(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
-        let err = String::from_utf8(out.stderr).unwrap();
-        assert!(err.contains(needle), "{args:?}: {err}");
         // Refused before serving: nothing was printed as listening.
         assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
