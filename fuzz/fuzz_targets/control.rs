@@ -12,5 +12,5 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(m.encode().as_deref(), Ok(data));
     }
     let mut r = FrameReader::new(data, Duration::from_secs(1), None);
-    while r.next().is_ok() {}
+    while r.read_msg().is_ok() {}
 });

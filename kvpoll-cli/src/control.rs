@@ -542,7 +542,7 @@ impl<R: Read> FrameReader<R> {
     /// The next message. The header is checked before any of the payload is
     /// read: at most [`HEADER`] + [`MAX_PAYLOAD`] + [`TRAILER`] bytes are
     /// ever buffered.
-    pub fn next(&mut self) -> Result<Msg, ReadError> {
+    pub fn read_msg(&mut self) -> Result<Msg, ReadError> {
         self.buf.clear();
         let mut started = None;
         self.fill(HEADER, &mut started)?;
@@ -598,9 +598,9 @@ mod tests {
         }
         let mut r = FrameReader::new(&stream[..], Duration::from_secs(1), None);
         for m in all() {
-            assert_eq!(r.next().unwrap(), m);
+            assert_eq!(r.read_msg().unwrap(), m);
         }
-        assert!(matches!(r.next(), Err(ReadError::Closed)));
+        assert!(matches!(r.read_msg(), Err(ReadError::Closed)));
     }
 
     #[test]
@@ -627,7 +627,7 @@ mod tests {
         // payload would report a truncation instead.
         let mut r = FrameReader::new(&h[..], Duration::from_secs(1), None);
         assert!(matches!(
-            r.next(),
+            r.read_msg(),
             Err(ReadError::Frame(FrameError::TooLong { .. }))
         ));
     }
@@ -637,7 +637,7 @@ mod tests {
         assert_eq!(Msg::decode(b"STALL 3600000\n"), Err(FrameError::BadMagic));
         let mut r = FrameReader::new(&b"META 00ff\nSTALL 1\n"[..], Duration::from_secs(1), None);
         assert!(matches!(
-            r.next(),
+            r.read_msg(),
             Err(ReadError::Frame(FrameError::BadMagic))
         ));
     }

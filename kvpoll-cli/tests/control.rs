@@ -72,7 +72,7 @@ fn connect_to(addr: &str, give_up_after: u64) -> (Option<i32>, String) {
 /// Reads the client's hello (so the fake looks like it listens).
 fn read_hello(s: &TcpStream) {
     let mut r = FrameReader::new(s, Duration::from_secs(5), Some(Duration::from_secs(5)));
-    let _ = r.next();
+    let _ = r.read_msg();
 }
 
 fn assert_gave_up(code: Option<i32>, err: &str, reason: &str) {
@@ -193,8 +193,8 @@ impl Server {
             Some(Duration::from_secs(30)),
         );
         s.write_all(&Msg::Hello(LAYOUT).encode().unwrap()).unwrap();
-        assert_eq!(r.next().unwrap(), Msg::Hello(LAYOUT));
-        assert!(matches!(r.next().unwrap(), Msg::Meta(_)));
+        assert_eq!(r.read_msg().unwrap(), Msg::Hello(LAYOUT));
+        assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
         (s, r)
     }
 
@@ -232,16 +232,16 @@ fn stall_sent_to_a_server_not_started_for_testing_is_refused_and_it_keeps_servin
     let (mut s, mut r) = server.client();
     s.write_all(&Msg::Stall { ms: 3_600_000 }.encode().unwrap())
         .unwrap();
-    match r.next().unwrap() {
+    match r.read_msg().unwrap() {
         Msg::Refused(why) => assert!(why.contains("--testing"), "{why}"),
         other => panic!("STALL was not refused: {other:?}"),
     }
     // The same connection and a new one are both still served.
     s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
-    assert!(matches!(r.next().unwrap(), Msg::StatsReply { .. }));
+    assert!(matches!(r.read_msg().unwrap(), Msg::StatsReply { .. }));
     let (mut s2, mut r2) = server.client();
     s2.write_all(&Msg::Stats.encode().unwrap()).unwrap();
-    assert!(matches!(r2.next().unwrap(), Msg::StatsReply { .. }));
+    assert!(matches!(r2.read_msg().unwrap(), Msg::StatsReply { .. }));
 }
 
 #[test]
@@ -252,7 +252,7 @@ fn stall_sent_to_a_server_started_for_testing_is_taken() {
         .unwrap();
     s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
     // No refusal comes before the stats reply.
-    assert!(matches!(r.next().unwrap(), Msg::StatsReply { .. }));
+    assert!(matches!(r.read_msg().unwrap(), Msg::StatsReply { .. }));
 }
 
 #[test]
@@ -266,12 +266,12 @@ fn an_over_long_control_frame_is_refused_after_its_header_without_growing_memory
     header.truncate(HEADER);
     header[8..12].copy_from_slice(&(claimed as u32).to_le_bytes());
     s.write_all(&header).unwrap();
-    match r.next().unwrap() {
+    match r.read_msg().unwrap() {
         Msg::Refused(why) => assert!(why.contains(&MAX_PAYLOAD.to_string()), "{why}"),
         other => panic!("an over-long frame was not refused: {other:?}"),
     }
     assert!(matches!(
-        r.next(),
+        r.read_msg(),
         Err(ReadError::Closed | ReadError::Io(_))
     ));
     // Streaming the announced payload goes nowhere: the connection is shut,
@@ -296,7 +296,7 @@ fn an_over_long_control_frame_is_refused_after_its_header_without_growing_memory
     // And it still serves others.
     let (mut s2, mut r2) = server.client();
     s2.write_all(&Msg::Stats.encode().unwrap()).unwrap();
-    assert!(matches!(r2.next().unwrap(), Msg::StatsReply { .. }));
+    assert!(matches!(r2.read_msg().unwrap(), Msg::StatsReply { .. }));
 }
 
 #[test]
@@ -311,7 +311,7 @@ fn a_text_line_without_newline_is_refused_as_foreign_without_being_buffered() {
         Some(Duration::from_secs(30)),
     );
     s.write_all(b"STALL 3600000 and no newline ").unwrap();
-    match r.next().unwrap() {
+    match r.read_msg().unwrap() {
         Msg::Refused(why) => assert!(why.contains("bad magic"), "{why}"),
         other => panic!("a text line was not refused: {other:?}"),
     }

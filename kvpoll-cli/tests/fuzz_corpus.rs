@@ -90,7 +90,7 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
             assert_eq!(m.encode().as_deref(), Ok(&data[..]), "{}", path.display());
         }
         let mut r = FrameReader::new(&data[..], Duration::from_secs(1), None);
-        while r.next().is_ok() {}
+        while r.read_msg().is_ok() {}
     }
 }
 
@@ -102,7 +102,7 @@ fn peer_metadata_rkey_and_address_corpus_decodes_without_panic() {
         engine.register(8).unwrap();
         let meta = engine.local_metadata().unwrap();
         let m = PeerMetadata::decode(&meta).unwrap();
-        seed("peer_metadata", &[meta.clone()]);
+        seed("peer_metadata", std::slice::from_ref(&meta));
         seed(
             "rkey_address",
             &[

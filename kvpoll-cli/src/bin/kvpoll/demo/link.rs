@@ -44,7 +44,7 @@ pub fn spawn_reader(
     std::thread::spawn(move || {
         let mut frames = FrameReader::new(reader, FRAME_TIMEOUT, idle);
         loop {
-            let ev = match frames.next() {
+            let ev = match frames.read_msg() {
                 Ok(m) => Incoming::Line(tag, m),
                 Err(ReadError::Closed) => Incoming::Closed(tag),
                 Err(e) => Incoming::Bad(tag, e.to_string()),
@@ -133,13 +133,13 @@ pub fn handshake(addr: &str, ours: Layout) -> Result<Opened, LinkError> {
     let left = HANDSHAKE_TIMEOUT.saturating_sub(t0.elapsed());
     let reader = stream.try_clone().map_err(LinkError::Connect)?;
     let mut frames = FrameReader::new(reader, left, Some(left));
-    match frames.next()? {
+    match frames.read_msg()? {
         Msg::Hello(theirs) if theirs == ours => {}
         Msg::Hello(theirs) => return Err(LinkError::Layout { ours, theirs }),
         Msg::Refused(why) => return Err(LinkError::Refused(why)),
         other => return Err(LinkError::Unexpected(msg_name(&other))),
     }
-    match frames.next()? {
+    match frames.read_msg()? {
         Msg::Meta(meta) => Ok(Opened { stream, meta }),
         Msg::Refused(why) => Err(LinkError::Refused(why)),
         other => Err(LinkError::Unexpected(msg_name(&other))),

@@ -256,7 +256,7 @@ fn ask(addr: &str, s: &Settings, msg: &Msg, want_reply: bool) -> Result<Option<M
         return Ok(None);
     }
     let mut frames = FrameReader::new(o.stream, link::FRAME_TIMEOUT, Some(link::HANDSHAKE_TIMEOUT));
-    match frames.next()? {
+    match frames.read_msg()? {
         Msg::Refused(why) => Err(LinkError::Refused(why)),
         m => Ok(Some(m)),
     }
