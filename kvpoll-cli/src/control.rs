@@ -435,6 +435,9 @@ pub fn check_header(h: &[u8]) -> Result<usize, FrameError> {
     if h[4] != VERSION {
         return Err(FrameError::WrongVersion { got: h[4] });
     }
+    if h[5..8] != [0, 0, 0] {
+        return Err(FrameError::Message("reserved header bytes are not zero"));
+    }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
     if len > MAX_PAYLOAD {
         return Err(FrameError::TooLong { len });
