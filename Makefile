@@ -15,7 +15,7 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
 C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
 
-.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak
+.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak fuzz fuzz-build
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -68,3 +68,28 @@ clippy:
 # `make test` (10 000): faults, pauses, kills, aborts, deadlines, shutdown.
 soak:
 	KVPOLL_SIM_CASES=$${KVPOLL_SIM_CASES:-200000} $(CARGO) test --release --test core_sim -- --nocapture
+
+# Coverage-guided fuzzing (fuzz/, outside the workspace) with libFuzzer on
+# stable Rust: LLVM's sancov pass through stable -C flags, and --target so
+# that build scripts are built without it. Each target runs FUZZ_SECONDS on
+# a working corpus under the target dir, seeded by fuzz/corpus/<target>;
+# a crash stops the run and leaves its input in fuzz/ (crash-*).
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := control peer_metadata notification rkey_address core_map
+FUZZ_HOST := $(shell rustc -vV | sed -n 's/^host: //p')
+FUZZ_DIR := $(abspath $(TARGET_DIR))/fuzz
+FUZZ_RUSTFLAGS := -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+	-Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
+	-Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks
+
+fuzz-build:
+	cd fuzz && RUSTFLAGS="$(FUZZ_RUSTFLAGS)" CARGO_TARGET_DIR=$(FUZZ_DIR) \
+		$(CARGO) build --release --bins --target $(FUZZ_HOST)
+
+fuzz: fuzz-build
+	@for t in $(FUZZ_TARGETS); do \
+		mkdir -p $(FUZZ_DIR)/corpus/$$t && \
+		echo "==> fuzz $$t for $(FUZZ_SECONDS) s" && \
+		(cd fuzz && $(FUZZ_DIR)/$(FUZZ_HOST)/release/$$t -max_total_time=$(FUZZ_SECONDS) \
+			-print_final_stats=1 $(FUZZ_DIR)/corpus/$$t corpus/$$t) || exit 1; \
+	done

@@ -82,6 +82,9 @@ pub enum FrameError {
         /// The length claimed.
         len: usize,
     },
+    /// The reserved bytes are not zero (a frame this build cannot read).
+    #[error("frame reserved bytes are not zero")]
+    Reserved,
     /// The checksum does not match: the bytes were damaged.
     #[error("frame checksum mismatch")]
     BadChecksum,
@@ -165,6 +168,9 @@ pub fn decode(bytes: &[u8], kind: Kind) -> Result<&[u8], FrameError> {
     if bytes[5] != VERSION {
         return Err(FrameError::WrongVersion { got: bytes[5] });
     }
+    if bytes[6..8] != [0, 0] {
+        return Err(FrameError::Reserved);
+    }
     Ok(&bytes[HEADER..HEADER + len])
 }
 
@@ -203,6 +209,18 @@ mod tests {
             decode(&g, Kind::RemoteKey),
             Err(FrameError::TrailingBytes { extra: 1 })
         );
+    }
+
+    /// Found by fuzzing (rkey_address): a frame with non-zero reserved
+    /// bytes and a matching checksum was accepted.
+    #[test]
+    fn nonzero_reserved_bytes_are_rejected_even_with_a_matching_checksum() {
+        let mut f = encode(Kind::Notification, &[0u8; 8]);
+        f[7] = 0xfd;
+        let n = f.len() - TRAILER;
+        let sum = fnv1a64(&f[..n]);
+        f[n..].copy_from_slice(&sum.to_le_bytes());
+        assert_eq!(decode(&f, Kind::Notification), Err(FrameError::Reserved));
     }
 
     #[test]

@@ -5,4 +5,5 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod control;
 pub mod pattern;

@@ -176,3 +176,39 @@ fn completions_print_a_script_for_each_shell() {
         assert!(script.contains("transfer"), "{shell}");
     }
 }
+
+#[test]
+fn pools_that_cannot_be_registered_are_refused_at_once_with_exit_2() {
+    for (args, needle) in [
+        (&["serve", "--layers", "1000000"][..], "--layers"),
+        (&["serve", "--layers", "1025"][..], "--layers"),
+        (&["demo", "--layers", "5000"][..], "--layers"),
+        (
+            &["serve", "--blocks", "4000000", "--block-size", "1048576"][..],
+            "memory available",
+        ),
+        (
+            &["demo", "--blocks", "4000000", "--block-size", "1048576"][..],
+            "memory available",
+        ),
+        (
+            &[
+                "connect",
+                "--to",
+                "127.0.0.1:1,127.0.0.1:1",
+                "--blocks",
+                "4000000",
+                "--block-size",
+                "1048576",
+            ][..],
+            "memory available",
+        ),
+    ] {
+        let out = kvpoll(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        // Refused before serving: nothing was printed as listening.
+        assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}

@@ -89,8 +89,9 @@ pub struct Workload {
     /// Bytes per block.
     #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
     pub block_size: u64,
-    /// KV layers (registered regions) per rank.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    /// KV layers (registered regions) per rank (a peer accepts at most
+    /// 1024).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub layers: u16,
     /// Blocks each prefill rank contributes to a request.
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
@@ -157,12 +158,17 @@ pub struct ServeArgs {
     /// Bytes per block.
     #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
     pub block_size: u64,
-    /// KV layers (registered regions).
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    /// KV layers (registered regions; a peer accepts at most 1024).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub layers: u16,
     /// Every N-th handle fails with a transfer error (0: never).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub handle_error_every: u32,
+    /// Accept fault injection over the control port (`STALL`, which stops
+    /// this rank's progress). For tests and the demo only: without it a
+    /// `STALL` is refused.
+    #[arg(long)]
+    pub testing: bool,
     /// Serve the engine's metrics over HTTP at this address (GET /metrics,
     /// Prometheus text or OpenMetrics; port 0: any free port, printed as
     /// `METRICS addr`). Off by default.
@@ -185,6 +191,10 @@ pub struct ConnectArgs {
     /// Pull (this rank reads) or push (the prefill ranks write).
     #[arg(long, value_enum, default_value_t = Mode::Pull)]
     pub mode: Mode,
+    /// Stop (exit 1, saying why) once a prefill rank stayed unreachable
+    /// this long, retrying with exponential backoff until then.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub give_up_after: u64,
     /// Sizes, counts and transports (as for `demo`; they must match the
     /// prefill ranks').
     #[command(flatten)]

@@ -17,9 +17,12 @@ use kvpoll::{
     BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
 };
 
-use super::link::{self, Incoming};
+use kvpoll::Cause;
+use kvpoll_cli::control;
+
+use super::link::{self, Incoming, LinkError};
 use super::pool::{seed, Expect, Pool};
-use super::proto::Msg;
+use super::proto::{Layout, Msg};
 
 /// Who moves the blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -70,6 +73,38 @@ pub struct DecodeConfig {
     /// they are checked again and freed.
     pub hold: Duration,
     pub give_up: Duration,
+    /// How long a prefill rank may stay unreachable before the run stops.
+    pub give_up_after: Duration,
+}
+
+/// Failed requests by cause.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Causes {
+    pub peer_lost: u64,
+    pub peer_stalled: u64,
+    pub deadline: u64,
+    pub lease_lost: u64,
+    pub other: u64,
+}
+
+impl Causes {
+    fn count(&mut self, c: Cause) {
+        match c {
+            Cause::PeerLost => self.peer_lost += 1,
+            Cause::PeerStalled => self.peer_stalled += 1,
+            Cause::Deadline => self.deadline += 1,
+            Cause::LeaseLost => self.lease_lost += 1,
+            _ => self.other += 1,
+        }
+    }
+
+    pub fn add(&mut self, o: &Causes) {
+        self.peer_lost += o.peer_lost;
+        self.peer_stalled += o.peer_stalled;
+        self.deadline += o.deadline;
+        self.lease_lost += o.lease_lost;
+        self.other += o.other;
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -85,12 +120,68 @@ pub struct DecodeReport {
     pub busy_iterations: u64,
     pub idle_iterations: u64,
     pub seconds: f64,
+    /// Requests this rank was to move.
+    pub requests: u64,
+    /// Failed requests by cause.
+    pub causes: Causes,
+    /// Why the run stopped before every request was reported, if it did.
+    pub gave_up: Option<String>,
 }
 
 struct Link {
     stream: Option<TcpStream>,
     peer: Option<PeerId>,
     generation: u64,
+    /// Connections made so far; tags of its reader's events.
+    epoch: usize,
+    /// Retry state: when to try next, the current backoff, attempts failed
+    /// since the link was last up, since when it is down and why.
+    next_try: Instant,
+    backoff: Duration,
+    attempts: u32,
+    down_since: Instant,
+    last_error: String,
+}
+
+impl Link {
+    fn new() -> Link {
+        Link {
+            stream: None,
+            peer: None,
+            generation: u64::MAX,
+            epoch: 0,
+            next_try: Instant::now(),
+            backoff: BACKOFF_FIRST,
+            attempts: 0,
+            down_since: Instant::now(),
+            last_error: String::new(),
+        }
+    }
+
+    fn down(&mut self, why: String) {
+        if let Some(s) = self.stream.take() {
+            // Its reader thread holds a clone: shut the socket itself.
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            self.down_since = Instant::now();
+        }
+        self.peer = None;
+        self.last_error = why;
+    }
+}
+
+/// First retry delay after a failed attempt; it doubles up to the cap.
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_CAP: Duration = Duration::from_secs(2);
+
+/// `d` scaled by a random factor in [0.5, 1): retries of many clients do
+/// not fall into step.
+fn jitter(d: Duration, rng: &mut u64) -> Duration {
+    // xorshift64: enough to spread retries, no dependency.
+    *rng ^= *rng << 13;
+    *rng ^= *rng >> 7;
+    *rng ^= *rng << 17;
+    let f = 0.5 + (*rng >> 11) as f64 / (1u64 << 53) as f64 / 2.0;
+    d.mul_f64(f)
 }
 
 struct Req {
@@ -113,6 +204,7 @@ struct Decoder<'a> {
     rx: mpsc::Receiver<Incoming>,
     buf: Vec<u8>,
     hist: Histogram<u64>,
+    rng: u64,
 }
 
 pub fn run(
@@ -135,25 +227,22 @@ pub fn run(
         cfg,
         engine,
         pool: Pool::new(cfg.blocks),
-        links: [
-            Link {
-                stream: None,
-                peer: None,
-                generation: u64::MAX,
-            },
-            Link {
-                stream: None,
-                peer: None,
-                generation: u64::MAX,
-            },
-        ],
+        links: [Link::new(), Link::new()],
         reqs: HashMap::new(),
         holding: VecDeque::new(),
-        report: DecodeReport::default(),
+        report: DecodeReport {
+            requests: cfg.requests,
+            ..DecodeReport::default()
+        },
         tx,
         rx,
         buf: vec![0u8; cfg.block_size as usize],
         hist: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
+        rng: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ (u64::from(std::process::id()) << 32)
+            | 1,
     };
     let start = Instant::now();
     let mut issued = 0u64;
@@ -172,7 +261,16 @@ pub fn run(
         d.handle_outcomes(&out, progress);
         d.release_due(false);
         let all_done = issued >= cfg.requests && d.reqs.is_empty();
-        if all_done || stop.load(Ordering::Acquire) || start.elapsed() > cfg.give_up {
+        if all_done || stop.load(Ordering::Acquire) || d.report.gave_up.is_some() {
+            break;
+        }
+        if start.elapsed() > cfg.give_up {
+            d.report.gave_up = Some(format!(
+                "time limit of {} s reached with {} of {} requests reported",
+                cfg.give_up.as_secs(),
+                progress_of(&d.report),
+                cfg.requests
+            ));
             break;
         }
         if out.is_empty() {
@@ -203,34 +301,104 @@ impl Decoder<'_> {
             .all(|l| l.stream.is_some() && l.peer.is_some())
     }
 
-    /// (Re)connects to a prefill rank whose address is new.
+    /// (Re)connects to a prefill rank that is down or has a new address,
+    /// backing off exponentially (with jitter) between failed attempts;
+    /// gives up when one stayed unreachable for `give_up_after`.
     fn reconnect(&mut self, registry: &Registry) {
         let addrs = match registry.addrs.lock() {
             Ok(a) => a.clone(),
             Err(_) => return,
         };
-        for (i, link) in self.links.iter_mut().enumerate() {
-            let Some((addr, generation)) = addrs.get(self.cfg.prefill[i] as usize) else {
+        let ours = Layout {
+            block_size: self.cfg.block_size,
+            layers: self.cfg.layers as u32,
+            blocks: self.cfg.blocks,
+        };
+        for i in 0..2 {
+            let rank = self.cfg.prefill[i];
+            let Some((addr, generation)) = addrs.get(rank as usize) else {
                 continue;
             };
-            if link.generation == *generation && link.stream.is_some() {
+            let link = &mut self.links[i];
+            if link.generation != *generation {
+                // A new address: try it at once, afresh.
+                if link.stream.is_some() {
+                    link.down("the rank was restarted".into());
+                }
+                link.generation = *generation;
+                link.next_try = Instant::now();
+                link.backoff = BACKOFF_FIRST;
+            }
+            if link.stream.is_some() || Instant::now() < link.next_try {
                 continue;
             }
-            let Ok(mut stream) = TcpStream::connect(addr) else {
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let Ok(meta) = self.engine.local_metadata() else {
-                continue;
-            };
-            if !link::send(&mut stream, &Msg::Meta(meta))
-                || link::spawn_reader(&stream, i, self.tx.clone()).is_err()
-            {
-                continue;
+            let tried = link::handshake(addr, ours).and_then(|o| {
+                let peer = self
+                    .engine
+                    .add_peer(&o.meta)
+                    .map_err(|e| LinkError::Refused(format!("its metadata: {e}")))?;
+                Ok((o.stream, peer))
+            });
+            let link = &mut self.links[i];
+            let result = tried.and_then(|(mut stream, peer)| {
+                let meta = self
+                    .engine
+                    .local_metadata()
+                    .map_err(|e| LinkError::Refused(format!("our metadata: {e}")))?;
+                control::send(&mut stream, &Msg::Meta(meta)).map_err(LinkError::Write)?;
+                link.epoch += 1;
+                link::spawn_reader(&stream, i + 2 * link.epoch, self.tx.clone(), None)
+                    .map_err(LinkError::Connect)?;
+                Ok((stream, peer))
+            });
+            match result {
+                Ok((stream, peer)) => {
+                    if link.attempts > 0 {
+                        tracing::info!(
+                            rank,
+                            addr,
+                            attempts = link.attempts,
+                            "prefill rank reached"
+                        );
+                    }
+                    link.stream = Some(stream);
+                    link.peer = Some(peer);
+                    link.attempts = 0;
+                    link.backoff = BACKOFF_FIRST;
+                }
+                Err(e) => {
+                    link.attempts += 1;
+                    let wait = jitter(link.backoff, &mut self.rng);
+                    link.backoff = (link.backoff * 2).min(BACKOFF_CAP);
+                    link.next_try = Instant::now() + wait;
+                    link.last_error = e.to_string();
+                    let down = link.down_since.elapsed();
+                    let stop = e.is_permanent() || down >= self.cfg.give_up_after;
+                    if stop {
+                        tracing::warn!(
+                            rank,
+                            addr,
+                            attempt = link.attempts,
+                            "connecting to prefill rank {rank} at {addr} failed: {e}; giving up"
+                        );
+                    } else {
+                        tracing::warn!(
+                        rank,
+                        addr,
+                        attempt = link.attempts,
+                        "connecting to prefill rank {rank} at {addr} failed: {e}; retrying in {} ms",
+                            wait.as_millis()
+                        );
+                    }
+                    if stop {
+                        self.report.gave_up = Some(format!(
+                            "gave up on prefill rank {rank} at {addr} after {:.1} s and {} attempts: {e}",
+                            down.as_secs_f64(),
+                            link.attempts
+                        ));
+                    }
+                }
             }
-            link.stream = Some(stream);
-            link.peer = None; // set when its metadata arrives
-            link.generation = *generation;
         }
     }
 
@@ -307,28 +475,43 @@ impl Decoder<'_> {
     fn handle_links(&mut self) {
         while let Ok(inc) = self.rx.try_recv() {
             match inc {
-                Incoming::Line(i, Msg::Meta(bytes)) => {
-                    self.links[i].peer = self.engine.add_peer(&bytes).ok();
+                // Events of an earlier connection of a link are stale.
+                Incoming::Line(t, _) | Incoming::Bad(t, _) | Incoming::Closed(t)
+                    if t / 2 != self.links[t % 2].epoch =>
+                {
+                    continue
                 }
-                Incoming::Line(i, Msg::Ready { req, blocks }) => self.ready(i, req, blocks),
+                Incoming::Line(t, Msg::Ready { req, blocks }) => self.ready(t % 2, req, blocks),
                 Incoming::Line(_, Msg::Busy { req }) => self.abandon(req),
+                Incoming::Line(t, Msg::Refused(why)) => {
+                    let i = t % 2;
+                    tracing::warn!(rank = self.cfg.prefill[i], "prefill rank refused: {why}");
+                }
                 Incoming::Line(_, _) | Incoming::Opened(..) => {}
-                Incoming::Bad(i) | Incoming::Closed(i) => {
-                    self.links[i].stream = None;
-                    self.links[i].peer = None;
-                    // Requests still waiting for this rank's blocks will
-                    // never get them.
-                    let waiting: Vec<u64> = self
-                        .reqs
-                        .iter()
-                        .filter(|(_, r)| !r.submitted && r.ready[i].is_none())
-                        .map(|(&id, _)| id)
-                        .collect();
-                    for id in waiting {
-                        self.abandon(id);
-                    }
+                Incoming::Bad(t, why) => {
+                    let i = t % 2;
+                    tracing::warn!(rank = self.cfg.prefill[i], "control link lost: {why}");
+                    self.link_lost(i, why);
+                }
+                Incoming::Closed(t) => {
+                    self.link_lost(t % 2, "connection closed by peer".into());
                 }
             }
+        }
+    }
+
+    /// Link `i` is gone: requests still waiting for its blocks never get
+    /// them.
+    fn link_lost(&mut self, i: usize, why: String) {
+        self.links[i].down(why);
+        let waiting: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| !r.submitted && r.ready[i].is_none())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in waiting {
+            self.abandon(id);
         }
     }
 
@@ -440,6 +623,7 @@ impl Decoder<'_> {
             };
             progress.fetch_add(1, Ordering::Relaxed);
             self.report.failed += 1;
+            self.report.causes.count(f.reason.cause);
             if !r.freed {
                 // Safe: every handle stopped; nothing can land any more.
                 self.pool.release(&r.blocks);
@@ -487,4 +671,9 @@ impl Decoder<'_> {
             self.pool.release(&blocks);
         }
     }
+}
+
+/// Requests reported so far, however they ended.
+fn progress_of(r: &DecodeReport) -> u64 {
+    r.finished + r.failed + r.expired + r.refused
 }

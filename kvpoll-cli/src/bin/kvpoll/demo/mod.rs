@@ -20,7 +20,7 @@ mod prefill;
 mod proto;
 
 use std::io::{BufRead, BufReader, IsTerminal};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,10 +29,12 @@ use std::time::{Duration, Instant};
 use kvpoll::engine::Faults;
 
 use crate::cli::{CliError, ConnectArgs, DemoArgs, Ranks, ServeArgs, Workload};
-use decode::{DecodeConfig, DecodeReport, Registry};
+use decode::{Causes, DecodeConfig, DecodeReport, Registry};
 pub use decode::{Mode, Policy};
+use kvpoll_cli::control::{self, FrameReader};
+use link::LinkError;
 use prefill::ServeConfig;
-use proto::Msg;
+use proto::{Layout, Msg};
 
 const PREFILL_RANKS: u32 = 4;
 const DECODE_RANKS: u32 = 2;
@@ -56,12 +58,14 @@ struct Settings {
     stall_for: Duration,
     kill: bool,
     json: bool,
+    give_up_after: Duration,
 }
 
 impl Settings {
     /// A demo run's settings: the workload, the fault mix and how ranks run.
     fn demo(a: &DemoArgs) -> Result<Settings, CliError> {
         let mut s = Settings::workload(&a.workload)?;
+        check_sizes(s.layers as u64, s.blocks, s.block_size, DEMO_RANKS)?;
         s.processes = a.ranks == Ranks::Processes;
         s.policy = a.policy;
         s.faults = !a.no_faults;
@@ -94,6 +98,7 @@ impl Settings {
             stall_for: Duration::ZERO,
             kill: false,
             json: w.json,
+            give_up_after: Duration::from_secs(30),
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -155,6 +160,7 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         lease: Duration::from_secs(4),
         hold: Duration::from_millis(30),
         give_up: Duration::from_secs(240),
+        give_up_after: s.give_up_after,
     }
 }
 
@@ -169,6 +175,8 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         // writes are force-closed before the consumer frees their target.
         lease: Duration::from_secs(2),
         metrics: None,
+        // The demo stalls its ranks on purpose.
+        testing: s.faults,
         faults: Faults {
             handle_error_every: if s.faults {
                 s.handle_error_every * 2
@@ -202,6 +210,8 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
                 "--handle-error-every",
                 &serve_config(s, rank).faults.handle_error_every.to_string(),
             ])
+            // The coordinator stalls ranks: fault injection must be allowed.
+            .args(s.faults.then_some("--testing"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -237,20 +247,66 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
     }
 }
 
-/// One control request to a prefill rank on a fresh connection.
-fn ask(addr: &str, msg: &Msg, want_reply: bool) -> Option<Msg> {
-    let mut stream = TcpStream::connect(addr).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    let mut lines = BufReader::new(stream.try_clone().ok()?);
-    let mut line = String::new();
-    lines.read_line(&mut line).ok()?; // its metadata
-    link::send(&mut stream, msg);
+/// One control request to a prefill rank on a fresh connection, after the
+/// handshake; its reply if one is wanted.
+fn ask(addr: &str, s: &Settings, msg: &Msg, want_reply: bool) -> Result<Option<Msg>, LinkError> {
+    let mut o = link::handshake(addr, layout(s))?;
+    control::send(&mut o.stream, msg).map_err(LinkError::Write)?;
     if !want_reply {
-        return None;
+        return Ok(None);
     }
-    line.clear();
-    lines.read_line(&mut line).ok()?;
-    Msg::parse(&line).ok()
+    let mut frames = FrameReader::new(o.stream, link::FRAME_TIMEOUT, Some(link::HANDSHAKE_TIMEOUT));
+    match frames.read_msg()? {
+        Msg::Refused(why) => Err(LinkError::Refused(why)),
+        m => Ok(Some(m)),
+    }
+}
+
+/// The layout every rank of a run registers.
+fn layout(s: &Settings) -> Layout {
+    Layout {
+        block_size: s.block_size,
+        layers: s.layers as u32,
+        blocks: s.blocks,
+    }
+}
+
+/// Ranks of a demo run that register a pool: four prefill, two decode.
+const DEMO_RANKS: u64 = (PREFILL_RANKS + DECODE_RANKS) as u64;
+
+/// Refuses, before anything starts, pools that cannot be registered: sizes
+/// that overflow, or more memory than the machine has available for
+/// `ranks` pools of `layers` x `blocks` x `block_size` bytes.
+fn check_sizes(layers: u64, blocks: u32, block_size: u64, ranks: u64) -> Result<(), CliError> {
+    let per_rank = layers
+        .checked_mul(u64::from(blocks))
+        .and_then(|n| n.checked_mul(block_size));
+    let total = per_rank.and_then(|b| b.checked_mul(ranks));
+    let (Some(per_rank), Some(total)) = (per_rank, total) else {
+        return Err(CliError::Usage(format!(
+            "--layers {layers} x --blocks {blocks} x --block-size {block_size} overflows"
+        )));
+    };
+    if let Some(avail) = mem_available() {
+        if total > avail {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            return Err(CliError::Usage(format!(
+                "--layers {layers} x --blocks {blocks} x --block-size {block_size} is {:.1} GiB a rank, {:.1} GiB for {ranks} rank(s): more than the {:.1} GiB of memory available",
+                gib(per_rank),
+                gib(total),
+                gib(avail)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, in bytes (None where unreadable).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 #[derive(Debug, Default, Clone)]
@@ -311,6 +367,11 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
         println!("{}", json(&s, &reports));
     } else {
         println!("total: {corrupted} corrupted blocks, {leaked} leaked blocks");
+    }
+    if let Some(why) = reports.iter().find_map(|(_, r)| gave_up(r)) {
+        return Err(CliError::Failed(format!(
+            "a decode rank stopped early: {why}"
+        )));
     }
     if s.policy == Policy::Safe && (corrupted > 0 || leaked > 0) {
         return Err(CliError::Failed(format!(
@@ -383,14 +444,13 @@ fn run_mode(
                 .ok()
                 .and_then(|a| a.get(r).map(|x| x.0.clone()));
             if let Some(addr) = addr {
-                ask(
-                    &addr,
-                    &Msg::Stall {
-                        ms: s.stall_for.as_millis() as u64,
-                    },
-                    false,
-                );
-                stalls += 1;
+                let stall = Msg::Stall {
+                    ms: s.stall_for.as_millis() as u64,
+                };
+                match ask(&addr, s, &stall, false) {
+                    Ok(_) => stalls += 1,
+                    Err(e) => tracing::warn!(rank = r, addr, "stalling prefill rank {r}: {e}"),
+                }
             }
             next_stall = Instant::now() + s.stall_every;
         }
@@ -433,12 +493,16 @@ fn run_mode(
     let give_up = Instant::now() + Duration::from_secs(6);
     for (addr, _) in &addrs {
         loop {
-            if let Some(Msg::StatsReply {
+            let reply = ask(addr, s, &Msg::Stats, true);
+            if let Err(e) = &reply {
+                tracing::warn!(addr, "asking a prefill rank for its stats: {e}");
+            }
+            if let Ok(Some(Msg::StatsReply {
                 total,
                 free,
                 busy,
                 idle,
-            }) = ask(addr, &Msg::Stats, true)
+            })) = reply
             {
                 if free == total || Instant::now() > give_up {
                     report.prefill_leaked += total - free;
@@ -455,17 +519,42 @@ fn run_mode(
     Ok(report)
 }
 
-fn sums(r: &ModeReport) -> (u64, u64, u64, u64, u64, u64, u64) {
+/// A mode's counts over its decode ranks (and prefill leaks).
+#[derive(Debug, Default)]
+struct Sums {
+    requests: u64,
+    finished: u64,
+    failed: u64,
+    expired: u64,
+    refused: u64,
+    corrupted: u64,
+    leaked: u64,
+    bytes: u64,
+    causes: Causes,
+}
+
+fn sums(r: &ModeReport) -> Sums {
     let f = |g: fn(&DecodeReport) -> u64| r.decode.iter().map(g).sum::<u64>();
-    (
-        f(|d| d.finished),
-        f(|d| d.failed),
-        f(|d| d.expired),
-        f(|d| d.refused),
-        f(|d| d.corrupted_blocks),
-        f(|d| d.leaked_blocks) + r.prefill_leaked,
-        f(|d| d.bytes),
-    )
+    let mut causes = Causes::default();
+    for d in &r.decode {
+        causes.add(&d.causes);
+    }
+    Sums {
+        requests: f(|d| d.requests),
+        finished: f(|d| d.finished),
+        failed: f(|d| d.failed),
+        expired: f(|d| d.expired),
+        refused: f(|d| d.refused),
+        corrupted: f(|d| d.corrupted_blocks),
+        leaked: f(|d| d.leaked_blocks) + r.prefill_leaked,
+        bytes: f(|d| d.bytes),
+        causes,
+    }
+}
+
+/// Why a mode's decode ranks stopped early, if any did.
+fn gave_up(r: &ModeReport) -> Option<&str> {
+    r.decode.iter().find_map(|d| d.gave_up.as_deref())
 }
 
 fn busy_pct(r: &ModeReport) -> f64 {
@@ -487,21 +576,30 @@ fn latency(r: &ModeReport, i: usize) -> u64 {
 }
 
 fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
-    let (fin, failed, expired, refused, corrupted, leaked, bytes) = sums(r);
+    let t = sums(r);
+    let row = |name: &str, v: u64| println!("  {name:<34} {v:>12}");
     println!();
     println!(
         "{mode:?} mode ({:.1} s, {} stalls, {} kills)",
         r.seconds, r.stalls, r.kills
     );
-    println!("  {:<34} {:>12}", "requests finished", fin);
-    println!("  {:<34} {:>12}", "requests failed", failed);
-    println!("  {:<34} {:>12}", "requests expired", expired);
     println!(
-        "  {:<34} {:>12}",
-        "requests refused before transfer", refused
+        "  transferred {} of {} requests ({:.1}%)",
+        t.finished,
+        t.requests,
+        pct(t.finished, t.requests)
     );
-    println!("  {:<34} {:>12}", "corrupted blocks", corrupted);
-    println!("  {:<34} {:>12}", "leaked blocks", leaked);
+    row("requests finished", t.finished);
+    row("requests failed", t.failed);
+    row("  peer lost", t.causes.peer_lost);
+    row("  peer stalled", t.causes.peer_stalled);
+    row("  deadline", t.causes.deadline);
+    row("  lease lost", t.causes.lease_lost);
+    row("  other causes", t.causes.other);
+    row("requests expired", t.expired);
+    row("requests refused before transfer", t.refused);
+    row("corrupted blocks", t.corrupted);
+    row("leaked blocks", t.leaked);
     println!(
         "  {:<34} {:>9} us",
         "latency p50 (slowest rank)",
@@ -515,35 +613,76 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     println!(
         "  {:<34} {:>12.0}",
         "throughput, requests/s",
-        fin as f64 / r.seconds
+        t.finished as f64 / r.seconds
     );
     println!(
         "  {:<34} {:>12.3}",
         "throughput, GB/s",
-        bytes as f64 / r.seconds / 1e9
+        t.bytes as f64 / r.seconds / 1e9
     );
     println!("  {:<34} {:>11.1}%", "pollers busy", busy_pct(r));
+    if let Some(why) = gave_up(r) {
+        println!("  stopped early: {why}");
+    }
     if s.policy == Policy::Eager {
         println!("  policy EAGER: blocks were freed at the first handle failure (unsafe)");
     }
+}
+
+fn pct(n: u64, of: u64) -> f64 {
+    if of == 0 {
+        0.0
+    } else {
+        100.0 * n as f64 / of as f64
+    }
+}
+
+/// `s` as a JSON string literal.
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
 }
 
 fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
     let modes: Vec<String> = reports
         .iter()
         .map(|(mode, r)| {
-            let (fin, failed, expired, refused, corrupted, leaked, bytes) = sums(r);
+            let t = sums(r);
+            let c = t.causes;
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"finished\":{fin},\"failed\":{failed},\"expired\":{expired},\"refused\":{refused},\"corrupted_blocks\":{corrupted},\"leaked_blocks\":{leaked},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"stalls\":{},\"kills\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"stalls\":{},\"kills\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
+                t.requests,
+                t.finished,
+                t.finished,
+                t.failed,
+                c.peer_lost,
+                c.peer_stalled,
+                c.deadline,
+                c.lease_lost,
+                c.other,
+                t.expired,
+                t.refused,
+                t.corrupted,
+                t.leaked,
                 latency(r, 0),
                 latency(r, 2),
-                fin as f64 / r.seconds,
-                bytes as f64 / r.seconds / 1e9,
+                t.finished as f64 / r.seconds,
+                t.bytes as f64 / r.seconds / 1e9,
                 busy_pct(r),
                 r.stalls,
-                r.kills
+                r.kills,
+                gave_up(r).map_or("null".to_owned(), json_str),
             )
         })
         .collect();
@@ -575,7 +714,9 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
             ..Faults::default()
         },
         metrics: args.metrics.map(|_| Arc::default()),
+        testing: args.testing,
     };
+    check_sizes(u64::from(args.layers), args.blocks, args.block_size, 1)?;
     let listener = TcpListener::bind(listen)
         .map_err(|e| CliError::Failed(format!("listening on {listen}: {e}")))?;
     let addr = listener
@@ -604,7 +745,9 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     }
     let addrs = args.to.clone();
     let mode = args.mode;
-    let s = Settings::workload(&args.workload)?;
+    let mut s = Settings::workload(&args.workload)?;
+    s.give_up_after = Duration::from_secs(args.give_up_after);
+    check_sizes(s.layers as u64, s.blocks, s.block_size, 1)?;
     let registry = Registry::default();
     if let Ok(mut a) = registry.addrs.lock() {
         a.extend(addrs.into_iter().map(|x| (x, 0)));
@@ -622,10 +765,17 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     } else {
         print_table(mode, &report, &s);
     }
-    let (_, _, _, _, corrupted, leaked, _) = sums(&report);
-    if corrupted > 0 || leaked > 0 {
+    let t = sums(&report);
+    if t.corrupted > 0 || t.leaked > 0 {
         return Err(CliError::Failed(format!(
-            "{corrupted} corrupted and {leaked} leaked blocks"
+            "{} corrupted and {} leaked blocks",
+            t.corrupted, t.leaked
+        )));
+    }
+    if let Some(why) = gave_up(&report) {
+        return Err(CliError::Failed(format!(
+            "transferred {} of {} requests: {why}",
+            t.finished, t.requests
         )));
     }
     Ok(())

@@ -17,7 +17,7 @@ use kvpoll::{
 
 use super::link::{self, Incoming};
 use super::pool::{seed, Pool};
-use super::proto::Msg;
+use super::proto::{Layout, Msg};
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -29,6 +29,9 @@ pub struct ServeConfig {
     /// Lease of a lend or a push.
     pub lease: Duration,
     pub faults: Faults,
+    /// Fault injection over the control port (`STALL`) is taken only when
+    /// set (`serve --testing`).
+    pub testing: bool,
     /// Where to publish the engine's metrics (`serve --metrics`), about
     /// every 100 ms.
     pub metrics: Option<Arc<Mutex<MetricsSnapshot>>>,
@@ -40,7 +43,14 @@ const METRICS_EVERY: Duration = Duration::from_millis(100);
 struct Conn {
     stream: TcpStream,
     peer: Option<PeerId>,
+    /// Whether the client said a hello that matched our layout.
+    greeted: bool,
 }
+
+/// How long a client connection may stay silent before it is closed.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest stall a `--testing` server accepts.
+const MAX_STALL: Duration = Duration::from_secs(60);
 
 struct Held {
     blocks: Vec<BlockId>,
@@ -65,6 +75,16 @@ pub fn serve(
         engine.register(u64::from(cfg.blocks))?;
     }
     let meta = engine.local_metadata()?;
+    let ours = Layout {
+        block_size: cfg.block_size,
+        layers: cfg.layers as u32,
+        blocks: cfg.blocks,
+    };
+    if Msg::Meta(meta.clone()).encode().is_err() {
+        return Err(EngineError::Config(
+            "engine metadata does not fit in a control frame: fewer layers",
+        ));
+    }
     let (tx, rx) = mpsc::channel::<Incoming>();
     listener
         .set_nonblocking(false)
@@ -73,6 +93,7 @@ pub fn serve(
         for (tag, stream) in listener.incoming().enumerate() {
             let Ok(stream) = stream else { continue };
             let _ = stream.set_nodelay(true);
+            let _ = stream.set_write_timeout(Some(link::WRITE_TIMEOUT));
             // Opened goes first on the same channel as the lines, so the
             // connection is known before its first line is handled.
             let Ok(writer) = stream.try_clone() else {
@@ -81,7 +102,7 @@ pub fn serve(
             if tx.send(Incoming::Opened(tag, writer)).is_err() {
                 return;
             }
-            let _ = link::spawn_reader(&stream, tag, tx.clone());
+            let _ = link::spawn_reader(&stream, tag, tx.clone(), Some(IDLE_TIMEOUT));
         }
     });
 
@@ -107,14 +128,51 @@ pub fn serve(
         let mut first = rx.recv_timeout(Duration::from_micros(500)).ok();
         while let Some(inc) = first.take().or_else(|| rx.try_recv().ok()) {
             match inc {
-                Incoming::Opened(tag, mut stream) => {
-                    link::send(&mut stream, &Msg::Meta(meta.clone()));
-                    conns.insert(tag, Conn { stream, peer: None });
+                Incoming::Opened(tag, stream) => {
+                    // Nothing is said before the client's hello.
+                    conns.insert(
+                        tag,
+                        Conn {
+                            stream,
+                            peer: None,
+                            greeted: false,
+                        },
+                    );
                 }
-                Incoming::Closed(tag) | Incoming::Bad(tag) => {
-                    if let Some(c) = conns.remove(&tag) {
-                        if let Some(p) = c.peer {
-                            let _ = engine.remove_peer(p);
+                Incoming::Closed(tag) => close(&mut engine, &mut conns, tag, None),
+                Incoming::Bad(tag, why) => {
+                    tracing::warn!(rank = cfg.rank, conn = tag, "control link refused: {why}");
+                    close(&mut engine, &mut conns, tag, Some(why));
+                }
+                Incoming::Line(tag, m) if !conns.get(&tag).is_some_and(|c| c.greeted) => {
+                    // The handshake: a hello with our layout, or nothing.
+                    let Some(c) = conns.get_mut(&tag) else {
+                        continue;
+                    };
+                    match m {
+                        Msg::Hello(theirs) if theirs == ours => {
+                            c.greeted = true;
+                            let ok = link::send(&mut c.stream, &Msg::Hello(ours))
+                                && link::send(&mut c.stream, &Msg::Meta(meta.clone()));
+                            if !ok {
+                                close(&mut engine, &mut conns, tag, None);
+                            }
+                        }
+                        Msg::Hello(theirs) => {
+                            // Our hello lets the client name the mismatch.
+                            link::send(&mut c.stream, &Msg::Hello(ours));
+                            let why = format!("layout mismatch: ours is {ours}, yours is {theirs}");
+                            tracing::warn!(rank = cfg.rank, conn = tag, "{why}");
+                            close(&mut engine, &mut conns, tag, Some(why));
+                        }
+                        _ => {
+                            let why = "the handshake (HELLO) must come first".to_owned();
+                            tracing::warn!(
+                                rank = cfg.rank,
+                                conn = tag,
+                                "control link refused: {why}"
+                            );
+                            close(&mut engine, &mut conns, tag, Some(why));
                         }
                     }
                 }
@@ -169,6 +227,20 @@ pub fn serve(
     Ok(())
 }
 
+/// Closes connection `tag`, telling the client why first if there is a
+/// reason, and forgets its peer.
+fn close(engine: &mut Engine, conns: &mut HashMap<usize, Conn>, tag: usize, why: Option<String>) {
+    if let Some(mut c) = conns.remove(&tag) {
+        if let Some(why) = why {
+            link::send(&mut c.stream, &Msg::Refused(why));
+        }
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(p) = c.peer {
+            let _ = engine.remove_peer(p);
+        }
+    }
+}
+
 /// The engine's counters with this rank's tally of outcomes and latencies.
 fn publish(engine: &Engine, tally: &MetricsSnapshot, to: &Mutex<MetricsSnapshot>) {
     let mut snap = engine.metrics();
@@ -192,13 +264,18 @@ fn handle(
     alloc: &mut Vec<BlockId>,
 ) -> Option<Msg> {
     match m {
-        Msg::Meta(bytes) => {
-            let peer = engine.add_peer(&bytes).ok();
-            if let Some(c) = conns.get_mut(&tag) {
-                c.peer = peer;
+        Msg::Meta(bytes) => match engine.add_peer(&bytes) {
+            Ok(peer) => {
+                if let Some(c) = conns.get_mut(&tag) {
+                    c.peer = Some(peer);
+                }
+                None
             }
-            None
-        }
+            Err(e) => {
+                tracing::warn!(rank = cfg.rank, conn = tag, "peer metadata refused: {e}");
+                Some(Msg::Refused(format!("metadata refused: {e}")))
+            }
+        },
         Msg::Prepare { req, n } => {
             alloc.clear();
             if held.contains_key(&req) || !pool.alloc(n as usize, alloc) {
@@ -259,9 +336,15 @@ fn handle(
                 }
             }
         }
-        Msg::Stall { ms } => {
-            let _ = engine.stall(Duration::from_millis(ms));
+        Msg::Stall { ms } if cfg.testing => {
+            let _ = engine.stall(Duration::from_millis(ms).min(MAX_STALL));
             None
+        }
+        Msg::Stall { .. } => {
+            tracing::warn!(rank = cfg.rank, conn = tag, "STALL refused (not --testing)");
+            Some(Msg::Refused(
+                "STALL refused: this server was not started with --testing".into(),
+            ))
         }
         Msg::Stats => {
             let s = engine.poller_stats();
@@ -273,7 +356,12 @@ fn handle(
             })
         }
         // Messages a prefill rank does not take are ignored.
-        Msg::Ready { .. } | Msg::Busy { .. } | Msg::Pushed { .. } | Msg::StatsReply { .. } => None,
+        Msg::Hello(_)
+        | Msg::Ready { .. }
+        | Msg::Busy { .. }
+        | Msg::Pushed { .. }
+        | Msg::StatsReply { .. }
+        | Msg::Refused(_) => None,
     }
 }
 

@@ -1,0 +1,658 @@
+//! The control protocol between `kvpoll serve` (a prefill rank) and its
+//! clients (`kvpoll connect`, the demo's decode ranks and coordinator).
+//!
+//! Every message travels in a frame, shaped like the data plane's
+//! [`kvpoll::wire`] frames: a magic, a version, a bounded length and a
+//! checksum, so that bytes from something that is not a kvpoll peer, or
+//! damaged bytes, are refused with a typed error before anything is acted on.
+//!
+//! ```text
+//! offset  size  field
+//! 0       4     magic "KVPC"
+//! 4       1     version
+//! 5       3     reserved, zero
+//! 8       4     payload length, little endian, at most MAX_PAYLOAD
+//! 12      n     payload: a message tag, then its fields (little endian)
+//! 12+n    8     FNV-1a 64 of bytes 0..12+n, little endian
+//! ```
+//!
+//! The length is checked as soon as the header is in: an over-long frame is
+//! refused before a byte of its payload is read, so a peer cannot make the
+//! reader buffer more than [`MAX_PAYLOAD`] bytes.
+//!
+//! A connection starts with a handshake: the client sends [`Msg::Hello`]
+//! with the layout it expects; the server answers with its own `Hello` and
+//! its engine metadata ([`Msg::Meta`]), or with [`Msg::Refused`] and closes.
+//! The port trusts whoever can reach it (there is no authentication): bind
+//! it to a private address.
+
+use std::io::{self, Read, Write};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+const MAGIC: [u8; 4] = *b"KVPC";
+/// Bytes before the payload.
+pub const HEADER: usize = 12;
+/// Bytes after the payload (the checksum).
+pub const TRAILER: usize = 8;
+/// The protocol version this build speaks.
+pub const VERSION: u8 = 1;
+/// Largest payload a control frame may carry: engine metadata of the
+/// largest layout the tool accepts fits with room to spare.
+pub const MAX_PAYLOAD: usize = 256 * 1024;
+/// Most blocks one message may name.
+pub const MAX_BLOCKS: usize = 4096;
+/// Longest text (a refusal's reason) a message may carry.
+pub const MAX_TEXT: usize = 1024;
+
+/// The block layout both sides of a connection must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Bytes per block.
+    pub block_size: u64,
+    /// KV layers (registered regions).
+    pub layers: u32,
+    /// Blocks per layer.
+    pub blocks: u32,
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} layers x {} blocks x {} bytes",
+            self.layers, self.blocks, self.block_size
+        )
+    }
+}
+
+/// One control message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// Both directions, first on a connection: "I speak kvpoll control
+    /// version [`VERSION`] with this layout".
+    Hello(Layout),
+    /// Engine metadata (both directions, right after the handshake).
+    Meta(Vec<u8>),
+    /// Decode → prefill: fill `n` blocks for request `req` and lend them.
+    Prepare {
+        /// The request.
+        req: u64,
+        /// Blocks wanted.
+        n: u32,
+    },
+    /// Prefill → decode: the blocks to read.
+    Ready {
+        /// The request.
+        req: u64,
+        /// The lent blocks.
+        blocks: Vec<u32>,
+    },
+    /// Prefill → decode: no free blocks now; the request is not served.
+    Busy {
+        /// The request.
+        req: u64,
+    },
+    /// Decode → prefill: write request `req` into these (lent) blocks.
+    Push {
+        /// The request.
+        req: u64,
+        /// The destination blocks.
+        blocks: Vec<u32>,
+    },
+    /// Prefill → decode: the push was done (acknowledged) or not.
+    Pushed {
+        /// The request.
+        req: u64,
+        /// Whether it was done.
+        done: bool,
+    },
+    /// Coordinator → prefill: stop progressing for `ms` (fault injection;
+    /// refused unless the server was started with `--testing`).
+    Stall {
+        /// How long, in milliseconds.
+        ms: u64,
+    },
+    /// Coordinator → prefill: report block accounting.
+    Stats,
+    /// Prefill → coordinator: blocks in the pool, free, and poller counters.
+    StatsReply {
+        /// Blocks in the pool.
+        total: u64,
+        /// Blocks free.
+        free: u64,
+        /// Busy poller iterations.
+        busy: u64,
+        /// Idle poller iterations.
+        idle: u64,
+    },
+    /// Either direction: the last message (or the connection) was refused,
+    /// and why.
+    Refused(String),
+}
+
+/// Why bytes were refused as a control frame or message.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FrameError {
+    /// The bytes do not start with the control magic.
+    #[error("not a kvpoll control frame (bad magic)")]
+    BadMagic,
+    /// A version this build does not speak.
+    #[error("control protocol version {got}, this build speaks version {VERSION}")]
+    WrongVersion {
+        /// The version byte found.
+        got: u8,
+    },
+    /// The length is over [`MAX_PAYLOAD`] (refused before reading it).
+    #[error("control frame of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit")]
+    TooLong {
+        /// The length claimed.
+        len: usize,
+    },
+    /// Fewer bytes than the frame needs.
+    #[error("control frame truncated: {got} bytes, need {need}")]
+    Truncated {
+        /// Bytes given.
+        got: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// More bytes than the length says.
+    #[error("control frame has {0} trailing bytes")]
+    TrailingBytes(usize),
+    /// The checksum does not match: damaged bytes.
+    #[error("control frame checksum mismatch")]
+    BadChecksum,
+    /// A well-framed payload that is no message.
+    #[error("control message: {0}")]
+    Message(&'static str),
+}
+
+/// Why reading a frame from a stream failed.
+#[derive(Debug, Error)]
+pub enum ReadError {
+    /// The peer closed the connection between frames.
+    #[error("connection closed by peer")]
+    Closed,
+    /// The peer closed the connection inside a frame.
+    #[error("connection closed inside a frame ({got} of {need} bytes)")]
+    ClosedInFrame {
+        /// Bytes of the frame read.
+        got: usize,
+        /// Bytes it needs.
+        need: usize,
+    },
+    /// The peer reset the connection (it closed with our bytes unread).
+    #[error("connection closed by peer (reset)")]
+    Reset,
+    /// Nothing arrived for the idle limit.
+    #[error("no message for {0:?} (idle timeout)")]
+    Idle(Duration),
+    /// A frame started but did not complete in time.
+    #[error("frame not complete after {0:?} (read timeout)")]
+    Slow(Duration),
+    /// Bad bytes.
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    /// The socket failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+struct Out(Vec<u8>);
+
+impl Out {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
+    }
+    fn blocks(&mut self, b: &[u32]) {
+        self.u32(b.len() as u32);
+        for &x in b {
+            self.u32(x);
+        }
+    }
+}
+
+struct In<'a>(&'a [u8]);
+
+impl<'a> In<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FrameError> {
+        if self.0.len() < n {
+            return Err(FrameError::Message("truncated"));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, FrameError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, FrameError> {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(w))
+    }
+    fn u64(&mut self) -> Result<u64, FrameError> {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(w))
+    }
+    fn bytes(&mut self, max: usize) -> Result<&'a [u8], FrameError> {
+        let n = self.u32()? as usize;
+        if n > max {
+            return Err(FrameError::Message("byte string over its limit"));
+        }
+        self.take(n)
+    }
+    fn blocks(&mut self) -> Result<Vec<u32>, FrameError> {
+        let n = self.u32()? as usize;
+        if n > MAX_BLOCKS {
+            return Err(FrameError::Message("more blocks than MAX_BLOCKS"));
+        }
+        // Checked against what is left before allocating.
+        if self.0.len() < n * 4 {
+            return Err(FrameError::Message("truncated"));
+        }
+        (0..n).map(|_| self.u32()).collect()
+    }
+}
+
+impl Msg {
+    /// The message's payload (tag and fields), without the frame.
+    pub fn payload(&self) -> Vec<u8> {
+        let mut o = Out(Vec::new());
+        match self {
+            Msg::Hello(l) => {
+                o.u8(1);
+                o.u64(l.block_size);
+                o.u32(l.layers);
+                o.u32(l.blocks);
+            }
+            Msg::Meta(m) => {
+                o.u8(2);
+                o.bytes(m);
+            }
+            Msg::Prepare { req, n } => {
+                o.u8(3);
+                o.u64(*req);
+                o.u32(*n);
+            }
+            Msg::Ready { req, blocks } => {
+                o.u8(4);
+                o.u64(*req);
+                o.blocks(blocks);
+            }
+            Msg::Busy { req } => {
+                o.u8(5);
+                o.u64(*req);
+            }
+            Msg::Push { req, blocks } => {
+                o.u8(6);
+                o.u64(*req);
+                o.blocks(blocks);
+            }
+            Msg::Pushed { req, done } => {
+                o.u8(7);
+                o.u64(*req);
+                o.u8(u8::from(*done));
+            }
+            Msg::Stall { ms } => {
+                o.u8(8);
+                o.u64(*ms);
+            }
+            Msg::Stats => o.u8(9),
+            Msg::StatsReply {
+                total,
+                free,
+                busy,
+                idle,
+            } => {
+                o.u8(10);
+                for v in [total, free, busy, idle] {
+                    o.u64(*v);
+                }
+            }
+            Msg::Refused(why) => {
+                o.u8(11);
+                let mut end = why.len().min(MAX_TEXT);
+                while !why.is_char_boundary(end) {
+                    end -= 1;
+                }
+                o.bytes(&why.as_bytes()[..end]);
+            }
+        }
+        o.0
+    }
+
+    /// Parses a payload (what [`Msg::payload`] writes).
+    pub fn from_payload(p: &[u8]) -> Result<Msg, FrameError> {
+        let mut r = In(p);
+        let msg = match r.u8()? {
+            1 => Msg::Hello(Layout {
+                block_size: r.u64()?,
+                layers: r.u32()?,
+                blocks: r.u32()?,
+            }),
+            2 => Msg::Meta(r.bytes(MAX_PAYLOAD)?.to_vec()),
+            3 => Msg::Prepare {
+                req: r.u64()?,
+                n: r.u32()?,
+            },
+            4 => Msg::Ready {
+                req: r.u64()?,
+                blocks: r.blocks()?,
+            },
+            5 => Msg::Busy { req: r.u64()? },
+            6 => Msg::Push {
+                req: r.u64()?,
+                blocks: r.blocks()?,
+            },
+            7 => Msg::Pushed {
+                req: r.u64()?,
+                done: match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(FrameError::Message("PUSHED flag not 0 or 1")),
+                },
+            },
+            8 => Msg::Stall { ms: r.u64()? },
+            9 => Msg::Stats,
+            10 => Msg::StatsReply {
+                total: r.u64()?,
+                free: r.u64()?,
+                busy: r.u64()?,
+                idle: r.u64()?,
+            },
+            11 => Msg::Refused(String::from_utf8_lossy(r.bytes(MAX_TEXT)?).into_owned()),
+            _ => return Err(FrameError::Message("unknown message tag")),
+        };
+        if !r.0.is_empty() {
+            return Err(FrameError::Message("bytes after the message"));
+        }
+        Ok(msg)
+    }
+
+    /// The message in a frame, ready to send.
+    ///
+    /// A payload over [`MAX_PAYLOAD`] (metadata of an oversized layout) is
+    /// an error, never a frame the peer would refuse.
+    pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
+        let p = self.payload();
+        if p.len() > MAX_PAYLOAD {
+            return Err(FrameError::TooLong { len: p.len() });
+        }
+        let mut f = Vec::with_capacity(HEADER + p.len() + TRAILER);
+        f.extend_from_slice(&MAGIC);
+        f.extend_from_slice(&[VERSION, 0, 0, 0]);
+        f.extend_from_slice(&(p.len() as u32).to_le_bytes());
+        f.extend_from_slice(&p);
+        let sum = kvpoll::wire::fnv1a64(&f);
+        f.extend_from_slice(&sum.to_le_bytes());
+        Ok(f)
+    }
+
+    /// Checks one whole frame and parses its message.
+    pub fn decode(frame: &[u8]) -> Result<Msg, FrameError> {
+        let len = check_header(frame)?;
+        let need = HEADER + len + TRAILER;
+        if frame.len() < need {
+            return Err(FrameError::Truncated {
+                got: frame.len(),
+                need,
+            });
+        }
+        if frame.len() > need {
+            return Err(FrameError::TrailingBytes(frame.len() - need));
+        }
+        check_sum(frame)?;
+        Msg::from_payload(&frame[HEADER..HEADER + len])
+    }
+}
+
+/// Checks a frame's header (its first [`HEADER`] bytes) and returns the
+/// payload length it announces.
+pub fn check_header(h: &[u8]) -> Result<usize, FrameError> {
+    if h.len() < HEADER {
+        return Err(FrameError::Truncated {
+            got: h.len(),
+            need: HEADER,
+        });
+    }
+    if h[0..4] != MAGIC {
+        return Err(FrameError::BadMagic);
+    }
+    if h[4] != VERSION {
+        return Err(FrameError::WrongVersion { got: h[4] });
+    }
+    if h[5..8] != [0, 0, 0] {
+        return Err(FrameError::Message("reserved header bytes are not zero"));
+    }
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > MAX_PAYLOAD {
+        return Err(FrameError::TooLong { len });
+    }
+    Ok(len)
+}
+
+fn check_sum(frame: &[u8]) -> Result<(), FrameError> {
+    let body = frame.len() - TRAILER;
+    let mut sum = [0u8; 8];
+    sum.copy_from_slice(&frame[body..]);
+    if kvpoll::wire::fnv1a64(&frame[..body]) != u64::from_le_bytes(sum) {
+        return Err(FrameError::BadChecksum);
+    }
+    Ok(())
+}
+
+/// Writes one message; the error says why the link is unusable.
+pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
+    let f = msg
+        .encode()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    w.write_all(&f)
+}
+
+/// Reads frames from a stream whose read timeout is set to `tick`
+/// ([`std::net::TcpStream::set_read_timeout`]): a frame that started must
+/// complete within `frame_timeout`; with no frame started, `idle` (if any)
+/// bounds the wait.
+pub struct FrameReader<R> {
+    inner: R,
+    buf: Vec<u8>,
+    /// How long a started frame may take.
+    pub frame_timeout: Duration,
+    /// How long to wait for a frame to start (`None`: for ever).
+    pub idle: Option<Duration>,
+}
+
+impl<R: Read> FrameReader<R> {
+    /// A reader over `inner`.
+    pub fn new(inner: R, frame_timeout: Duration, idle: Option<Duration>) -> Self {
+        FrameReader {
+            inner,
+            buf: Vec::new(),
+            frame_timeout,
+            idle,
+        }
+    }
+
+    /// Reads exactly `n` more bytes into the buffer. `started` is when the
+    /// frame began (`None`: nothing of it read yet).
+    fn fill(&mut self, n: usize, started: &mut Option<Instant>) -> Result<(), ReadError> {
+        let waiting = Instant::now();
+        let want = self.buf.len() + n;
+        let mut chunk = [0u8; 4096];
+        while self.buf.len() < want {
+            let room = (want - self.buf.len()).min(chunk.len());
+            match self.inner.read(&mut chunk[..room]) {
+                Ok(0) if started.is_none() => return Err(ReadError::Closed),
+                Ok(0) => {
+                    return Err(ReadError::ClosedInFrame {
+                        got: self.buf.len(),
+                        need: want,
+                    })
+                }
+                Ok(k) => {
+                    started.get_or_insert_with(Instant::now);
+                    self.buf.extend_from_slice(&chunk[..k]);
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    match *started {
+                        Some(t) if t.elapsed() >= self.frame_timeout => {
+                            return Err(ReadError::Slow(self.frame_timeout))
+                        }
+                        None => {
+                            if let Some(idle) = self.idle {
+                                if waiting.elapsed() >= idle {
+                                    return Err(ReadError::Idle(idle));
+                                }
+                            }
+                        }
+                        Some(_) => {}
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    return Err(ReadError::Reset)
+                }
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The next message. The header is checked before any of the payload is
+    /// read: at most [`HEADER`] + [`MAX_PAYLOAD`] + [`TRAILER`] bytes are
+    /// ever buffered.
+    pub fn read_msg(&mut self) -> Result<Msg, ReadError> {
+        self.buf.clear();
+        let mut started = None;
+        self.fill(HEADER, &mut started)?;
+        let len = check_header(&self.buf)?;
+        self.fill(len + TRAILER, &mut started)?;
+        check_sum(&self.buf)?;
+        Ok(Msg::from_payload(&self.buf[HEADER..HEADER + len])?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Msg> {
+        vec![
+            Msg::Hello(Layout {
+                block_size: 16384,
+                layers: 2,
+                blocks: 512,
+            }),
+            Msg::Meta(vec![1, 2, 255]),
+            Msg::Prepare { req: 9, n: 4 },
+            Msg::Ready {
+                req: 9,
+                blocks: vec![1, 2, 3],
+            },
+            Msg::Busy { req: 3 },
+            Msg::Push {
+                req: 9,
+                blocks: vec![7],
+            },
+            Msg::Pushed { req: 9, done: true },
+            Msg::Stall { ms: 500 },
+            Msg::Stats,
+            Msg::StatsReply {
+                total: 8,
+                free: 8,
+                busy: 1,
+                idle: 2,
+            },
+            Msg::Refused("no".into()),
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_through_a_frame_and_a_stream() {
+        let mut stream = Vec::new();
+        for m in all() {
+            let f = m.encode().unwrap();
+            assert_eq!(Msg::decode(&f), Ok(m.clone()));
+            stream.extend_from_slice(&f);
+        }
+        let mut r = FrameReader::new(&stream[..], Duration::from_secs(1), None);
+        for m in all() {
+            assert_eq!(r.read_msg().unwrap(), m);
+        }
+        assert!(matches!(r.read_msg(), Err(ReadError::Closed)));
+    }
+
+    #[test]
+    fn every_single_byte_flip_is_refused() {
+        let f = Msg::Ready {
+            req: 1,
+            blocks: vec![4, 5],
+        }
+        .encode()
+        .unwrap();
+        for i in 0..f.len() {
+            let mut g = f.clone();
+            g[i] ^= 0x20;
+            assert!(Msg::decode(&g).is_err(), "flip at {i} accepted");
+        }
+    }
+
+    #[test]
+    fn an_over_long_header_is_refused_before_its_payload_is_read() {
+        let mut h = Msg::Stats.encode().unwrap();
+        h[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        h.truncate(HEADER);
+        // Nothing follows the header: a reader that tried to buffer the
+        // payload would report a truncation instead.
+        let mut r = FrameReader::new(&h[..], Duration::from_secs(1), None);
+        assert!(matches!(
+            r.read_msg(),
+            Err(ReadError::Frame(FrameError::TooLong { .. }))
+        ));
+    }
+
+    #[test]
+    fn text_lines_and_garbage_are_refused_as_foreign() {
+        assert_eq!(Msg::decode(b"STALL 3600000\n"), Err(FrameError::BadMagic));
+        let mut r = FrameReader::new(&b"META 00ff\nSTALL 1\n"[..], Duration::from_secs(1), None);
+        assert!(matches!(
+            r.read_msg(),
+            Err(ReadError::Frame(FrameError::BadMagic))
+        ));
+    }
+
+    #[test]
+    fn oversized_block_lists_and_unknown_tags_are_refused() {
+        let mut p = vec![4u8];
+        p.extend_from_slice(&1u64.to_le_bytes());
+        p.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Msg::from_payload(&p).is_err());
+        assert!(Msg::from_payload(&[99]).is_err());
+        assert!(Msg::from_payload(&[]).is_err());
+        assert!(Msg::from_payload(&[7, 0, 0, 0, 0, 0, 0, 0, 0, 2]).is_err());
+    }
+}
