@@ -219,6 +219,31 @@ impl Worker {
         unsafe { sys::ucp_worker_progress(self.inner.handle) }
     }
 
+    /// The fd that becomes readable when this worker has new events, once
+    /// armed with [`Worker::arm`]; `None` when the context was created
+    /// without `UCP_FEATURE_WAKEUP`. UCX owns the fd (do not close it).
+    pub fn event_fd(&self) -> Option<std::os::fd::RawFd> {
+        if !self.inner._context.has_wakeup() {
+            return None;
+        }
+        let mut fd = -1;
+        // SAFETY: the worker is live; fd is a valid out-parameter.
+        let status = unsafe { sys::ucp_worker_get_efd(self.inner.handle, &mut fd) };
+        (status == sys::ucs_status_t::UCS_OK && fd >= 0).then_some(fd)
+    }
+
+    /// Arms the event fd for the next event. `Ok(true)`: armed, the caller
+    /// may block on the fd. `Ok(false)`: events are pending
+    /// (`UCS_ERR_BUSY`): progress, then try again.
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: the worker is live and used only from this thread.
+        let status = unsafe { sys::ucp_worker_arm(self.inner.handle) };
+        if status == sys::ucs_status_t::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        check("ucp_worker_arm", status).map(|()| true)
+    }
+
     /// Moves the completions seen so far into `out` (appended). Keeps the
     /// capacity of both lists, so steady state does not allocate.
     pub fn take_completions(&self, out: &mut Vec<Completion>) {
