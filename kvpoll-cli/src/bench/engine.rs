@@ -251,6 +251,87 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
     Ok(samples)
 }
 
+/// The OS floor of a wake-up, ns, `n` samples: after a quiet spell, one
+/// thread unparks another that is parked (`std::thread::park`), which
+/// answers through an atomic the first spins on; one sample is unpark →
+/// answer seen. The same shape as [`wake_up`] (one OS wake, one spin
+/// back) with nothing else.
+pub fn park_unpark(n: usize, quiet: Duration) -> Vec<u64> {
+    let seen = Arc::new(AtomicU64::new(0));
+    let seen2 = seen.clone();
+    let sleeper = std::thread::spawn(move || {
+        let mut answered = 0u64;
+        while answered < n as u64 {
+            std::thread::park();
+            // Spurious wakes are allowed: answer only a new round.
+            let round = answered + 1;
+            if seen2.load(Ordering::Acquire) == u64::MAX - round {
+                seen2.store(round, Ordering::Release);
+                answered = round;
+            }
+        }
+    });
+    let mut samples = Vec::with_capacity(n);
+    for round in 1..=n as u64 {
+        std::thread::sleep(quiet);
+        seen.store(u64::MAX - round, Ordering::Release);
+        let t = Instant::now();
+        sleeper.thread().unpark();
+        while seen.load(Ordering::Acquire) != round {
+            std::hint::spin_loop();
+        }
+        samples.push(t.elapsed().as_nanos() as u64);
+    }
+    let _ = sleeper.join();
+    samples
+}
+
+/// Wake-up of an adaptive poller on a *remote* event, ns, `n` samples:
+/// engine P (adaptive) lends a block to one reader; engine C (busy poller,
+/// so that only P's wake-up is measured) connects to it over `tls`. After a
+/// quiet spell long enough for P's poller to block, C sends the read-done
+/// notification (`notify_only`) and the time until `P.poll` reports the
+/// lend released is one sample (C's submit and send, the wire, P's wake-up
+/// on its worker's event fd, P's report).
+pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, EngineError> {
+    let options = kvpoll::ContextOptions::with_transports(tls);
+    let mut p = Engine::builder()
+        .idle(IdlePolicy::Adaptive)
+        .ucx(options.clone())
+        .build()?;
+    p.register(4)?;
+    let mut c = Engine::builder()
+        .idle(IdlePolicy::Busy)
+        .ucx(options)
+        .build()?;
+    c.register(4)?;
+    let peer = c.add_peer(&p.local_metadata()?)?;
+    let mut out = Outcomes::default();
+    let guard = Duration::from_secs(10);
+    // Round 0 wires the endpoint up; it is not counted.
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..=n as u64 {
+        let id = RequestId(i);
+        p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        std::thread::sleep(quiet);
+        out.clear();
+        let t = Instant::now();
+        c.notify_only(id, &[peer])?;
+        while !out.finished_sending.contains(&id) {
+            p.poll(&mut out);
+            if t.elapsed() > guard {
+                return Err(EngineError::Config("a lend was not released in 10 s"));
+            }
+        }
+        if i > 0 {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    c.shutdown();
+    p.shutdown();
+    Ok(samples)
+}
+
 /// The `p` quantile (0.0–1.0) of unsorted samples.
 pub fn quantile(samples: &[u64], p: f64) -> f64 {
     let mut v = samples.to_vec();
@@ -283,13 +364,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn idle_cpu_and_wake_up_produce_figures() {
+    fn idle_cpu_and_wake_ups_produce_figures() {
         let busy = idle_cpu(IdlePolicy::Busy, Duration::from_millis(50)).unwrap();
         if let Some(b) = busy {
             assert!(b > 0.0, "a busy poller used no CPU");
         }
         let w = wake_up(3, Duration::from_millis(5)).unwrap();
         assert_eq!(w.len(), 3);
+        assert_eq!(park_unpark(3, Duration::from_millis(1)).len(), 3);
+        let r = remote_wake_up(2, Duration::from_millis(5), "posix,sysv,cma").unwrap();
+        assert_eq!(r.len(), 2);
         assert!(w.iter().all(|&ns| ns > 0));
         assert!(quantile(&w, 0.5) > 0.0);
     }

@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker};
+use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker, NOTIFY_AM_ID};
 use kvpoll::wire::to_hex;
 
 use crate::cli::{CliError, EnginePeerArgs, UcxPeerArgs};
@@ -38,6 +38,9 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
 
     let ctx = Context::new(&ContextOptions::with_transports(tls)).map_err(fail)?;
     let worker = Worker::new(&ctx).map_err(fail)?;
+    // The e2e bench's raw loop notifies this peer once per request, as a
+    // kvpoll reader notifies its producer: take them, drop them.
+    worker.listen_active_messages(NOTIFY_AM_ID).map_err(fail)?;
     let len = blocks
         .checked_mul(block_size)
         .filter(|&l| l > 0 && l <= 1 << 34)
@@ -66,7 +69,9 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
     // there is work, nap when there is none, so a 2-core box is not starved.
     let mut idle = 0u32;
     while !closed.load(Ordering::Acquire) {
-        if worker.progress() > 0 {
+        let events = worker.progress();
+        worker.take_active_messages(|_| {});
+        if events > 0 {
             idle = 0;
         } else {
             idle += 1;
