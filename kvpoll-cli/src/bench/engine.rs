@@ -240,6 +240,11 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
         engine.read(RequestId(i), &[])?;
         while out.finished_recving.is_empty() {
             engine.poll(&mut out);
+            // Yield, as the park/unpark baseline does: the woken thread is
+            // often placed on the waiter's CPU, and a spinning waiter holds
+            // it for a whole slice (~4 ms measured with perf sched on a
+            // loaded 2-core VM).
+            std::thread::yield_now();
             if t.elapsed() > Duration::from_secs(10) {
                 engine.shutdown();
                 return Err(EngineError::Config("a prefix hit was not reported in 10 s"));
@@ -253,9 +258,9 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
 
 /// The OS floor of a wake-up, ns, `n` samples: after a quiet spell, one
 /// thread unparks another that is parked (`std::thread::park`), which
-/// answers through an atomic the first spins on; one sample is unpark →
-/// answer seen. The same shape as [`wake_up`] (one OS wake, one spin
-/// back) with nothing else.
+/// answers through an atomic the first polls (yielding between looks);
+/// one sample is unpark → answer seen. The same shape as [`wake_up`] (one
+/// OS wake, the waiter polling the way back) with nothing else.
 pub fn park_unpark(n: usize, quiet: Duration) -> Vec<u64> {
     let seen = Arc::new(AtomicU64::new(0));
     let seen2 = seen.clone();
@@ -278,7 +283,7 @@ pub fn park_unpark(n: usize, quiet: Duration) -> Vec<u64> {
         let t = Instant::now();
         sleeper.thread().unpark();
         while seen.load(Ordering::Acquire) != round {
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
         samples.push(t.elapsed().as_nanos() as u64);
     }
@@ -287,12 +292,14 @@ pub fn park_unpark(n: usize, quiet: Duration) -> Vec<u64> {
 }
 
 /// Wake-up of an adaptive poller on a *remote* event, ns, `n` samples:
-/// engine P (adaptive) lends a block to one reader; engine C (busy poller,
-/// so that only P's wake-up is measured) connects to it over `tls`. After a
-/// quiet spell long enough for P's poller to block, C sends the read-done
-/// notification (`notify_only`) and the time until `P.poll` reports the
-/// lend released is one sample (C's submit and send, the wire, P's wake-up
-/// on its worker's event fd, P's report).
+/// engine P lends a block to one reader; engine C connects to it over
+/// `tls`; both adaptive. After a quiet spell long enough for both pollers
+/// to block, C sends the read-done notification (`notify_only`) and the
+/// time until `P.poll` reports the lend released is one sample: C's
+/// wake-up on the submit, the send, P's wake-up on its worker's event fd,
+/// P's report. Two wake-ups, so an upper bound of the remote one. (A busy
+/// C would leave only P's, but on a 2-core machine its spinning thread and
+/// the measuring one starve P's poller.)
 pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, EngineError> {
     let options = kvpoll::ContextOptions::with_transports(tls);
     let mut p = Engine::builder()
@@ -301,7 +308,7 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
         .build()?;
     p.register(4)?;
     let mut c = Engine::builder()
-        .idle(IdlePolicy::Busy)
+        .idle(IdlePolicy::Adaptive)
         .ucx(options)
         .build()?;
     c.register(4)?;
@@ -319,6 +326,8 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
         c.notify_only(id, &[peer])?;
         while !out.finished_sending.contains(&id) {
             p.poll(&mut out);
+            // See wake_up: the waiter yields.
+            std::thread::yield_now();
             if t.elapsed() > guard {
                 return Err(EngineError::Config("a lend was not released in 10 s"));
             }

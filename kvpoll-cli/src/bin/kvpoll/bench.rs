@@ -295,7 +295,7 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
     let (remote, note) = match engine_bench::remote_wake_up(20, quiet, remote_tls) {
         Ok(r) => {
             let note = format!(
-                "peer's notify_only -> lend released, over {remote_tls}; p99 {:.1} us, 20 samples",
+                "peer's notify_only -> lend released (2 wake-ups: peer, then this poller), over {remote_tls}; p99 {:.1} us, 20 samples",
                 engine_bench::quantile(&r, 0.99) / 1e3
             );
             (Some(r), note)
