@@ -244,6 +244,27 @@ impl Worker {
         check("ucp_worker_arm", status).map(|()| true)
     }
 
+    /// Arms the event fd and blocks until it fires or `timeout` passed.
+    /// Returns `false` at once, without blocking, when events are pending
+    /// (progress first) or the worker has no event fd.
+    pub fn wait(&self, timeout: std::time::Duration) -> Result<bool, UcxError> {
+        let Some(fd) = self.event_fd() else {
+            return Ok(false);
+        };
+        if !self.arm()? {
+            return Ok(false);
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd, alive for the call.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+        Ok(true)
+    }
+
     /// Moves the completions seen so far into `out` (appended). Keeps the
     /// capacity of both lists, so steady state does not allocate.
     pub fn take_completions(&self, out: &mut Vec<Completion>) {

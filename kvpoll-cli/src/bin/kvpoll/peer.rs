@@ -66,17 +66,24 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
 
     let closed = stdin_closed();
     // Over tcp the target of a get must progress to answer it. Spin while
-    // there is work, nap when there is none, so a 2-core box is not starved.
+    // there is work; when there is none, block on the worker's event fd
+    // (as a kvpoll poller does, so that the e2e bench's raw loop is not
+    // slowed by a napping peer), 10 ms at most to notice stdin closing.
     let mut idle = 0u32;
     while !closed.load(Ordering::Acquire) {
         let events = worker.progress();
         worker.take_active_messages(|_| {});
         if events > 0 {
             idle = 0;
-        } else {
-            idle += 1;
-            if idle > 1000 {
+            continue;
+        }
+        idle += 1;
+        if idle >= 256 {
+            if worker.event_fd().is_none() {
                 std::thread::sleep(std::time::Duration::from_micros(50));
+            } else {
+                // Not armed (events pending): the next progress takes them.
+                let _ = worker.wait(std::time::Duration::from_millis(10));
             }
         }
     }
