@@ -658,6 +658,20 @@ fn wait_readable(efd: libc::c_int, other: Option<libc::c_int>, timeout: Duration
     r > 0 && fds[0].revents & libc::POLLIN != 0
 }
 
+fn region_blocks(meta: &PeerMetadata) -> u64 {
+    meta.regions.iter().map(|r| r.blocks).min().unwrap_or(0)
+}
+
+#[cfg(feature = "fault-injection")]
+fn release_retry(cfg: &Config) -> Duration {
+    cfg.faults.release_retry_after
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn release_retry(_cfg: &Config) -> Duration {
+    Duration::from_millis(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -673,18 +687,4 @@ mod tests {
         assert_eq!((c.idle_ns, c.busy_ns), (150 + 700, 50));
         assert!(!c.busy_run, "closing a run keeps its kind");
     }
-}
-
-fn region_blocks(meta: &PeerMetadata) -> u64 {
-    meta.regions.iter().map(|r| r.blocks).min().unwrap_or(0)
-}
-
-#[cfg(feature = "fault-injection")]
-fn release_retry(cfg: &Config) -> Duration {
-    cfg.faults.release_retry_after
-}
-
-#[cfg(not(feature = "fault-injection"))]
-fn release_retry(_cfg: &Config) -> Duration {
-    Duration::from_millis(1)
 }
