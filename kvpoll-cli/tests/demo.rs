@@ -69,11 +69,25 @@ fn demo_with_rank_processes_survives_a_killed_and_restarted_rank() {
 fn eager_policy_corrupts_blocks_where_the_safe_policy_does_not() {
     let mut eager = vec!["demo", "--ranks", "threads", "--policy", "eager"];
     eager.extend_from_slice(DENSE);
-    let (code, json) = kvpoll(&eager);
-    assert_eq!(code, Some(0), "the eager run itself must complete: {json}");
+    // The corruption is a race (a sibling's late bytes landing in blocks
+    // already handed to another request). Since pollers wake on every
+    // network event instead of napping, siblings lag less and about half
+    // the runs here miss it (the napping pollers hit it in 4 of 4). Up to
+    // five runs: the eager policy must corrupt in one of them.
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let (code, json) = kvpoll(&eager);
+        assert_eq!(code, Some(0), "the eager run itself must complete: {json}");
+        let corrupted = sum(&json, "corrupted_blocks");
+        runs.push(json);
+        if corrupted > 0 {
+            break;
+        }
+    }
     assert!(
-        sum(&json, "corrupted_blocks") > 0,
-        "the eager policy corrupted nothing, so the checker proves nothing: {json}"
+        sum(runs.last().unwrap(), "corrupted_blocks") > 0,
+        "the eager policy corrupted nothing in {} runs, so the checker proves nothing: {runs:?}",
+        runs.len()
     );
     let mut safe = vec!["demo", "--ranks", "threads", "--policy", "safe"];
     safe.extend_from_slice(DENSE);
