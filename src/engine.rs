@@ -393,7 +393,9 @@ impl EngineBuilder {
         // slots. At most `slots` keys exist, so this ring is never full.
         let (retire, retire_rx) = ring::commands::<RequestKey>(self.ledger.slots as usize);
         let (control, control_rx) = mpsc::channel();
-        let shared = Arc::new(Shared::new());
+        let shared = Arc::new(
+            Shared::new().map_err(|e| EngineError::Spawn(format!("wake-up eventfd: {e}")))?,
+        );
         let (ready_tx, ready_rx) = mpsc::channel();
         let config = poller::Config {
             block_size: self.block_size,
@@ -516,6 +518,11 @@ pub struct PollerStats {
     pub busy_iterations: u64,
     /// Loop iterations that found nothing to do.
     pub idle_iterations: u64,
+    /// Nanoseconds spent in runs of busy iterations (SPDK's busy ticks).
+    pub busy_ns: u64,
+    /// Nanoseconds spent idle: spinning, yielding or blocked waiting for
+    /// an event. `busy_ns / (busy_ns + idle_ns)` is the poller's load.
+    pub idle_ns: u64,
     /// Notification payloads that did not decode (dropped, nothing changed).
     pub malformed_notifications: u64,
     /// Notifications that decoded but were refused: unknown request, the
@@ -1063,6 +1070,8 @@ impl Engine {
         PollerStats {
             busy_iterations: self.shared.busy_iterations.load(Ordering::Relaxed),
             idle_iterations: self.shared.idle_iterations.load(Ordering::Relaxed),
+            busy_ns: self.shared.busy_ns.load(Ordering::Relaxed),
+            idle_ns: self.shared.idle_ns.load(Ordering::Relaxed),
             malformed_notifications: self.shared.malformed_notes.load(Ordering::Relaxed),
             rejected_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
             ops_posted: self.shared.ops_posted.load(Ordering::Relaxed),
@@ -1092,14 +1101,10 @@ impl Engine {
         self.slots.stats(self.in_flight.len() as u32)
     }
 
+    /// After every push: wakes the poller if it blocks (one atomic swap;
+    /// an eventfd write only when it does). See [`crate::wake`].
     fn wake(&self) {
-        // Acquire pairs with the poller's SeqCst store of `sleeping` before it
-        // re-checks the rings and parks; an unpark before the park is kept.
-        if self.shared.sleeping.load(Ordering::Acquire) {
-            if let Some(t) = &self.thread {
-                t.thread().unpark();
-            }
-        }
+        self.shared.wake.notify();
     }
 
     /// Collects what happened since the last poll into `out` (appended; clear
@@ -1206,7 +1211,7 @@ impl Engine {
         };
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.control.send(Control::Shutdown);
-        thread.thread().unpark();
+        self.wake();
         // The poller publishes the reports of what it cancelled before it
         // exits; keep the ring drained so that it never waits on us.
         while !thread.is_finished() {

@@ -34,6 +34,7 @@ pub(crate) mod poller;
 pub mod ring;
 pub(crate) mod sync;
 pub mod transport;
+pub(crate) mod wake;
 pub mod wire;
 
 pub use engine::{

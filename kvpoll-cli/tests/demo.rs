@@ -69,12 +69,13 @@ fn demo_with_rank_processes_survives_a_killed_and_restarted_rank() {
 fn eager_policy_corrupts_blocks_where_the_safe_policy_does_not() {
     let mut eager = vec!["demo", "--ranks", "threads", "--policy", "eager"];
     eager.extend_from_slice(DENSE);
-    // Corruption under the eager policy needs a sibling transfer to land
-    // after the blocks were reused: a race that a heavily loaded machine
-    // sometimes schedules away. One corrupting run of a few proves the
-    // checker can fail; every run must complete.
+    // The corruption is a race (a sibling's late bytes landing in blocks
+    // already handed to another request). Since pollers wake on every
+    // network event instead of napping, siblings lag less and about half
+    // the runs here miss it (the napping pollers hit it in 4 of 4). Up to
+    // five runs: the eager policy must corrupt in one of them.
     let mut runs = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..5 {
         let (code, json) = kvpoll(&eager);
         assert_eq!(code, Some(0), "the eager run itself must complete: {json}");
         let corrupted = sum(&json, "corrupted_blocks");

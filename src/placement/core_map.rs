@@ -49,9 +49,10 @@ pub enum IdlePolicy {
     /// Spin forever: lowest latency, burns its CPU at 100 %. For a
     /// dedicated, isolated CPU only; failing to pin is an error.
     Busy,
-    /// Spin briefly, then back off, then park until work is submitted:
-    /// near-zero idle CPU at the cost of a wake-up on the first request
-    /// after a quiet spell. Failing to pin is a warning.
+    /// Spin briefly, then block until work is submitted or the transport
+    /// has an event (UCX's worker event fd): near-zero idle CPU at the cost
+    /// of a wake-up on the first event after a quiet spell. Failing to pin
+    /// is a warning.
     Adaptive,
 }
 

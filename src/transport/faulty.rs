@@ -151,4 +151,12 @@ impl<T: Transport> Transport for Faulty<T> {
     fn closing(&self) -> bool {
         self.inner.closing()
     }
+
+    fn wait_fd(&mut self) -> Option<std::os::fd::RawFd> {
+        self.inner.wait_fd()
+    }
+
+    fn arm(&mut self) -> bool {
+        self.inner.arm()
+    }
 }

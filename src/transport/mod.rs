@@ -155,4 +155,19 @@ pub trait Transport {
     /// Whether operations the transport itself posted (closes) are still
     /// outstanding; shutdown waits for them.
     fn closing(&self) -> bool;
+
+    /// A file descriptor that becomes readable when the transport has new
+    /// events (after [`Transport::arm`]), so that an idle poller can block
+    /// on it instead of napping on a timer. `None` (the default): the
+    /// transport cannot wake anyone; the poller naps with a short timeout.
+    fn wait_fd(&mut self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
+    /// Arms [`Transport::wait_fd`] for the next event. `true`: armed, the
+    /// poller may block on it. `false`: events are pending (or there is no
+    /// fd): progress first, do not block.
+    fn arm(&mut self) -> bool {
+        false
+    }
 }

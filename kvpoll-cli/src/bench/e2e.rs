@@ -12,7 +12,9 @@
 //! - **raw**: a UCX worker in this process reads from a `kvpoll ucx-peer`
 //!   process with [`Endpoint::get_batch`] and [`Worker::progress`], the same
 //!   operations and the same number in flight, no ledger, no rings, no
-//!   thread handoff.
+//!   thread handoff. When a request's gets completed it sends the peer one
+//!   eager active message of a notification's size, as kvpoll does: both
+//!   sides do the same protocol work.
 //!
 //! Two shapes: single-block reads (`reads` reads of one block) and requests
 //! of `request_blocks` blocks. Runs of kvpoll and raw alternate; medians.
@@ -28,13 +30,16 @@ use thiserror::Error;
 
 use kvpoll::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey,
-    UcxError, Worker, WorkerAddress,
+    UcxError, Worker, WorkerAddress, NOTIFY_AM_ID,
 };
 use kvpoll::wire::from_hex;
 use kvpoll::{BlockId, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 
 /// Blocks the peers serve (remote offsets wrap inside them).
 const PEER_BLOCKS: u64 = 64;
+/// Token bit of the raw loop's notification sends (their completions are
+/// not reads).
+const NOTE: u64 = 1 << 63;
 /// A run that takes longer than this is stuck, not slow.
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -399,6 +404,9 @@ impl RawSide {
                 if !c.status.is_ok() {
                     return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
                 }
+                if c.token & NOTE != 0 {
+                    continue;
+                }
                 let i = c.token as usize;
                 let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
                     return Err(E2eError::Failed(format!(
@@ -408,6 +416,12 @@ impl RawSide {
                 };
                 *l -= 1;
                 if *l == 0 {
+                    // The producer's read-done notification, as kvpoll
+                    // sends it (same size, eager).
+                    let note = [i as u8; kvpoll::notification::LEN];
+                    self.ep
+                        .send_active_message(NOTIFY_AM_ID, &note, NOTE | c.token)
+                        .map_err(|e| E2eError::Failed(format!("raw notification: {e}")))?;
                     lat.push((now - started[i]).as_nanos() as u64);
                     done += 1;
                 }

@@ -240,6 +240,11 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
         engine.read(RequestId(i), &[])?;
         while out.finished_recving.is_empty() {
             engine.poll(&mut out);
+            // Yield, as the park/unpark baseline does: the woken thread is
+            // often placed on the waiter's CPU, and a spinning waiter holds
+            // it for a whole slice (~4 ms measured with perf sched on a
+            // loaded 2-core VM).
+            std::thread::yield_now();
             if t.elapsed() > Duration::from_secs(10) {
                 engine.shutdown();
                 return Err(EngineError::Config("a prefix hit was not reported in 10 s"));
@@ -248,6 +253,91 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
         samples.push(t.elapsed().as_nanos() as u64);
     }
     engine.shutdown();
+    Ok(samples)
+}
+
+/// The OS floor of a wake-up, ns, `n` samples: after a quiet spell, one
+/// thread unparks another that is parked (`std::thread::park`), which
+/// answers through an atomic the first polls (yielding between looks);
+/// one sample is unpark → answer seen. The same shape as [`wake_up`] (one
+/// OS wake, the waiter polling the way back) with nothing else.
+pub fn park_unpark(n: usize, quiet: Duration) -> Vec<u64> {
+    let seen = Arc::new(AtomicU64::new(0));
+    let seen2 = seen.clone();
+    let sleeper = std::thread::spawn(move || {
+        let mut answered = 0u64;
+        while answered < n as u64 {
+            std::thread::park();
+            // Spurious wakes are allowed: answer only a new round.
+            let round = answered + 1;
+            if seen2.load(Ordering::Acquire) == u64::MAX - round {
+                seen2.store(round, Ordering::Release);
+                answered = round;
+            }
+        }
+    });
+    let mut samples = Vec::with_capacity(n);
+    for round in 1..=n as u64 {
+        std::thread::sleep(quiet);
+        seen.store(u64::MAX - round, Ordering::Release);
+        let t = Instant::now();
+        sleeper.thread().unpark();
+        while seen.load(Ordering::Acquire) != round {
+            std::thread::yield_now();
+        }
+        samples.push(t.elapsed().as_nanos() as u64);
+    }
+    let _ = sleeper.join();
+    samples
+}
+
+/// Wake-up of an adaptive poller on a *remote* event, ns, `n` samples:
+/// engine P lends a block to one reader; engine C connects to it over
+/// `tls`; both adaptive. After a quiet spell long enough for both pollers
+/// to block, C sends the read-done notification (`notify_only`) and the
+/// time until `P.poll` reports the lend released is one sample: C's
+/// wake-up on the submit, the send, P's wake-up on its worker's event fd,
+/// P's report. Two wake-ups, so an upper bound of the remote one. (A busy
+/// C would leave only P's, but on a 2-core machine its spinning thread and
+/// the measuring one starve P's poller.)
+pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, EngineError> {
+    let options = kvpoll::ContextOptions::with_transports(tls);
+    let mut p = Engine::builder()
+        .idle(IdlePolicy::Adaptive)
+        .ucx(options.clone())
+        .build()?;
+    p.register(4)?;
+    let mut c = Engine::builder()
+        .idle(IdlePolicy::Adaptive)
+        .ucx(options)
+        .build()?;
+    c.register(4)?;
+    let peer = c.add_peer(&p.local_metadata()?)?;
+    let mut out = Outcomes::default();
+    let guard = Duration::from_secs(10);
+    // Round 0 wires the endpoint up; it is not counted.
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..=n as u64 {
+        let id = RequestId(i);
+        p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        std::thread::sleep(quiet);
+        out.clear();
+        let t = Instant::now();
+        c.notify_only(id, &[peer])?;
+        while !out.finished_sending.contains(&id) {
+            p.poll(&mut out);
+            // See wake_up: the waiter yields.
+            std::thread::yield_now();
+            if t.elapsed() > guard {
+                return Err(EngineError::Config("a lend was not released in 10 s"));
+            }
+        }
+        if i > 0 {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    c.shutdown();
+    p.shutdown();
     Ok(samples)
 }
 
@@ -283,13 +373,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn idle_cpu_and_wake_up_produce_figures() {
+    fn idle_cpu_and_wake_ups_produce_figures() {
         let busy = idle_cpu(IdlePolicy::Busy, Duration::from_millis(50)).unwrap();
         if let Some(b) = busy {
             assert!(b > 0.0, "a busy poller used no CPU");
         }
         let w = wake_up(3, Duration::from_millis(5)).unwrap();
         assert_eq!(w.len(), 3);
+        assert_eq!(park_unpark(3, Duration::from_millis(1)).len(), 3);
+        let r = remote_wake_up(2, Duration::from_millis(5), "posix,sysv,cma").unwrap();
+        assert_eq!(r.len(), 2);
         assert!(w.iter().all(|&ns| ns > 0));
         assert!(quantile(&w, 0.5) > 0.0);
     }

@@ -56,6 +56,8 @@ pub struct UcxTransport {
     failures: Vec<EndpointFailure>,
     ops: Vec<BlockOp>,
     close_seq: u64,
+    /// The worker's event fd (`None` without `UCP_FEATURE_WAKEUP`).
+    event_fd: Option<std::os::fd::RawFd>,
 }
 
 impl UcxTransport {
@@ -64,6 +66,7 @@ impl UcxTransport {
         let context = Context::new(options)?;
         let worker = Worker::new(&context)?;
         worker.listen_active_messages(NOTIFY_AM_ID)?;
+        let event_fd = worker.event_fd();
         Ok(UcxTransport {
             peers: Vec::new(),
             closing: Vec::new(),
@@ -77,6 +80,7 @@ impl UcxTransport {
             failures: Vec::with_capacity(16),
             ops: Vec::with_capacity(1024),
             close_seq: 0,
+            event_fd,
         })
     }
 
@@ -355,6 +359,16 @@ impl Transport for UcxTransport {
 
     fn closing(&self) -> bool {
         !self.closing.is_empty()
+    }
+
+    fn wait_fd(&mut self) -> Option<std::os::fd::RawFd> {
+        self.event_fd
+    }
+
+    fn arm(&mut self) -> bool {
+        // An arm that fails outright (not BUSY) is treated as "do not
+        // block": the poller then naps on a timer, as without the fd.
+        self.event_fd.is_some() && self.worker.arm().unwrap_or(false)
     }
 }
 

@@ -275,6 +275,52 @@ impl Worker {
         )
     }
 
+    /// The fd that becomes readable when this worker has new events, once
+    /// armed with [`Worker::arm`]; `None` when the context was created
+    /// without `UCP_FEATURE_WAKEUP`. UCX owns the fd (do not close it).
+    pub fn event_fd(&self) -> Option<std::os::fd::RawFd> {
+        if !self.inner._context.has_wakeup() {
+            return None;
+        }
+        let mut fd = -1;
+        // SAFETY: the worker is live; fd is a valid out-parameter.
+        let status = unsafe { sys::ucp_worker_get_efd(self.inner.handle, &mut fd) };
+        (status == sys::ucs_status_t::UCS_OK && fd >= 0).then_some(fd)
+    }
+
+    /// Arms the event fd for the next event. `Ok(true)`: armed, the caller
+    /// may block on the fd. `Ok(false)`: events are pending
+    /// (`UCS_ERR_BUSY`): progress, then try again.
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: the worker is live and used only from this thread.
+        let status = unsafe { sys::ucp_worker_arm(self.inner.handle) };
+        if status == sys::ucs_status_t::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        check("ucp_worker_arm", status).map(|()| true)
+    }
+
+    /// Arms the event fd and blocks until it fires or `timeout` passed.
+    /// Returns `false` at once, without blocking, when events are pending
+    /// (progress first) or the worker has no event fd.
+    pub fn wait(&self, timeout: std::time::Duration) -> Result<bool, UcxError> {
+        let Some(fd) = self.event_fd() else {
+            return Ok(false);
+        };
+        if !self.arm()? {
+            return Ok(false);
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd, alive for the call.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+        Ok(true)
+    }
+
     /// Moves the completions seen so far into `out` (appended). Keeps the
     /// capacity of both lists, so steady state does not allocate.
     pub fn take_completions(&self, out: &mut Vec<Completion>) {

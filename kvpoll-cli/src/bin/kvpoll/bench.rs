@@ -270,22 +270,50 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         met: adaptive.map(|a| a <= 0.02),
         note: "one quiet second each".into(),
     });
-    let wake = engine_bench::wake_up(20, Duration::from_millis(20)).map_err(failed)?;
+    let quiet = Duration::from_millis(20);
+    let park = engine_bench::park_unpark(20, quiet);
+    let park50 = engine_bench::quantile(&park, 0.5);
+    let wake = engine_bench::wake_up(20, quiet).map_err(failed)?;
     let w50 = engine_bench::quantile(&wake, 0.5);
     rows.push(Row {
         key: "wake_up_us",
-        figure: "wake-up after a quiet spell, p50 (engine -> poller -> engine)",
+        figure: "wake-up on a submit after 20 ms quiet, p50",
         unit: "us",
         kvpoll: Some(w50 / 1e3),
-        baseline_name: "",
-        baseline: None,
-        ratio: None,
-        target: "<= 20 us",
-        met: Some(w50 <= 20_000.0),
+        baseline_name: "thread park/unpark",
+        baseline: Some(park50 / 1e3),
+        ratio: Some(w50 / park50),
+        target: "<= 20 us, <= 2x park/unpark",
+        met: Some(w50 <= 20_000.0 && w50 <= 2.0 * park50),
         note: format!(
-            "after 20 ms quiet each; p99 {:.1} us, 20 samples",
-            engine_bench::quantile(&wake, 0.99) / 1e3
+            "engine -> poller -> engine; p99 {:.1} us (park/unpark p99 {:.1} us), 20 samples",
+            engine_bench::quantile(&wake, 0.99) / 1e3,
+            engine_bench::quantile(&park, 0.99) / 1e3
         ),
+    });
+    let remote_tls = tls.unwrap_or("posix,sysv,cma");
+    let (remote, note) = match engine_bench::remote_wake_up(20, quiet, remote_tls) {
+        Ok(r) => {
+            let note = format!(
+                "peer's notify_only -> lend released (2 wake-ups: peer, then this poller), over {remote_tls}; p99 {:.1} us, 20 samples",
+                engine_bench::quantile(&r, 0.99) / 1e3
+            );
+            (Some(r), note)
+        }
+        Err(e) => (None, format!("unavailable: {e}")),
+    };
+    let r50 = remote.as_ref().map(|r| engine_bench::quantile(r, 0.5));
+    rows.push(Row {
+        key: "remote_wake_up_us",
+        figure: "wake-up on a remote notification after 20 ms quiet, p50",
+        unit: "us",
+        kvpoll: r50.map(|v| v / 1e3),
+        baseline_name: "thread park/unpark",
+        baseline: Some(park50 / 1e3),
+        ratio: r50.map(|v| v / park50),
+        target: "<= 2x park/unpark",
+        met: r50.map(|v| v <= 2.0 * park50),
+        note,
     });
     Ok(Suite {
         rows,

@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker};
+use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker, NOTIFY_AM_ID};
 use kvpoll::wire::to_hex;
 
 use crate::cli::{CliError, EnginePeerArgs, UcxPeerArgs};
@@ -38,6 +38,9 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
 
     let ctx = Context::new(&ContextOptions::with_transports(tls)).map_err(fail)?;
     let worker = Worker::new(&ctx).map_err(fail)?;
+    // The e2e bench's raw loop notifies this peer once per request, as a
+    // kvpoll reader notifies its producer: take them, drop them.
+    worker.listen_active_messages(NOTIFY_AM_ID).map_err(fail)?;
     let len = blocks
         .checked_mul(block_size)
         .filter(|&l| l > 0 && l <= 1 << 34)
@@ -63,15 +66,24 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
 
     let closed = stdin_closed();
     // Over tcp the target of a get must progress to answer it. Spin while
-    // there is work, nap when there is none, so a 2-core box is not starved.
+    // there is work; when there is none, block on the worker's event fd
+    // (as a kvpoll poller does, so that the e2e bench's raw loop is not
+    // slowed by a napping peer), 10 ms at most to notice stdin closing.
     let mut idle = 0u32;
     while !closed.load(Ordering::Acquire) {
-        if worker.progress() > 0 {
+        let events = worker.progress();
+        worker.take_active_messages(|_| {});
+        if events > 0 {
             idle = 0;
-        } else {
-            idle += 1;
-            if idle > 1000 {
+            continue;
+        }
+        idle += 1;
+        if idle >= 256 {
+            if worker.event_fd().is_none() {
                 std::thread::sleep(std::time::Duration::from_micros(50));
+            } else {
+                // Not armed (events pending): the next progress takes them.
+                let _ = worker.wait(std::time::Duration::from_millis(10));
             }
         }
     }
