@@ -322,6 +322,8 @@ impl Engine {
         let l = self.ledger_stats();
         MetricsSnapshot {
             pollers: vec![PollerMetrics {
+                busy_ns: p.busy_ns,
+                idle_ns: p.idle_ns,
                 busy_iterations: p.busy_iterations,
                 idle_iterations: p.idle_iterations,
                 ops_posted: p.ops_posted,
