@@ -329,7 +329,6 @@ impl Engine {
                 ops_posted: p.ops_posted,
                 ops_completed: p.ops_completed,
                 bytes: p.bytes_moved,
-                ..PollerMetrics::default()
             }],
             requests: self.tally.requests,
             handle_failures: self.tally.handle_failures,
