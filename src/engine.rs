@@ -489,11 +489,11 @@ struct Region {
 /// The engine: submit transfers, poll for reports. See the module docs.
 pub struct Engine {
     slots: Arc<Slots>,
-    commands: CommandSender<Command>,
+    pub(crate) commands: CommandSender<Command>,
     retire: CommandSender<RequestKey>,
-    events: EventReceiver<Event>,
+    pub(crate) events: EventReceiver<Event>,
     control: mpsc::Sender<Control>,
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     /// What each request in flight is, and when it was submitted.
     in_flight: HashMap<RequestId, (Kind, std::time::Instant)>,

@@ -34,6 +34,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::engine::{Engine, Outcomes};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::ledger::{Cause, Kind, Outcome};
@@ -232,6 +233,10 @@ pub struct SlotUse {
     pub capacity: u64,
     /// Slots holding a live or not yet retired request.
     pub in_use: u64,
+    /// Of those, push destinations whose lease ran out while a named writer
+    /// had not spoken: quarantined, their blocks held until it does or is
+    /// lost.
+    pub quarantined: u64,
 }
 
 /// Submit → report latency, per request kind.
@@ -344,8 +349,24 @@ impl Engine {
             slots: SlotUse {
                 capacity: u64::from(l.capacity),
                 in_use: u64::from(l.in_use),
+                quarantined: self.shared.quarantined.load(Ordering::Relaxed),
             },
-            ..MetricsSnapshot::default()
+            rings: vec![
+                RingMetrics {
+                    ring: "commands".into(),
+                    poller: 0,
+                    capacity: self.commands.capacity() as u64,
+                    occupancy: self.commands.occupancy() as u64,
+                    overflowed: 0,
+                },
+                RingMetrics {
+                    ring: "events".into(),
+                    poller: 0,
+                    capacity: self.events.capacity() as u64,
+                    occupancy: self.events.occupancy() as u64,
+                    overflowed: self.shared.events_overflowed.load(Ordering::Relaxed),
+                },
+            ],
         }
     }
 }
@@ -555,6 +576,7 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
     let mut slots = Fixed::<u64>::new(MetricType::Gauge);
     slots.row(vec![label("state", "capacity")], s.slots.capacity);
     slots.row(vec![label("state", "in_use")], s.slots.in_use);
+    slots.row(vec![label("state", "quarantined")], s.slots.quarantined);
     registry.register("ledger_slots", "Ledger request slots", slots);
 
     let l = &s.latency;

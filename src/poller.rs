@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     pub(crate) ops_posted: AtomicU64,
     pub(crate) ops_completed: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
+    pub(crate) events_overflowed: AtomicU64,
+    pub(crate) quarantined: AtomicU64,
     /// The CPU the poller was pinned to and verified on; `u64::MAX` if none.
     pub(crate) pinned_core: AtomicU64,
     pub(crate) epoch: Instant,
@@ -75,6 +77,8 @@ impl Shared {
             ops_posted: AtomicU64::new(0),
             ops_completed: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
+            events_overflowed: AtomicU64::new(0),
+            quarantined: AtomicU64::new(0),
             pinned_core: AtomicU64::new(u64::MAX),
             epoch: Instant::now(),
             tid: AtomicI32::new(0),
@@ -289,6 +293,10 @@ impl Poller {
             stats.blocks_moved.saturating_mul(self.cfg.block_size),
             Ordering::Relaxed,
         );
+        s.events_overflowed
+            .store(self.events.overflowed(), Ordering::Relaxed);
+        s.quarantined
+            .store(stats.quarantined_now, Ordering::Relaxed);
     }
 
     /// The idle phases of the adaptive policy: spin, yield the core a few

@@ -82,6 +82,11 @@ impl<T> CommandSender<T> {
         self.ring.buffer().capacity()
     }
 
+    /// Commands waiting in the ring.
+    pub fn occupancy(&self) -> usize {
+        self.capacity() - self.ring.slots()
+    }
+
     /// Sends `cmd`, or hands it back if the ring is full.
     pub fn send(&mut self, cmd: T) -> Result<(), Full<T>> {
         self.ring.push(cmd).map_err(|PushError::Full(c)| Full(c))
@@ -216,6 +221,16 @@ impl<T> EventReceiver<T> {
     /// The next event, if any.
     pub fn recv(&mut self) -> Option<T> {
         self.ring.pop().ok()
+    }
+
+    /// Events waiting in the ring.
+    pub fn occupancy(&self) -> usize {
+        self.ring.slots()
+    }
+
+    /// The most events the ring holds.
+    pub fn capacity(&self) -> usize {
+        self.ring.buffer().capacity()
     }
 }
 

@@ -775,6 +775,9 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
     assert_eq!(m.pollers[0].ops_posted, ops);
     assert_eq!(m.pollers[0].ops_completed, ops);
     assert_eq!(m.pollers[0].bytes, ops * BS);
-    assert!(m.pollers[0].busy_ns > 0, "a poller that moved blocks was busy");
+    assert!(
+        m.pollers[0].busy_ns > 0,
+        "a poller that moved blocks was busy"
+    );
     assert_eq!(p.metrics().requests.finished_sending, 1);
 }
