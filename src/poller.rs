@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::wake::Wake;
 
-use crate::core::{Action, Command, Core, CoreConfig};
+use crate::core::{Command, Core, CoreConfig};
 use crate::engine::{EngineError, IdlePolicy};
 use crate::ledger::{Cause, Event, Ledger, Nanos, PeerId, RequestKey};
 use crate::metadata::PeerMetadata;
@@ -495,59 +495,8 @@ impl Poller {
 
     /// Executes the core's actions on the transport, feeding back results.
     fn execute(&mut self) {
-        while let Some(action) = self.core.next_action() {
-            match action {
-                Action::Post {
-                    ep,
-                    dir,
-                    handle,
-                    token,
-                    pairs,
-                } => {
-                    let r = self.wire.post(ep, dir, self.core.pairs(pairs), token);
-                    self.core.on_posted(handle, r);
-                }
-                Action::Flush { ep, handle, token } => {
-                    if let Err(status) = self.wire.flush(ep, token) {
-                        self.core.on_flush_failed(handle, status);
-                    }
-                }
-                Action::Send {
-                    ep,
-                    note,
-                    token,
-                    want_reply,
-                } => {
-                    if self.wire.send(ep, &note, token, want_reply).is_err() {
-                        self.core.on_send_failed();
-                    }
-                }
-                Action::Reply { to, note, token } => {
-                    if self.wire.reply(to, &note, token).is_err() {
-                        self.core.on_send_failed();
-                    }
-                }
-                Action::Close { ep } => self.wire.close(ep),
-                Action::Release { handle } => {
-                    let ok = self.release(handle);
-                    let now = self.now();
-                    self.core.on_released(handle, ok, now);
-                }
-                Action::ForgetPeer { peer } => self.wire.forget_peer(peer),
-            }
-        }
-    }
-
-    #[cfg(feature = "fault-injection")]
-    fn release(&mut self, handle: crate::ledger::HandleKey) -> bool {
-        self.wire.release(handle)
-    }
-
-    #[cfg(not(feature = "fault-injection"))]
-    fn release(&mut self, _handle: crate::ledger::HandleKey) -> bool {
-        // Releasing a handle's UCX resources cannot fail: requests are
-        // freed by their completion callbacks.
-        true
+        let now = self.now();
+        self.core.execute(&mut self.wire, now, |_| {});
     }
 
     fn publish(&mut self) -> usize {

@@ -52,7 +52,6 @@ struct NodeState {
     /// Node index → this core's peer id for it.
     peers: HashMap<usize, PeerId>,
     /// Releases that fail, next ones first.
-    fail_releases: u32,
     shut: bool,
     /// Every action executed, for tests that check what was (not) done.
     actions: Vec<Action>,
@@ -135,7 +134,6 @@ impl Harness {
                 core: new_core(instance, cfg.regions, cfg.blocks, heartbeat),
                 instance,
                 peers: HashMap::new(),
-                fail_releases: 0,
                 shut: false,
                 actions: Vec::new(),
                 sent: Vec::new(),
@@ -376,68 +374,27 @@ impl Harness {
 
     // -- the poller ---------------------------------------------------------
 
-    /// `Poller::execute`, on the node's simulated transport.
+    /// `Poller::execute`, on the node's simulated transport: the core's
+    /// own `execute`, recording each action and notification sent.
     fn execute(&mut self, node: usize) {
         let now = self.now;
         let me = &mut self.nodes[node];
         let mut wire = self.net.node(node);
-        while let Some(action) = me.core.next_action() {
-            me.actions.push(action);
-            match action {
-                Action::Post {
-                    ep,
-                    dir,
-                    handle,
-                    token,
-                    pairs,
-                } => {
-                    let r = wire.post(ep, dir, me.core.pairs(pairs), token);
-                    me.core.on_posted(handle, r);
+        let (actions, sent, peers) = (&mut me.actions, &mut me.sent, &me.peers);
+        me.core.execute(&mut wire, now, |action| {
+            actions.push(*action);
+            let (note, to) = match *action {
+                Action::Send { ep, note, .. } => {
+                    let to = peers.iter().find(|(_, &p)| p == ep.peer).map(|(&n, _)| n);
+                    (note, to.unwrap_or(usize::MAX))
                 }
-                Action::Flush { ep, handle, token } => {
-                    if let Err(status) = wire.flush(ep, token) {
-                        me.core.on_flush_failed(handle, status);
-                    }
-                }
-                Action::Send {
-                    ep,
-                    note,
-                    token,
-                    want_reply,
-                } => {
-                    if let Ok(n) = Notification::decode(&note) {
-                        let to = me
-                            .peers
-                            .iter()
-                            .find(|(_, &p)| p == ep.peer)
-                            .map(|(&n, _)| n);
-                        me.sent.push((n.kind, n.id, to.unwrap_or(usize::MAX)));
-                    }
-                    if wire.send(ep, &note, token, want_reply).is_err() {
-                        me.core.on_send_failed();
-                    }
-                }
-                Action::Reply { to, note, token } => {
-                    if let Ok(n) = Notification::decode(&note) {
-                        me.sent.push((n.kind, n.id, to as usize));
-                    }
-                    if wire.reply(to, &note, token).is_err() {
-                        me.core.on_send_failed();
-                    }
-                }
-                Action::Close { ep } => wire.close(ep),
-                Action::Release { handle } => {
-                    let ok = if me.fail_releases > 0 {
-                        me.fail_releases -= 1;
-                        false
-                    } else {
-                        true
-                    };
-                    me.core.on_released(handle, ok, now);
-                }
-                Action::ForgetPeer { peer } => wire.forget_peer(peer),
+                Action::Reply { to, note, .. } => (note, to as usize),
+                _ => return,
+            };
+            if let Ok(n) = Notification::decode(&note) {
+                sent.push((n.kind, n.id, to));
             }
-        }
+        });
     }
 
     fn live(&self, node: usize) -> bool {
@@ -1098,7 +1055,7 @@ fn a_failed_release_retains_the_request_until_its_retry() {
     let mut h = Harness::new(cfg(11, 2));
     let s = lend_filled(&mut h, 1, 1, 2, 1, 100 * MS);
     let l = h.alloc(0, 2);
-    h.nodes[0].fail_releases = 1;
+    h.net.fail_releases(0, 1);
     h.read(0, 1, &[(1, pairs(&l, &s))], 10 * MS);
     h.settle();
     let (at, r, _) = h.reqs[&(0, 1)].report.clone().unwrap();
@@ -1190,11 +1147,12 @@ fn whole_run(seed: u64) -> Harness {
     };
     let mut h = Harness::new(net);
     for n in 0..nodes {
-        h.nodes[n].fail_releases = if rng.below(4) == 0 {
+        let fail = if rng.below(4) == 0 {
             rng.below(3) as u32
         } else {
             0
         };
+        h.net.fail_releases(n, fail);
     }
     let requests = 1 + rng.below(20);
     let shutdown_after = (rng.below(4) == 0).then(|| rng.below(requests + 1));

@@ -361,6 +361,59 @@ impl Core {
         self.actions.pop_front()
     }
 
+    /// Executes every pending action on `wire`, feeding back what the
+    /// transport answers at once (posts, flushes and sends that could not
+    /// go out, releases): the driver's whole job between inputs. `observe`
+    /// sees each action first (tests record them).
+    pub fn execute<W: crate::transport::Transport + ?Sized>(
+        &mut self,
+        wire: &mut W,
+        now: Nanos,
+        mut observe: impl FnMut(&Action),
+    ) {
+        while let Some(action) = self.next_action() {
+            observe(&action);
+            match action {
+                Action::Post {
+                    ep,
+                    dir,
+                    handle,
+                    token,
+                    pairs,
+                } => {
+                    let r = wire.post(ep, dir, self.pairs(pairs), token);
+                    self.on_posted(handle, r);
+                }
+                Action::Flush { ep, handle, token } => {
+                    if let Err(status) = wire.flush(ep, token) {
+                        self.on_flush_failed(handle, status);
+                    }
+                }
+                Action::Send {
+                    ep,
+                    note,
+                    token,
+                    want_reply,
+                } => {
+                    if wire.send(ep, &note, token, want_reply).is_err() {
+                        self.on_send_failed();
+                    }
+                }
+                Action::Reply { to, note, token } => {
+                    if wire.reply(to, &note, token).is_err() {
+                        self.on_send_failed();
+                    }
+                }
+                Action::Close { ep } => wire.close(ep),
+                Action::Release { handle } => {
+                    let released = wire.release(handle);
+                    self.on_released(handle, released, now);
+                }
+                Action::ForgetPeer { peer } => wire.forget_peer(peer),
+            }
+        }
+    }
+
     /// The block pairs of a [`Action::Post`].
     pub fn pairs(&self, range: (u32, u32)) -> &[(BlockId, BlockId)] {
         &self.pairs[range.0 as usize..(range.0 + range.1) as usize]

@@ -57,21 +57,6 @@ impl<T> Faulty<T> {
     pub fn inner(&mut self) -> &mut T {
         &mut self.inner
     }
-
-    /// Releases a handle's resources: fails once for every n-th handle.
-    pub fn release(&mut self, handle: HandleKey) -> bool {
-        if let Some(i) = self.held.iter().position(|&h| h == handle) {
-            self.held.swap_remove(i);
-            return true;
-        }
-        self.releases += 1;
-        let every = u64::from(self.faults.release_failure_every);
-        let fails = every != 0 && self.releases % every == 0;
-        if fails {
-            self.held.push(handle);
-        }
-        !fails
-    }
 }
 
 impl<T: Transport> Transport for Faulty<T> {
@@ -158,5 +143,20 @@ impl<T: Transport> Transport for Faulty<T> {
 
     fn arm(&mut self) -> bool {
         self.inner.arm()
+    }
+
+    /// Releases a handle's resources: fails once for every n-th handle.
+    fn release(&mut self, handle: HandleKey) -> bool {
+        if let Some(i) = self.held.iter().position(|&h| h == handle) {
+            self.held.swap_remove(i);
+            return true;
+        }
+        self.releases += 1;
+        let every = u64::from(self.faults.release_failure_every);
+        let fails = every != 0 && self.releases % every == 0;
+        if fails {
+            self.held.push(handle);
+        }
+        !fails
     }
 }

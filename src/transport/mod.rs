@@ -19,7 +19,7 @@ pub mod sim;
 pub mod simnet;
 pub mod ucx;
 
-use crate::ledger::{BlockId, PeerId};
+use crate::ledger::{BlockId, HandleKey, PeerId};
 use crate::metadata::PeerMetadata;
 
 /// `UCS_ERR_IO_ERROR`.
@@ -169,5 +169,12 @@ pub trait Transport {
     /// fd): progress first, do not block.
     fn arm(&mut self) -> bool {
         false
+    }
+
+    /// Releases what the transport holds for a handle whose operations all
+    /// ended; `false` if that failed (the core retries later). UCX frees its
+    /// requests in their completion callbacks, so the default cannot fail.
+    fn release(&mut self, _handle: HandleKey) -> bool {
+        true
     }
 }

@@ -161,6 +161,8 @@ struct Node {
     conns: HashMap<PeerId, Conn>,
     events: VecDeque<Ev>,
     posted: u64,
+    /// Releases still to fail (each failure is retried by the core).
+    fail_releases: u32,
 }
 
 /// The simulated network. See the module docs.
@@ -253,6 +255,11 @@ impl SimNet {
     /// Whether the node was killed.
     pub fn dead(&self, node: usize) -> bool {
         self.nodes[node].dead
+    }
+
+    /// The next `n` releases of `node`'s handles fail (each is retried).
+    pub fn fail_releases(&mut self, node: usize, n: u32) {
+        self.nodes[node].fail_releases = n;
     }
 
     /// Kills a node: its own operations vanish, operations to it fail with
@@ -733,6 +740,15 @@ impl Transport for SimTransport<'_> {
                 }
             }
         }
+    }
+
+    fn release(&mut self, _handle: crate::ledger::HandleKey) -> bool {
+        let n = &mut self.net.nodes[self.node];
+        if n.fail_releases > 0 {
+            n.fail_releases -= 1;
+            return false;
+        }
+        true
     }
 
     fn closing(&self) -> bool {
