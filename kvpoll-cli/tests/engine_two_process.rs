@@ -54,6 +54,20 @@ fn spawn(seed: u64) -> PeerProcess {
 fn signal(p: &PeerProcess, sig: libc::c_int) {
     // SAFETY: signalling our own child process.
     assert_eq!(unsafe { libc::kill(p.child.id() as libc::pid_t, sig) }, 0);
+    if sig == libc::SIGSTOP {
+        // kill() returns before every thread of the peer has stopped: wait
+        // until /proc says it has, or a read posted next may still be served.
+        let stat = format!("/proc/{}/stat", p.child.id());
+        let t = std::time::Instant::now();
+        while !std::fs::read_to_string(&stat)
+            .ok()
+            .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().starts_with('T')))
+            .unwrap_or(false)
+        {
+            assert!(t.elapsed() < GUARD, "the peer did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }
 
 fn decode_engine(deadline: Duration) -> Engine {
