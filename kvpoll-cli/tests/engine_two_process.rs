@@ -61,7 +61,11 @@ fn signal(p: &PeerProcess, sig: libc::c_int) {
         let t = std::time::Instant::now();
         while !std::fs::read_to_string(&stat)
             .ok()
-            .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().starts_with('T')))
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .map(|r| r.trim_start().starts_with('T'))
+            })
             .unwrap_or(false)
         {
             assert!(t.elapsed() < GUARD, "the peer did not stop");
