@@ -1165,13 +1165,11 @@ impl Engine {
             *self.tally.handle_failures.of(reason.cause) += 1;
             return 1;
         }
-        let (kind, since) = match self.in_flight.remove(&id) {
-            Some((k, t)) => (Some(k), Some(t)),
-            None => (None, None),
-        };
-        if let (Some(k), Some(t)) = (kind, since) {
-            self.tally.record(k, &outcome, t.elapsed());
+        let entry = self.in_flight.remove(&id);
+        if let Some((k, since)) = entry {
+            self.tally.record(k, &outcome, since.elapsed());
         }
+        let kind = entry.map(|(k, _)| k);
         self.retired.clear();
         // Read the blocks to invalidate, then hand the key back: the slot
         // (and its block list) cannot be reused before the poller retires it.

@@ -236,7 +236,7 @@ impl Poller {
                     let now = self.now();
                     if due <= now {
                         self.core.advance(now);
-                        self.execute();
+                        self.execute(now);
                     }
                 }
             }
@@ -392,7 +392,7 @@ impl Poller {
                     let peer =
                         self.core
                             .add_peer(meta.instance, meta.regions.len(), region_blocks(&meta));
-                    self.execute();
+                    self.execute(self.now());
                     let r = self
                         .wire
                         .add_peer(peer, &meta)
@@ -402,7 +402,7 @@ impl Poller {
                 }
                 Control::RemovePeer { peer, reply } => {
                     let known = self.core.remove_peer(peer);
-                    self.execute();
+                    self.execute(self.now());
                     let _ = reply.send(if known {
                         Ok(())
                     } else {
@@ -471,7 +471,7 @@ impl Poller {
             }
             let commands = &mut self.commands;
             self.core.on_command(cmd, &mut || commands.recv(), now);
-            self.execute();
+            self.execute(now);
         }
         n
     }
@@ -487,15 +487,15 @@ impl Poller {
             let now = *now.get_or_insert_with(|| Nanos(epoch.elapsed().as_nanos() as u64));
             core.on_transport(ev, now);
         });
-        if n > 0 {
-            self.execute();
+        if let Some(now) = now {
+            self.execute(now);
         }
         n
     }
 
-    /// Executes the core's actions on the transport, feeding back results.
-    fn execute(&mut self) {
-        let now = self.now();
+    /// Executes the core's actions on the transport, feeding back results
+    /// (`now` dates release retries).
+    fn execute(&mut self, now: Nanos) {
         self.core.execute(&mut self.wire, now, |_| {});
     }
 
@@ -520,7 +520,7 @@ impl Poller {
         self.drain_retired();
         self.drain_commands();
         self.core.shutdown();
-        self.execute();
+        self.execute(self.now());
         let start = Instant::now();
         while (self.core.outstanding() > 0 || !self.core.quiescent() || self.wire.closing())
             && start.elapsed() < Duration::from_secs(10)
@@ -529,7 +529,7 @@ impl Poller {
             self.drain_transport();
             let now = self.now();
             self.core.advance(now);
-            self.execute();
+            self.execute(now);
             self.publish();
         }
         // Whatever did not stop within the bound is reported all the same.
@@ -545,12 +545,12 @@ impl Poller {
     /// what was outstanding, then report everything still tracked.
     fn die(&mut self) {
         self.core.close_all(Cause::PollerDied);
-        self.execute();
+        self.execute(self.now());
         let start = Instant::now();
         while self.core.outstanding() > 0 && start.elapsed() < Duration::from_millis(500) {
             self.wire.progress();
             self.drain_transport();
-            self.execute();
+            self.execute(self.now());
         }
         self.core.abandon(Cause::PollerDied);
         self.publish();

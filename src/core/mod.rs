@@ -809,7 +809,6 @@ impl Core {
             TransportEvent::Message { payload, reply } => self.on_message(payload, reply, now),
             TransportEvent::EndpointFailed { ep, status: _ } => self.on_endpoint_failed(ep),
         }
-        let _ = now;
     }
 
     fn on_completion(&mut self, token: u64, status: i8) {
@@ -921,13 +920,7 @@ impl Core {
         if info.queried || info.generation != key.generation() {
             return;
         }
-        let Some(view) = self.slots.snapshot(key) else {
-            return;
-        };
-        if view.phase != crate::ledger::Phase::Live
-            || view.stopped != view.planned
-            || view.failed != 0
-        {
+        if !self.ledger.all_stopped_clean(key) {
             return;
         }
         self.info[slot].queried = true;
@@ -1056,11 +1049,20 @@ impl Core {
                 // The read happened before this question: the lend was live
                 // for it if it is live now and this engine has not been
                 // counted (a second read of a consumed lend is refused).
-                if !seen && n < MAX_CONSUMERS && self.ledger_notify(note.id) {
+                let confirmed = if seen || n == MAX_CONSUMERS {
+                    self.reject();
+                    false
+                } else if self.ledger_notify(note.id) {
+                    true
+                } else {
+                    // Not live any more: the ledger counted the refusal.
+                    self.stats.rejected_notifications += 1;
+                    false
+                };
+                if confirmed {
                     self.counted(slot, note.sender);
                     self.answer(reply, NoteKind::ReadConfirmed, note.id);
                 } else {
-                    self.reject();
                     self.answer(reply, NoteKind::ReadRefused, note.id);
                 }
             }
@@ -1081,7 +1083,7 @@ impl Core {
                 }
                 self.counted(slot, note.sender);
                 if note.kind == NoteKind::ReadConfirmed {
-                    self.ledger_confirm(key);
+                    self.ledger_confirm(note.id, key);
                 } else {
                     self.ledger_fail(key, Cause::LeaseLost);
                 }
@@ -1127,9 +1129,9 @@ impl Core {
         self.ledger.notify(id, 1, &mut |e| events.push(e)).is_ok()
     }
 
-    fn ledger_confirm(&mut self, key: RequestKey) {
+    fn ledger_confirm(&mut self, id: RequestId, key: RequestKey) {
         let events = &mut self.events;
-        let _ = self.ledger.confirm(key, &mut |e| events.push(e));
+        let _ = self.ledger.confirm(id, key, &mut |e| events.push(e));
     }
 
     fn ledger_fail(&mut self, key: RequestKey, cause: Cause) {
@@ -1165,12 +1167,8 @@ impl Core {
         let mut i = 0;
         while i < self.fences.len() {
             let (key, end) = self.fences[i];
-            let live = self.ledger.expiry(key).is_some()
-                && self.info[key.slot() as usize].generation == key.generation()
-                && self
-                    .slots
-                    .snapshot(key)
-                    .is_some_and(|v| v.phase == crate::ledger::Phase::Live);
+            let live = self.info[key.slot() as usize].generation == key.generation()
+                && self.ledger.is_live(key);
             if !live {
                 self.fences.swap_remove(i);
                 continue;
@@ -1327,11 +1325,7 @@ impl Core {
                 i += 1;
                 continue;
             }
-            let live = self
-                .slots
-                .snapshot(key)
-                .is_some_and(|v| v.phase == crate::ledger::Phase::Live);
-            if !live {
+            if !self.ledger.is_live(key) {
                 self.beating.swap_remove(i);
                 continue;
             }

@@ -357,27 +357,35 @@ impl Ledger {
     /// posted) waits for `n` notifications besides its handles: a read, for
     /// the confirmations of its lenders.
     pub fn expect(&mut self, key: RequestKey, n: u32) {
-        if self.key_is_live(key) {
+        if self.is_live(key) {
             self.slots.set_expected(key, n);
         }
     }
 
-    fn key_is_live(&self, key: RequestKey) -> bool {
+    /// Whether `key`'s request is tracked and not yet being cancelled or
+    /// reported.
+    pub fn is_live(&self, key: RequestKey) -> bool {
         let st = self.slots.state(key.slot());
         st.generation() == key.generation() && st.phase() == LIVE
     }
 
-    /// Confirmations of a read (`count` of them) arrived. Like
+    /// Whether live read `key` has all its handles stopped, none failed.
+    pub fn all_stopped_clean(&self, key: RequestKey) -> bool {
+        self.slots.all_stopped_clean(key)
+    }
+
+    /// One lender confirmed read `id` (tracked under `key`). Like
     /// [`Ledger::notify`], for a read.
     pub fn confirm(
         &mut self,
+        id: RequestId,
         key: RequestKey,
         out: &mut impl FnMut(Event),
     ) -> Result<(), NotifyError> {
         let st = self.slots.state(key.slot());
         if st.generation() != key.generation() || st.phase() != LIVE || st.kind() != K_READ {
             self.slots.count_rejected_notification();
-            return Err(NotifyError::UnknownRequest(RequestId(0)));
+            return Err(NotifyError::UnknownRequest(id));
         }
         self.slots.add_acks(key, 1, out);
         Ok(())
@@ -387,7 +395,7 @@ impl Ledger {
     /// writer gave up): as an abort, but with its own cause. Returns the
     /// handles still in flight (none, for the callers above).
     pub fn fail(&mut self, key: RequestKey, cause: Cause, out: &mut impl FnMut(Event)) -> u64 {
-        if !self.key_is_live(key) {
+        if !self.is_live(key) {
             return 0;
         }
         match self.slots.cancel(key.slot(), cause, out) {

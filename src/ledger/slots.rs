@@ -712,6 +712,20 @@ impl Slots {
         (unposted, in_flight)
     }
 
+    /// Whether live request `key` has every planned handle stopped and none
+    /// failed (what the owner asks, cheaply, after each handle of a read).
+    pub(crate) fn all_stopped_clean(&self, key: RequestKey) -> bool {
+        let st = self.state(key.slot());
+        if st.generation() != key.generation() || st.phase() != LIVE {
+            return false;
+        }
+        let s = self.slot(key.slot());
+        // Acquire: every handle's failed bit is written before its stop.
+        let stopped = s.stopped.load(Ordering::Acquire);
+        // Relaxed: fixed since begin, published by the state acquired above.
+        stopped == s.planned.load(Ordering::Relaxed) && s.failed.load(Ordering::Relaxed) == 0
+    }
+
     /// Sets the notifications request `key` waits for (owner only, before
     /// any of its handles can complete).
     pub(crate) fn set_expected(&self, key: RequestKey, n: u32) {

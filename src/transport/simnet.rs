@@ -129,6 +129,25 @@ struct Op {
     completed: bool,
 }
 
+impl Op {
+    /// A new operation of `owner` on `target` over endpoint `ep`; its
+    /// timing is drawn when it is pushed.
+    fn new(owner: usize, target: usize, ep: Ep, token: u64, kind: OpKind) -> Op {
+        Op {
+            owner,
+            target,
+            peer: ep.peer,
+            generation: ep.generation,
+            token,
+            kind,
+            data_at: None,
+            done_at: Nanos(0),
+            status: 0,
+            completed: false,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Ev {
     Completion {
@@ -634,23 +653,18 @@ impl Transport for SimTransport<'_> {
                         status: UNREACHABLE,
                     });
                 }
-                self.net.push_op(Op {
-                    owner: node,
+                self.net.push_op(Op::new(
+                    node,
                     target,
-                    peer: ep.peer,
-                    generation: ep.generation,
+                    ep,
                     token,
-                    kind: OpKind::Data {
+                    OpKind::Data {
                         dir,
                         local,
                         remote,
                         region,
                     },
-                    data_at: None,
-                    done_at: Nanos(0),
-                    status: 0,
-                    completed: false,
-                });
+                ));
                 posted += 1;
             }
         }
@@ -660,36 +674,21 @@ impl Transport for SimTransport<'_> {
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
         let node = self.node;
         let target = self.net.conn(node, ep, false)?;
-        self.net.push_op(Op {
-            owner: node,
-            target,
-            peer: ep.peer,
-            generation: ep.generation,
-            token,
-            kind: OpKind::Flush,
-            data_at: None,
-            done_at: Nanos(0),
-            status: 0,
-            completed: false,
-        });
+        self.net
+            .push_op(Op::new(node, target, ep, token, OpKind::Flush));
         Ok(())
     }
 
     fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8> {
         let node = self.node;
         let target = self.net.conn(node, ep, true)?;
-        self.net.push_op(Op {
-            owner: node,
+        self.net.push_op(Op::new(
+            node,
             target,
-            peer: ep.peer,
-            generation: ep.generation,
+            ep,
             token,
-            kind: OpKind::Send(payload.to_vec(), want_reply),
-            data_at: None,
-            done_at: Nanos(0),
-            status: 0,
-            completed: false,
-        });
+            OpKind::Send(payload.to_vec(), want_reply),
+        ));
         Ok(())
     }
 
@@ -700,18 +699,13 @@ impl Transport for SimTransport<'_> {
         }
         // Answers travel on the sender's own connection, which no close of
         // ours names: an endpoint id no peer has.
-        self.net.push_op(Op {
-            owner: self.node,
-            target,
+        let nobody = Ep {
             peer: PeerId(u32::MAX),
             generation: u32::MAX,
-            token,
-            kind: OpKind::Send(payload.to_vec(), false),
-            data_at: None,
-            done_at: Nanos(0),
-            status: 0,
-            completed: false,
-        });
+        };
+        let kind = OpKind::Send(payload.to_vec(), false);
+        self.net
+            .push_op(Op::new(self.node, target, nobody, token, kind));
         Ok(())
     }
 
