@@ -257,6 +257,7 @@ pub struct EngineBuilder {
     ucx: ContextOptions,
     read_deadline: Duration,
     confirm_reads: bool,
+    fence_push_leases: bool,
     read_heartbeat: Duration,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
@@ -275,6 +276,7 @@ impl Default for EngineBuilder {
             ucx: ContextOptions::default(),
             read_deadline: Duration::from_secs(30),
             confirm_reads: true,
+            fence_push_leases: true,
             read_heartbeat: Duration::from_millis(250),
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
@@ -360,6 +362,19 @@ impl EngineBuilder {
         self
     }
 
+    /// Whether a push destination's lease is a fence (default: yes): when it
+    /// runs out, the blocks are held — quarantined, not reported — until
+    /// every writer that could still write into them has said it is done or
+    /// will write nothing more, or was lost. Off, the lease is a plain
+    /// timer: the blocks are reported at its end even while a stalled
+    /// writer's puts are still to land. UNSAFE: that is the corruption
+    /// kvpoll exists to prevent; off only to show it (`kvpoll demo
+    /// --no-fence`).
+    pub fn fence_push_leases(mut self, fence: bool) -> Self {
+        self.fence_push_leases = fence;
+        self
+    }
+
     /// How often a read still in flight tells its lenders to keep their
     /// lends (default 250 ms): each heartbeat extends a lend by its own
     /// lease length from then. A reader that stops (a paused process, a
@@ -404,6 +419,7 @@ impl EngineBuilder {
             ucx: self.ucx.clone(),
             instance: instance_id(),
             confirm_reads: self.confirm_reads,
+            fence_push_leases: self.fence_push_leases,
             read_heartbeat: self.read_heartbeat,
             #[cfg(feature = "fault-injection")]
             faults: self.faults,

@@ -50,6 +50,16 @@ pub enum NoteKind {
     /// Reader → lender: my read of this lend is still in flight; keep it
     /// (the lender extends the lend's lease by its own length).
     Heartbeat = 8,
+    /// Destination → a possible writer, once a push destination's lease ran
+    /// out (or it was aborted): "will anything of yours still land in this
+    /// request's blocks?" A writer with puts still in flight says nothing
+    /// (its [`NoteKind::WriteDone`] or [`NoteKind::WriteAbandoned`] follows
+    /// them); any other answers [`NoteKind::WriteQuiet`] and will not post
+    /// for that request any more.
+    WriteQuery = 9,
+    /// Writer → destination: nothing of mine for this request is in flight,
+    /// and I will post nothing more for it.
+    WriteQuiet = 10,
 }
 
 /// One notification.
@@ -131,6 +141,8 @@ impl Notification {
             6 => NoteKind::GaveUp,
             7 => NoteKind::WriteAbandoned,
             8 => NoteKind::Heartbeat,
+            9 => NoteKind::WriteQuery,
+            10 => NoteKind::WriteQuiet,
             k => return Err(NotificationError::Kind(k)),
         };
         let count = word(12..16) as u32;

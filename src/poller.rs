@@ -93,6 +93,7 @@ pub(crate) struct Config {
     pub(crate) ucx: ContextOptions,
     pub(crate) instance: u64,
     pub(crate) confirm_reads: bool,
+    pub(crate) fence_push_leases: bool,
     pub(crate) read_heartbeat: Duration,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::transport::faulty::Faults,
@@ -192,6 +193,7 @@ impl Poller {
                 instance: cfg.instance,
                 release_retry: Nanos(release_retry(&cfg).as_nanos() as u64),
                 confirm_reads: cfg.confirm_reads,
+                fence_push_leases: cfg.fence_push_leases,
                 heartbeat: Nanos(cfg.read_heartbeat.as_nanos().min(u128::from(u64::MAX)) as u64),
             },
             ledger,
@@ -522,7 +524,10 @@ impl Poller {
         self.core.shutdown();
         self.execute(self.now());
         let start = Instant::now();
-        while (self.core.outstanding() > 0 || !self.core.quiescent() || self.wire.closing())
+        while (self.core.outstanding() > 0
+            || !self.core.quiescent()
+            || self.core.quarantined() > 0
+            || self.wire.closing())
             && start.elapsed() < Duration::from_secs(10)
         {
             self.wire.progress();

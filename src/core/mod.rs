@@ -20,7 +20,7 @@
 
 pub mod command;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 pub use command::Command;
 
@@ -42,6 +42,15 @@ pub const T_TRANSPORT: u64 = 3 << 30;
 /// Most remote engines one request may await notifications from.
 pub const MAX_CONSUMERS: usize = 64;
 
+/// Requests answered [`NoteKind::WriteQuiet`] that are remembered (the
+/// oldest is forgotten first): a write submitted that long after its
+/// destination gave up on it is not refused locally any more.
+const QUIET_REMEMBERED: usize = 4096;
+
+/// How often a quarantined push destination asks its silent writers
+/// again, at most (an answer can be lost with a closed endpoint).
+const REQUERY_MIN: Nanos = Nanos(50_000_000);
+
 /// What the core is told about itself at start.
 #[derive(Debug, Clone, Copy)]
 pub struct CoreConfig {
@@ -54,6 +63,11 @@ pub struct CoreConfig {
     /// finishes when its data landed and then tells its lenders, as for
     /// reads of memory that no lend guards.
     pub confirm_reads: bool,
+    /// Whether a push destination's lease is a fence (the safe default):
+    /// at its end the blocks are quarantined until every writer that could
+    /// still write into them has spoken, answered quiet or been lost. Off,
+    /// it is a timer (unsafe; for comparisons only).
+    pub fence_push_leases: bool,
     /// How often a read still in flight tells its lenders to keep their
     /// lends (`Nanos(u64::MAX)`: never).
     pub heartbeat: Nanos,
@@ -219,9 +233,14 @@ struct Info {
     /// of them had not spoken: its blocks wait, quarantined, for that
     /// writer's word or its loss.
     quarantined: bool,
-    /// The engine aborted it (a push destination with named writers waits
-    /// for them all the same).
+    /// The engine aborted it (a push destination waits for its writers all
+    /// the same).
     aborted: bool,
+    /// A push destination lent to writers it did not name: at its lease's
+    /// end every peer is asked (and its handles name them from then on).
+    unnamed: bool,
+    /// Writers of a push destination that said done or abandoned.
+    words: u8,
 }
 
 /// Counters, for metrics and tests.
@@ -271,9 +290,15 @@ pub struct Core {
     aborted: Vec<(RequestKey, Nanos)>,
     /// Reads in flight and when each next tells its lenders it is alive.
     beating: Vec<(RequestKey, Nanos)>,
-    /// Push destinations with named writers, and their lease ends (kept
-    /// here, not in the ledger: expiry starts a fence, it frees nothing).
+    /// Push destinations, and their lease ends (kept here, not in the
+    /// ledger: expiry starts a fence, it frees nothing); once quarantined,
+    /// when to ask their silent writers again.
     fences: Vec<(RequestKey, Nanos)>,
+    /// Requests this engine answered [`NoteKind::WriteQuiet`] for, with the
+    /// destination that asked: a write of one of them to that destination
+    /// is refused before anything is posted (its blocks may be reused).
+    quiet: VecDeque<(RequestId, u64)>,
+    quiet_set: HashSet<(RequestId, u64)>,
     /// Handles whose release failed, and when to retry.
     held: Vec<(HandleKey, Nanos)>,
     ops_in_flight: u64,
@@ -318,6 +343,8 @@ impl Core {
                     lease: 0,
                     quarantined: false,
                     aborted: false,
+                    unnamed: false,
+                    words: 0,
                 };
                 capacity
             ],
@@ -325,6 +352,8 @@ impl Core {
             aborted: Vec::with_capacity(64),
             beating: Vec::with_capacity(1024),
             fences: Vec::with_capacity(64),
+            quiet: VecDeque::with_capacity(QUIET_REMEMBERED),
+            quiet_set: HashSet::with_capacity(QUIET_REMEMBERED),
             held: Vec::new(),
             ops_in_flight: 0,
             notes_in_flight: 0,
@@ -452,11 +481,17 @@ impl Core {
 
     /// Adds a peer. An engine re-added under the same instance replaces its
     /// old entry, whose handles fail as if it had been lost.
+    /// The engine is alive (same instance), so push destinations waiting
+    /// for its word keep waiting, and name the new entry.
     pub fn add_peer(&mut self, instance: u64, regions: usize, blocks: u64) -> PeerId {
-        if let Some(&old) = self.by_instance.get(&instance) {
-            self.drop_peer(old, Cause::PeerLost);
+        let replaced = self.by_instance.get(&instance).copied();
+        if let Some(old) = replaced {
+            self.drop_peer(old, Cause::PeerLost, false);
         }
         let id = PeerId(self.peers.len() as u32);
+        if let Some(old) = replaced {
+            self.rename_writer(old, id);
+        }
         self.peers.push(Some(Peer {
             instance,
             blocks,
@@ -474,11 +509,33 @@ impl Core {
         if (peer.0 as usize) >= self.peers.len() {
             return false;
         }
-        self.drop_peer(peer, Cause::PeerLost);
+        self.drop_peer(peer, Cause::PeerLost, true);
         true
     }
 
-    fn drop_peer(&mut self, peer: PeerId, cause: Cause) {
+    /// Push destinations that name writer `old` name `new` instead.
+    fn rename_writer(&mut self, old: PeerId, new: PeerId) {
+        for slot in 0..self.info.len() {
+            let info = self.info[slot];
+            if !matches!(info.kind, Kind::Receive { .. }) || info.handles == 0 {
+                continue;
+            }
+            let key = RequestKey::new(slot as u32, info.generation);
+            if !self.ledger.is_live(key) {
+                continue;
+            }
+            let base = slot * MAX_HANDLES;
+            for p in &mut self.progress[base..base + info.handles as usize] {
+                if p.peer == old {
+                    p.peer = new;
+                }
+            }
+        }
+    }
+
+    /// Forgets `peer`; `gone` says the engine behind it is gone (lost or
+    /// removed), not replaced by a newer entry of the same engine.
+    fn drop_peer(&mut self, peer: PeerId, cause: Cause, gone: bool) {
         let Some(p) = self.peers.get_mut(peer.0 as usize).and_then(Option::take) else {
             return;
         };
@@ -488,7 +545,9 @@ impl Core {
         let events = &mut self.events;
         self.ledger
             .peer_lost_with(peer, Reason::of(cause), &mut |e| events.push(e));
-        self.writer_lost(peer, p.instance);
+        if gone {
+            self.writer_lost(peer, p.instance);
+        }
         self.actions.push_back(Action::ForgetPeer { peer });
     }
 
@@ -584,9 +643,16 @@ impl Core {
             }
             return;
         }
-        // A push destination's handles name its writers: nothing is posted
-        // for them, and its lease is the core's (a fence, not a timer).
-        let named = matches!(kind, Kind::Receive { .. }) && !self.handle_peers.is_empty();
+        // A push destination's lease is the core's (a fence, not a timer);
+        // its handles, if any, name its writers: nothing is posted for them.
+        let receive = matches!(kind, Kind::Receive { .. });
+        if receive && !self.cfg.fence_push_leases {
+            // A timer: its writers are not waited for (unsafe).
+            self.handle_peers.clear();
+            self.handle_pairs.clear();
+        }
+        let fenced = receive && self.cfg.fence_push_leases;
+        let named = fenced && !self.handle_peers.is_empty();
         if named {
             // Each writer engine counts once.
             let mut i = 0;
@@ -601,9 +667,9 @@ impl Core {
         let req = Request {
             id,
             kind,
-            peers: if named { &[] } else { &self.handle_peers },
+            peers: if fenced { &[] } else { &self.handle_peers },
             blocks: &self.blocks,
-            expires: if named { Nanos(u64::MAX) } else { expires },
+            expires: if fenced { Nanos(u64::MAX) } else { expires },
         };
         let events = &mut self.events;
         let key = match self.ledger.begin(&req, &mut |e| events.push(e)) {
@@ -628,8 +694,10 @@ impl Core {
             lease: lease_ns,
             quarantined: false,
             aborted: false,
+            unnamed: fenced && !named,
+            words: 0,
         };
-        if named {
+        if fenced {
             let base = slot * MAX_HANDLES;
             for h in 0..self.handle_peers.len() {
                 self.progress[base + h] = Progress {
@@ -702,6 +770,19 @@ impl Core {
                 .setup_failed(hk, Reason::of(Cause::Setup), &mut |e| events.push(e));
             return;
         };
+        if dir == Direction::Put {
+            // The destination already asked whether we would write this
+            // and was told no: its blocks may hold another request now.
+            let id = self.info[key.slot() as usize].id;
+            let to = self.peers[peer_id.0 as usize].map(|p| p.instance);
+            if to.is_some_and(|to| self.quiet_set.contains(&(id, to))) {
+                let events = &mut self.events;
+                let _ = self
+                    .slots
+                    .setup_failed(hk, Reason::of(Cause::LeaseLost), &mut |e| events.push(e));
+                return;
+            }
+        }
         self.progress[idx].ep_generation = ep.generation;
         self.actions.push_back(Action::Post {
             ep,
@@ -842,9 +923,11 @@ impl Core {
             return;
         }
         let p = self.progress[idx];
-        if kind == T_DATA && p.failure.is_none() && self.is_write(hk) {
+        if kind == T_DATA && self.is_write(hk) {
             // Puts completed: flush the endpoint they travelled on before
-            // anyone is told (a completed put only frees the source). Never
+            // anyone is told (a completed put only frees the source), even
+            // if one failed (the others may still be landing, and the
+            // destination's word about them must come after them). Never
             // a fresh endpoint: if that one is closed, the flush fails.
             let ep = Ep {
                 peer: p.peer,
@@ -908,6 +991,36 @@ impl Core {
         if all {
             let ep_generation = self.progress[Self::index(hk)].ep_generation;
             self.notify(peer, Some(ep_generation), NoteKind::WriteDone, info.id);
+        }
+    }
+
+    /// A write ended without success: each destination engine not already
+    /// told that its blocks hold the data hears that the write gave up, on
+    /// the endpoint its puts travelled (after their flush), so that the
+    /// word cannot overtake them.
+    fn abandon_write(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let base = slot * MAX_HANDLES;
+        for h in 0..info.handles as usize {
+            let p = self.progress[base + h];
+            if (0..h).any(|g| self.progress[base + g].peer == p.peer) {
+                continue;
+            }
+            let done = (0..info.handles as usize).all(|g| {
+                let q = &self.progress[base + g];
+                q.peer != p.peer || q.ok
+            });
+            if !done {
+                self.send_note(
+                    p.peer,
+                    // Never posted: nothing of it is on any endpoint.
+                    Some(p.ep_generation).filter(|&g| g != 0),
+                    NoteKind::WriteAbandoned,
+                    info.id,
+                    false,
+                );
+            }
         }
     }
 
@@ -1031,9 +1144,19 @@ impl Core {
             if note.kind == NoteKind::ReadDone {
                 self.answer(reply, NoteKind::ReadRefused, note.id);
             }
+            if note.kind == NoteKind::WriteQuery {
+                // Not writing it (never, or no more): say so, and refuse a
+                // write of it to that destination from now on.
+                self.go_quiet(note.id, note.sender);
+                self.answer(reply, NoteKind::WriteQuiet, note.id);
+                return;
+            }
             if !matches!(
                 note.kind,
-                NoteKind::GaveUp | NoteKind::WriteAbandoned | NoteKind::Heartbeat
+                NoteKind::GaveUp
+                    | NoteKind::WriteAbandoned
+                    | NoteKind::Heartbeat
+                    | NoteKind::WriteQuiet
             ) {
                 self.reject();
             }
@@ -1089,24 +1212,59 @@ impl Core {
                 }
             }
             (Kind::Receive { writers }, NoteKind::WriteDone | NoteKind::WriteAbandoned) => {
-                let named = info.handles > 0;
+                let named = !info.unnamed;
                 if seen || n == MAX_CONSUMERS || (named && !self.is_party(slot, note.sender)) {
                     return self.reject();
                 }
                 self.counted(slot, note.sender);
+                let words = info.words.saturating_add(1);
+                self.info[slot].words = words;
                 let abandoned = info.abandoned || note.kind == NoteKind::WriteAbandoned;
                 self.info[slot].abandoned = abandoned;
-                if abandoned && n + 1 >= writers as usize {
+                if abandoned && u32::from(words) >= writers {
                     // Every writer has spoken and one gave up: nothing more
                     // lands; the blocks hold partial data.
                     self.ledger_fail(key, Cause::LeaseLost);
-                } else if !abandoned || n + 1 < writers as usize {
+                } else {
                     self.ledger_notify(note.id);
                 }
                 if note.kind == NoteKind::WriteDone {
                     self.acknowledge(note.sender, note.id);
                 }
                 self.lift_fence(key);
+            }
+            (Kind::Receive { .. }, NoteKind::WriteQuiet) => {
+                // A writer this destination asked: nothing of it will land.
+                if seen || n == MAX_CONSUMERS || !self.is_party(slot, note.sender) {
+                    return self.reject();
+                }
+                self.counted(slot, note.sender);
+                self.lift_fence(key);
+            }
+            (Kind::Receive { .. }, NoteKind::Heartbeat) => {
+                // A writer still at it: keep the lease as long again.
+                let until = now.saturating_add(Nanos(info.lease));
+                for f in self.fences.iter_mut().filter(|f| f.0 == key) {
+                    if !info.quarantined {
+                        f.1 = f.1.max(until);
+                    }
+                }
+            }
+            (Kind::Write { .. }, NoteKind::WriteQuery) => {
+                // Quiet unless this write still has puts in flight to the
+                // asking engine: then its word follows them.
+                let base = slot * MAX_HANDLES;
+                let asker = self.by_instance.get(&note.sender).copied();
+                let in_flight = asker.is_some_and(|peer| {
+                    (0..info.handles as usize).any(|h| {
+                        let p = &self.progress[base + h];
+                        p.peer == peer && p.remaining > 0
+                    })
+                });
+                if !in_flight {
+                    self.go_quiet(note.id, note.sender);
+                    self.answer(reply, NoteKind::WriteQuiet, note.id);
+                }
             }
             (Kind::Write { .. }, NoteKind::Heartbeat) => {
                 // A destination opened its endpoint to us: nothing to do.
@@ -1139,18 +1297,35 @@ impl Core {
         self.ledger.fail(key, cause, &mut |e| events.push(e));
     }
 
-    /// A quarantined push destination whose named writers have all spoken
-    /// (or were lost) is released: nothing of theirs can land any more.
+    /// A quarantined push destination is released once nothing can land
+    /// in it any more: every writer it asked (or named) has spoken,
+    /// answered quiet or was lost — or, lent to unnamed writers, as many
+    /// as it was lent to have spoken.
     fn lift_fence(&mut self, key: RequestKey) {
         let slot = key.slot() as usize;
         let info = self.info[slot];
         if !info.quarantined || info.generation != key.generation() {
             return;
         }
-        if usize::from(info.notified) >= usize::from(info.handles) {
+        let base = slot * MAX_HANDLES;
+        let spoke = &self.notifiers[slot * MAX_CONSUMERS..][..usize::from(info.notified)];
+        let all_fenced = (0..info.handles as usize).all(|h| {
+            // A peer no longer known was lost (and counted then), or
+            // replaced under a new id that its handle names now.
+            let peer = self.progress[base + h].peer;
+            match self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) {
+                Some(p) => spoke.contains(&p.instance),
+                None => true,
+            }
+        });
+        let enough = info.unnamed
+            && matches!(info.kind, Kind::Receive { writers } if u32::from(info.words) >= writers);
+        if all_fenced || enough {
             self.info[slot].quarantined = false;
             self.stats.quarantined_now = self.stats.quarantined_now.saturating_sub(1);
-            let cause = if info.aborted {
+            let cause = if self.shutting_down {
+                Cause::Shutdown
+            } else if info.aborted {
                 Cause::Aborted
             } else if info.abandoned {
                 Cause::LeaseLost
@@ -1161,27 +1336,87 @@ impl Core {
         }
     }
 
-    /// Push destinations whose lease ran out: those whose named writers
-    /// all spoke fail now; the others are quarantined until they do.
+    /// Push destinations whose lease ran out are quarantined (their
+    /// writers asked); quarantined ones whose writers are still silent are
+    /// asked again.
     fn expire_fences(&mut self, now: Nanos) {
         let mut i = 0;
         while i < self.fences.len() {
-            let (key, end) = self.fences[i];
-            let live = self.info[key.slot() as usize].generation == key.generation()
-                && self.ledger.is_live(key);
-            if !live {
+            let (key, due) = self.fences[i];
+            if !self.fence_live(key) {
                 self.fences.swap_remove(i);
                 continue;
             }
-            if end <= now && !self.info[key.slot() as usize].quarantined {
-                self.info[key.slot() as usize].quarantined = true;
-                self.stats.quarantined_receives += 1;
-                self.stats.quarantined_now += 1;
-                self.lift_fence(key);
-                self.fences.swap_remove(i);
-                continue;
+            if due <= now {
+                if self.info[key.slot() as usize].quarantined {
+                    self.query_writers(key);
+                } else {
+                    self.quarantine(key);
+                }
+                if !self.fence_live(key) {
+                    self.fences.swap_remove(i);
+                    continue;
+                }
+                let lease = Nanos(self.info[key.slot() as usize].lease);
+                self.fences[i].1 = now.saturating_add(lease.max(REQUERY_MIN));
             }
             i += 1;
+        }
+    }
+
+    fn fence_live(&self, key: RequestKey) -> bool {
+        self.info[key.slot() as usize].generation == key.generation() && self.ledger.is_live(key)
+    }
+
+    /// Push destination `key` stops being a timer and becomes a fence: its
+    /// blocks are held (not reported) until every writer that could still
+    /// write into them has spoken, answered quiet or been lost. Unnamed
+    /// writers could be any peer: every peer is asked.
+    fn quarantine(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        self.info[slot].quarantined = true;
+        self.stats.quarantined_receives += 1;
+        self.stats.quarantined_now += 1;
+        if self.info[slot].unnamed {
+            let base = slot * MAX_HANDLES;
+            let mut h = 0;
+            for (i, p) in self.peers.iter().enumerate() {
+                if p.is_some() && h < MAX_HANDLES {
+                    self.progress[base + h] = Progress {
+                        generation: key.generation(),
+                        peer: PeerId(i as u32),
+                        ..Progress::default()
+                    };
+                    h += 1;
+                }
+            }
+            self.info[slot].handles = h as u8;
+        }
+        self.query_writers(key);
+        self.lift_fence(key);
+    }
+
+    /// Asks each writer of quarantined push destination `key` that has not
+    /// spoken whether anything of it will still land.
+    fn query_writers(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let base = slot * MAX_HANDLES;
+        for h in 0..info.handles as usize {
+            let peer = self.progress[base + h].peer;
+            let Some(instance) = self
+                .peers
+                .get(peer.0 as usize)
+                .and_then(|p| p.map(|p| p.instance))
+            else {
+                continue;
+            };
+            let spoke = self.notifiers[slot * MAX_CONSUMERS..]
+                [..usize::from(self.info[slot].notified)]
+                .contains(&instance);
+            if !spoke && !(0..h).any(|g| self.progress[base + g].peer == peer) {
+                self.send_note(peer, None, NoteKind::WriteQuery, info.id, true);
+            }
         }
     }
 
@@ -1223,6 +1458,20 @@ impl Core {
         }
     }
 
+    /// Remembers that this engine told destination `to` it will not write
+    /// request `id` (the oldest such promise is forgotten first).
+    fn go_quiet(&mut self, id: RequestId, to: u64) {
+        if !self.quiet_set.insert((id, to)) {
+            return;
+        }
+        if self.quiet.len() == QUIET_REMEMBERED {
+            if let Some(old) = self.quiet.pop_front() {
+                self.quiet_set.remove(&old);
+            }
+        }
+        self.quiet.push_back((id, to));
+    }
+
     /// Whether engine `instance` is the peer of one of the request's handles.
     fn is_party(&self, slot: usize, instance: u64) -> bool {
         let Some(&peer) = self.by_instance.get(&instance) else {
@@ -1241,7 +1490,7 @@ impl Core {
             // Rule 9: fail its handles (deferred) and drop the peer at once;
             // add_peer with fresh metadata works again.
             self.stats.peers_lost += 1;
-            self.drop_peer(ep.peer, Cause::PeerLost);
+            self.drop_peer(ep.peer, Cause::PeerLost, true);
             self.after_events();
         }
     }
@@ -1252,15 +1501,18 @@ impl Core {
         if let Some(key) = self.ledger.key(id) {
             let slot = key.slot() as usize;
             let info = self.info[slot];
-            let named = matches!(info.kind, Kind::Receive { .. }) && info.handles > 0;
-            if named && info.generation == key.generation() && !info.quarantined {
-                // Its writers may still be writing: wait for each one's word
-                // (or loss), as at the lease's end.
+            let fenced = matches!(info.kind, Kind::Receive { .. });
+            if fenced && info.generation == key.generation() {
+                // Its writers may still be writing: fence them first, as at
+                // the lease's end.
                 self.info[slot].aborted = true;
-                self.info[slot].quarantined = true;
-                self.stats.quarantined_receives += 1;
-                self.stats.quarantined_now += 1;
-                self.lift_fence(key);
+                if !info.quarantined {
+                    self.quarantine(key);
+                    let requery = now.saturating_add(Nanos(info.lease).max(REQUERY_MIN));
+                    for f in self.fences.iter_mut().filter(|f| f.0 == key) {
+                        f.1 = requery;
+                    }
+                }
                 self.after_events();
                 return;
             }
@@ -1348,10 +1600,8 @@ impl Core {
         for &(_, due) in &self.beating {
             t = t.min(due);
         }
-        for &(key, end) in &self.fences {
-            if !self.info[key.slot() as usize].quarantined {
-                t = t.min(end);
-            }
+        for &(_, due) in &self.fences {
+            t = t.min(due);
         }
         (t != Nanos(u64::MAX)).then_some(t)
     }
@@ -1359,8 +1609,17 @@ impl Core {
     /// Force-closes the endpoints carrying cancelled handles: UCX completes
     /// their operations with `UCS_ERR_CANCELED`, which stops the handles;
     /// every other request on those endpoints fails with `cause`.
+    ///
+    /// A write is never force-closed at its lease's end: its puts already
+    /// on the wire could land after a message on a fresh endpoint, so the
+    /// destination could not tell when they stopped. It waits for them to
+    /// complete or fail; its word (done or abandoned) then follows them on
+    /// the same endpoint, after a flush.
     fn apply_cancels(&mut self, cause: Cause) {
         while let Some(c) = self.cancels.pop() {
+            if matches!(self.info[c.key.slot() as usize].kind, Kind::Write { .. }) {
+                continue;
+            }
             let base = c.key.slot() as usize * MAX_HANDLES;
             for h in crate::ledger::bits(c.handles) {
                 let p = self.progress[base + usize::from(h)];
@@ -1416,11 +1675,13 @@ impl Core {
             let unsuccessful = matches!(ev.outcome, Outcome::Failed(_) | Outcome::SendExpired);
             match info.kind {
                 Kind::Read if unsuccessful => self.each_peer_once(ev.key, NoteKind::GaveUp, false),
-                Kind::Write { .. } if unsuccessful => {
-                    self.each_peer_once(ev.key, NoteKind::WriteAbandoned, false)
-                }
+                Kind::Write { .. } if unsuccessful => self.abandon_write(ev.key),
                 _ => {}
             }
+        }
+        if self.shutting_down {
+            // Endpoints left open at shutdown for puts that have ended now.
+            self.close_all(Cause::Shutdown);
         }
     }
 
@@ -1429,28 +1690,68 @@ impl Core {
     /// Shutdown: every request still tracked is cancelled (cause
     /// `Shutdown`) and every endpoint force-closed. The driver then
     /// progresses until [`Core::outstanding`] is 0 and publishes the reports.
+    ///
+    /// Push destinations are fences to the end: each is quarantined (its
+    /// silent writers asked) and reported once they answered or were lost;
+    /// writes are not force-closed under their puts (they complete or
+    /// fail on their own, and their word follows them). The driver goes on
+    /// until [`Core::quarantined`] and [`Core::outstanding`] are 0, within
+    /// its bound.
     pub fn shutdown(&mut self) {
         if self.shutting_down {
             return;
         }
         self.shutting_down = true;
+        let fences: Vec<RequestKey> = self.fences.iter().map(|f| f.0).collect();
+        for key in fences {
+            if self.fence_live(key) && !self.info[key.slot() as usize].quarantined {
+                self.quarantine(key);
+            }
+        }
+        let info = &self.info;
         let events = &mut self.events;
         let cancels = &mut self.cancels;
-        self.ledger
-            .cancel_all(Cause::Shutdown, &mut |e| events.push(e), &mut |c| {
-                cancels.push(c)
-            });
+        self.ledger.cancel_all_but(
+            Cause::Shutdown,
+            |slot| matches!(info[slot as usize].kind, Kind::Receive { .. }),
+            &mut |e| events.push(e),
+            &mut |c| cancels.push(c),
+        );
         self.cancels.clear();
         self.close_all(Cause::Shutdown);
         self.after_events();
     }
 
+    /// Push destinations quarantined now (waiting for writers to answer).
+    pub fn quarantined(&self) -> u64 {
+        self.stats.quarantined_now
+    }
+
+    /// Whether a write has puts (or their flush) in flight to `peer`.
+    fn puts_in_flight(&self, peer: PeerId) -> bool {
+        self.progress.iter().enumerate().any(|(i, p)| {
+            p.peer == peer
+                && p.remaining > 0
+                && matches!(self.info[i / MAX_HANDLES].kind, Kind::Write { .. })
+                && self.info[i / MAX_HANDLES].generation == p.generation
+        })
+    }
+
     /// Force-closes every open endpoint: whatever is outstanding completes
     /// (cancelled) and nothing more can reach a peer's memory through them.
+    ///
+    /// At shutdown, an endpoint carrying puts is closed only once they
+    /// completed (or failed): a cancelled put may still land, after any
+    /// word of ours on another endpoint.
     pub fn close_all(&mut self, cause: Cause) {
         for i in 0..self.peers.len() {
             if let Some(p) = self.peers[i] {
-                self.close(PeerId(i as u32), p.generation, cause);
+                let peer = PeerId(i as u32);
+                let closed = p.closes[0] == (p.generation.wrapping_sub(1), Cause::Shutdown);
+                if cause == Cause::Shutdown && (closed || self.puts_in_flight(peer)) {
+                    continue;
+                }
+                self.close(peer, p.generation, cause);
             }
         }
     }

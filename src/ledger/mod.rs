@@ -490,8 +490,19 @@ impl Ledger {
         out: &mut impl FnMut(Event),
         cancels: &mut impl FnMut(Cancel),
     ) {
+        self.cancel_all_but(cause, |_| false, out, cancels);
+    }
+
+    /// As [`Ledger::cancel_all`], but the slots `keep` names stay live.
+    pub fn cancel_all_but(
+        &mut self,
+        cause: Cause,
+        keep: impl Fn(u32) -> bool,
+        out: &mut impl FnMut(Event),
+        cancels: &mut impl FnMut(Cancel),
+    ) {
         for slot in 0..self.slots.capacity() {
-            if self.slots.state(slot).phase() != LIVE {
+            if self.slots.state(slot).phase() != LIVE || keep(slot) {
                 continue;
             }
             if let Cancelled::Now(key, handles) = self.slots.cancel(slot, cause, out) {

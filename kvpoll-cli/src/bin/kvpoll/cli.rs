@@ -99,6 +99,11 @@ pub struct Workload {
     /// Requests in flight per decode rank.
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub window: u32,
+    /// A prefill rank's lease on what it lends or writes, in ms; the decode
+    /// rank lends its push destinations for twice as long and gives a read
+    /// three quarters of it. Must match the prefill ranks' `--lease-ms`.
+    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub lease_ms: u64,
     /// Print one JSON object instead of the tables.
     #[arg(long)]
     pub json: bool,
@@ -161,6 +166,9 @@ pub struct ServeArgs {
     /// KV layers (registered regions; a peer accepts at most 1024).
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub layers: u16,
+    /// Lease on what this rank lends (pull) or writes (push), in ms.
+    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub lease_ms: u64,
     /// Every N-th handle fails with a transfer error (0: never).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub handle_error_every: u32,

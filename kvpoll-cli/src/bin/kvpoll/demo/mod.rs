@@ -59,6 +59,8 @@ struct Settings {
     kill: bool,
     json: bool,
     give_up_after: Duration,
+    /// A prefill rank's lend (pull) and write (push) lease.
+    lease: Duration,
 }
 
 impl Settings {
@@ -99,6 +101,7 @@ impl Settings {
             kill: false,
             json: w.json,
             give_up_after: Duration::from_secs(30),
+            lease: Duration::from_millis(w.lease_ms),
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -155,9 +158,9 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         policy,
         setup_failure_every: 0,
         faults: Faults::default(),
-        deadline: Duration::from_millis(1500),
-        // Longer than a prefill rank's write lease (2 s): see serve_config.
-        lease: Duration::from_secs(4),
+        deadline: s.lease * 3 / 4,
+        // Longer than a prefill rank's write lease: see serve_config.
+        lease: s.lease * 2,
         hold: Duration::from_millis(30),
         give_up: Duration::from_secs(240),
         give_up_after: s.give_up_after,
@@ -171,9 +174,9 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         blocks: s.blocks,
         block_size: s.block_size,
         layers: s.layers,
-        // Shorter than the decode side's lend lease: a producer's failed
-        // writes are force-closed before the consumer frees their target.
-        lease: Duration::from_secs(2),
+        // Shorter than the decode side's lend lease: a producer's write
+        // normally ends (done or failed) before its destination's lease.
+        lease: s.lease,
         metrics: None,
         // The demo stalls its ranks on purpose.
         testing: s.faults,
@@ -206,6 +209,7 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
                 "--layers",
                 &s.layers.to_string(),
             ])
+            .args(["--lease-ms", &s.lease.as_millis().to_string()])
             .args([
                 "--handle-error-every",
                 &serve_config(s, rank).faults.handle_error_every.to_string(),
@@ -708,7 +712,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         blocks: args.blocks,
         block_size: args.block_size,
         layers: usize::from(args.layers),
-        lease: Duration::from_secs(2),
+        lease: Duration::from_millis(args.lease_ms),
         faults: Faults {
             handle_error_every: args.handle_error_every,
             ..Faults::default()
