@@ -199,20 +199,28 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
 }
 
 /// Push: the writer's poller stops right after posting its puts (a paused
-/// prefill process); the destination's lease runs out meanwhile. The
-/// destination reports nothing — its blocks stay quarantined, not reused —
-/// until the writer resumes and says its push ended. Then the blocks are
-/// reported (named), and once reused, no late put overwrites them.
-#[test]
-fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_blocks() {
+/// prefill process); the destination's lease runs out meanwhile, and so
+/// does the writer's own. The destination reports nothing — its blocks stay
+/// quarantined, not reused — until the writer resumes and says its push
+/// ended (a write is never force-closed at its lease's end: its puts could
+/// land after any word on a fresh endpoint). Then the blocks are reported
+/// (named), and once reused, no late put overwrites them. Named writers
+/// (`lend_to_writers`) and unnamed ones (`LendTo::Writers`) alike.
+fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64) {
     let mut w = engine();
     let mut c = engine();
     let to_c = w.add_peer(&c.local_metadata().unwrap()).unwrap();
     let to_w = c.add_peer(&w.local_metadata().unwrap()).unwrap();
-    fill(&w, 30, 2);
-    let id = RequestId(30);
-    c.lend_to_writers(id, &[BlockId(7)], &[to_w], Duration::from_millis(200))
-        .unwrap();
+    fill(&w, seed, 2);
+    let id = RequestId(seed);
+    let lease = Duration::from_millis(200);
+    if named {
+        c.lend_to_writers(id, &[BlockId(7)], &[to_w], lease)
+            .unwrap();
+    } else {
+        c.lend(id, &[BlockId(7)], LendTo::Writers(1), lease)
+            .unwrap();
+    }
     w.write(
         id,
         &[Transfer {
@@ -221,12 +229,7 @@ fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_bl
             remote: &[BlockId(7)],
         }],
         1,
-        // Longer than the stall: the writer resumes and finishes its push
-        // (its word is its write-done). A writer whose own lease ends
-        // force-closes its endpoint and says it gave up instead; over tcp,
-        // reconnecting at once to a live peer trips a UCX 1.13 assertion
-        // (endpoint pairing), so that path is covered by the simulator.
-        Duration::from_secs(5),
+        Duration::from_millis(300),
     )
     .unwrap();
     w.stall(Duration::from_millis(1_200)).unwrap();
@@ -249,12 +252,90 @@ fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_bl
          was still stopped: {out:?}"
     );
     // The engine reuses the block for another request; nothing lands later.
-    fill(&c, 31, 7);
+    fill(&c, seed + 1, 7);
     let t = Instant::now();
     while t.elapsed() < Duration::from_millis(300) {
         c.poll(&mut out);
         w.poll(&mut wout);
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(holds(&c, 7, 31, 7), "a late put overwrote a reused block");
+    assert!(
+        holds(&c, 7, seed + 1, 7),
+        "a late put overwrote a reused block"
+    );
+}
+
+#[test]
+fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_blocks() {
+    push_destination_waits_for_its_stalled_writer(true, 30);
+}
+
+#[test]
+fn a_push_destination_waits_for_its_stalled_unnamed_writer_before_releasing_its_blocks() {
+    push_destination_waits_for_its_stalled_writer(false, 40);
+}
+
+/// A named writer that never writes (its control message was lost, it
+/// refused the push) does not hold the destination's blocks forever: at
+/// the lease's end the destination asks it, it answers that it will not
+/// write, and the blocks are reported. A write of that request it submits
+/// later is refused before anything is posted: the blocks keep whatever
+/// the destination put there since.
+#[test]
+fn a_named_writer_that_never_wrote_is_asked_and_a_later_write_of_it_is_refused() {
+    let mut w = engine();
+    let mut c = engine();
+    let to_c = w.add_peer(&c.local_metadata().unwrap()).unwrap();
+    let to_w = c.add_peer(&w.local_metadata().unwrap()).unwrap();
+    let id = RequestId(50);
+    c.lend_to_writers(id, &[BlockId(9)], &[to_w], Duration::from_millis(100))
+        .unwrap();
+    let mut out = Outcomes::default();
+    let mut wout = Outcomes::default();
+    let t = Instant::now();
+    loop {
+        c.poll(&mut out);
+        w.poll(&mut wout);
+        if !out.is_empty() {
+            break;
+        }
+        assert!(
+            t.elapsed() < GUARD,
+            "the destination of a writer that never wrote was never released"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let failed = out
+        .failed_recving
+        .iter()
+        .find(|f| f.id == id)
+        .unwrap_or_else(|| panic!("not reported failed: {out:?}"));
+    assert_eq!(failed.reason.cause, Cause::LeaseExpired);
+    assert_eq!(&out.invalid_blocks[failed.blocks.clone()], &[BlockId(9)]);
+    // The destination reuses the block; the writer wakes up and writes.
+    fill(&c, 51, 9);
+    fill(&w, 50, 3);
+    w.write(
+        id,
+        &[Transfer {
+            peer: to_c,
+            local: &[BlockId(3)],
+            remote: &[BlockId(9)],
+        }],
+        1,
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    wout.clear();
+    wait(&mut w, &mut wout, "the late write's report", |o| {
+        !o.failed_sending.is_empty()
+    });
+    assert_eq!(wout.failed_sending[0].id, id);
+    assert_eq!(wout.failed_sending[0].reason.cause, Cause::LeaseLost);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(200) {
+        c.poll(&mut out);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(holds(&c, 9, 51, 9), "the refused write landed");
 }

@@ -37,7 +37,7 @@ pub const HEADER: usize = 12;
 /// Bytes after the payload (the checksum).
 pub const TRAILER: usize = 8;
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Largest payload a control frame may carry: engine metadata of the
 /// largest layout the tool accepts fits with room to spare.
 pub const MAX_PAYLOAD: usize = 256 * 1024;
@@ -86,6 +86,9 @@ pub enum Msg {
     Ready {
         /// The request.
         req: u64,
+        /// What was left of the lend's lease when this was sent, in ms: the
+        /// reader counts it down and does not read once it may have run out.
+        lease_ms: u32,
         /// The lent blocks.
         blocks: Vec<u32>,
     },
@@ -288,9 +291,14 @@ impl Msg {
                 o.u64(*req);
                 o.u32(*n);
             }
-            Msg::Ready { req, blocks } => {
+            Msg::Ready {
+                req,
+                lease_ms,
+                blocks,
+            } => {
                 o.u8(4);
                 o.u64(*req);
+                o.u32(*lease_ms);
                 o.blocks(blocks);
             }
             Msg::Busy { req } => {
@@ -351,6 +359,7 @@ impl Msg {
             },
             4 => Msg::Ready {
                 req: r.u64()?,
+                lease_ms: r.u32()?,
                 blocks: r.blocks()?,
             },
             5 => Msg::Busy { req: r.u64()? },
@@ -571,6 +580,7 @@ mod tests {
             Msg::Prepare { req: 9, n: 4 },
             Msg::Ready {
                 req: 9,
+                lease_ms: 2000,
                 blocks: vec![1, 2, 3],
             },
             Msg::Busy { req: 3 },
@@ -610,6 +620,7 @@ mod tests {
     fn every_single_byte_flip_is_refused() {
         let f = Msg::Ready {
             req: 1,
+            lease_ms: 2000,
             blocks: vec![4, 5],
         }
         .encode()

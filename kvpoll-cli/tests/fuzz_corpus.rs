@@ -63,6 +63,7 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
         Msg::Prepare { req: 7, n: 4 },
         Msg::Ready {
             req: 7,
+            lease_ms: 2000,
             blocks: vec![1, 2, 3, 4],
         },
         Msg::Busy { req: 7 },

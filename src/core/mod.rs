@@ -694,7 +694,7 @@ impl Core {
             lease: lease_ns,
             quarantined: false,
             aborted: false,
-            unnamed: fenced && !named,
+            unnamed: receive && !named,
             words: 0,
         };
         if fenced {

@@ -140,6 +140,18 @@ pub struct DemoArgs {
     /// How long a stall lasts, in ms.
     #[arg(long, value_name = "MS", default_value_t = 400)]
     pub stall_ms: u64,
+    /// Once a mode, stop a prefill rank's process (SIGSTOP) this long, in
+    /// ms: past every lease (default 2.5 x --lease-ms, longer than the
+    /// decode ranks' push leases too; 0: never). With `--ranks threads`
+    /// its poller is stalled instead.
+    #[arg(long, value_name = "MS")]
+    pub pause_ms: Option<u64>,
+    /// Leases are timers, not fences: reads are not confirmed and push
+    /// destinations are reported at their lease's end even while a stalled
+    /// writer may still write. UNSAFE, for comparison only: with the pauses
+    /// and stalls of the fault mix it corrupts blocks.
+    #[arg(long)]
+    pub no_fence: bool,
     /// Sizes, counts and transports.
     #[command(flatten)]
     pub workload: Workload,

@@ -75,6 +75,15 @@ pub struct DecodeConfig {
     pub give_up: Duration,
     /// How long a prefill rank may stay unreachable before the run stops.
     pub give_up_after: Duration,
+    /// Reads are confirmed and push leases are fences (false: timers,
+    /// unsafe, for comparison).
+    pub fence: bool,
+    /// Once this many requests were reported, this rank's poller stalls
+    /// for the given time (its transfers in flight stop moving).
+    pub stall: Option<(u64, Duration)>,
+    /// Once this many requests were reported, this rank's engine thread
+    /// sleeps for the given time (it polls nothing).
+    pub doze: Option<(u64, Duration)>,
 }
 
 /// Failed requests by cause.
@@ -126,6 +135,11 @@ pub struct DecodeReport {
     pub causes: Causes,
     /// Why the run stopped before every request was reported, if it did.
     pub gave_up: Option<String>,
+    /// Poller stalls and engine-thread sleeps this rank went through.
+    pub stalls: u32,
+    /// Requests not read because a lend's lease may have run out before
+    /// the read was posted (counted in `refused` too).
+    pub lease_too_short: u64,
 }
 
 struct Link {
@@ -187,6 +201,9 @@ fn jitter(d: Duration, rng: &mut u64) -> Duration {
 struct Req {
     blocks: Vec<BlockId>,
     ready: [Option<Vec<u32>>; 2],
+    /// Until when each lender's lend is sure to be live (counted down from
+    /// the lease it reported, from when its answer arrived).
+    live_until: [Option<Instant>; 2],
     submitted: bool,
     freed: bool,
     t0: Instant,
@@ -217,6 +234,8 @@ pub fn run(
         .block_size(cfg.block_size)
         .ucx(ContextOptions::with_transports(&cfg.tls))
         .read_deadline(cfg.deadline)
+        .confirm_reads(cfg.fence)
+        .fence_push_leases(cfg.fence)
         .faults(cfg.faults)
         .build()?;
     for _ in 0..cfg.layers {
@@ -247,6 +266,7 @@ pub fn run(
     let start = Instant::now();
     let mut issued = 0u64;
     let mut out = Outcomes::default();
+    let (mut stall_done, mut doze_done) = (false, false);
     loop {
         d.reconnect(registry);
         while issued < cfg.requests && d.reqs.len() < cfg.window && d.links_up() {
@@ -260,6 +280,20 @@ pub fn run(
         d.engine.poll(&mut out);
         d.handle_outcomes(&out, progress);
         d.release_due(false);
+        let reported = progress_of(&d.report);
+        if let Some((_, how_long)) = cfg.stall.filter(|&(at, _)| reported >= at && !stall_done) {
+            // A hung poller: nothing of this rank moves for a while.
+            if d.engine.stall(how_long).is_ok() {
+                d.report.stalls += 1;
+            }
+            stall_done = true;
+        }
+        if let Some((_, how_long)) = cfg.doze.filter(|&(at, _)| reported >= at && !doze_done) {
+            // A slow scheduler step: the engine thread polls nothing.
+            std::thread::sleep(how_long);
+            d.report.stalls += 1;
+            doze_done = true;
+        }
         let all_done = issued >= cfg.requests && d.reqs.is_empty();
         if all_done || stop.load(Ordering::Acquire) || d.report.gave_up.is_some() {
             break;
@@ -412,6 +446,7 @@ impl Decoder<'_> {
         let req = Req {
             blocks,
             ready: [None, None],
+            live_until: [None, None],
             submitted: false,
             freed: false,
             t0: Instant::now(),
@@ -481,7 +516,14 @@ impl Decoder<'_> {
                 {
                     continue
                 }
-                Incoming::Line(t, Msg::Ready { req, blocks }) => self.ready(t % 2, req, blocks),
+                Incoming::Line(
+                    t,
+                    Msg::Ready {
+                        req,
+                        lease_ms,
+                        blocks,
+                    },
+                ) => self.ready(t % 2, req, lease_ms, blocks),
                 Incoming::Line(_, Msg::Busy { req }) => self.abandon(req),
                 Incoming::Line(t, Msg::Refused(why)) => {
                     let i = t % 2;
@@ -532,7 +574,7 @@ impl Decoder<'_> {
         }
     }
 
-    fn ready(&mut self, i: usize, id: u64, remote: Vec<u32>) {
+    fn ready(&mut self, i: usize, id: u64, lease_ms: u32, remote: Vec<u32>) {
         let h = self.cfg.per_handle as usize;
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
@@ -541,12 +583,30 @@ impl Decoder<'_> {
             return;
         }
         r.ready[i] = Some(remote);
+        r.live_until[i] = Some(Instant::now() + Duration::from_millis(u64::from(lease_ms)));
         if r.ready.iter().any(|x| x.is_none()) {
             return;
         }
         let (Some(p0), Some(p1)) = (self.links[0].peer, self.links[1].peer) else {
             return self.abandon(id);
         };
+        // Never post against a lend whose lease may have run out: with a
+        // tenth of it left (its answer may have been late, our clock is not
+        // its clock), tell both lenders to release instead.
+        let margin = self.cfg.lease / 20;
+        let left = r
+            .live_until
+            .iter()
+            .flatten()
+            .min()
+            .map_or(Duration::ZERO, |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+        if left <= margin {
+            let _ = self.engine.notify_only(RequestId(id), &[p0, p1]);
+            self.report.lease_too_short += 1;
+            return self.abandon(id);
+        }
         let mut remote: Vec<Vec<BlockId>> = r
             .ready
             .iter()

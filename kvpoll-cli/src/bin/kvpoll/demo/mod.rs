@@ -61,6 +61,10 @@ struct Settings {
     give_up_after: Duration,
     /// A prefill rank's lend (pull) and write (push) lease.
     lease: Duration,
+    /// How long a prefill rank is stopped once a mode (zero: never).
+    pause_for: Duration,
+    /// Leases are timers (unsafe, for comparison).
+    no_fence: bool,
 }
 
 impl Settings {
@@ -77,6 +81,8 @@ impl Settings {
         s.stall_every = Duration::from_millis(a.stall_every_ms);
         s.stall_for = Duration::from_millis(a.stall_ms);
         s.kill = !a.no_kill;
+        s.pause_for = a.pause_ms.map_or(s.lease * 5 / 2, Duration::from_millis);
+        s.no_fence = a.no_fence;
         Ok(s)
     }
 
@@ -102,6 +108,8 @@ impl Settings {
             json: w.json,
             give_up_after: Duration::from_secs(30),
             lease: Duration::from_millis(w.lease_ms),
+            pause_for: Duration::ZERO,
+            no_fence: false,
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -164,6 +172,9 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         hold: Duration::from_millis(30),
         give_up: Duration::from_secs(240),
         give_up_after: s.give_up_after,
+        fence: !s.no_fence,
+        stall: None,
+        doze: None,
     }
 }
 
@@ -322,6 +333,7 @@ struct ModeReport {
     seconds: f64,
     kills: u32,
     stalls: u32,
+    pauses: u32,
 }
 
 pub fn run(args: &DemoArgs) -> Result<(), CliError> {
@@ -337,14 +349,15 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     }
     if !s.json {
         println!(
-            "kvpoll demo: prefill TP={PREFILL_RANKS} ({}), decode TP={DECODE_RANKS} (2 handles a request), {} requests per decode rank and mode, {} layers x {} KiB blocks over {}, faults {}, policy {}",
+            "kvpoll demo: prefill TP={PREFILL_RANKS} ({}), decode TP={DECODE_RANKS} (2 handles a request), {} requests per decode rank and mode, {} layers x {} KiB blocks over {}, faults {}, policy {}, leases {}",
             if s.processes { "processes" } else { "threads" },
             s.requests,
             s.layers,
             s.block_size / 1024,
             s.tls,
             if s.faults { "on" } else { "off" },
-            match s.policy { Policy::Safe => "safe", Policy::Eager => "EAGER (unsafe, for comparison)" }
+            match s.policy { Policy::Safe => "safe", Policy::Eager => "EAGER (unsafe, for comparison)" },
+            if s.no_fence { "TIMERS (--no-fence: unsafe, for comparison)" } else { "fenced" }
         );
     }
     let mut reports = Vec::new();
@@ -377,7 +390,7 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
             "a decode rank stopped early: {why}"
         )));
     }
-    if s.policy == Policy::Safe && (corrupted > 0 || leaked > 0) {
+    if s.policy == Policy::Safe && !s.no_fence && (corrupted > 0 || leaked > 0) {
         return Err(CliError::Failed(format!(
             "{corrupted} corrupted and {leaked} leaked blocks under the safe policy"
         )));
@@ -400,6 +413,12 @@ fn run_mode(
         cfg.rank = d + 1;
         cfg.prefill = [2 * d, 2 * d + 1];
         if s.faults {
+            // Each decode rank's poller hangs once past the prefill ranks'
+            // lease (pull: its reads land late; push: its destinations'
+            // leases run out under their writers), and its engine thread
+            // sleeps once.
+            cfg.stall = Some((s.requests * 3 / 5, s.lease * 3 / 2));
+            cfg.doze = Some((s.requests * 4 / 5, s.lease * 3 / 2));
             cfg.setup_failure_every = s.setup_failure_every;
             cfg.faults = Faults {
                 handle_error_every: s.handle_error_every,
@@ -426,7 +445,9 @@ fn run_mode(
         b.set_prefix(format!("{mode:?}"));
         b
     });
-    let (mut stalls, mut kills) = (0u32, 0u32);
+    let (mut stalls, mut kills, mut pauses) = (0u32, 0u32, 0u32);
+    let mut pause_done = !s.faults || s.pause_for.is_zero();
+    let mut paused: Option<(u32, Instant)> = None;
     let mut next_stall = Instant::now() + s.stall_every;
     let mut killed = !(s.faults && s.kill && s.processes && mode == Mode::Pull);
     let mut last_line = Instant::now();
@@ -458,6 +479,42 @@ fn run_mode(
             }
             next_stall = Instant::now() + s.stall_every;
         }
+        if !pause_done && done > total / 5 {
+            // Stop prefill rank 1 past every lease: a GC pause, a stopped
+            // container. Its lends and pushes must be fenced, not timed out.
+            pause_done = true;
+            match &ranks[1] {
+                Some(Rank::Process(c)) => {
+                    // SAFETY: signalling our own child process.
+                    if unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGSTOP) } == 0 {
+                        paused = Some((c.id(), Instant::now() + s.pause_for));
+                        pauses += 1;
+                    }
+                }
+                _ => {
+                    let addr = registry
+                        .addrs
+                        .lock()
+                        .ok()
+                        .and_then(|a| a.get(1).map(|x| x.0.clone()));
+                    let pause = Msg::Stall {
+                        ms: s.pause_for.as_millis() as u64,
+                    };
+                    if let Some(addr) = addr {
+                        if ask(&addr, s, &pause, false).is_ok() {
+                            pauses += 1;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((pid, until)) = paused {
+            if Instant::now() >= until {
+                // SAFETY: signalling our own child process.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+                paused = None;
+            }
+        }
         if !killed && done > total * 2 / 5 {
             // Kill prefill rank 3 mid-run and start it again; decode re-adds
             // it with its fresh metadata.
@@ -474,6 +531,10 @@ fn run_mode(
             kills += 1;
         }
     }
+    if let Some((pid, _)) = paused {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+    }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -482,6 +543,7 @@ fn run_mode(
         seconds: start.elapsed().as_secs_f64(),
         stalls,
         kills,
+        pauses,
         ..ModeReport::default()
     };
     for d in decoders {
@@ -531,6 +593,7 @@ struct Sums {
     failed: u64,
     expired: u64,
     refused: u64,
+    lease_too_short: u64,
     corrupted: u64,
     leaked: u64,
     bytes: u64,
@@ -549,6 +612,7 @@ fn sums(r: &ModeReport) -> Sums {
         failed: f(|d| d.failed),
         expired: f(|d| d.expired),
         refused: f(|d| d.refused),
+        lease_too_short: f(|d| d.lease_too_short),
         corrupted: f(|d| d.corrupted_blocks),
         leaked: f(|d| d.leaked_blocks) + r.prefill_leaked,
         bytes: f(|d| d.bytes),
@@ -584,8 +648,12 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     let row = |name: &str, v: u64| println!("  {name:<34} {v:>12}");
     println!();
     println!(
-        "{mode:?} mode ({:.1} s, {} stalls, {} kills)",
-        r.seconds, r.stalls, r.kills
+        "{mode:?} mode ({:.1} s, {} prefill stalls, {} prefill pauses, {} decode stalls, {} kills)",
+        r.seconds,
+        r.stalls,
+        r.pauses,
+        decode_stalls(r),
+        r.kills
     );
     println!(
         "  transferred {} of {} requests ({:.1}%)",
@@ -602,6 +670,7 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     row("  other causes", t.causes.other);
     row("requests expired", t.expired);
     row("requests refused before transfer", t.refused);
+    row("  lease too short to read", t.lease_too_short);
     row("corrupted blocks", t.corrupted);
     row("leaked blocks", t.leaked);
     println!(
@@ -631,6 +700,14 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     if s.policy == Policy::Eager {
         println!("  policy EAGER: blocks were freed at the first handle failure (unsafe)");
     }
+    if s.no_fence {
+        println!("  NO FENCE: leases were timers, reads unconfirmed (unsafe)");
+    }
+}
+
+/// Poller stalls and engine-thread sleeps of the decode ranks.
+fn decode_stalls(r: &ModeReport) -> u32 {
+    r.decode.iter().map(|d| d.stalls).sum()
 }
 
 fn pct(n: u64, of: u64) -> f64 {
@@ -663,7 +740,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
             let t = sums(r);
             let c = t.causes;
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"stalls\":{},\"kills\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -677,6 +754,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 c.other,
                 t.expired,
                 t.refused,
+                t.lease_too_short,
                 t.corrupted,
                 t.leaked,
                 latency(r, 0),
@@ -685,18 +763,21 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 t.bytes as f64 / r.seconds / 1e9,
                 busy_pct(r),
                 r.stalls,
+                r.pauses,
+                decode_stalls(r),
                 r.kills,
                 gave_up(r).map_or("null".to_owned(), json_str),
             )
         })
         .collect();
     format!(
-        "{{\"policy\":\"{}\",\"ranks\":\"{}\",\"faults\":{},\"modes\":[{}]}}",
+        "{{\"policy\":\"{}\",\"fenced\":{},\"ranks\":\"{}\",\"faults\":{},\"modes\":[{}]}}",
         if s.policy == Policy::Safe {
             "safe"
         } else {
             "eager"
         },
+        !s.no_fence,
         if s.processes { "processes" } else { "threads" },
         s.faults,
         modes.join(",")

@@ -294,6 +294,7 @@ fn handle(
                     );
                     Some(Msg::Ready {
                         req,
+                        lease_ms: u32::try_from(cfg.lease.as_millis()).unwrap_or(u32::MAX),
                         blocks: alloc.iter().map(|b| b.0).collect(),
                     })
                 }
