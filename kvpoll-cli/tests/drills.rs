@@ -7,6 +7,11 @@
 //! leaked), reports every request, and ends within a bound (a quarantine
 //! that never lifts shows as a hang).
 //!
+//! Partitions too: one prefill rank runs in its own network namespace,
+//! joined to the others by a veth pair whose link is cut (`ip link set
+//! down`) for 1.5x and 5x the lease. Building namespaces needs root
+//! (CAP_NET_ADMIN) and `ip`; without them those drills say so and skip.
+//!
 //! The lease is short (400 ms) so that a 5x stop takes two seconds.
 
 use std::io::{BufRead, BufReader, Read};
@@ -35,9 +40,12 @@ impl Drop for Proc {
     }
 }
 
+/// A prefill rank here, its UCX on loopback only: interfaces that other
+/// drills bring up and down (their veth pairs) must not carry its traffic.
 fn serve(rank: u32) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
         .args(["serve", "--rank", &rank.to_string(), "--tls", "tcp"])
+        .env("UCX_NET_DEVICES", "lo")
         .args(["--blocks", "256", "--block-size", "4096", "--layers", "2"])
         .args(["--lease-ms", &LEASE_MS.to_string()])
         .stdin(Stdio::piped())
@@ -96,11 +104,160 @@ fn field(json: &str, name: &str) -> u64 {
         .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
 }
 
+/// What happens to the run while requests are in flight.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// One side's process is stopped (SIGSTOP) this long.
+    Stop(Side, u64),
+    /// Prefill rank 0's link is down this long.
+    Partition(u64),
+}
+
+/// A network namespace holding one end of a veth pair; the other end is in
+/// this namespace. Removed on drop.
+struct Netns {
+    name: String,
+    host_if: String,
+    ns_if: String,
+    ns_addr: String,
+    host_addr: String,
+}
+
+impl Netns {
+    /// `None` where namespaces cannot be built here (not root, no `ip`).
+    fn new(n: u32) -> Option<Netns> {
+        let id = std::process::id() % 10_000;
+        let ns = Netns {
+            name: format!("kvpoll-drill-{id}-{n}"),
+            host_if: format!("kvh{id}x{n}"),
+            ns_if: format!("kvn{id}x{n}"),
+            ns_addr: format!("10.77.{n}.2"),
+            host_addr: format!("10.77.{n}.1"),
+        };
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &ns.name]) {
+            return None;
+        }
+        let ok = ip(&[
+            "link",
+            "add",
+            &ns.host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &ns.ns_if,
+        ]) && ip(&["link", "set", &ns.ns_if, "netns", &ns.name])
+            && ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", ns.host_addr),
+                "dev",
+                &ns.host_if,
+            ])
+            && ip(&["link", "set", &ns.host_if, "up"])
+            && ip(&[
+                "netns",
+                "exec",
+                &ns.name,
+                "ip",
+                "addr",
+                "add",
+                &format!("{}/24", ns.ns_addr),
+                "dev",
+                &ns.ns_if,
+            ])
+            && ip(&[
+                "netns", "exec", &ns.name, "ip", "link", "set", &ns.ns_if, "up",
+            ])
+            && ip(&["netns", "exec", &ns.name, "ip", "link", "set", "lo", "up"]);
+        assert!(ok, "namespace {} could be added but not wired", ns.name);
+        Some(ns)
+    }
+
+    fn link(&self, up: bool) {
+        let st = Command::new("ip")
+            .args(["link", "set", &self.host_if, if up { "up" } else { "down" }])
+            .status()
+            .expect("ip link set");
+        assert!(st.success(), "ip link set {} failed", self.host_if);
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .stderr(Stdio::null())
+            .status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A prefill rank inside namespace `ns` (UCX there and here limited to the
+/// veth ends).
+fn serve_in(ns: &Netns, rank: u32) -> (Proc, String) {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kvpoll")])
+        .args(["serve", "--rank", &rank.to_string(), "--tls", "tcp"])
+        .args(["--listen", &format!("{}:0", ns.ns_addr)])
+        .args(["--blocks", "256", "--block-size", "4096", "--layers", "2"])
+        .args(["--lease-ms", &LEASE_MS.to_string()])
+        .env("UCX_NET_DEVICES", &ns.ns_if)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvpoll serve in a namespace");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .strip_prefix("LISTEN ")
+        .unwrap_or_else(|| panic!("serve said {line:?}"))
+        .trim()
+        .to_owned();
+    (Proc(child), addr)
+}
+
 fn drill(mode: &str, side: Side, stop_ms: u64) {
-    let (p0, a0) = serve(0);
-    let (_p1, a1) = serve(1);
+    run_drill(mode, Fault::Stop(side, stop_ms), None);
+}
+
+fn partition_drill(mode: &str, n: u32, down_ms: u64) {
+    let Some(ns) = Netns::new(n) else {
+        eprintln!(
+            "SKIPPED: partition drill ({mode}, link down {down_ms} ms) needs root and `ip` \
+             to build a network namespace"
+        );
+        return;
+    };
+    run_drill(mode, Fault::Partition(down_ms), Some(&ns));
+}
+
+fn run_drill(mode: &str, fault: Fault, ns: Option<&Netns>) {
+    let ((p0, a0), (_p1, a1)) = match ns {
+        Some(ns) => (serve_in(ns, 0), serve(1)),
+        None => (serve(0), serve(1)),
+    };
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
+    // Loopback to the rank here; the veth pair to the one in a namespace.
+    match ns {
+        Some(ns) => command.env("UCX_NET_DEVICES", format!("lo,{}", ns.host_if)),
+        None => command.env("UCX_NET_DEVICES", "lo"),
+    };
     let mut connect = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        command
             .args(["connect", "--to", &format!("{a0},{a1}"), "--mode", mode])
             .args(["--tls", "tcp", "--blocks", "256", "--block-size", "4096"])
             .args(["--layers", "2", "--requests", &REQUESTS.to_string()])
@@ -111,15 +268,25 @@ fn drill(mode: &str, side: Side, stop_ms: u64) {
             .expect("spawn kvpoll connect"),
     );
     let start = Instant::now();
-    // Let requests get going, then stop one side while they are in flight.
+    // Let requests get going, then strike while they are in flight.
     std::thread::sleep(Duration::from_millis(300));
-    let victim = match side {
-        Side::Prefill => p0.0.id(),
-        Side::Decode => connect.0.id(),
-    };
-    stop(victim);
-    std::thread::sleep(Duration::from_millis(stop_ms));
-    cont(victim);
+    match fault {
+        Fault::Stop(side, ms) => {
+            let victim = match side {
+                Side::Prefill => p0.0.id(),
+                Side::Decode => connect.0.id(),
+            };
+            stop(victim);
+            std::thread::sleep(Duration::from_millis(ms));
+            cont(victim);
+        }
+        Fault::Partition(ms) => {
+            let ns = ns.expect("a partition needs a namespace");
+            ns.link(false);
+            std::thread::sleep(Duration::from_millis(ms));
+            ns.link(true);
+        }
+    }
     let status = loop {
         if let Some(s) = connect.0.try_wait().unwrap() {
             break s;
@@ -129,7 +296,7 @@ fn drill(mode: &str, side: Side, stop_ms: u64) {
             let mut err = String::new();
             let _ = connect.0.stderr.take().unwrap().read_to_string(&mut err);
             panic!(
-                "{mode}, {side:?} stopped {stop_ms} ms: connect still running after {BOUND:?} (a quarantine that never lifts?); stderr:\n{err}"
+                "{mode}, {fault:?}: connect still running after {BOUND:?} (a quarantine that never lifts?); stderr:\n{err}"
             );
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -144,7 +311,7 @@ fn drill(mode: &str, side: Side, stop_ms: u64) {
         .unwrap();
     let mut err = String::new();
     let _ = connect.0.stderr.take().unwrap().read_to_string(&mut err);
-    let what = format!("{mode}, {side:?} stopped {stop_ms} ms");
+    let what = format!("{mode}, {fault:?}");
     eprintln!("{what}: {}", out.trim());
     assert_eq!(
         field(&out, "corrupted_blocks"),
@@ -222,4 +389,24 @@ fn push_destination_stopped_past_the_lease() {
 #[test]
 fn push_destination_stopped_for_five_leases() {
     drill("push", Side::Decode, LEASE_MS * 5);
+}
+
+#[test]
+fn pull_partitioned_past_the_lease() {
+    partition_drill("pull", 1, LEASE_MS * 3 / 2);
+}
+
+#[test]
+fn pull_partitioned_for_five_leases() {
+    partition_drill("pull", 2, LEASE_MS * 5);
+}
+
+#[test]
+fn push_partitioned_past_the_lease() {
+    partition_drill("push", 3, LEASE_MS * 3 / 2);
+}
+
+#[test]
+fn push_partitioned_for_five_leases() {
+    partition_drill("push", 4, LEASE_MS * 5);
 }
