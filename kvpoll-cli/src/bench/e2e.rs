@@ -516,6 +516,12 @@ impl Session {
         self.raw.run(self.cfg.block_size, n, blocks, depth, lat)
     }
 
+    /// The kvpoll engine's poller counters so far (iterations, busy and
+    /// idle time), for profiling.
+    pub fn kvpoll_poller_stats(&self) -> kvpoll::PollerStats {
+        self.kv.engine.poller_stats()
+    }
+
     fn depth(&self, blocks: u32) -> u32 {
         if blocks == 1 {
             self.cfg.in_flight
