@@ -147,6 +147,9 @@ struct Poller {
     events: EventPublisher<Event>,
     control: mpsc::Receiver<Control>,
     shared: Arc<Shared>,
+    /// The last wait returned with the engine's eventfd readable; it is
+    /// drained before the next announcement.
+    efd_signalled: bool,
 }
 
 /// The poller thread's body.
@@ -212,6 +215,7 @@ impl Poller {
             events,
             control,
             shared,
+            efd_signalled: false,
         })
     }
 
@@ -343,6 +347,14 @@ impl Poller {
     /// something, or the core's next deadline; see [`crate::wake`].
     fn block(&mut self) {
         let wake = &self.shared.wake;
+        // The eventfd signal of the last wake-up is consumed here, before
+        // announcing, not on waking: a wake-up then costs no syscall on its
+        // way to the work (a signal written after the announcement below
+        // stays, so none is lost; one left from before can only make the
+        // next wait return at once, as before).
+        if std::mem::take(&mut self.efd_signalled) {
+            wake.efd.drain();
+        }
         // Announce. `false`: the engine pushed since we last looked (its
         // push is visible now): go round again.
         if !wake.state.prepare_park() {
@@ -382,9 +394,7 @@ impl Poller {
                     None => cap,
                 };
                 let efd = self.shared.wake.efd.fd();
-                if wait_readable(efd, fd.filter(|_| armed), timeout) {
-                    self.shared.wake.efd.drain();
-                }
+                self.efd_signalled = wait_readable(efd, fd.filter(|_| armed), timeout);
             }
         }
         self.shared.wake.state.woke();
