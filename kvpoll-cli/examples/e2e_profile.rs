@@ -1,6 +1,7 @@
 //! One side of the e2e bench, alone, for a profiler: `n` requests of
 //! `blocks` blocks through kvpoll (`kvpoll`, confirmation off as in the
-//! bench) or through the raw UCX
+//! bench; `kvpoll-confirm`, with read confirmation against the lending
+//! peer) or through the raw UCX
 //! loop (`raw`), after the session's warm-up. Run it under
 //! `valgrind --tool=callgrind` (see docs/latency.md); the peer processes
 //! run natively.
@@ -34,9 +35,11 @@ fn main() {
     };
     let mut s = Session::start(&exe, &cfg).expect("start the e2e session");
     let mut lat = Vec::new();
-    let before = s.kvpoll_poller_stats();
+    let confirmed = mode == "kvpoll-confirm";
+    let before = s.kvpoll_poller_stats(confirmed);
     let t = match mode {
         "raw" => s.raw(n, blocks, &mut lat),
+        "kvpoll-confirm" => s.kvpoll_confirmed(n, blocks, &mut lat),
         _ => s.kvpoll(n, blocks, &mut lat),
     }
     .expect("run");
@@ -45,7 +48,7 @@ fn main() {
         t.as_secs_f64(),
         f64::from(n) / t.as_secs_f64()
     );
-    let after = s.kvpoll_poller_stats();
+    let after = s.kvpoll_poller_stats(confirmed);
     if mode != "raw" {
         let per = |a: u64, b: u64| (a - b) as f64 / f64::from(n);
         println!(

@@ -281,7 +281,12 @@ pub struct Core {
     local_blocks: u64,
     local_regions: usize,
     peers: Vec<Option<Peer>>,
-    by_instance: HashMap<u64, PeerId>,
+    /// Engine instance → its peer entry. Hashed with the ledger's cheap
+    /// hasher: it holds one entry per peer the engine added (a sender
+    /// cannot add entries), and it is looked up for every read
+    /// confirmation and acknowledgement, where SipHash cost ~200
+    /// instructions.
+    by_instance: HashMap<u64, PeerId, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
     progress: Vec<Progress>,
     info: Vec<Info>,
     notifiers: Vec<u64>,
@@ -336,7 +341,7 @@ impl Core {
             local_blocks: 0,
             local_regions: 0,
             peers: Vec::new(),
-            by_instance: HashMap::new(),
+            by_instance: HashMap::default(),
             progress: vec![Progress::default(); capacity * MAX_HANDLES],
             info: vec![
                 Info {

@@ -596,10 +596,15 @@ impl Session {
         self.raw.run(self.cfg.block_size, n, blocks, depth, lat)
     }
 
-    /// The kvpoll engine's poller counters so far (iterations, busy and
-    /// idle time), for profiling.
-    pub fn kvpoll_poller_stats(&self) -> kvpoll::PollerStats {
-        self.kv.engine.poller_stats()
+    /// The poller counters so far (iterations, busy and idle time) of the
+    /// kvpoll side with (`confirmed`) or without read confirmation, for
+    /// profiling.
+    pub fn kvpoll_poller_stats(&self, confirmed: bool) -> kvpoll::PollerStats {
+        if confirmed {
+            self.kv_confirmed.engine.poller_stats()
+        } else {
+            self.kv.engine.poller_stats()
+        }
     }
 
     fn depth(&self, blocks: u32) -> u32 {
