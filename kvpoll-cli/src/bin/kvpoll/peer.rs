@@ -135,15 +135,27 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     drop(out);
     let closed = stdin_closed();
     let mut outcomes = kvpoll::Outcomes::default();
+    let mut quiet = 0u32;
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();
         engine.poll(&mut outcomes);
         let ended = outcomes.finished_sending.len() + outcomes.expired.len();
         lender.released += ended as u64;
         lender.top_up(&mut engine).map_err(fail)?;
-        // A lender looks often enough to stay ahead of a fast reader;
-        // one that lends nothing only keeps its engine drained.
-        let nap = if lend_ahead > 0 { 100 } else { 1000 };
+        // A lender whose reader is reading looks often enough to stay
+        // ahead of it (100 µs at most); otherwise, as a peer that lends
+        // nothing, it only keeps its engine drained (every 1 ms), and
+        // leaves the CPU to the runs that do not read from it.
+        quiet = if ended == 0 {
+            quiet.saturating_add(1)
+        } else {
+            0
+        };
+        let nap = if lend_ahead > 0 && quiet < 100 {
+            100
+        } else {
+            1000
+        };
         if ended == 0 {
             std::thread::sleep(std::time::Duration::from_micros(nap));
         }
