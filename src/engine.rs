@@ -465,7 +465,12 @@ impl EngineBuilder {
             control,
             shared,
             thread: Some(thread),
-            in_flight: HashMap::with_capacity(self.ledger.slots as usize),
+            // Twice the slots: with deletions rehashed in place it never
+            // grows (at most one entry per slot).
+            in_flight: InFlight::with_capacity_and_hasher(
+                2 * self.ledger.slots as usize,
+                Default::default(),
+            ),
             tally: crate::metrics::Tally::default(),
             scratch: Vec::with_capacity(1024),
             parked: Vec::new(),
@@ -495,6 +500,15 @@ fn instance_id() -> u64 {
     crate::wire::fnv1a64(&x.to_le_bytes()) | 1
 }
 
+/// Request id → what it is and when it was submitted. The ledger's cheap
+/// id hasher: ids are the engine's own, and SipHash cost a third of a
+/// submit and report.
+type InFlight = HashMap<
+    RequestId,
+    (Kind, std::time::Instant),
+    std::hash::BuildHasherDefault<crate::ledger::IdHasher>,
+>;
+
 /// A registered region as the engine thread sees it.
 #[derive(Debug, Clone, Copy)]
 struct Region {
@@ -512,7 +526,7 @@ pub struct Engine {
     pub(crate) shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     /// What each request in flight is, and when it was submitted.
-    in_flight: HashMap<RequestId, (Kind, std::time::Instant)>,
+    in_flight: InFlight,
     /// Outcomes and latencies of what was reported, for `metrics()`.
     pub(crate) tally: crate::metrics::Tally,
     scratch: Vec<Command>,
@@ -567,6 +581,7 @@ impl Engine {
         self.alive()?;
         let (tx, rx) = mpsc::channel();
         self.control.send(make(tx)).map_err(|_| self.gone())?;
+        self.shared.control_pending.store(true, Ordering::Release);
         self.wake();
         rx.recv().map_err(|_| self.gone())?
     }
@@ -1132,11 +1147,14 @@ impl Engine {
     /// they used).
     pub fn poll(&mut self, out: &mut Outcomes) -> usize {
         let mut n = 0;
+        // One clock read for the latencies of everything this poll reports
+        // (none when nothing is new).
+        let mut now = None;
         for ev in std::mem::take(&mut self.parked) {
-            n += self.report(ev, out);
+            n += self.report(ev, out, &mut now);
         }
         while let Some(ev) = self.events.recv() {
-            n += self.report(ev, out);
+            n += self.report(ev, out, &mut now);
         }
         if self.shared.dead.load(Ordering::Acquire) && !self.in_flight.is_empty() {
             n += self.report_orphans(out);
@@ -1152,8 +1170,9 @@ impl Engine {
             return 0;
         }
         let mut n = 0;
+        let mut now = None;
         while let Some(ev) = self.events.recv() {
-            n += self.report(ev, out);
+            n += self.report(ev, out, &mut now);
         }
         let reason = Reason::of(Cause::PollerDied);
         for (id, (kind, _)) in std::mem::take(&mut self.in_flight) {
@@ -1174,7 +1193,14 @@ impl Engine {
         n
     }
 
-    fn report(&mut self, ev: Event, out: &mut Outcomes) -> usize {
+    /// Maps one event to `out`; `now` is read at the first report that
+    /// needs it and shared by the rest of the poll.
+    fn report(
+        &mut self,
+        ev: Event,
+        out: &mut Outcomes,
+        now: &mut Option<std::time::Instant>,
+    ) -> usize {
         let Event { key, id, outcome } = ev;
         if let Outcome::HandleFailed { handle, reason } = outcome {
             out.handle_failures.push((id, handle, reason));
@@ -1183,7 +1209,9 @@ impl Engine {
         }
         let entry = self.in_flight.remove(&id);
         if let Some((k, since)) = entry {
-            self.tally.record(k, &outcome, since.elapsed());
+            let now = *now.get_or_insert_with(std::time::Instant::now);
+            self.tally
+                .record(k, &outcome, now.saturating_duration_since(since));
         }
         let kind = entry.map(|(k, _)| k);
         self.retired.clear();
@@ -1225,6 +1253,7 @@ impl Engine {
         };
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.control.send(Control::Shutdown);
+        self.shared.control_pending.store(true, Ordering::Release);
         self.wake();
         // The poller publishes the reports of what it cancelled before it
         // exits; keep the ring drained so that it never waits on us.

@@ -39,6 +39,10 @@ pub(crate) struct Shared {
     /// How the engine wakes a blocked poller (see [`crate::wake`]).
     pub(crate) wake: Wake,
     pub(crate) stop: AtomicBool,
+    /// Set by the engine after it sent a control message: the poller looks
+    /// at the control channel only then (a channel `try_recv` on every
+    /// iteration cost more than the rest of an idle iteration).
+    pub(crate) control_pending: AtomicBool,
     /// Set once the poller thread died (panicked): every engine call then
     /// fails with `PollerDied`.
     pub(crate) dead: AtomicBool,
@@ -67,6 +71,7 @@ impl Shared {
         Ok(Shared {
             wake: Wake::new()?,
             stop: AtomicBool::new(false),
+            control_pending: AtomicBool::new(false),
             dead: AtomicBool::new(false),
             busy_iterations: AtomicU64::new(0),
             idle_iterations: AtomicU64::new(0),
@@ -142,6 +147,9 @@ struct Poller {
     events: EventPublisher<Event>,
     control: mpsc::Receiver<Control>,
     shared: Arc<Shared>,
+    /// The last wait returned with the engine's eventfd readable; it is
+    /// drained before the next announcement.
+    efd_signalled: bool,
 }
 
 /// The poller thread's body.
@@ -207,6 +215,7 @@ impl Poller {
             events,
             control,
             shared,
+            efd_signalled: false,
         })
     }
 
@@ -220,33 +229,45 @@ impl Poller {
         let mut iteration = 0u64;
         loop {
             iteration += 1;
+            // The clock as this iteration read it, if it did: read once
+            // when commands or transport events arrive, and reused for the
+            // deadline check and the busy/idle accounting below.
+            let mut now = None;
             let mut work = self.drain_control();
             work += self.drain_retired();
-            work += self.drain_commands();
+            work += self.drain_commands(&mut now);
             // Checked after the commands were drained: a request submitted
             // before shutdown is begun, then cancelled and reported.
             if self.shared.stop.load(Ordering::Acquire) {
                 break;
             }
             work += self.wire.progress();
-            work += self.drain_transport();
-            // The clock is read only when something can be due, and while
-            // spinning idle only every 16th iteration (a deadline is seen
-            // a few microseconds late at most; block() reads it anyway).
-            if iteration % 16 == 0 {
-                if let Some(due) = self.core.next_deadline() {
-                    let now = self.now();
-                    if due <= now {
-                        self.core.advance(now);
-                        self.execute(now);
-                    }
+            work += self.drain_transport(&mut now);
+            // Deadlines: on an iteration that read the clock anyway, always;
+            // otherwise (an idle spin) only every 16th iteration, and only
+            // when something can be due (a deadline is seen a few
+            // microseconds late at most; block() reads it anyway).
+            if let Some(due) = self.core.next_deadline() {
+                let t = match now {
+                    Some(t) => Some(t),
+                    None if iteration % 16 == 0 => Some(self.now()),
+                    None => None,
+                };
+                if let Some(t) = t.filter(|&t| due <= t) {
+                    self.core.advance(t);
+                    self.execute(t);
                 }
             }
             work += self.publish() as u32;
             let busy = work > 0;
             if busy != counts.busy_run {
-                // A run switched: one clock read closes the last one.
-                counts.switch(self.now());
+                // A run switched: it started when this iteration found its
+                // work (the clock it read then) or, for an idle run, now.
+                let t = match now {
+                    Some(t) if busy => t,
+                    _ => self.now(),
+                };
+                counts.switch(t);
             }
             if busy {
                 counts.busy += 1;
@@ -326,6 +347,14 @@ impl Poller {
     /// something, or the core's next deadline; see [`crate::wake`].
     fn block(&mut self) {
         let wake = &self.shared.wake;
+        // The eventfd signal of the last wake-up is consumed here, before
+        // announcing, not on waking: a wake-up then costs no syscall on its
+        // way to the work (a signal written after the announcement below
+        // stays, so none is lost; one left from before can only make the
+        // next wait return at once, as before).
+        if std::mem::take(&mut self.efd_signalled) {
+            wake.efd.drain();
+        }
         // Announce. `false`: the engine pushed since we last looked (its
         // push is visible now): go round again.
         if !wake.state.prepare_park() {
@@ -365,15 +394,20 @@ impl Poller {
                     None => cap,
                 };
                 let efd = self.shared.wake.efd.fd();
-                if wait_readable(efd, fd.filter(|_| armed), timeout) {
-                    self.shared.wake.efd.drain();
-                }
+                self.efd_signalled = wait_readable(efd, fd.filter(|_| armed), timeout);
             }
         }
         self.shared.wake.state.woke();
     }
 
     fn drain_control(&mut self) -> u32 {
+        // A swap: a flag set after a message this drain misses stays set
+        // for the next iteration (the engine sends, then sets).
+        if !self.shared.control_pending.load(Ordering::Relaxed)
+            || !self.shared.control_pending.swap(false, Ordering::AcqRel)
+        {
+            return 0;
+        }
         let mut n = 0;
         while let Ok(msg) = self.control.try_recv() {
             n += 1;
@@ -451,12 +485,14 @@ impl Poller {
         n
     }
 
-    fn drain_commands(&mut self) -> u32 {
+    /// Feeds the commands in the ring to the core, executing the actions
+    /// of each; reads the clock (into `now`) only if there is one.
+    fn drain_commands(&mut self, now: &mut Option<Nanos>) -> u32 {
         if self.commands.is_empty() {
             return 0;
         }
         let mut n = 0;
-        let now = self.now();
+        let now = *now.get_or_insert_with(|| self.now());
         while let Some(cmd) = self.commands.recv() {
             n += 1;
             #[cfg(feature = "fault-injection")]
@@ -478,19 +514,23 @@ impl Poller {
         n
     }
 
-    fn drain_transport(&mut self) -> u32 {
+    /// Feeds what the transport saw to the core and executes the actions
+    /// that follow, once for the whole batch. The clock is read at the
+    /// first event (an idle iteration reads none); a reading this
+    /// iteration already made is not reused, since posting the commands
+    /// before may have taken a while.
+    fn drain_transport(&mut self, now: &mut Option<Nanos>) -> u32 {
         let mut n = 0;
-        // Read the clock at the first event only: an idle iteration reads
-        // none.
-        let mut now = None;
+        let mut read = None;
         let (core, epoch) = (&mut self.core, self.shared.epoch);
         self.wire.drain(&mut |ev| {
             n += 1;
-            let now = *now.get_or_insert_with(|| Nanos(epoch.elapsed().as_nanos() as u64));
+            let now = *read.get_or_insert_with(|| Nanos(epoch.elapsed().as_nanos() as u64));
             core.on_transport(ev, now);
         });
-        if let Some(now) = now {
-            self.execute(now);
+        if let Some(t) = read {
+            self.execute(t);
+            *now = Some(t);
         }
         n
     }
@@ -520,7 +560,7 @@ impl Poller {
     /// endpoints, regions, worker and context (in that order, by drop).
     fn shutdown(&mut self) {
         self.drain_retired();
-        self.drain_commands();
+        self.drain_commands(&mut None);
         self.core.shutdown();
         self.execute(self.now());
         let start = Instant::now();
@@ -531,7 +571,7 @@ impl Poller {
             && start.elapsed() < Duration::from_secs(10)
         {
             self.wire.progress();
-            self.drain_transport();
+            self.drain_transport(&mut None);
             let now = self.now();
             self.core.advance(now);
             self.execute(now);
@@ -554,7 +594,7 @@ impl Poller {
         let start = Instant::now();
         while self.core.outstanding() > 0 && start.elapsed() < Duration::from_millis(500) {
             self.wire.progress();
-            self.drain_transport();
+            self.drain_transport(&mut None);
             self.execute(self.now());
         }
         self.core.abandon(Cause::PollerDied);

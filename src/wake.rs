@@ -98,7 +98,9 @@ impl WakeState {
 
 /// A non-blocking Linux `eventfd`: the OS half of the wake-up. The engine
 /// writes it when [`WakeState::notify`] says the poller blocks; the poller
-/// waits on it (next to the UCX worker's event fd) and drains it on waking.
+/// waits on it (next to the UCX worker's event fd) and drains it before it
+/// next announces that it blocks (not on waking: no syscall on the way to
+/// the work).
 pub(crate) struct EventFd {
     fd: libc::c_int,
 }

@@ -24,6 +24,9 @@ fn e2e_comparison_over_tcp_produces_positive_rates_for_both_sides() {
     );
     assert!(f.requests.kvpoll_per_s > 0.0 && f.requests.raw_per_s > 0.0);
     assert_eq!(f.kvpoll_read_latency_ns.len(), 300);
+    // With read confirmation, against the peer that lends each id.
+    assert!(f.confirm_reads.confirmed_per_s > 0.0 && f.confirm_requests.confirmed_per_s > 0.0);
+    assert_eq!(f.confirmed_read_latency_ns.len(), 300);
     assert_eq!(f.raw_read_latency_ns.len(), 300);
     assert!(f.to_json().starts_with("{\"tls\":\"tcp\""));
 }

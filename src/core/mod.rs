@@ -281,15 +281,27 @@ pub struct Core {
     local_blocks: u64,
     local_regions: usize,
     peers: Vec<Option<Peer>>,
-    by_instance: HashMap<u64, PeerId>,
+    /// Engine instance → its peer entry. Hashed with the ledger's cheap
+    /// hasher: it holds one entry per peer the engine added (a sender
+    /// cannot add entries), and it is looked up for every read
+    /// confirmation and acknowledgement, where SipHash cost ~200
+    /// instructions.
+    by_instance: HashMap<u64, PeerId, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
     progress: Vec<Progress>,
     info: Vec<Info>,
     notifiers: Vec<u64>,
     /// Aborted requests and their expiry: past it with handles still in
     /// flight, their peers are judged stalled.
     aborted: Vec<(RequestKey, Nanos)>,
-    /// Reads in flight and when each next tells its lenders it is alive.
-    beating: Vec<(RequestKey, Nanos)>,
+    /// Reads in flight and when each next tells its lenders it is alive,
+    /// in order of that time (every entry is due `heartbeat` after the
+    /// clock it was pushed with, and the clock does not go back): the
+    /// next heartbeat is the front's. Entries of reads that ended are
+    /// dropped when they reach the front, or all at once when the queue
+    /// outgrows twice the slots, so it never holds more than that (it
+    /// used to keep every read for a whole heartbeat period, and
+    /// `next_deadline` scanned them all).
+    beating: VecDeque<(RequestKey, Nanos)>,
     /// Push destinations, and their lease ends (kept here, not in the
     /// ledger: expiry starts a fence, it frees nothing); once quarantined,
     /// when to ask their silent writers again.
@@ -329,7 +341,7 @@ impl Core {
             local_blocks: 0,
             local_regions: 0,
             peers: Vec::new(),
-            by_instance: HashMap::new(),
+            by_instance: HashMap::default(),
             progress: vec![Progress::default(); capacity * MAX_HANDLES],
             info: vec![
                 Info {
@@ -350,7 +362,7 @@ impl Core {
             ],
             notifiers: vec![0; capacity * MAX_CONSUMERS],
             aborted: Vec::with_capacity(64),
-            beating: Vec::with_capacity(1024),
+            beating: VecDeque::with_capacity(2 * capacity + 1),
             fences: Vec::with_capacity(64),
             quiet: VecDeque::with_capacity(QUIET_REMEMBERED),
             quiet_set: HashSet::with_capacity(QUIET_REMEMBERED),
@@ -714,8 +726,23 @@ impl Core {
             return;
         }
         if kind == Kind::Read && self.cfg.heartbeat != Nanos(u64::MAX) {
+            // Reads that ended leave from the front as new ones come in;
+            // a long read at the front can hold others behind it, so the
+            // whole queue is swept if it grows past twice the slots.
+            while self
+                .beating
+                .front()
+                .is_some_and(|&(k, _)| !self.ledger.is_live(k))
+            {
+                self.beating.pop_front();
+            }
+            if self.beating.len() >= 2 * self.info.len() {
+                // At most one live entry per slot: what goes is ended.
+                let ledger = &self.ledger;
+                self.beating.retain(|&(k, _)| ledger.is_live(k));
+            }
             self.beating
-                .push((key, now.saturating_add(self.cfg.heartbeat)));
+                .push_back((key, now.saturating_add(self.cfg.heartbeat)));
         }
         if kind == Kind::Read && self.cfg.confirm_reads {
             // Finished only once each lender engine confirmed its lend was
@@ -1570,20 +1597,25 @@ impl Core {
 
     /// Reads still in flight whose heartbeat is due tell their lenders.
     fn beat(&mut self, now: Nanos) {
-        let mut i = 0;
-        while i < self.beating.len() {
-            let (key, due) = self.beating[i];
+        // Due entries are at the front; one that beats goes to the back
+        // (due a period from now: no earlier than any entry there).
+        let mut due_now = 0;
+        for &(_, due) in &self.beating {
             if due > now {
-                i += 1;
-                continue;
+                break;
             }
+            due_now += 1;
+        }
+        for _ in 0..due_now {
+            let Some((key, _)) = self.beating.pop_front() else {
+                break;
+            };
             if !self.ledger.is_live(key) {
-                self.beating.swap_remove(i);
                 continue;
             }
             self.each_peer_once(key, NoteKind::Heartbeat, false);
-            self.beating[i].1 = now.saturating_add(self.cfg.heartbeat);
-            i += 1;
+            self.beating
+                .push_back((key, now.saturating_add(self.cfg.heartbeat)));
         }
     }
 
@@ -1597,7 +1629,7 @@ impl Core {
         for &(_, due) in &self.aborted {
             t = t.min(due);
         }
-        for &(_, due) in &self.beating {
+        if let Some(&(_, due)) = self.beating.front() {
             t = t.min(due);
         }
         for &(_, due) in &self.fences {

@@ -118,6 +118,7 @@ pub use request::{Kind, Request};
 pub(crate) use slots::bits;
 pub use slots::{Phase, SlotView, Slots, Stats};
 
+pub(crate) use index::IdHasher;
 use index::IdIndex;
 use slots::{Cancelled, State, CANCELLING, FREE, K_LEND, K_READ, K_RECEIVE, K_WRITE, LIVE};
 

@@ -16,8 +16,17 @@
 //!   eager active message of a notification's size, as kvpoll does: both
 //!   sides do the same protocol work.
 //!
+//! - **kvpoll, confirmed**: the same engine shape with read confirmation
+//!   on (the default, `confirm_reads(true)`), reading from a `kvpoll
+//!   engine-peer --lend-ahead` process that lends each request id it will
+//!   be asked about (block 0, to one reader, ids in order, a window ahead
+//!   of those released): every read asks its producer whether its lend
+//!   was live and finishes on the answer. Its cost over the unconfirmed
+//!   runs is what confirmation costs, the producer's lends included.
+//!
 //! Two shapes: single-block reads (`reads` reads of one block) and requests
-//! of `request_blocks` blocks. Runs of kvpoll and raw alternate; medians.
+//! of `request_blocks` blocks. Runs of kvpoll, confirmed kvpoll and raw
+//! alternate; medians.
 //!
 //! Used by `benches/e2e.rs` and `kvpoll bench`.
 
@@ -40,6 +49,9 @@ const PEER_BLOCKS: u64 = 64;
 /// Token bit of the raw loop's notification sends (their completions are
 /// not reads).
 const NOTE: u64 = 1 << 63;
+/// Request ids the lending peer keeps lent ahead of those released (more
+/// than any shape has in flight, so a read never outruns its lend).
+const LEND_AHEAD: u32 = 2048;
 /// A run that takes longer than this is stuck, not slow.
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -128,6 +140,31 @@ impl Rates {
     }
 }
 
+/// What read confirmation costs, one shape: kvpoll with it against
+/// kvpoll without it, same run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConfirmCost {
+    /// kvpoll with read confirmation, operations per second (median run).
+    pub confirmed_per_s: f64,
+    /// kvpoll without it (the `kvpoll_per_s` of the same shape).
+    pub unconfirmed_per_s: f64,
+    /// `confirmed / unconfirmed`.
+    pub ratio: f64,
+    /// Time per request added, µs: `1/confirmed − 1/unconfirmed`.
+    pub us_per_request: f64,
+}
+
+impl ConfirmCost {
+    fn new(confirmed: f64, unconfirmed: f64) -> Self {
+        ConfirmCost {
+            confirmed_per_s: confirmed,
+            unconfirmed_per_s: unconfirmed,
+            ratio: confirmed / unconfirmed,
+            us_per_request: (1.0 / confirmed - 1.0 / unconfirmed) * 1e6,
+        }
+    }
+}
+
 /// Every figure of one comparison.
 #[derive(Debug, Clone, PartialEq)]
 pub struct E2eFigures {
@@ -137,6 +174,13 @@ pub struct E2eFigures {
     pub reads: Rates,
     /// Multi-block requests per second.
     pub requests: Rates,
+    /// Read confirmation on single-block reads.
+    pub confirm_reads: ConfirmCost,
+    /// Read confirmation on multi-block requests.
+    pub confirm_requests: ConfirmCost,
+    /// Per-read latency (submit → visible), kvpoll with confirmation, ns,
+    /// from the last run.
+    pub confirmed_read_latency_ns: Vec<u64>,
     /// Per-read latency (submit → visible), kvpoll, ns, from the last run.
     pub kvpoll_read_latency_ns: Vec<u64>,
     /// Per-read latency (post → completion), raw, ns, from the last run.
@@ -152,11 +196,19 @@ impl E2eFigures {
                 x.kvpoll_per_s, x.raw_per_s, x.overhead_pct
             )
         };
+        let c = |x: &ConfirmCost| {
+            format!(
+                "{{\"confirmed_per_s\":{:.0},\"unconfirmed_per_s\":{:.0},\"ratio\":{:.4},\"us_per_request\":{:.3}}}",
+                x.confirmed_per_s, x.unconfirmed_per_s, x.ratio, x.us_per_request
+            )
+        };
         format!(
-            "{{\"tls\":\"{}\",\"single_block_reads\":{},\"requests\":{}}}",
+            "{{\"tls\":\"{}\",\"single_block_reads\":{},\"requests\":{},\"confirm_single_block_reads\":{},\"confirm_requests\":{}}}",
             self.tls,
             r(&self.reads),
-            r(&self.requests)
+            r(&self.requests),
+            c(&self.confirm_reads),
+            c(&self.confirm_requests)
         )
     }
 }
@@ -233,13 +285,19 @@ struct KvpollSide {
 }
 
 impl KvpollSide {
-    fn new(cfg: &E2eConfig, metadata: &[u8], local_blocks: u64) -> Result<Self, E2eError> {
+    /// `confirm`: read confirmation on (its peer lends each id it reads,
+    /// from 0 in order) or off (its peer serves its blocks without lending
+    /// them per request, as the raw loop reads them: no lender to confirm).
+    fn new(
+        cfg: &E2eConfig,
+        metadata: &[u8],
+        local_blocks: u64,
+        confirm: bool,
+    ) -> Result<Self, E2eError> {
         let mut engine = Engine::builder()
             .block_size(cfg.block_size)
             .ucx(ContextOptions::with_transports(&cfg.tls))
-            // The peer serves its blocks without lending them per request,
-            // as the raw loop reads them: no lender to confirm.
-            .confirm_reads(false)
+            .confirm_reads(confirm)
             .build()?;
         engine.register(local_blocks)?;
         let peer = engine.add_peer(metadata)?;
@@ -436,9 +494,10 @@ impl RawSide {
 pub struct Session {
     cfg: E2eConfig,
     kv: KvpollSide,
+    kv_confirmed: KvpollSide,
     raw: RawSide,
     // Dropped last: the peers outlive the connections to them.
-    _peers: (PeerProcess, PeerProcess),
+    _peers: (PeerProcess, PeerProcess, PeerProcess),
 }
 
 impl Session {
@@ -473,26 +532,35 @@ impl Session {
         let mut engine_args = common(PEER_BLOCKS);
         engine_args.extend(["--regions".into(), "1".into()]);
         let engine_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
+        engine_args.extend(["--lend-ahead".into(), LEND_AHEAD.to_string()]);
+        let lending_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
         let ucx_peer = PeerProcess::spawn(kvpoll_exe, "ucx-peer", &common(PEER_BLOCKS))?;
-        let metadata = from_hex(&engine_peer.ready).map_err(|_| E2eError::Peer {
-            what: "engine-peer",
-            why: "metadata is not hex".into(),
-        })?;
+        let hex = |p: &PeerProcess| {
+            from_hex(&p.ready).map_err(|_| E2eError::Peer {
+                what: "engine-peer",
+                why: "metadata is not hex".into(),
+            })
+        };
+        let (metadata, lending_metadata) = (hex(&engine_peer)?, hex(&lending_peer)?);
         let local_blocks = u64::from(
             cfg.in_flight
                 .max(cfg.requests_in_flight * cfg.request_blocks),
         );
-        let kv = KvpollSide::new(cfg, &metadata, local_blocks)?;
+        let kv = KvpollSide::new(cfg, &metadata, local_blocks, false)?;
+        // Its ids start at 0, the first the lending peer lent.
+        let kv_confirmed = KvpollSide::new(cfg, &lending_metadata, local_blocks, true)?;
         let raw = RawSide::new(cfg, &ucx_peer.ready, local_blocks)?;
         let mut s = Session {
             cfg: cfg.clone(),
             kv,
+            kv_confirmed,
             raw,
-            _peers: (engine_peer, ucx_peer),
+            _peers: (engine_peer, lending_peer, ucx_peer),
         };
-        // Warm both up: connections, registration caches, page faults.
+        // Warm all up: connections, registration caches, page faults.
         let mut lat = Vec::new();
         s.kvpoll(256, 1, &mut lat)?;
+        s.kvpoll_confirmed(256, 1, &mut lat)?;
         s.raw(256, 1, &mut lat)?;
         Ok(s)
     }
@@ -510,10 +578,33 @@ impl Session {
         self.kv.run(n, blocks, depth, lat)
     }
 
+    /// kvpoll with read confirmation, same shape as [`Session::kvpoll`],
+    /// reading from the peer that lends each request id.
+    pub fn kvpoll_confirmed(
+        &mut self,
+        n: u32,
+        blocks: u32,
+        lat: &mut Vec<u64>,
+    ) -> Result<Duration, E2eError> {
+        let depth = self.depth(blocks);
+        self.kv_confirmed.run(n, blocks, depth, lat)
+    }
+
     /// The raw loop, same shape as [`Session::kvpoll`].
     pub fn raw(&mut self, n: u32, blocks: u32, lat: &mut Vec<u64>) -> Result<Duration, E2eError> {
         let depth = self.depth(blocks);
         self.raw.run(self.cfg.block_size, n, blocks, depth, lat)
+    }
+
+    /// The poller counters so far (iterations, busy and idle time) of the
+    /// kvpoll side with (`confirmed`) or without read confirmation, for
+    /// profiling.
+    pub fn kvpoll_poller_stats(&self, confirmed: bool) -> kvpoll::PollerStats {
+        if confirmed {
+            self.kv_confirmed.engine.poller_stats()
+        } else {
+            self.kv.engine.poller_stats()
+        }
     }
 
     fn depth(&self, blocks: u32) -> u32 {
@@ -528,6 +619,7 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         self.kv.engine.shutdown();
+        self.kv_confirmed.engine.shutdown();
     }
 }
 
@@ -538,19 +630,30 @@ pub fn compare(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<E2eFigures, E2eErro
     let rate = |n: u32, t: Duration| f64::from(n) / t.as_secs_f64();
     let (mut kv_reads, mut raw_reads, mut kv_reqs, mut raw_reqs) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut kv_lat, mut raw_lat, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut conf_reads, mut conf_reqs) = (Vec::new(), Vec::new());
+    let (mut kv_lat, mut raw_lat, mut conf_lat, mut scratch) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (n, b) = (cfg.requests, cfg.request_blocks);
     for _ in 0..cfg.runs {
         kv_reads.push(rate(cfg.reads, s.kvpoll(cfg.reads, 1, &mut kv_lat)?));
+        conf_reads.push(rate(
+            cfg.reads,
+            s.kvpoll_confirmed(cfg.reads, 1, &mut conf_lat)?,
+        ));
         raw_reads.push(rate(cfg.reads, s.raw(cfg.reads, 1, &mut raw_lat)?));
         kv_reqs.push(rate(n, s.kvpoll(n, b, &mut scratch)?));
+        conf_reqs.push(rate(n, s.kvpoll_confirmed(n, b, &mut scratch)?));
         raw_reqs.push(rate(n, s.raw(n, b, &mut scratch)?));
     }
     drop(s);
+    let (kv_reads, kv_reqs) = (median(&mut kv_reads), median(&mut kv_reqs));
     Ok(E2eFigures {
         tls: cfg.tls.clone(),
-        reads: Rates::new(median(&mut kv_reads), median(&mut raw_reads)),
-        requests: Rates::new(median(&mut kv_reqs), median(&mut raw_reqs)),
+        reads: Rates::new(kv_reads, median(&mut raw_reads)),
+        requests: Rates::new(kv_reqs, median(&mut raw_reqs)),
+        confirm_reads: ConfirmCost::new(median(&mut conf_reads), kv_reads),
+        confirm_requests: ConfirmCost::new(median(&mut conf_reqs), kv_reqs),
+        confirmed_read_latency_ns: conf_lat,
         kvpoll_read_latency_ns: kv_lat,
         raw_read_latency_ns: raw_lat,
     })

@@ -341,6 +341,78 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
     Ok(samples)
 }
 
+/// Wake-up of an adaptive poller on a remote notification alone, ns, `n`
+/// samples: engine P lends a block to one reader; the measuring thread
+/// holds a plain UCX worker connected to P over `tls` and, after a quiet
+/// spell long enough for P's poller to block, sends it the reader's
+/// give-up notification itself (an eager active message, as a reader's
+/// poller sends it); one sample is send → `P.poll` reports the lend
+/// released. One kvpoll wake-up (P's poller, on its worker's event fd),
+/// where [`remote_wake_up`] chains two (the reader's poller on its
+/// submit, then P's). On shared memory UCX's async thread relays the
+/// event to the worker's fd: a thread wake-up that is UCX's.
+pub fn remote_wake_up_direct(
+    n: usize,
+    quiet: Duration,
+    tls: &str,
+) -> Result<Vec<u64>, EngineError> {
+    use kvpoll::notification::{NoteKind, Notification};
+    use kvpoll::transport::ucx::{Context, Endpoint, Worker, NOTIFY_AM_ID};
+    let options = kvpoll::ContextOptions::with_transports(tls);
+    let mut p = Engine::builder()
+        .idle(IdlePolicy::Adaptive)
+        .ucx(options.clone())
+        .build()?;
+    p.register(4)?;
+    let meta = kvpoll::metadata::PeerMetadata::decode(&p.local_metadata()?)
+        .map_err(|_| EngineError::Config("own metadata does not decode"))?;
+    let ucx = |_| EngineError::Config("raw UCX sender could not start");
+    let ctx = Context::new(&options).map_err(ucx)?;
+    let worker = Worker::new(&ctx).map_err(ucx)?;
+    let ep = Endpoint::connect(&worker, &meta.worker, 1).map_err(ucx)?;
+    let mut out = Outcomes::default();
+    let guard = Duration::from_secs(10);
+    let mut done = Vec::new();
+    // Round 0 wires the endpoint up; it is not counted.
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..=n as u64 {
+        let id = RequestId(i);
+        p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        let note = Notification {
+            kind: NoteKind::GaveUp,
+            id,
+            count: 1,
+            sender: 0x5eed,
+        }
+        .encode();
+        // Let the lend in, the sender's own send of the last round end,
+        // and P's poller block.
+        std::thread::sleep(quiet);
+        worker.progress();
+        out.clear();
+        let t = Instant::now();
+        ep.send_active_message(NOTIFY_AM_ID, &note, i)
+            .map_err(|_| EngineError::Config("raw UCX send failed"))?;
+        while !out.finished_sending.contains(&id) {
+            // Progress the sender (a send over tcp may need it), then look.
+            worker.progress();
+            p.poll(&mut out);
+            std::thread::yield_now();
+            if t.elapsed() > guard {
+                return Err(EngineError::Config("a lend was not released in 10 s"));
+            }
+        }
+        if i > 0 {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+        done.clear();
+        worker.take_completions(&mut done);
+    }
+    drop(ep);
+    p.shutdown();
+    Ok(samples)
+}
+
 /// The `p` quantile (0.0–1.0) of unsorted samples.
 pub fn quantile(samples: &[u64], p: f64) -> f64 {
     let mut v = samples.to_vec();

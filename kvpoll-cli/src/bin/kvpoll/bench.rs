@@ -254,6 +254,44 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         });
     }
 
+    for (key, figure, pick) in [
+        (
+            "confirm_single_block_reads",
+            "16 KiB reads/s, read confirmation on vs off",
+            (|f: &E2eFigures| f.confirm_reads) as fn(&E2eFigures) -> bench_e2e::ConfirmCost,
+        ),
+        (
+            "confirm_64_block_requests",
+            "64 x 16 KiB requests/s, read confirmation on vs off",
+            |f: &E2eFigures| f.confirm_requests,
+        ),
+    ] {
+        let c = e2e.as_ref().map(pick);
+        rows.push(Row {
+            key,
+            figure,
+            unit: "/s",
+            kvpoll: c.map(|c| c.confirmed_per_s),
+            baseline_name: "kvpoll, confirm_reads(false)",
+            baseline: c.map(|c| c.unconfirmed_per_s),
+            ratio: c.map(|c| c.ratio),
+            target: "(measured, no target)",
+            met: None,
+            note: match (&e2e, c) {
+                (Some(f), Some(c)) => format!(
+                    "over {}; {:+.2} us per request ({:.2}x the raw loop's rate); the producer lends each id",
+                    f.tls,
+                    c.us_per_request,
+                    match key {
+                        "confirm_single_block_reads" => c.confirmed_per_s / f.reads.raw_per_s,
+                        _ => c.confirmed_per_s / f.requests.raw_per_s,
+                    }
+                ),
+                _ => "unavailable".into(),
+            },
+        });
+    }
+
     let quiet = Duration::from_secs(1);
     let adaptive = engine_bench::idle_cpu(IdlePolicy::Adaptive, quiet).map_err(failed)?;
     let busy = engine_bench::idle_cpu(IdlePolicy::Busy, quiet).map_err(failed)?;
@@ -313,6 +351,29 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         ratio: r50.map(|v| v / park50),
         target: "<= 2x park/unpark",
         met: r50.map(|v| v <= 2.0 * park50),
+        note,
+    });
+    let (direct, note) = match engine_bench::remote_wake_up_direct(20, quiet, remote_tls) {
+        Ok(r) => {
+            let note = format!(
+                "a UCX sender's notification -> lend released (1 kvpoll wake-up; UCX's async thread relays it), over {remote_tls}; p99 {:.1} us, 20 samples",
+                engine_bench::quantile(&r, 0.99) / 1e3
+            );
+            (Some(r), note)
+        }
+        Err(e) => (None, format!("unavailable: {e}")),
+    };
+    let d50 = direct.as_ref().map(|r| engine_bench::quantile(r, 0.5));
+    rows.push(Row {
+        key: "remote_wake_up_direct_us",
+        figure: "wake-up on a remote notification alone, p50",
+        unit: "us",
+        kvpoll: d50.map(|v| v / 1e3),
+        baseline_name: "thread park/unpark",
+        baseline: Some(park50 / 1e3),
+        ratio: d50.map(|v| v / park50),
+        target: "<= 2x park/unpark",
+        met: d50.map(|v| v <= 2.0 * park50),
         note,
     });
     Ok(Suite {
@@ -453,6 +514,15 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     f.requests.raw_per_s,
                     f.requests.overhead_pct
                 );
+                for (what, c) in [
+                    ("single-block reads", f.confirm_reads),
+                    ("requests", f.confirm_requests),
+                ] {
+                    println!(
+                        "read confirmation, {what}: {:.0}/s with, {:.0}/s without ({:.2}x, {:+.2} us per request)",
+                        c.confirmed_per_s, c.unconfirmed_per_s, c.ratio, c.us_per_request
+                    );
+                }
             }
         }
     }
@@ -482,6 +552,10 @@ impl Suite {
                 unit: "ns",
                 series: vec![
                     ("kvpoll read (submit -> visible)", &f.kvpoll_read_latency_ns),
+                    (
+                        "kvpoll confirmed read (submit -> visible)",
+                        &f.confirmed_read_latency_ns,
+                    ),
                     ("raw UCX get (post -> completion)", &f.raw_read_latency_ns),
                 ],
             });

@@ -100,14 +100,19 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         block_size,
         seed,
         regions,
+        lend_ahead,
     } = *args;
     let regions = usize::from(regions);
     let fail = |e: kvpoll::EngineError| CliError::Failed(e.to_string());
-    let mut engine = kvpoll::Engine::builder()
+    let mut builder = kvpoll::Engine::builder()
         .block_size(block_size)
-        .ucx(ContextOptions::with_transports(tls))
-        .build()
-        .map_err(fail)?;
+        .ucx(ContextOptions::with_transports(tls));
+    if lend_ahead > 0 {
+        // Room for what is lent ahead, and for as many reported but not
+        // yet polled.
+        builder = builder.ledger(2 * lend_ahead + 64, 8);
+    }
+    let mut engine = builder.build().map_err(fail)?;
     let mut block = vec![0u8; block_size as usize];
     for r in 0..regions {
         engine.register(blocks).map_err(fail)?;
@@ -119,6 +124,9 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
                 .map_err(fail)?;
         }
     }
+    // Lent before READY: the reader's first reads find their lends.
+    let mut lender = Lender::new(lend_ahead);
+    lender.top_up(&mut engine).map_err(fail)?;
     let meta = engine.local_metadata().map_err(fail)?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "READY {}", to_hex(&meta))
@@ -127,11 +135,61 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     drop(out);
     let closed = stdin_closed();
     let mut outcomes = kvpoll::Outcomes::default();
+    let mut quiet = 0u32;
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();
         engine.poll(&mut outcomes);
-        std::thread::sleep(std::time::Duration::from_millis(1));
+        let ended = outcomes.finished_sending.len() + outcomes.expired.len();
+        lender.released += ended as u64;
+        lender.top_up(&mut engine).map_err(fail)?;
+        // A lender whose reader is reading looks often enough to stay
+        // ahead of it (100 µs at most); otherwise, as a peer that lends
+        // nothing, it only keeps its engine drained (every 1 ms), and
+        // leaves the CPU to the runs that do not read from it.
+        quiet = if ended == 0 {
+            quiet.saturating_add(1)
+        } else {
+            0
+        };
+        let nap = if lend_ahead > 0 && quiet < 100 {
+            100
+        } else {
+            1000
+        };
+        if ended == 0 {
+            std::thread::sleep(std::time::Duration::from_micros(nap));
+        }
     }
     engine.shutdown();
     Ok(())
+}
+
+/// Lends request ids in order, `ahead` more than were released.
+struct Lender {
+    ahead: u64,
+    next: u64,
+    released: u64,
+}
+
+impl Lender {
+    fn new(ahead: u32) -> Self {
+        Lender {
+            ahead: u64::from(ahead),
+            next: 0,
+            released: 0,
+        }
+    }
+
+    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::EngineError> {
+        while self.next < self.released + self.ahead {
+            engine.lend(
+                kvpoll::RequestId(self.next),
+                &[kvpoll::BlockId(0)],
+                kvpoll::LendTo::Readers(1),
+                std::time::Duration::from_secs(3600),
+            )?;
+            self.next += 1;
+        }
+        Ok(())
+    }
 }
