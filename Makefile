@@ -16,7 +16,7 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
 C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
 
-.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak fuzz fuzz-build
+.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak sim-soak fuzz fuzz-build
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -65,9 +65,18 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features cuda -- -D warnings
 
-# The protocol core over the simulator, many more random whole runs than
-# `make test` (10 000): faults, pauses, kills, aborts, deadlines, shutdown.
-soak:
+# The soak: the demo's modes over and over with the full fault mix (kills,
+# pauses, stalls, handle, setup and release failures) for SOAK_SECS (30
+# minutes), sampling memory, file descriptors and ring occupancy every 5 s
+# into target/soak.csv; it fails if any grew without bound, or on anything
+# corrupted, leaked, lost or duplicated.
+SOAK_SECS ?= 1800
+soak: deps
+	$(CARGO) build --release -p kvpoll-cli --bin kvpoll
+	$(TARGET_DIR)/release/kvpoll demo --soak $(SOAK_SECS) --soak-csv $(TARGET_DIR)/soak.csv
+
+# The protocol core's whole-run proptest over the simulator, at length.
+sim-soak:
 	KVPOLL_SIM_CASES=$${KVPOLL_SIM_CASES:-200000} $(CARGO) test --release --test core_sim -- --nocapture
 
 # Coverage-guided fuzzing (fuzz/, outside the workspace) with libFuzzer on

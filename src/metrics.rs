@@ -267,6 +267,8 @@ pub struct MetricsSnapshot {
     pub slots: SlotUse,
     /// Submit → report latency, per kind.
     pub latency: RequestLatency,
+    /// Releases of handles that failed (each handle is held and retried).
+    pub release_failures: u64,
 }
 
 impl MetricsSnapshot {
@@ -346,6 +348,7 @@ impl Engine {
                 retires: l.rejected_retires,
                 release_retries: l.failed_release_retries,
             },
+            release_failures: l.release_failures,
             slots: SlotUse {
                 capacity: u64::from(l.capacity),
                 in_use: u64::from(l.in_use),
@@ -554,6 +557,13 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         "rejected_inputs",
         "Inputs refused and dropped (nothing changed), by kind",
         rejected,
+    );
+    let mut release_failures = Fixed::<u64>::new(MetricType::Counter);
+    release_failures.row(Vec::new(), s.release_failures);
+    registry.register(
+        "release_failures",
+        "Handle releases that failed (the handle is held and retried)",
+        release_failures,
     );
 
     let mut capacity = Fixed::<u64>::new(MetricType::Gauge);

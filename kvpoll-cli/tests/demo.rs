@@ -34,6 +34,8 @@ fn sum(json: &str, key: &str) -> u64 {
 const DENSE: &[&str] = &[
     "--requests",
     "500",
+    "--lease-ms",
+    "400",
     "--handle-error-every",
     "4",
     "--stall-every-ms",
@@ -57,12 +59,23 @@ fn demo_with_faults_in_threads_corrupts_and_leaks_nothing() {
 
 #[test]
 fn demo_with_rank_processes_survives_a_killed_and_restarted_rank() {
-    let (code, json) = kvpoll(&["demo", "--requests", "600", "--json"]);
+    let (code, json) = kvpoll(&["demo", "--requests", "600", "--lease-ms", "400", "--json"]);
     assert_eq!(code, Some(0), "{json}");
-    assert_eq!(sum(&json, "kills"), 1, "{json}");
     assert_eq!(sum(&json, "corrupted_blocks"), 0, "{json}");
     assert_eq!(sum(&json, "leaked_blocks"), 0, "{json}");
     assert!(sum(&json, "finished") > 0, "{json}");
+    // Every advertised fault fired, in each of the two modes.
+    assert_eq!(sum(&json, "kills"), 2, "{json}");
+    assert_eq!(sum(&json, "pauses"), 2, "{json}");
+    assert_eq!(sum(&json, "decode_stalls"), 8, "{json}");
+    for fault in [
+        "transfer_errors",
+        "setup_failures",
+        "release_failures",
+        "stalls",
+    ] {
+        assert!(sum(&json, fault) >= 2, "{fault} did not fire: {json}");
+    }
 }
 
 #[test]

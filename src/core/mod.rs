@@ -51,6 +51,14 @@ const QUIET_REMEMBERED: usize = 4096;
 /// again, at most (an answer can be lost with a closed endpoint).
 const REQUERY_MIN: Nanos = Nanos(50_000_000);
 
+/// Whether an operation's status says its peer is gone (unreachable, the
+/// connection reset or not connected, a link or endpoint failure — UCX's
+/// `UCS_ERR_ENDPOINT_TIMEOUT` for a killed process among them), as opposed
+/// to an error of the transfer itself.
+fn peer_gone(status: i8) -> bool {
+    matches!(status, -6 | -24 | -25 | -89..=-40)
+}
+
 /// What the core is told about itself at start.
 #[derive(Debug, Clone, Copy)]
 pub struct CoreConfig {
@@ -988,6 +996,7 @@ impl Core {
             .and_then(|p| p.close_cause(generation));
         match closed {
             Some(cause) if status == CANCELED => Reason::new(cause, status),
+            _ if peer_gone(status) => Reason::new(Cause::PeerLost, status),
             _ => Reason::new(Cause::Transfer, status.min(-1)),
         }
     }

@@ -137,6 +137,8 @@ pub struct Stats {
     pub ignored_heartbeats: u64,
     /// Release retries that failed again.
     pub failed_release_retries: u64,
+    /// Releases that failed (their handles held for a retry).
+    pub release_failures: u64,
     /// Retires refused with a [`RetireError`].
     pub rejected_retires: u64,
 }
@@ -187,6 +189,7 @@ pub struct Slots {
     rejected_notifications: AtomicU64,
     ignored_heartbeats: AtomicU64,
     failed_release_retries: AtomicU64,
+    release_failures: AtomicU64,
     rejected_retires: AtomicU64,
 }
 
@@ -236,6 +239,7 @@ impl Slots {
             rejected_notifications: AtomicU64::new(0),
             ignored_heartbeats: AtomicU64::new(0),
             failed_release_retries: AtomicU64::new(0),
+            release_failures: AtomicU64::new(0),
             rejected_retires: AtomicU64::new(0),
         }
     }
@@ -447,6 +451,7 @@ impl Slots {
     ) -> Result<(), InputError> {
         match self.step(hk, &[H_POSTED], H_HELD, not_posted_or_ended) {
             Ok(s) => {
+                self.release_failures.fetch_add(1, Ordering::Relaxed);
                 if let Err(reason) = result {
                     self.fail(s, hk, reason, out);
                 }
@@ -892,6 +897,7 @@ impl Slots {
             rejected_notifications: self.rejected_notifications.load(Ordering::Relaxed),
             ignored_heartbeats: self.ignored_heartbeats.load(Ordering::Relaxed),
             failed_release_retries: self.failed_release_retries.load(Ordering::Relaxed),
+            release_failures: self.release_failures.load(Ordering::Relaxed),
             rejected_retires: self.rejected_retires.load(Ordering::Relaxed),
         }
     }

@@ -126,13 +126,13 @@ pub struct DemoArgs {
     #[arg(long)]
     pub no_kill: bool,
     /// Every N-th handle fails with a transfer error (0: never).
-    #[arg(long, value_name = "N", default_value_t = 40)]
+    #[arg(long, value_name = "N", default_value_t = 200)]
     pub handle_error_every: u32,
     /// Every N-th handle's release fails once (0: never).
     #[arg(long, value_name = "N", default_value_t = 50)]
     pub release_failure_every: u32,
     /// Every N-th request's setup fails (0: never).
-    #[arg(long, value_name = "N", default_value_t = 97)]
+    #[arg(long, value_name = "N", default_value_t = 197)]
     pub setup_failure_every: u64,
     /// Stall a prefill rank this often, in ms.
     #[arg(long, value_name = "MS", default_value_t = 2500, value_parser = clap::value_parser!(u64).range(1..))]
@@ -152,6 +152,18 @@ pub struct DemoArgs {
     /// and stalls of the fault mix it corrupts blocks.
     #[arg(long)]
     pub no_fence: bool,
+    /// Soak: run the modes over and over, with the full fault mix, for
+    /// this many seconds, sampling memory, file descriptors and ring
+    /// occupancy; exit 1 if any grew without bound, or on any corrupted,
+    /// leaked, lost or duplicated request (0: one pull and one push run).
+    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    pub soak: u64,
+    /// How often the soak samples, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub sample_secs: u64,
+    /// Write the soak's samples to this CSV file.
+    #[arg(long, value_name = "FILE")]
+    pub soak_csv: Option<std::path::PathBuf>,
     /// Sizes, counts and transports.
     #[command(flatten)]
     pub workload: Workload,

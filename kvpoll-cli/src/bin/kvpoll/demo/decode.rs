@@ -49,6 +49,8 @@ pub enum Policy {
 #[derive(Default)]
 pub struct Registry {
     pub addrs: Mutex<Vec<(String, u64)>>,
+    /// Process ids of the prefill ranks run as processes (for sampling).
+    pub pids: Mutex<Vec<u32>>,
 }
 
 #[derive(Debug, Clone)]
@@ -84,6 +86,20 @@ pub struct DecodeConfig {
     /// Once this many requests were reported, this rank's engine thread
     /// sleeps for the given time (it polls nothing).
     pub doze: Option<(u64, Duration)>,
+    /// Where this rank publishes its rings' occupancy (commands and events
+    /// waiting), about once a second, for the soak's samples.
+    pub rings: Option<std::sync::Arc<AtomicU64>>,
+}
+
+/// Injected faults that fired on a decode rank.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Fired {
+    /// Handles that failed with a transfer error.
+    pub transfer_errors: u64,
+    /// Requests set up to name a block that does not exist.
+    pub setup_failures: u64,
+    /// Handle releases that failed (and were retried).
+    pub release_failures: u64,
 }
 
 /// Failed requests by cause.
@@ -137,6 +153,11 @@ pub struct DecodeReport {
     pub gave_up: Option<String>,
     /// Poller stalls and engine-thread sleeps this rank went through.
     pub stalls: u32,
+    /// Injected faults that fired on this rank.
+    pub faults: Fired,
+    /// Reports of requests this rank was not waiting for (a duplicate, or
+    /// one it never made): must stay 0.
+    pub unexpected_reports: u64,
     /// Requests not read because a lend's lease may have run out before
     /// the read was posted (counted in `refused` too).
     pub lease_too_short: u64,
@@ -267,6 +288,7 @@ pub fn run(
     let mut issued = 0u64;
     let mut out = Outcomes::default();
     let (mut stall_done, mut doze_done) = (false, false);
+    let mut last_rings = Instant::now();
     loop {
         d.reconnect(registry);
         while issued < cfg.requests && d.reqs.len() < cfg.window && d.links_up() {
@@ -307,6 +329,13 @@ pub fn run(
             ));
             break;
         }
+        if let Some(rings) = &cfg.rings {
+            if last_rings.elapsed() >= Duration::from_secs(1) {
+                let m = d.engine.metrics();
+                rings.store(m.rings.iter().map(|r| r.occupancy).sum(), Ordering::Relaxed);
+                last_rings = Instant::now();
+            }
+        }
         if out.is_empty() {
             std::thread::sleep(Duration::from_micros(100));
         }
@@ -317,6 +346,9 @@ pub fn run(
     d.report.leaked_blocks = u64::from(d.pool.total() - d.pool.free());
     let s = d.engine.poller_stats();
     d.report.busy_iterations = s.busy_iterations;
+    let m = d.engine.metrics();
+    d.report.faults.transfer_errors = m.handle_failures.transfer;
+    d.report.faults.release_failures = m.release_failures;
     d.report.idle_iterations = s.idle_iterations;
     d.engine.shutdown();
     let mut out = Outcomes::default();
@@ -617,6 +649,7 @@ impl Decoder<'_> {
             && seq % self.cfg.setup_failure_every == 7 % self.cfg.setup_failure_every
         {
             remote[0][0] = BlockId(u32::MAX - 1); // no such block: a setup failure
+            self.report.faults.setup_failures += 1;
         }
         let t = [
             Transfer {
@@ -652,6 +685,7 @@ impl Decoder<'_> {
         }
         for id in &out.finished_recving {
             let Some(r) = self.reqs.remove(&id.0) else {
+                self.report.unexpected_reports += 1;
                 continue;
             };
             progress.fetch_add(1, Ordering::Relaxed);
@@ -679,6 +713,7 @@ impl Decoder<'_> {
         }
         for f in &out.failed_recving {
             let Some(r) = self.reqs.remove(&f.id.0) else {
+                self.report.unexpected_reports += 1;
                 continue;
             };
             progress.fetch_add(1, Ordering::Relaxed);
@@ -691,6 +726,7 @@ impl Decoder<'_> {
         }
         for id in &out.expired {
             let Some(r) = self.reqs.remove(&id.0) else {
+                self.report.unexpected_reports += 1;
                 continue;
             };
             progress.fetch_add(1, Ordering::Relaxed);
@@ -734,6 +770,6 @@ impl Decoder<'_> {
 }
 
 /// Requests reported so far, however they ended.
-fn progress_of(r: &DecodeReport) -> u64 {
+pub fn progress_of(r: &DecodeReport) -> u64 {
     r.finished + r.failed + r.expired + r.refused
 }

@@ -18,6 +18,7 @@ mod link;
 mod pool;
 mod prefill;
 mod proto;
+mod soak;
 
 use std::io::{BufRead, BufReader, IsTerminal};
 use std::net::TcpListener;
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 use kvpoll::engine::Faults;
 
 use crate::cli::{CliError, ConnectArgs, DemoArgs, Ranks, ServeArgs, Workload};
-use decode::{Causes, DecodeConfig, DecodeReport, Registry};
+use decode::{progress_of, Causes, DecodeConfig, DecodeReport, Registry};
 pub use decode::{Mode, Policy};
 use kvpoll_cli::control::{self, FrameReader};
 use link::LinkError;
@@ -65,6 +66,10 @@ struct Settings {
     pause_for: Duration,
     /// Leases are timers (unsafe, for comparison).
     no_fence: bool,
+    /// Soak for this long (zero: one run of each mode).
+    soak: Duration,
+    sample_every: Duration,
+    soak_csv: Option<std::path::PathBuf>,
 }
 
 impl Settings {
@@ -83,6 +88,9 @@ impl Settings {
         s.kill = !a.no_kill;
         s.pause_for = a.pause_ms.map_or(s.lease * 5 / 2, Duration::from_millis);
         s.no_fence = a.no_fence;
+        s.soak = Duration::from_secs(a.soak);
+        s.sample_every = Duration::from_secs(a.sample_secs);
+        s.soak_csv = a.soak_csv.clone();
         Ok(s)
     }
 
@@ -110,6 +118,9 @@ impl Settings {
             lease: Duration::from_millis(w.lease_ms),
             pause_for: Duration::ZERO,
             no_fence: false,
+            soak: Duration::ZERO,
+            sample_every: Duration::from_secs(5),
+            soak_csv: None,
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -175,6 +186,7 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         fence: !s.no_fence,
         stall: None,
         doze: None,
+        rings: None,
     }
 }
 
@@ -360,16 +372,85 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
             if s.no_fence { "TIMERS (--no-fence: unsafe, for comparison)" } else { "fenced" }
         );
     }
+    refresh_pids(&registry, &ranks);
+    let rings: Vec<Arc<AtomicU64>> = (0..DECODE_RANKS).map(|_| Arc::default()).collect();
+    let soak_until = (!s.soak.is_zero()).then(|| Instant::now() + s.soak);
+    let sampler = soak_until.map(|_| {
+        let reg = registry.clone();
+        soak::Sampler::start(
+            s.sample_every,
+            move || reg.pids.lock().map(|p| p.clone()).unwrap_or_default(),
+            rings.clone(),
+        )
+    });
     let mut reports = Vec::new();
-    for mode in [Mode::Pull, Mode::Push] {
-        let r = run_mode(&s, mode, &registry, &mut ranks)?;
-        if !s.json {
-            print_table(mode, &r, &s);
+    let mut cycle = 0u32;
+    loop {
+        cycle += 1;
+        for mode in [Mode::Pull, Mode::Push] {
+            let r = run_mode(&s, mode, &registry, &mut ranks, &rings)?;
+            if !s.json {
+                if soak_until.is_some() {
+                    print_soak_line(cycle, mode, &r);
+                } else {
+                    print_table(mode, &r, &s);
+                }
+            }
+            reports.push((mode, r));
         }
-        reports.push((mode, r));
+        let stopped_early = reports.iter().any(|(_, r)| gave_up(r).is_some());
+        match soak_until {
+            Some(t) if Instant::now() < t && !stopped_early => {}
+            _ => break,
+        }
     }
     for r in ranks.into_iter().flatten() {
         r.stop();
+    }
+    let mut problems = Vec::new();
+    if let Some(sampler) = sampler {
+        let samples = sampler.finish();
+        if let (Some(first), Some(last)) = (samples.first(), samples.last()) {
+            if !s.json {
+                println!(
+                    "soak: {cycle} cycles, {} samples; decode RSS {} -> {} KiB, fds {} -> {}; prefill RSS {} -> {} KiB, fds {} -> {}; ring occupancy {} -> {}",
+                    samples.len(),
+                    first.rss_kib,
+                    last.rss_kib,
+                    first.fds,
+                    last.fds,
+                    first.ranks_rss_kib,
+                    last.ranks_rss_kib,
+                    first.ranks_fds,
+                    last.ranks_fds,
+                    first.ring_occupancy,
+                    last.ring_occupancy
+                );
+            }
+        }
+        if let Some(path) = &s.soak_csv {
+            std::fs::write(path, soak::csv(&samples))
+                .map_err(|e| CliError::Failed(format!("{}: {e}", path.display())))?;
+        }
+        problems.extend(soak::growth(&samples));
+    }
+    for (mode, r) in &reports {
+        for d in &r.decode {
+            let reported = progress_of(d);
+            if reported != d.requests && d.gave_up.is_none() {
+                problems.push(format!(
+                    "{mode:?}: {} of {} requests were never reported",
+                    d.requests - reported.min(d.requests),
+                    d.requests
+                ));
+            }
+            if d.unexpected_reports > 0 {
+                problems.push(format!(
+                    "{mode:?}: {} reports of requests not awaited (duplicated)",
+                    d.unexpected_reports
+                ));
+            }
+        }
     }
     let corrupted: u64 = reports
         .iter()
@@ -395,7 +476,46 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
             "{corrupted} corrupted and {leaked} leaked blocks under the safe policy"
         )));
     }
+    if !problems.is_empty() {
+        return Err(CliError::Failed(problems.join("; ")));
+    }
     Ok(())
+}
+
+/// Records the process ids of the prefill ranks run as processes.
+fn refresh_pids(registry: &Registry, ranks: &[Option<Rank>]) {
+    let pids = ranks
+        .iter()
+        .filter_map(|r| match r {
+            Some(Rank::Process(c)) => Some(c.id()),
+            _ => None,
+        })
+        .collect();
+    if let Ok(mut p) = registry.pids.lock() {
+        *p = pids;
+    }
+}
+
+/// One line a mode in a soak.
+fn print_soak_line(cycle: u32, mode: Mode, r: &ModeReport) {
+    let t = sums(r);
+    let f = fired(r);
+    println!(
+        "cycle {cycle} {mode:?}: transferred {} of {} ({:.1}%), {} failed, {} corrupted, {} leaked; fired {} transfer errors, {} setup failures, {} release failures, {} stalls, {} pauses, {} decode stalls, {} kills",
+        t.finished,
+        t.requests,
+        pct(t.finished, t.requests),
+        t.failed,
+        t.corrupted,
+        t.leaked,
+        f.transfer_errors,
+        f.setup_failures,
+        f.release_failures,
+        r.stalls,
+        r.pauses,
+        decode_stalls(r),
+        r.kills
+    );
 }
 
 fn run_mode(
@@ -403,6 +523,7 @@ fn run_mode(
     mode: Mode,
     registry: &Arc<Registry>,
     ranks: &mut [Option<Rank>],
+    rings: &[Arc<AtomicU64>],
 ) -> Result<ModeReport, CliError> {
     let progress = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -412,6 +533,7 @@ fn run_mode(
         let mut cfg = decode_config(s, mode, s.policy);
         cfg.rank = d + 1;
         cfg.prefill = [2 * d, 2 * d + 1];
+        cfg.rings = rings.get(d as usize).cloned();
         if s.faults {
             // Each decode rank's poller hangs once past the prefill ranks'
             // lease (pull: its reads land late; push: its destinations'
@@ -449,7 +571,7 @@ fn run_mode(
     let mut pause_done = !s.faults || s.pause_for.is_zero();
     let mut paused: Option<(u32, Instant)> = None;
     let mut next_stall = Instant::now() + s.stall_every;
-    let mut killed = !(s.faults && s.kill && s.processes && mode == Mode::Pull);
+    let mut killed = !(s.faults && s.kill && s.processes);
     let mut last_line = Instant::now();
     while decoders.iter().any(|d| !d.is_finished()) {
         std::thread::sleep(Duration::from_millis(20));
@@ -525,6 +647,7 @@ fn run_mode(
             }
             let (rank, addr) = start_rank(s, 3)?;
             ranks[3] = Some(rank);
+            refresh_pids(registry, ranks);
             if let Ok(mut a) = registry.addrs.lock() {
                 a[3] = (addr, a[3].1 + 1);
             }
@@ -647,9 +770,13 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     let t = sums(r);
     let row = |name: &str, v: u64| println!("  {name:<34} {v:>12}");
     println!();
+    let f = fired(r);
+    println!("{mode:?} mode ({:.1} s)", r.seconds);
     println!(
-        "{mode:?} mode ({:.1} s, {} prefill stalls, {} prefill pauses, {} decode stalls, {} kills)",
-        r.seconds,
+        "  faults fired: {} transfer errors, {} setup failures, {} release failures, {} prefill stalls, {} prefill pauses, {} decode stalls, {} kills",
+        f.transfer_errors,
+        f.setup_failures,
+        f.release_failures,
         r.stalls,
         r.pauses,
         decode_stalls(r),
@@ -705,6 +832,17 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     }
 }
 
+/// Injected faults that fired on the decode ranks.
+fn fired(r: &ModeReport) -> decode::Fired {
+    let mut f = decode::Fired::default();
+    for d in &r.decode {
+        f.transfer_errors += d.faults.transfer_errors;
+        f.setup_failures += d.faults.setup_failures;
+        f.release_failures += d.faults.release_failures;
+    }
+    f
+}
+
 /// Poller stalls and engine-thread sleeps of the decode ranks.
 fn decode_stalls(r: &ModeReport) -> u32 {
     r.decode.iter().map(|d| d.stalls).sum()
@@ -740,7 +878,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
             let t = sums(r);
             let c = t.causes;
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -762,6 +900,9 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 t.finished as f64 / r.seconds,
                 t.bytes as f64 / r.seconds / 1e9,
                 busy_pct(r),
+                fired(r).transfer_errors,
+                fired(r).setup_failures,
+                fired(r).release_failures,
                 r.stalls,
                 r.pauses,
                 decode_stalls(r),
