@@ -129,6 +129,11 @@ pub enum Msg {
         busy: u64,
         /// Idle poller iterations.
         idle: u64,
+        /// Handles that failed with a transfer error, since the rank
+        /// started (injected faults among them).
+        transfer_errors: u64,
+        /// Handle releases that failed, since the rank started.
+        release_failures: u64,
     },
     /// Either direction: the last message (or the connection) was refused,
     /// and why.
@@ -325,9 +330,11 @@ impl Msg {
                 free,
                 busy,
                 idle,
+                transfer_errors,
+                release_failures,
             } => {
                 o.u8(10);
-                for v in [total, free, busy, idle] {
+                for v in [total, free, busy, idle, transfer_errors, release_failures] {
                     o.u64(*v);
                 }
             }
@@ -382,6 +389,8 @@ impl Msg {
                 free: r.u64()?,
                 busy: r.u64()?,
                 idle: r.u64()?,
+                transfer_errors: r.u64()?,
+                release_failures: r.u64()?,
             },
             11 => Msg::Refused(String::from_utf8_lossy(r.bytes(MAX_TEXT)?).into_owned()),
             _ => return Err(FrameError::Message("unknown message tag")),
@@ -596,6 +605,8 @@ mod tests {
                 free: 8,
                 busy: 1,
                 idle: 2,
+                transfer_errors: 3,
+                release_failures: 4,
             },
             Msg::Refused("no".into()),
         ]

@@ -207,7 +207,11 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
     wait_report(&mut d, &mut out);
     assert_eq!(out.failed_recving.len(), 1, "{out:?}");
     // A killed peer is a lost peer, whichever error UCX reported first.
-    assert_eq!(out.failed_recving[0].reason.cause, Cause::PeerLost, "{out:?}");
+    assert_eq!(
+        out.failed_recving[0].reason.cause,
+        Cause::PeerLost,
+        "{out:?}"
+    );
 
     // The dead peer's state is gone: reads to it are setup failures now.
     out.clear();

@@ -79,6 +79,8 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
             free: 500,
             busy: 1,
             idle: 2,
+            transfer_errors: 3,
+            release_failures: 4,
         },
         Msg::Refused("STALL refused".into()),
     ];

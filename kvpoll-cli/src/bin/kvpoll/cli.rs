@@ -190,6 +190,9 @@ pub struct ServeArgs {
     /// KV layers (registered regions; a peer accepts at most 1024).
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub layers: u16,
+    /// Every N-th handle's release fails once (0: never).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub release_failure_every: u32,
     /// Lease on what this rank lends (pull) or writes (push), in ms.
     #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
     pub lease_ms: u64,

@@ -521,8 +521,17 @@ impl Decoder<'_> {
                     self.report.refused += 1;
                     return true;
                 }
+                let sabotage = self.cfg.setup_failure_every != 0
+                    && seq % self.cfg.setup_failure_every == 7 % self.cfg.setup_failure_every;
+                if sabotage {
+                    self.report.faults.setup_failures += 1;
+                }
                 for (i, l) in self.links.iter_mut().enumerate() {
-                    let half = req.blocks[i * h..(i + 1) * h].iter().map(|b| b.0).collect();
+                    let mut half: Vec<u32> =
+                        req.blocks[i * h..(i + 1) * h].iter().map(|b| b.0).collect();
+                    if sabotage && i == 0 {
+                        half[0] = u32::MAX - 1; // no such block: the write's setup fails
+                    }
                     if let Some(s) = &mut l.stream {
                         link::send(
                             s,

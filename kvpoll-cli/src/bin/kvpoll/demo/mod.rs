@@ -209,6 +209,12 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
             } else {
                 0
             },
+            release_failure_every: if s.faults {
+                s.release_failure_every * 2
+            } else {
+                0
+            },
+            release_retry_after: Duration::from_millis(20),
             ..Faults::default()
         },
     }
@@ -236,6 +242,13 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
             .args([
                 "--handle-error-every",
                 &serve_config(s, rank).faults.handle_error_every.to_string(),
+            ])
+            .args([
+                "--release-failure-every",
+                &serve_config(s, rank)
+                    .faults
+                    .release_failure_every
+                    .to_string(),
             ])
             // The coordinator stalls ranks: fault injection must be allowed.
             .args(s.faults.then_some("--testing"))
@@ -346,6 +359,8 @@ struct ModeReport {
     kills: u32,
     stalls: u32,
     pauses: u32,
+    prefill_transfer_errors: u64,
+    prefill_release_failures: u64,
 }
 
 pub fn run(args: &DemoArgs) -> Result<(), CliError> {
@@ -385,10 +400,11 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     });
     let mut reports = Vec::new();
     let mut cycle = 0u32;
+    let mut fired_before = std::collections::HashMap::new();
     loop {
         cycle += 1;
         for mode in [Mode::Pull, Mode::Push] {
-            let r = run_mode(&s, mode, &registry, &mut ranks, &rings)?;
+            let r = run_mode(&s, mode, &registry, &mut ranks, &rings, &mut fired_before)?;
             if !s.json {
                 if soak_until.is_some() {
                     print_soak_line(cycle, mode, &r);
@@ -524,6 +540,7 @@ fn run_mode(
     registry: &Arc<Registry>,
     ranks: &mut [Option<Rank>],
     rings: &[Arc<AtomicU64>],
+    fired_before: &mut std::collections::HashMap<String, (u64, u64)>,
 ) -> Result<ModeReport, CliError> {
     let progress = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -691,12 +708,20 @@ fn run_mode(
                 free,
                 busy,
                 idle,
+                transfer_errors,
+                release_failures,
             })) = reply
             {
                 if free == total || Instant::now() > give_up {
                     report.prefill_leaked += total - free;
                     report.prefill_busy += busy;
                     report.prefill_idle += idle;
+                    // The rank's counters run from its start: this mode's
+                    // share is what they grew by since the last mode.
+                    let seen = fired_before.entry(addr.clone()).or_insert((0, 0));
+                    report.prefill_transfer_errors += transfer_errors.saturating_sub(seen.0);
+                    report.prefill_release_failures += release_failures.saturating_sub(seen.1);
+                    *seen = (transfer_errors, release_failures);
                     break;
                 }
             } else if Instant::now() > give_up {
@@ -832,9 +857,13 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     }
 }
 
-/// Injected faults that fired on the decode ranks.
+/// Injected faults that fired on the decode and prefill ranks.
 fn fired(r: &ModeReport) -> decode::Fired {
-    let mut f = decode::Fired::default();
+    let mut f = decode::Fired {
+        transfer_errors: r.prefill_transfer_errors,
+        release_failures: r.prefill_release_failures,
+        ..decode::Fired::default()
+    };
     for d in &r.decode {
         f.transfer_errors += d.faults.transfer_errors;
         f.setup_failures += d.faults.setup_failures;
@@ -937,6 +966,8 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         lease: Duration::from_millis(args.lease_ms),
         faults: Faults {
             handle_error_every: args.handle_error_every,
+            release_failure_every: args.release_failure_every,
+            release_retry_after: Duration::from_millis(20),
             ..Faults::default()
         },
         metrics: args.metrics.map(|_| Arc::default()),

@@ -349,11 +349,14 @@ fn handle(
         }
         Msg::Stats => {
             let s = engine.poller_stats();
+            let m = engine.metrics();
             Some(Msg::StatsReply {
                 total: u64::from(pool.total()),
                 free: u64::from(pool.free()),
                 busy: s.busy_iterations,
                 idle: s.idle_iterations,
+                transfer_errors: m.handle_failures.transfer,
+                release_failures: m.release_failures,
             })
         }
         // Messages a prefill rank does not take are ignored.

@@ -122,10 +122,14 @@ pub fn growth(samples: &[Sample]) -> Vec<String> {
     let late = &samples[n - n / 4..];
     let peak = |w: &[Sample], f: fn(&Sample) -> u64| w.iter().map(f).max().unwrap_or(0);
     let mut grew = Vec::new();
-    let checks: [(&str, fn(&Sample) -> u64, fn(u64) -> u64); 5] = [
+    let checks: [Check; 5] = [
         ("decode RSS (KiB)", |s| s.rss_kib, |e| e + e / 4 + 16 * 1024),
         ("decode fds", |s| s.fds, |e| e + 32),
-        ("prefill RSS (KiB)", |s| s.ranks_rss_kib, |e| e + e / 4 + 16 * 1024),
+        (
+            "prefill RSS (KiB)",
+            |s| s.ranks_rss_kib,
+            |e| e + e / 4 + 16 * 1024,
+        ),
         ("prefill fds", |s| s.ranks_fds, |e| e + 32),
         ("ring occupancy", |s| s.ring_occupancy, |e| 2 * e + 4096),
     ];
@@ -138,10 +142,15 @@ pub fn growth(samples: &[Sample]) -> Vec<String> {
     grew
 }
 
+/// A figure's name, how to read it from a sample, and the most its late
+/// peak may reach given its early one.
+type Check = (&'static str, fn(&Sample) -> u64, fn(u64) -> u64);
+
 /// The samples as CSV.
 pub fn csv(samples: &[Sample]) -> String {
-    let mut o =
-        String::from("seconds,decode_rss_kib,decode_fds,prefill_rss_kib,prefill_fds,ring_occupancy\n");
+    let mut o = String::from(
+        "seconds,decode_rss_kib,decode_fds,prefill_rss_kib,prefill_fds,ring_occupancy\n",
+    );
     for s in samples {
         o.push_str(&format!(
             "{},{},{},{},{},{}\n",
