@@ -588,7 +588,9 @@ fn run_mode(
     let mut pause_done = !s.faults || s.pause_for.is_zero();
     let mut paused: Option<(u32, Instant)> = None;
     let mut next_stall = Instant::now() + s.stall_every;
-    let mut killed = !(s.faults && s.kill && s.processes);
+    // Pull mode only: a writer killed mid-put over tcp makes UCX 1.13 abort
+    // its destination's process (see docs/design.md, UCX facts).
+    let mut killed = !(s.faults && s.kill && s.processes && mode == Mode::Pull);
     let mut last_line = Instant::now();
     while decoders.iter().any(|d| !d.is_finished()) {
         std::thread::sleep(Duration::from_millis(20));
