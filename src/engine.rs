@@ -379,6 +379,7 @@ impl EngineBuilder {
     /// lends (default 250 ms): each heartbeat extends a lend by its own
     /// lease length from then. A reader that stops (a paused process, a
     /// cut link) stops sending them, and its lenders' leases run out.
+    /// Writes in flight do the same for their push destinations.
     /// `Duration::MAX`: never.
     pub fn read_heartbeat(mut self, every: Duration) -> Self {
         self.read_heartbeat = every;

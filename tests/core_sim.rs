@@ -1466,6 +1466,39 @@ fn a_named_writer_paused_past_the_destinations_lease_keeps_its_blocks_quarantine
     h.check_end();
 }
 
+/// A writer whose puts are slow (a congested link) tells its destination
+/// it is still at it: the destination's lease is extended and its blocks
+/// are not quarantined; without heartbeats the same run quarantines them
+/// (and the writer's word then releases them). Either way the data lands
+/// whole and nothing lands after the report.
+#[test]
+fn a_writer_in_flight_heartbeats_its_destination_and_keeps_its_lease() {
+    let slow = SimNetConfig {
+        latency: (3 * MS, 4 * MS),
+        ..cfg(31, 2)
+    };
+    let run = |heartbeat: u64| {
+        let mut h = Harness::with_heartbeat(slow, heartbeat);
+        let dst = h.alloc(1, 2);
+        h.receive_from(1, 18, &dst, &[0], 5 * MS);
+        let src = h.alloc(0, 2);
+        h.fill(0, &src);
+        h.reqs.get_mut(&(1, 18)).unwrap().expect =
+            dst.iter().zip(&src).map(|(&x, &s)| (x, 0, s)).collect();
+        h.write(0, 18, &[(1, pairs(&src, &dst))], 1, 100 * MS);
+        h.settle();
+        assert_eq!(h.report_of(1, 18), Some(&Report::FinishedRecving));
+        h.check_end();
+        h.nodes[1].core.stats().quarantined_receives
+    };
+    assert_eq!(run(MS / 2), 0, "quarantined although its writer beat");
+    assert_eq!(
+        run(u64::MAX),
+        1,
+        "the run is not slow enough to need the beat"
+    );
+}
+
 /// A named writer that is lost (its process killed) releases the
 /// quarantine: the destination fails, naming its blocks.
 #[test]

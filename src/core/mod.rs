@@ -76,8 +76,9 @@ pub struct CoreConfig {
     /// still write into them has spoken, answered quiet or been lost. Off,
     /// it is a timer (unsafe; for comparisons only).
     pub fence_push_leases: bool,
-    /// How often a read still in flight tells its lenders to keep their
-    /// lends (`Nanos(u64::MAX)`: never).
+    /// How often a read or write still in flight tells its lenders (the
+    /// producers it reads from, the destinations it writes into) to keep
+    /// their lends (`Nanos(u64::MAX)`: never).
     pub heartbeat: Nanos,
 }
 
@@ -733,7 +734,10 @@ impl Core {
             self.after_events();
             return;
         }
-        if kind == Kind::Read && self.cfg.heartbeat != Nanos(u64::MAX) {
+        // Reads and writes in flight tell their lenders (producers, push
+        // destinations) that they are still at it.
+        if matches!(kind, Kind::Read | Kind::Write { .. }) && self.cfg.heartbeat != Nanos(u64::MAX)
+        {
             // Reads that ended leave from the front as new ones come in;
             // a long read at the front can hold others behind it, so the
             // whole queue is swept if it grows past twice the slots.
