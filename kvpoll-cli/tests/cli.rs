@@ -108,9 +108,12 @@ fn demo_help_shows_every_option_with_its_default() {
         ("--ranks", "processes"),
         ("--policy", "safe"),
         ("--requests", "3000"),
-        ("--handle-error-every", "40"),
+        ("--handle-error-every", "200"),
         ("--release-failure-every", "50"),
-        ("--setup-failure-every", "97"),
+        ("--setup-failure-every", "197"),
+        ("--lease-ms", "2000"),
+        ("--soak", "0"),
+        ("--sample-secs", "5"),
         ("--stall-every-ms", "2500"),
         ("--stall-ms", "400"),
         ("--tls", "tcp"),
@@ -133,7 +136,14 @@ fn demo_help_shows_every_option_with_its_default() {
             &text[at..end]
         );
     }
-    for flag in ["--no-faults", "--no-kill", "--json"] {
+    for flag in [
+        "--no-faults",
+        "--no-kill",
+        "--no-fence",
+        "--pause-ms",
+        "--soak-csv",
+        "--json",
+    ] {
         assert!(text.contains(flag), "{flag}: {text}");
     }
 }
