@@ -814,7 +814,9 @@ impl Core {
             // and was told no: its blocks may hold another request now.
             let id = self.info[key.slot() as usize].id;
             let to = self.peers[peer_id.0 as usize].map(|p| p.instance);
-            if to.is_some_and(|to| self.quiet_set.contains(&(id, to))) {
+            let quiet =
+                !self.quiet.is_empty() && to.is_some_and(|to| self.quiet_set.contains(&(id, to)));
+            if quiet {
                 let events = &mut self.events;
                 let _ = self
                     .slots
