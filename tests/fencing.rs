@@ -19,9 +19,13 @@ const BLOCKS: u64 = 16;
 const GUARD: Duration = Duration::from_secs(10);
 
 fn engine() -> Engine {
+    engine_over("tcp")
+}
+
+fn engine_over(tls: &str) -> Engine {
     let mut e = Engine::builder()
         .block_size(BS)
-        .ucx(ContextOptions::with_transports("tcp"))
+        .ucx(ContextOptions::with_transports(tls))
         .build()
         .expect("engine");
     e.register(BLOCKS).unwrap();
@@ -206,9 +210,9 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
 /// land after any word on a fresh endpoint). Then the blocks are reported
 /// (named), and once reused, no late put overwrites them. Named writers
 /// (`lend_to_writers`) and unnamed ones (`LendTo::Writers`) alike.
-fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64) {
-    let mut w = engine();
-    let mut c = engine();
+fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64, tls: &str) {
+    let mut w = engine_over(tls);
+    let mut c = engine_over(tls);
     let to_c = w.add_peer(&c.local_metadata().unwrap()).unwrap();
     let to_w = c.add_peer(&w.local_metadata().unwrap()).unwrap();
     fill(&w, seed, 2);
@@ -267,12 +271,20 @@ fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64) {
 
 #[test]
 fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_blocks() {
-    push_destination_waits_for_its_stalled_writer(true, 30);
+    push_destination_waits_for_its_stalled_writer(true, 30, "tcp");
 }
 
 #[test]
 fn a_push_destination_waits_for_its_stalled_unnamed_writer_before_releasing_its_blocks() {
-    push_destination_waits_for_its_stalled_writer(false, 40);
+    push_destination_waits_for_its_stalled_writer(false, 40, "tcp");
+}
+
+/// The same over shared memory (cma puts, posix/sysv active messages): the
+/// writer's puts are copies it makes itself, so its own word after they
+/// completed is the fence.
+#[test]
+fn over_shared_memory_a_push_destination_waits_for_its_stalled_writer() {
+    push_destination_waits_for_its_stalled_writer(true, 60, "posix,sysv,cma");
 }
 
 /// A named writer that never writes (its control message was lost, it
