@@ -5,12 +5,14 @@
 //!
 //! Time bounds here are guards against a hang, not measurements.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpoll_cli::control::{FrameReader, Layout, Msg, ReadError, HEADER, MAX_PAYLOAD};
+
+mod procs;
 
 /// `connect`'s and `serve`'s default layout.
 const LAYOUT: Layout = Layout {
@@ -174,11 +176,7 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn kvpoll serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line.strip_prefix("LISTEN ").unwrap().trim().to_owned();
+        let addr = procs::listen_addr(&mut child);
         Server { child, addr }
     }
 

@@ -2,8 +2,9 @@
 //! corrupted or leaked; with the eager (pre-fix) policy on the same
 //! scenario, blocks are corrupted — the proof that the checker can fail.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+
+mod procs;
 
 fn kvpoll(args: &[&str]) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
@@ -127,11 +128,7 @@ fn serve_and_connect_move_verified_blocks_on_loopback() {
             .stdout(Stdio::piped())
             .spawn()
             .expect("spawn kvpoll serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        addrs.push(line.strip_prefix("LISTEN ").unwrap().trim().to_owned());
+        addrs.push(procs::listen_addr(&mut child));
         servers.push(child);
     }
     let to = addrs.join(",");

@@ -14,9 +14,11 @@
 //!
 //! The lease is short (400 ms) so that a 5x stop takes two seconds.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod procs;
 
 const LEASE_MS: u64 = 400;
 const REQUESTS: u64 = 1500;
@@ -53,41 +55,8 @@ fn serve(rank: u32) -> (Proc, String) {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn kvpoll serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .strip_prefix("LISTEN ")
-        .unwrap_or_else(|| panic!("serve said {line:?}"))
-        .trim()
-        .to_owned();
+    let addr = procs::listen_addr(&mut child);
     (Proc(child), addr)
-}
-
-/// Stops `pid` and waits until /proc says every thread of it has.
-fn stop(pid: u32) {
-    // SAFETY: signalling our own child.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0);
-    let stat = format!("/proc/{pid}/stat");
-    let t = Instant::now();
-    while !std::fs::read_to_string(&stat)
-        .ok()
-        .and_then(|s| {
-            s.rsplit(')')
-                .next()
-                .map(|r| r.trim_start().starts_with('T'))
-        })
-        .unwrap_or(false)
-    {
-        assert!(t.elapsed() < Duration::from_secs(10), "{pid} did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn cont(pid: u32) {
-    // SAFETY: signalling our own child.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
 }
 
 /// A number field of `connect --json`'s first mode.
@@ -232,15 +201,7 @@ fn serve_in(ns: &Netns, rank: u32) -> (Proc, String) {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn kvpoll serve in a namespace");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .strip_prefix("LISTEN ")
-        .unwrap_or_else(|| panic!("serve said {line:?}"))
-        .trim()
-        .to_owned();
+    let addr = procs::listen_addr(&mut child);
     (Proc(child), addr)
 }
 
@@ -290,9 +251,9 @@ fn run_drill(mode: &str, fault: Fault, ns: Option<&Netns>) {
                 Side::Prefill => p0.0.id(),
                 Side::Decode => connect.0.id(),
             };
-            stop(victim);
+            procs::stop(victim);
             std::thread::sleep(Duration::from_millis(ms));
-            cont(victim);
+            procs::cont(victim);
         }
         Fault::Partition(ms) => {
             let ns = ns.expect("a partition needs a namespace");

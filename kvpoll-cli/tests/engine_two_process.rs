@@ -12,6 +12,8 @@ use kvpoll::ledger::{BlockId, Cause, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 use kvpoll::wire::from_hex;
 
+mod procs;
+
 const BS: u64 = 4096;
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -48,29 +50,6 @@ fn spawn(seed: u64) -> PeerProcess {
     PeerProcess {
         child,
         metadata: from_hex(hex.trim()).unwrap(),
-    }
-}
-
-fn signal(p: &PeerProcess, sig: libc::c_int) {
-    // SAFETY: signalling our own child process.
-    assert_eq!(unsafe { libc::kill(p.child.id() as libc::pid_t, sig) }, 0);
-    if sig == libc::SIGSTOP {
-        // kill() returns before every thread of the peer has stopped: wait
-        // until /proc says it has, or a read posted next may still be served.
-        let stat = format!("/proc/{}/stat", p.child.id());
-        let t = std::time::Instant::now();
-        while !std::fs::read_to_string(&stat)
-            .ok()
-            .and_then(|s| {
-                s.rsplit(')')
-                    .next()
-                    .map(|r| r.trim_start().starts_with('T'))
-            })
-            .unwrap_or(false)
-        {
-            assert!(t.elapsed() < GUARD, "the peer did not stop");
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 }
 
@@ -137,7 +116,7 @@ fn a_stopped_peer_process_fails_reads_at_the_deadline_through_forced_close() {
     let p = d.add_peer(&peer.metadata).unwrap();
     read_and_verify(&mut d, p, 1, 3);
 
-    signal(&peer, libc::SIGSTOP);
+    procs::stop(peer.child.id());
     let t = Instant::now();
     d.read(
         RequestId(2),
@@ -190,7 +169,7 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
     read_and_verify(&mut d, p, 1, 4);
 
     // Stop it so the read is surely in flight, then kill it.
-    signal(&peer, libc::SIGSTOP);
+    procs::stop(peer.child.id());
     d.read(
         RequestId(2),
         &[Transfer {

@@ -515,15 +515,23 @@ fn refresh_pids(registry: &Registry, ranks: &[Option<Rank>]) {
 /// One line a mode in a soak.
 fn print_soak_line(cycle: u32, mode: Mode, r: &ModeReport) {
     let t = sums(r);
-    let f = fired(r);
     println!(
-        "cycle {cycle} {mode:?}: transferred {} of {} ({:.1}%), {} failed, {} corrupted, {} leaked; fired {} transfer errors, {} setup failures, {} release failures, {} stalls, {} pauses, {} decode stalls, {} kills",
+        "cycle {cycle} {mode:?}: transferred {} of {} ({:.1}%), {} failed, {} corrupted, {} leaked; fired {}",
         t.finished,
         t.requests,
         pct(t.finished, t.requests),
         t.failed,
         t.corrupted,
         t.leaked,
+        faults_fired(r)
+    );
+}
+
+/// The injected faults that fired in a mode, in words.
+fn faults_fired(r: &ModeReport) -> String {
+    let f = fired(r);
+    format!(
+        "{} transfer errors, {} setup failures, {} release failures, {} prefill stalls, {} prefill pauses, {} decode stalls, {} kills",
         f.transfer_errors,
         f.setup_failures,
         f.release_failures,
@@ -531,7 +539,7 @@ fn print_soak_line(cycle: u32, mode: Mode, r: &ModeReport) {
         r.pauses,
         decode_stalls(r),
         r.kills
-    );
+    )
 }
 
 fn run_mode(
@@ -797,18 +805,8 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     let t = sums(r);
     let row = |name: &str, v: u64| println!("  {name:<34} {v:>12}");
     println!();
-    let f = fired(r);
     println!("{mode:?} mode ({:.1} s)", r.seconds);
-    println!(
-        "  faults fired: {} transfer errors, {} setup failures, {} release failures, {} prefill stalls, {} prefill pauses, {} decode stalls, {} kills",
-        f.transfer_errors,
-        f.setup_failures,
-        f.release_failures,
-        r.stalls,
-        r.pauses,
-        decode_stalls(r),
-        r.kills
-    );
+    println!("  faults fired: {}", faults_fired(r));
     println!(
         "  transferred {} of {} requests ({:.1}%)",
         t.finished,
