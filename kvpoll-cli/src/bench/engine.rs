@@ -324,14 +324,7 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
         out.clear();
         let t = Instant::now();
         c.notify_only(id, &[peer])?;
-        while !out.finished_sending.contains(&id) {
-            p.poll(&mut out);
-            // See wake_up: the waiter yields.
-            std::thread::yield_now();
-            if t.elapsed() > guard {
-                return Err(EngineError::Config("a lend was not released in 10 s"));
-            }
-        }
+        wait_released(&mut p, &mut out, id, t, guard, || {})?;
         if i > 0 {
             samples.push(t.elapsed().as_nanos() as u64);
         }
@@ -339,6 +332,28 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
     c.shutdown();
     p.shutdown();
     Ok(samples)
+}
+
+/// Polls lender `p` until it reports lend `id` released (`also` runs
+/// first each time round), yielding between looks as `wake_up`'s waiter
+/// does; an error past `guard` from `t`.
+fn wait_released(
+    p: &mut Engine,
+    out: &mut Outcomes,
+    id: RequestId,
+    t: Instant,
+    guard: Duration,
+    mut also: impl FnMut(),
+) -> Result<(), EngineError> {
+    while !out.finished_sending.contains(&id) {
+        also();
+        p.poll(out);
+        std::thread::yield_now();
+        if t.elapsed() > guard {
+            return Err(EngineError::Config("a lend was not released in 10 s"));
+        }
+    }
+    Ok(())
 }
 
 /// Wake-up of an adaptive poller on a remote notification alone, ns, `n`
@@ -393,15 +408,10 @@ pub fn remote_wake_up_direct(
         let t = Instant::now();
         ep.send_active_message(NOTIFY_AM_ID, &note, i)
             .map_err(|_| EngineError::Config("raw UCX send failed"))?;
-        while !out.finished_sending.contains(&id) {
-            // Progress the sender (a send over tcp may need it), then look.
+        // Progress the sender (a send over tcp may need it), then look.
+        wait_released(&mut p, &mut out, id, t, guard, || {
             worker.progress();
-            p.poll(&mut out);
-            std::thread::yield_now();
-            if t.elapsed() > guard {
-                return Err(EngineError::Config("a lend was not released in 10 s"));
-            }
-        }
+        })?;
         if i > 0 {
             samples.push(t.elapsed().as_nanos() as u64);
         }

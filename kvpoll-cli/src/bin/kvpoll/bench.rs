@@ -330,52 +330,22 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         ),
     });
     let remote_tls = tls.unwrap_or("posix,sysv,cma");
-    let (remote, note) = match engine_bench::remote_wake_up(20, quiet, remote_tls) {
-        Ok(r) => {
-            let note = format!(
-                "peer's notify_only -> lend released (2 wake-ups: peer, then this poller), over {remote_tls}; p99 {:.1} us, 20 samples",
-                engine_bench::quantile(&r, 0.99) / 1e3
-            );
-            (Some(r), note)
-        }
-        Err(e) => (None, format!("unavailable: {e}")),
-    };
-    let r50 = remote.as_ref().map(|r| engine_bench::quantile(r, 0.5));
-    rows.push(Row {
-        key: "remote_wake_up_us",
-        figure: "wake-up on a remote notification after 20 ms quiet, p50",
-        unit: "us",
-        kvpoll: r50.map(|v| v / 1e3),
-        baseline_name: "thread park/unpark",
-        baseline: Some(park50 / 1e3),
-        ratio: r50.map(|v| v / park50),
-        target: "<= 2x park/unpark",
-        met: r50.map(|v| v <= 2.0 * park50),
-        note,
-    });
-    let (direct, note) = match engine_bench::remote_wake_up_direct(20, quiet, remote_tls) {
-        Ok(r) => {
-            let note = format!(
-                "a UCX sender's notification -> lend released (1 kvpoll wake-up; UCX's async thread relays it), over {remote_tls}; p99 {:.1} us, 20 samples",
-                engine_bench::quantile(&r, 0.99) / 1e3
-            );
-            (Some(r), note)
-        }
-        Err(e) => (None, format!("unavailable: {e}")),
-    };
-    let d50 = direct.as_ref().map(|r| engine_bench::quantile(r, 0.5));
-    rows.push(Row {
-        key: "remote_wake_up_direct_us",
-        figure: "wake-up on a remote notification alone, p50",
-        unit: "us",
-        kvpoll: d50.map(|v| v / 1e3),
-        baseline_name: "thread park/unpark",
-        baseline: Some(park50 / 1e3),
-        ratio: d50.map(|v| v / park50),
-        target: "<= 2x park/unpark",
-        met: d50.map(|v| v <= 2.0 * park50),
-        note,
-    });
+    rows.push(remote_wake_row(
+        "remote_wake_up_us",
+        "wake-up on a remote notification after 20 ms quiet, p50",
+        engine_bench::remote_wake_up(20, quiet, remote_tls),
+        "peer's notify_only -> lend released (2 wake-ups: peer, then this poller)",
+        remote_tls,
+        park50,
+    ));
+    rows.push(remote_wake_row(
+        "remote_wake_up_direct_us",
+        "wake-up on a remote notification alone, p50",
+        engine_bench::remote_wake_up_direct(20, quiet, remote_tls),
+        "a UCX sender's notification -> lend released (1 kvpoll wake-up; UCX's async thread relays it)",
+        remote_tls,
+        park50,
+    ));
     Ok(Suite {
         rows,
         e2e,
@@ -561,5 +531,40 @@ impl Suite {
             });
         }
         v
+    }
+}
+
+/// A remote wake-up row: its samples' p50 against the park/unpark p50
+/// (`park50`, ns), or why it could not be measured.
+fn remote_wake_row(
+    key: &'static str,
+    figure: &'static str,
+    samples: Result<Vec<u64>, kvpoll::EngineError>,
+    what: &str,
+    tls: &str,
+    park50: f64,
+) -> Row {
+    let (p50, note) = match samples {
+        Ok(r) => (
+            Some(engine_bench::quantile(&r, 0.5)),
+            format!(
+                "{what}, over {tls}; p99 {:.1} us, {} samples",
+                engine_bench::quantile(&r, 0.99) / 1e3,
+                r.len()
+            ),
+        ),
+        Err(e) => (None, format!("unavailable: {e}")),
+    };
+    Row {
+        key,
+        figure,
+        unit: "us",
+        kvpoll: p50.map(|v| v / 1e3),
+        baseline_name: "thread park/unpark",
+        baseline: Some(park50 / 1e3),
+        ratio: p50.map(|v| v / park50),
+        target: "<= 2x park/unpark",
+        met: p50.map(|v| v <= 2.0 * park50),
+        note,
     }
 }
