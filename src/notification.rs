@@ -3,6 +3,12 @@
 //! path allocates nothing), and checked on receipt: a malformed payload is a
 //! typed error and is dropped (and counted) by the poller.
 //!
+//! One message carries 1 to [`MAX_PER_MESSAGE`] notifications back to back
+//! (the notifications the protocol core emits to one endpoint in one go are
+//! coalesced): [`split`] checks the message's length, and each notification
+//! is then checked on its own (its own magic, version and checksum), so a
+//! damaged one is dropped without its neighbours.
+//!
 //! ```text
 //! 0   2  magic "KN"
 //! 2   1  version (2)
@@ -21,6 +27,9 @@ use crate::wire::fnv1a64;
 
 /// Encoded size of a notification.
 pub const LEN: usize = 28;
+/// Most notifications one message carries (1 792 bytes: an eager message
+/// on every transport).
+pub const MAX_PER_MESSAGE: usize = 64;
 const MAGIC: [u8; 2] = *b"KN";
 const VERSION: u8 = 2;
 
@@ -78,8 +87,9 @@ pub struct Notification {
 /// Why a notification payload was refused.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum NotificationError {
-    /// Wrong size.
-    #[error("notification of {0} bytes, expected {LEN}")]
+    /// Wrong size: a notification is [`LEN`] bytes, a message 1 to
+    /// [`MAX_PER_MESSAGE`] of them.
+    #[error("{0} bytes: a notification is {LEN} bytes, a message 1 to {MAX_PER_MESSAGE} of them")]
     Length(usize),
     /// Not a kvpoll notification.
     #[error("notification has a bad magic")]
@@ -158,6 +168,17 @@ impl Notification {
     }
 }
 
+/// The notifications of one received message, each still to be checked with
+/// [`Notification::decode`]; refused whole if its length is not 1 to
+/// [`MAX_PER_MESSAGE`] notifications.
+pub fn split(message: &[u8]) -> Result<std::slice::ChunksExact<'_, u8>, NotificationError> {
+    let n = message.len() / LEN;
+    if message.len() % LEN != 0 || n == 0 || n > MAX_PER_MESSAGE {
+        return Err(NotificationError::Length(message.len()));
+    }
+    Ok(message.chunks_exact(LEN))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +213,31 @@ mod tests {
             Notification::decode(&[0u8; LEN]),
             Err(NotificationError::BadMagic)
         );
+    }
+
+    #[test]
+    fn a_message_splits_into_whole_notifications_or_is_refused() {
+        let b = note().encode();
+        let three = [b, b, b].concat();
+        let parts: Vec<_> = split(&three).expect("three notes").collect();
+        assert_eq!(parts.len(), 3);
+        assert!(parts.iter().all(|p| Notification::decode(p) == Ok(note())));
+        let most = b.repeat(MAX_PER_MESSAGE);
+        assert_eq!(split(&most).map(|c| c.count()), Ok(MAX_PER_MESSAGE));
+        for bad in [
+            0,
+            1,
+            LEN - 1,
+            LEN + 1,
+            3 * LEN - 1,
+            (MAX_PER_MESSAGE + 1) * LEN,
+        ] {
+            let m = vec![0u8; bad];
+            assert_eq!(
+                split(&m).map(|c| c.count()),
+                Err(NotificationError::Length(bad)),
+                "{bad} bytes"
+            );
+        }
     }
 }

@@ -379,17 +379,23 @@ impl Harness {
         let me = &mut self.nodes[node];
         let mut wire = self.net.node(node);
         let (actions, sent, peers) = (&mut me.actions, &mut me.sent, &me.peers);
-        me.core.execute(&mut wire, now, |action| {
+        me.core.execute(&mut wire, now, |action, core| {
             actions.push(*action);
-            let (note, to) = match *action {
-                Action::Send { ep, note, .. } => {
+            let (notes, to) = match *action {
+                Action::Send { ep, notes, .. } => {
                     let to = peers.iter().find(|(_, &p)| p == ep.peer).map(|(&n, _)| n);
-                    (note, to.unwrap_or(usize::MAX))
+                    (notes, to.unwrap_or(usize::MAX))
                 }
-                Action::Reply { to, note, .. } => (note, to as usize),
+                Action::Reply { to, notes, .. } => (notes, to as usize),
                 _ => return,
             };
-            if let Ok(n) = Notification::decode(&note) {
+            let bytes = core.notes(notes);
+            assert_eq!(
+                bytes.len(),
+                notes.count as usize * kvpoll::notification::LEN
+            );
+            for b in bytes.chunks_exact(kvpoll::notification::LEN) {
+                let n = Notification::decode(b).expect("the core encodes what it sends");
                 sent.push((n.kind, n.id, to));
             }
         });
@@ -1122,6 +1128,95 @@ fn notify_only_releases_a_lend() {
         2,
         "one notification per producer engine"
     );
+    h.settle();
+    h.check_end();
+}
+
+#[test]
+fn reads_that_finish_together_tell_their_lender_in_one_message_and_hear_back_in_one() {
+    // Every operation takes the same time: the reads below, posted at the
+    // same moment, complete in the same poller iteration.
+    let mut h = Harness::new(SimNetConfig {
+        latency: (5_000, 5_000),
+        ..cfg(21, 2)
+    });
+    let n = 8u64;
+    let srcs: Vec<_> = (1..=n)
+        .map(|id| lend_filled(&mut h, 1, id, 1, 1, 100 * MS))
+        .collect();
+    for id in 1..=n {
+        let l = h.alloc(0, 1);
+        h.read(0, id, &[(1, pairs(&l, &srcs[id as usize - 1]))], 10 * MS);
+    }
+    h.settle();
+    for id in 1..=n {
+        assert_eq!(h.report_of(0, id), Some(&Report::FinishedRecving));
+        assert_eq!(h.report_of(1, id), Some(&Report::FinishedSending));
+    }
+    let questions = h.nodes[0]
+        .sent
+        .iter()
+        .filter(|s| s.0 == NoteKind::ReadDone)
+        .count();
+    assert_eq!(questions, n as usize, "one question a read");
+    let sends = |node: usize| {
+        h.nodes[node]
+            .actions
+            .iter()
+            .filter(|a| matches!(a, Action::Send { .. }))
+            .count()
+    };
+    let replies = h.nodes[1]
+        .actions
+        .iter()
+        .filter(|a| matches!(a, Action::Reply { .. }))
+        .count();
+    assert_eq!(sends(0), 1, "the reader's questions were not coalesced");
+    assert_eq!(replies, 1, "the lender's answers were not coalesced");
+    h.check_end();
+}
+
+#[test]
+fn a_message_of_several_notifications_is_taken_note_by_note_and_a_damaged_one_alone_is_dropped() {
+    let mut h = Harness::new(cfg(22, 2));
+    for id in 1..=2 {
+        lend_filled(&mut h, 1, id, 1, 1, 100 * MS);
+    }
+    let reader = h.nodes[0].instance;
+    let gave_up = |id| {
+        Notification {
+            kind: NoteKind::GaveUp,
+            id: RequestId(id),
+            count: 1,
+            sender: reader,
+        }
+        .encode()
+    };
+    let mut damaged = gave_up(7);
+    damaged[5] ^= 0x40;
+    let feed = |h: &mut Harness, payload: &[u8]| {
+        let now = h.now;
+        h.nodes[1].core.on_transport(
+            kvpoll::transport::TransportEvent::Message {
+                payload,
+                reply: None,
+            },
+            now,
+        );
+        h.pump(1);
+    };
+    // Not a whole number of notifications: refused whole, nothing taken.
+    let mut ragged = gave_up(1).to_vec();
+    ragged.extend_from_slice(&gave_up(2)[..27]);
+    feed(&mut h, &ragged);
+    assert_eq!(h.nodes[1].core.stats().malformed_notifications, 1);
+    assert_eq!(h.report_of(1, 1), None, "a ragged message was taken");
+    // Three notes, the middle one damaged: the other two count.
+    let payload = [gave_up(1), damaged, gave_up(2)].concat();
+    feed(&mut h, &payload);
+    assert_eq!(h.nodes[1].core.stats().malformed_notifications, 2);
+    assert_eq!(h.report_of(1, 1), Some(&Report::FinishedSending));
+    assert_eq!(h.report_of(1, 2), Some(&Report::FinishedSending));
     h.settle();
     h.check_end();
 }

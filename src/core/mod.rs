@@ -28,7 +28,7 @@ use crate::ledger::{
     Begun, BlockId, Cancel, Cause, Event, HandleKey, Kind, Ledger, Nanos, Outcome, PeerId, Reason,
     Request, RequestId, RequestKey, Slots, MAX_HANDLES,
 };
-use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN};
+use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
 use crate::transport::{Direction, Ep, PostFailure, TransportEvent, CANCELED};
 
 const KIND_MASK: u64 = 3 << 30;
@@ -82,6 +82,23 @@ pub struct CoreConfig {
     pub heartbeat: Nanos,
 }
 
+/// Where an [`Action::Send`] or [`Action::Reply`] finds its notifications:
+/// `count` encoded notifications from byte `start` of [`Core::notes`],
+/// valid until the core is next fed or executed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Notes {
+    /// First byte.
+    pub start: u32,
+    /// Notifications (1 to [`MAX_PER_MESSAGE`]).
+    pub count: u32,
+}
+
+impl Notes {
+    fn range(self) -> std::ops::Range<usize> {
+        self.start as usize..self.start as usize + self.count as usize * NOTE_LEN
+    }
+}
+
 /// Something the driver must do. Executed in order; the results of `Post`,
 /// `Flush` and `Release` are fed back before the next input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,27 +127,27 @@ pub enum Action {
         /// Token the flush completes with.
         token: u64,
     },
-    /// Send a notification; a failure to send is fed to
+    /// Send notifications, as one message; a failure to send is fed to
     /// [`Core::on_send_failed`].
     Send {
         /// Endpoint generation.
         ep: Ep,
-        /// Encoded notification.
-        note: [u8; NOTE_LEN],
+        /// The encoded notifications ([`Core::notes`]).
+        notes: Notes,
         /// Token it completes with.
         token: u64,
-        /// Whether the receiver must be able to answer it (a read's
-        /// question to its lender).
+        /// Whether the receiver must be able to answer it (one of them is
+        /// a read's question to its lender).
         want_reply: bool,
     },
-    /// Answer a received notification through its reply handle (before
-    /// the transport's next progress); a failure is fed to
+    /// Answer a received message through its reply handle (before the
+    /// transport's next progress), as one message; a failure is fed to
     /// [`Core::on_send_failed`].
     Reply {
         /// The received message's reply handle.
         to: u32,
-        /// Encoded notification.
-        note: [u8; NOTE_LEN],
+        /// The encoded notifications ([`Core::notes`]).
+        notes: Notes,
         /// Token it completes with.
         token: u64,
     },
@@ -275,6 +292,11 @@ pub struct CoreStats {
     /// Requests the ledger refused after the engine admitted them (a bug
     /// if ever non-zero).
     pub refused_requests: u64,
+    /// Notifications sent and answered.
+    pub notifications_sent: u64,
+    /// Messages they travelled in (the notifications the core emits to one
+    /// endpoint in one go travel together).
+    pub notification_messages: u64,
     /// Push destinations whose lease ran out while a named writer had not
     /// spoken: quarantined until it does or is lost (a counter).
     pub quarantined_receives: u64,
@@ -328,6 +350,9 @@ pub struct Core {
     events: Vec<Event>,
     /// Pairs of the handles being posted (valid until the next begin).
     pairs: Vec<(BlockId, BlockId)>,
+    /// Encoded notifications of the queued sends and replies (emptied when
+    /// no action is queued).
+    note_bytes: Vec<u8>,
     handle_peers: Vec<PeerId>,
     handle_pairs: Vec<u32>,
     blocks: Vec<BlockId>,
@@ -381,6 +406,7 @@ impl Core {
             actions: VecDeque::with_capacity(1024),
             events: Vec::with_capacity(1024),
             pairs: Vec::with_capacity(1024),
+            note_bytes: Vec::with_capacity(64 * MAX_PER_MESSAGE * NOTE_LEN),
             handle_peers: Vec::with_capacity(MAX_HANDLES),
             handle_pairs: Vec::with_capacity(MAX_HANDLES),
             blocks: Vec::with_capacity(1024),
@@ -414,15 +440,16 @@ impl Core {
     /// Executes every pending action on `wire`, feeding back what the
     /// transport answers at once (posts, flushes and sends that could not
     /// go out, releases): the driver's whole job between inputs. `observe`
-    /// sees each action first (tests record them).
+    /// sees each action first, with the core to look up its pairs or
+    /// notifications (tests record them).
     pub fn execute<W: crate::transport::Transport + ?Sized>(
         &mut self,
         wire: &mut W,
         now: Nanos,
-        mut observe: impl FnMut(&Action),
+        mut observe: impl FnMut(&Action, &Core),
     ) {
         while let Some(action) = self.next_action() {
-            observe(&action);
+            observe(&action, self);
             match action {
                 Action::Post {
                     ep,
@@ -441,17 +468,23 @@ impl Core {
                 }
                 Action::Send {
                     ep,
-                    note,
+                    notes,
                     token,
                     want_reply,
                 } => {
-                    if wire.send(ep, &note, token, want_reply).is_err() {
-                        self.on_send_failed();
+                    if wire
+                        .send(ep, &self.note_bytes[notes.range()], token, want_reply)
+                        .is_err()
+                    {
+                        self.on_send_failed(notes.count);
                     }
                 }
-                Action::Reply { to, note, token } => {
-                    if wire.reply(to, &note, token).is_err() {
-                        self.on_send_failed();
+                Action::Reply { to, notes, token } => {
+                    if wire
+                        .reply(to, &self.note_bytes[notes.range()], token)
+                        .is_err()
+                    {
+                        self.on_send_failed(notes.count);
                     }
                 }
                 Action::Close { ep } => wire.close(ep),
@@ -462,6 +495,12 @@ impl Core {
                 Action::ForgetPeer { peer } => wire.forget_peer(peer),
             }
         }
+    }
+
+    /// The encoded notifications of an [`Action::Send`] or
+    /// [`Action::Reply`].
+    pub fn notes(&self, notes: Notes) -> &[u8] {
+        &self.note_bytes[notes.range()]
     }
 
     /// The block pairs of a [`Action::Post`].
@@ -881,10 +920,10 @@ impl Core {
         self.handle_ended(hk);
     }
 
-    /// An [`Action::Send`] could not be posted (the notification is lost;
-    /// the other side's lease decides).
-    pub fn on_send_failed(&mut self) {
-        self.notes_in_flight = self.notes_in_flight.saturating_sub(1);
+    /// An [`Action::Send`] or [`Action::Reply`] of `count` notifications
+    /// could not be posted (they are lost; the other side's lease decides).
+    pub fn on_send_failed(&mut self, count: u32) {
+        self.notes_in_flight = self.notes_in_flight.saturating_sub(u64::from(count));
     }
 
     /// The result of an [`Action::Release`].
@@ -936,7 +975,9 @@ impl Core {
     fn on_completion(&mut self, token: u64, status: i8) {
         let kind = token & KIND_MASK;
         if kind == T_NOTE {
-            self.notes_in_flight = self.notes_in_flight.saturating_sub(1);
+            // A message completes for every notification it carried.
+            let count = (token & !KIND_MASK).max(1);
+            self.notes_in_flight = self.notes_in_flight.saturating_sub(count);
             return;
         }
         if kind == T_TRANSPORT {
@@ -1113,6 +1154,41 @@ impl Core {
         .encode()
     }
 
+    /// Adds `note` to the last queued action if it is a send to the same
+    /// endpoint (or a reply through the same handle) with room left, else
+    /// returns where a new action's notifications start. Only the last
+    /// action is joined: nothing queued after a send is reordered with it.
+    fn enqueue_note(
+        &mut self,
+        note: &[u8; NOTE_LEN],
+        joins: impl Fn(&Action) -> bool,
+    ) -> Option<Notes> {
+        if self.actions.is_empty() {
+            // No queued action refers to these bytes any more.
+            self.note_bytes.clear();
+        }
+        self.notes_in_flight += 1;
+        self.stats.notifications_sent += 1;
+        let start = self.note_bytes.len() as u32;
+        self.note_bytes.extend_from_slice(note);
+        if let Some(last) = self.actions.back_mut() {
+            if joins(last) {
+                if let Action::Send { notes, token, .. } | Action::Reply { notes, token, .. } = last
+                {
+                    if (notes.count as usize) < MAX_PER_MESSAGE
+                        && notes.range().end == start as usize
+                    {
+                        notes.count += 1;
+                        *token = T_NOTE | u64::from(notes.count);
+                        return None;
+                    }
+                }
+            }
+        }
+        self.stats.notification_messages += 1;
+        Some(Notes { start, count: 1 })
+    }
+
     fn send_note(
         &mut self,
         peer: PeerId,
@@ -1129,13 +1205,21 @@ impl Core {
             generation: on.unwrap_or(p.generation),
         };
         let note = self.note(kind, id);
-        self.notes_in_flight += 1;
-        self.actions.push_back(Action::Send {
-            ep,
-            note,
-            token: T_NOTE,
-            want_reply,
-        });
+        let joins = |a: &Action| matches!(*a, Action::Send { ep: e, .. } if e == ep);
+        match self.enqueue_note(&note, joins) {
+            Some(notes) => self.actions.push_back(Action::Send {
+                ep,
+                notes,
+                token: T_NOTE | 1,
+                want_reply,
+            }),
+            None => {
+                if let Some(Action::Send { want_reply: w, .. }) = self.actions.back_mut() {
+                    // Asking for answers costs nothing to the others.
+                    *w |= want_reply;
+                }
+            }
+        }
     }
 
     /// Answers a received note through its reply handle, if its sender
@@ -1143,12 +1227,14 @@ impl Core {
     fn answer(&mut self, reply: Option<u32>, kind: NoteKind, id: RequestId) {
         if let Some(to) = reply {
             let note = self.note(kind, id);
-            self.notes_in_flight += 1;
-            self.actions.push_back(Action::Reply {
-                to,
-                note,
-                token: T_NOTE,
-            });
+            let joins = |a: &Action| matches!(*a, Action::Reply { to: t, .. } if t == to);
+            if let Some(notes) = self.enqueue_note(&note, joins) {
+                self.actions.push_back(Action::Reply {
+                    to,
+                    notes,
+                    token: T_NOTE | 1,
+                });
+            }
         }
     }
 
@@ -1160,11 +1246,16 @@ impl Core {
     }
 
     fn on_message(&mut self, bytes: &[u8], reply: Option<u32>, now: Nanos) {
-        let Ok(note) = Notification::decode(bytes) else {
+        let Ok(notes) = crate::notification::split(bytes) else {
             self.stats.malformed_notifications += 1;
             return;
         };
-        self.accept(note, reply, now);
+        for b in notes {
+            match Notification::decode(b) {
+                Ok(note) => self.accept(note, reply, now),
+                Err(_) => self.stats.malformed_notifications += 1,
+            }
+        }
         self.after_events();
     }
 
