@@ -567,6 +567,11 @@ pub struct PollerStats {
     pub ops_completed: u64,
     /// Bytes moved by operations that completed successfully.
     pub bytes_moved: u64,
+    /// Notifications sent (and answered) to other engines.
+    pub notifications_sent: u64,
+    /// Messages they travelled in: the notifications the poller has for
+    /// one endpoint at once share one message.
+    pub notification_messages: u64,
 }
 
 impl Engine {
@@ -1109,6 +1114,8 @@ impl Engine {
             ops_posted: self.shared.ops_posted.load(Ordering::Relaxed),
             ops_completed: self.shared.ops_completed.load(Ordering::Relaxed),
             bytes_moved: self.shared.bytes_moved.load(Ordering::Relaxed),
+            notifications_sent: self.shared.notes_sent.load(Ordering::Relaxed),
+            notification_messages: self.shared.note_messages.load(Ordering::Relaxed),
         }
     }
 

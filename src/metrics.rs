@@ -119,6 +119,10 @@ pub struct PollerMetrics {
     pub ops_completed: u64,
     /// Bytes moved by completed operations.
     pub bytes: u64,
+    /// Notifications sent to other engines.
+    pub notifications_sent: u64,
+    /// Messages they travelled in (several to one endpoint share one).
+    pub notification_messages: u64,
 }
 
 /// Requests reported, by outcome (the lists of [`Outcomes`]).
@@ -336,6 +340,8 @@ impl Engine {
                 ops_posted: p.ops_posted,
                 ops_completed: p.ops_completed,
                 bytes: p.bytes_moved,
+                notifications_sent: p.notifications_sent,
+                notification_messages: p.notification_messages,
             }],
             requests: self.tally.requests,
             handle_failures: self.tally.handle_failures,
@@ -483,6 +489,8 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
     let mut posted = Fixed::<u64>::new(MetricType::Counter);
     let mut completed = Fixed::<u64>::new(MetricType::Counter);
     let mut bytes = Fixed::<u64>::new(MetricType::Counter);
+    let mut notes = Fixed::<u64>::new(MetricType::Counter);
+    let mut messages = Fixed::<u64>::new(MetricType::Counter);
     for (i, p) in s.pollers.iter().enumerate() {
         let poller = || vec![label("poller", i)];
         busy.row(poller(), p.busy_ns as f64 / 1e9);
@@ -498,6 +506,8 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         posted.row(poller(), p.ops_posted);
         completed.row(poller(), p.ops_completed);
         bytes.row(poller(), p.bytes);
+        notes.row(poller(), p.notifications_sent);
+        messages.row(poller(), p.notification_messages);
     }
     registry.register(
         "poller_busy_seconds",
@@ -521,6 +531,16 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         completed,
     );
     registry.register("poller_bytes", "Bytes moved by completed operations", bytes);
+    registry.register(
+        "poller_notifications_sent",
+        "Notifications sent to other engines",
+        notes,
+    );
+    registry.register(
+        "poller_notification_messages",
+        "Messages the notifications travelled in (those for one endpoint at once share one)",
+        messages,
+    );
 
     let r = &s.requests;
     let mut requests = Fixed::<u64>::new(MetricType::Counter);

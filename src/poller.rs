@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub(crate) ops_posted: AtomicU64,
     pub(crate) ops_completed: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
+    pub(crate) notes_sent: AtomicU64,
+    pub(crate) note_messages: AtomicU64,
     pub(crate) events_overflowed: AtomicU64,
     pub(crate) quarantined: AtomicU64,
     /// The CPU the poller was pinned to and verified on; `u64::MAX` if none.
@@ -82,6 +84,8 @@ impl Shared {
             ops_posted: AtomicU64::new(0),
             ops_completed: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
+            notes_sent: AtomicU64::new(0),
+            note_messages: AtomicU64::new(0),
             events_overflowed: AtomicU64::new(0),
             quarantined: AtomicU64::new(0),
             pinned_core: AtomicU64::new(u64::MAX),
@@ -312,6 +316,10 @@ impl Poller {
         self.shared
             .ops_completed
             .store(stats.ops_completed, Ordering::Relaxed);
+        s.notes_sent
+            .store(stats.notifications_sent, Ordering::Relaxed);
+        s.note_messages
+            .store(stats.notification_messages, Ordering::Relaxed);
         self.shared.bytes_moved.store(
             stats.blocks_moved.saturating_mul(self.cfg.block_size),
             Ordering::Relaxed,

@@ -781,3 +781,57 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
     );
     assert_eq!(p.metrics().requests.finished_sending, 1);
 }
+
+#[test]
+fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_one_back() {
+    let tls = "posix,sysv,cma";
+    let mut p = engine(tls, GUARD);
+    fill(&p, 6);
+    let mut d = engine(tls, GUARD);
+    let peer = connect(&mut d, &p);
+    let n = 16u32;
+    for i in 0..n {
+        p.lend(
+            RequestId(100 + u64::from(i)),
+            &ids(&[i]),
+            LendTo::Readers(1),
+            GUARD,
+        )
+        .unwrap();
+    }
+    // The reader's poller sleeps while the reads are queued behind the
+    // stall: it then posts them all at once, and they complete together.
+    // (Shorter than the read heartbeat period, 250 ms: no heartbeat is due.)
+    d.stall(Duration::from_millis(100)).unwrap();
+    let locals: Vec<Vec<BlockId>> = (0..n).map(|i| ids(&[i])).collect();
+    for i in 0..n {
+        d.read(
+            RequestId(100 + u64::from(i)),
+            &[Transfer {
+                peer,
+                local: &locals[i as usize],
+                remote: &locals[i as usize],
+            }],
+        )
+        .unwrap();
+    }
+    let mut out = Outcomes::default();
+    wait_for(&mut d, &mut out, "the reads", |o| {
+        o.finished_recving.len() + o.failed_recving.len() == n as usize
+    });
+    assert!(out.failed_recving.is_empty(), "{out:?}");
+    let mut po = Outcomes::default();
+    wait_for(&mut p, &mut po, "the releases", |o| {
+        o.finished_sending.len() == n as usize
+    });
+    for i in 0..n {
+        assert!(holds(&d, i, 6, i), "block {i}");
+    }
+    // One question a read, and one confirmation each, in fewer messages.
+    let (ds, ps) = (d.poller_stats(), p.poller_stats());
+    assert_eq!(ds.notifications_sent, u64::from(n), "{ds:?}");
+    assert_eq!(ps.notifications_sent, u64::from(n), "{ps:?}");
+    assert!(ds.notification_messages < ds.notifications_sent, "{ds:?}");
+    assert!(ps.notification_messages < ps.notifications_sent, "{ps:?}");
+    assert_eq!(ps.malformed_notifications, 0, "{ps:?}");
+}

@@ -58,5 +58,11 @@ fn main() {
             per(after.busy_ns, before.busy_ns),
             per(after.idle_ns, before.idle_ns),
         );
+        let notes = after.notifications_sent - before.notifications_sent;
+        let messages = after.notification_messages - before.notification_messages;
+        println!(
+            "notifications sent: {notes} in {messages} messages ({:.1} a message)",
+            notes as f64 / messages.max(1) as f64
+        );
     }
 }
