@@ -1,11 +1,16 @@
-//! Consumer notifications as the poller receives them.
+//! Notification messages as the poller receives them: 1 to 64
+//! notifications back to back, each checked on its own.
 #![no_main]
 
-use kvpoll::notification::Notification;
+use kvpoll::notification::{split, Notification};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(n) = Notification::decode(data) {
-        assert_eq!(&n.encode()[..], data);
+    if let Ok(parts) = split(data) {
+        for part in parts {
+            if let Ok(n) = Notification::decode(part) {
+                assert_eq!(&n.encode()[..], part);
+            }
+        }
     }
 });

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvpoll::metadata::PeerMetadata;
-use kvpoll::notification::{NoteKind, Notification};
+use kvpoll::notification::{split, NoteKind, Notification};
 use kvpoll::placement::CoreMapFile;
 use kvpoll::transport::ucx::{PackedRkey, WorkerAddress};
 use kvpoll::wire::{self, Kind};
@@ -139,7 +139,7 @@ fn peer_metadata_rkey_and_address_corpus_decodes_without_panic() {
 
 #[test]
 fn notification_corpus_decodes_without_panic_and_valid_ones_round_trip() {
-    let seeds: Vec<Vec<u8>> = [NoteKind::ReadDone, NoteKind::WriteDone, NoteKind::Ack]
+    let mut seeds: Vec<Vec<u8>> = [NoteKind::ReadDone, NoteKind::WriteDone, NoteKind::Ack]
         .iter()
         .map(|&kind| {
             Notification {
@@ -152,10 +152,15 @@ fn notification_corpus_decodes_without_panic_and_valid_ones_round_trip() {
             .to_vec()
         })
         .collect();
+    // And a message of two (the coalesced form).
+    seeds.push([seeds[0].clone(), seeds[1].clone()].concat());
     seed("notification", &seeds);
     for (path, data) in inputs("notification") {
-        if let Ok(n) = Notification::decode(&data) {
-            assert_eq!(&n.encode()[..], &data[..], "{}", path.display());
+        let Ok(parts) = split(&data) else { continue };
+        for part in parts {
+            if let Ok(n) = Notification::decode(part) {
+                assert_eq!(&n.encode()[..], part, "{}", path.display());
+            }
         }
     }
 }
