@@ -1177,6 +1177,65 @@ fn reads_that_finish_together_tell_their_lender_in_one_message_and_hear_back_in_
 }
 
 #[test]
+fn reads_from_two_lenders_that_finish_together_send_each_lender_one_message() {
+    // TP: every read has a handle on each of two lenders, so the questions
+    // to the two alternate as the reads finish; each lender still gets one
+    // message, and answers in one.
+    let mut h = Harness::new(SimNetConfig {
+        latency: (5_000, 5_000),
+        ..cfg(23, 3)
+    });
+    let n = 8u64;
+    let srcs: Vec<_> = (1..=n)
+        .map(|id| {
+            (
+                lend_filled(&mut h, 1, id, 1, 1, 100 * MS),
+                lend_filled(&mut h, 2, id, 1, 1, 100 * MS),
+            )
+        })
+        .collect();
+    for id in 1..=n {
+        let l = h.alloc(0, 2);
+        let (a, b) = &srcs[id as usize - 1];
+        h.read(
+            0,
+            id,
+            &[(1, pairs(&l[..1], a)), (2, pairs(&l[1..], b))],
+            10 * MS,
+        );
+    }
+    h.settle();
+    for id in 1..=n {
+        assert_eq!(h.report_of(0, id), Some(&Report::FinishedRecving));
+        assert_eq!(h.report_of(1, id), Some(&Report::FinishedSending));
+        assert_eq!(h.report_of(2, id), Some(&Report::FinishedSending));
+    }
+    let sends: Vec<_> = h.nodes[0]
+        .actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { ep, notes, .. } => Some((ep.peer, notes.count)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        sends.len(),
+        2,
+        "one message to each lender expected: {sends:?}"
+    );
+    assert!(sends.iter().all(|&(_, c)| c == n as u32), "{sends:?}");
+    for lender in [1, 2] {
+        let replies = h.nodes[lender]
+            .actions
+            .iter()
+            .filter(|a| matches!(a, Action::Reply { .. }))
+            .count();
+        assert_eq!(replies, 1, "lender {lender} answered in {replies} messages");
+    }
+    h.check_end();
+}
+
+#[test]
 fn a_message_of_several_notifications_is_taken_note_by_note_and_a_damaged_one_alone_is_dropped() {
     let mut h = Harness::new(cfg(22, 2));
     for id in 1..=2 {

@@ -99,6 +99,23 @@ impl Notes {
     }
 }
 
+/// Where a batch of notifications goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NoteTarget {
+    /// An endpoint generation of a peer.
+    Ep(Ep),
+    /// The reply handle of a received message.
+    Reply(u32),
+}
+
+/// Notifications for one target, not yet queued.
+struct Batch {
+    to: NoteTarget,
+    want_reply: bool,
+    count: u32,
+    bytes: [u8; MAX_PER_MESSAGE * NOTE_LEN],
+}
+
 /// Something the driver must do. Executed in order; the results of `Post`,
 /// `Flush` and `Release` are fed back before the next input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,6 +370,9 @@ pub struct Core {
     /// Encoded notifications of the queued sends and replies (emptied when
     /// no action is queued).
     note_bytes: Vec<u8>,
+    /// Notifications waiting to travel together, one batch per endpoint
+    /// generation or reply handle.
+    batches: Vec<Batch>,
     handle_peers: Vec<PeerId>,
     handle_pairs: Vec<u32>,
     blocks: Vec<BlockId>,
@@ -407,6 +427,7 @@ impl Core {
             events: Vec::with_capacity(1024),
             pairs: Vec::with_capacity(1024),
             note_bytes: Vec::with_capacity(64 * MAX_PER_MESSAGE * NOTE_LEN),
+            batches: Vec::with_capacity(16),
             handle_peers: Vec::with_capacity(MAX_HANDLES),
             handle_pairs: Vec::with_capacity(MAX_HANDLES),
             blocks: Vec::with_capacity(1024),
@@ -432,8 +453,14 @@ impl Core {
         self.ledger.stats()
     }
 
-    /// The next action to execute, if any.
+    /// The next action to execute, if any. Notifications waiting in
+    /// batches are queued once nothing else is.
     pub fn next_action(&mut self) -> Option<Action> {
+        if self.actions.is_empty() {
+            while !self.batches.is_empty() {
+                self.queue_batch(self.batches.len() - 1);
+            }
+        }
         self.actions.pop_front()
     }
 
@@ -608,7 +635,7 @@ impl Core {
         if gone {
             self.writer_lost(peer, p.instance);
         }
-        self.actions.push_back(Action::ForgetPeer { peer });
+        self.push_on(peer, Action::ForgetPeer { peer });
     }
 
     // -- commands ---------------------------------------------------------
@@ -864,13 +891,16 @@ impl Core {
             }
         }
         self.progress[idx].ep_generation = ep.generation;
-        self.actions.push_back(Action::Post {
-            ep,
-            dir,
-            handle: hk,
-            token: hk.to_u64() | T_DATA,
-            pairs: range,
-        });
+        self.push_on(
+            ep.peer,
+            Action::Post {
+                ep,
+                dir,
+                handle: hk,
+                token: hk.to_u64() | T_DATA,
+                pairs: range,
+            },
+        );
     }
 
     fn index(hk: HandleKey) -> usize {
@@ -1018,11 +1048,14 @@ impl Core {
             self.progress[idx].flushing = true;
             self.progress[idx].remaining = 1;
             self.ops_in_flight += 1;
-            self.actions.push_back(Action::Flush {
-                ep,
-                handle: hk,
-                token: hk.to_u64() | T_FLUSH,
-            });
+            self.push_on(
+                ep.peer,
+                Action::Flush {
+                    ep,
+                    handle: hk,
+                    token: hk.to_u64() | T_FLUSH,
+                },
+            );
             return;
         }
         self.handle_ended(hk);
@@ -1154,39 +1187,85 @@ impl Core {
         .encode()
     }
 
-    /// Adds `note` to the last queued action if it is a send to the same
-    /// endpoint (or a reply through the same handle) with room left, else
-    /// returns where a new action's notifications start. Only the last
-    /// action is joined: nothing queued after a send is reordered with it.
-    fn enqueue_note(
-        &mut self,
-        note: &[u8; NOTE_LEN],
-        joins: impl Fn(&Action) -> bool,
-    ) -> Option<Notes> {
+    /// Adds `note` to the batch waiting for `to` (a new one if none, or if
+    /// that one is full: it is queued first). Batches become actions when a
+    /// post, flush, close or forget of their peer is queued (so nothing of
+    /// that peer is reordered with them) or when the queue runs dry.
+    fn enqueue_note(&mut self, to: NoteTarget, note: &[u8; NOTE_LEN], want_reply: bool) {
+        self.notes_in_flight += 1;
+        self.stats.notifications_sent += 1;
+        let i = match self.batches.iter().position(|b| b.to == to) {
+            Some(i) if self.batches[i].count as usize == MAX_PER_MESSAGE => {
+                self.queue_batch(i);
+                self.new_batch(to)
+            }
+            Some(i) => i,
+            None => self.new_batch(to),
+        };
+        let b = &mut self.batches[i];
+        let at = b.count as usize * NOTE_LEN;
+        b.bytes[at..at + NOTE_LEN].copy_from_slice(note);
+        b.count += 1;
+        // Asking for answers costs nothing to the others.
+        b.want_reply |= want_reply;
+    }
+
+    fn new_batch(&mut self, to: NoteTarget) -> usize {
+        let fresh = Batch {
+            to,
+            want_reply: false,
+            count: 0,
+            bytes: [0; MAX_PER_MESSAGE * NOTE_LEN],
+        };
+        self.batches.push(fresh);
+        self.batches.len() - 1
+    }
+
+    /// Queues batch `i` as one [`Action::Send`] or [`Action::Reply`].
+    fn queue_batch(&mut self, i: usize) {
+        let b = self.batches.swap_remove(i);
         if self.actions.is_empty() {
             // No queued action refers to these bytes any more.
             self.note_bytes.clear();
         }
-        self.notes_in_flight += 1;
-        self.stats.notifications_sent += 1;
-        let start = self.note_bytes.len() as u32;
-        self.note_bytes.extend_from_slice(note);
-        if let Some(last) = self.actions.back_mut() {
-            if joins(last) {
-                if let Action::Send { notes, token, .. } | Action::Reply { notes, token, .. } = last
-                {
-                    if (notes.count as usize) < MAX_PER_MESSAGE
-                        && notes.range().end == start as usize
-                    {
-                        notes.count += 1;
-                        *token = T_NOTE | u64::from(notes.count);
-                        return None;
-                    }
-                }
+        let notes = Notes {
+            start: self.note_bytes.len() as u32,
+            count: b.count,
+        };
+        self.note_bytes
+            .extend_from_slice(&b.bytes[..b.count as usize * NOTE_LEN]);
+        self.stats.notification_messages += 1;
+        let token = T_NOTE | u64::from(b.count);
+        self.actions.push_back(match b.to {
+            NoteTarget::Ep(ep) => Action::Send {
+                ep,
+                notes,
+                token,
+                want_reply: b.want_reply,
+            },
+            NoteTarget::Reply(to) => Action::Reply { to, notes, token },
+        });
+    }
+
+    /// Queues the notification batches to `peer` (before an action that
+    /// must not overtake them).
+    fn queue_batches_to(&mut self, peer: PeerId) {
+        let mut i = 0;
+        while i < self.batches.len() {
+            if matches!(self.batches[i].to, NoteTarget::Ep(ep) if ep.peer == peer) {
+                self.queue_batch(i);
+            } else {
+                i += 1;
             }
         }
-        self.stats.notification_messages += 1;
-        Some(Notes { start, count: 1 })
+    }
+
+    /// Queues `action` on `peer`'s endpoint, after what was to be sent there.
+    fn push_on(&mut self, peer: PeerId, action: Action) {
+        if !self.batches.is_empty() {
+            self.queue_batches_to(peer);
+        }
+        self.actions.push_back(action);
     }
 
     fn send_note(
@@ -1205,21 +1284,7 @@ impl Core {
             generation: on.unwrap_or(p.generation),
         };
         let note = self.note(kind, id);
-        let joins = |a: &Action| matches!(*a, Action::Send { ep: e, .. } if e == ep);
-        match self.enqueue_note(&note, joins) {
-            Some(notes) => self.actions.push_back(Action::Send {
-                ep,
-                notes,
-                token: T_NOTE | 1,
-                want_reply,
-            }),
-            None => {
-                if let Some(Action::Send { want_reply: w, .. }) = self.actions.back_mut() {
-                    // Asking for answers costs nothing to the others.
-                    *w |= want_reply;
-                }
-            }
-        }
+        self.enqueue_note(NoteTarget::Ep(ep), &note, want_reply);
     }
 
     /// Answers a received note through its reply handle, if its sender
@@ -1227,14 +1292,7 @@ impl Core {
     fn answer(&mut self, reply: Option<u32>, kind: NoteKind, id: RequestId) {
         if let Some(to) = reply {
             let note = self.note(kind, id);
-            let joins = |a: &Action| matches!(*a, Action::Reply { to: t, .. } if t == to);
-            if let Some(notes) = self.enqueue_note(&note, joins) {
-                self.actions.push_back(Action::Reply {
-                    to,
-                    notes,
-                    token: T_NOTE | 1,
-                });
-            }
+            self.enqueue_note(NoteTarget::Reply(to), &note, false);
         }
     }
 
@@ -1781,9 +1839,12 @@ impl Core {
         if cause == Cause::PeerStalled {
             self.stats.stall_closes += 1;
         }
-        self.actions.push_back(Action::Close {
-            ep: Ep { peer, generation },
-        });
+        self.push_on(
+            peer,
+            Action::Close {
+                ep: Ep { peer, generation },
+            },
+        );
     }
 
     /// After events were produced: a read or write that ended without
