@@ -213,8 +213,8 @@ impl Link {
 
 /// Idle rounds of the decode loop that only yield before it naps.
 const YIELDS: u32 = 4;
-/// The nap while the engine has requests in flight (its reports cannot
-/// wake the loop).
+/// The first nap while the engine has requests in flight (its reports
+/// cannot wake the loop); it doubles while nothing happens.
 const NAP: Duration = Duration::from_micros(20);
 /// The longest wait with nothing in the engine (control messages wake it).
 const IDLE_WAIT: Duration = Duration::from_millis(1);
@@ -599,18 +599,22 @@ impl Decoder<'_> {
 
     /// Waits a little after a round in which nothing happened, waking at
     /// once for a control message. The engine has no wake-up for its
-    /// reports, so while it has requests in flight the wait is a short
-    /// nap (after a few yields, which cost a loaded CPU nothing); with
-    /// none, the rank waits for its control links or its next block
-    /// release. It never spins: on a small machine a spinning engine
-    /// thread starves the pollers it waits for.
+    /// reports, so while it has requests in flight the wait is a nap
+    /// (after a few yields, which cost a loaded CPU nothing) of 20 µs,
+    /// doubling while nothing happens up to 1 ms: a report is seen late by
+    /// at most about the time already waited for it, and a stalled peer
+    /// does not keep the thread waking 50,000 times a second. With no
+    /// request in the engine, the rank waits for its control links or its
+    /// next block release. It never spins: on a small machine a spinning
+    /// engine thread starves the pollers it waits for.
     fn wait(&mut self, idle_rounds: u32) {
         if idle_rounds <= YIELDS {
             std::thread::yield_now();
             return;
         }
         let nap = if self.engine.in_flight() > 0 {
-            NAP
+            NAP.saturating_mul(1 << (idle_rounds - YIELDS - 1).min(6))
+                .min(IDLE_WAIT)
         } else {
             let now = Instant::now();
             self.holding

@@ -316,6 +316,15 @@ fn layout(s: &Settings) -> Layout {
     }
 }
 
+/// Whether UCX may pick tcp from the transport list `tls` (an exclusion
+/// list, `^...`, or a list naming tcp or everything).
+fn uses_tcp(tls: &str) -> bool {
+    tls.starts_with('^')
+        || tls
+            .split(',')
+            .any(|t| matches!(t.trim(), "tcp" | "all" | "net"))
+}
+
 /// Ranks of a demo run that register a pool: four prefill, two decode.
 const DEMO_RANKS: u64 = (PREFILL_RANKS + DECODE_RANKS) as u64;
 
@@ -677,9 +686,11 @@ fn run_mode(
     let mut pause_done = !s.faults || s.pause_for.is_zero();
     let mut paused: Option<(u32, Instant)> = None;
     let mut next_stall = Instant::now() + s.stall_every;
-    // Pull mode only: a writer killed mid-put over tcp makes UCX 1.13 abort
-    // its destination's process (see docs/design.md, UCX facts).
-    let mut killed = !(s.faults && s.kill && s.processes && mode == Mode::Pull);
+    // In push mode only without tcp: a writer killed mid-put over tcp makes
+    // UCX 1.13 abort its destination's process (see docs/design.md, UCX
+    // facts); over shared memory the writer copies its puts itself.
+    let mut killed =
+        !(s.faults && s.kill && s.processes && (mode == Mode::Pull || !uses_tcp(&s.tls)));
     let mut last_line = Instant::now();
     while decoders.iter().any(|d| !d.is_finished()) {
         std::thread::sleep(Duration::from_millis(20));
