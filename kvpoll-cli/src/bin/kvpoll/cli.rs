@@ -113,7 +113,9 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value_t = Ranks::Processes)]
     pub ranks: Ranks,
     /// `eager` frees a request's blocks at its first handle failure: UNSAFE,
-    /// the pre-fix behaviour of Python connectors, for comparison only.
+    /// the pre-fix behaviour of Python connectors, for comparison only (it
+    /// corrupts blocks over tcp, where a sibling's bytes can land late; over
+    /// shared memory a get is the reader's own copy).
     #[arg(long, value_enum, default_value_t = Policy::Safe)]
     pub policy: Policy,
     /// Turn the fault mix off.

@@ -6,7 +6,9 @@
 //! of (request, layer, rank, block) and checked by its reader when it
 //! arrives and again when it is given back to the pool. Faults are on by
 //! default at a low rate: handle errors, setup failures, release failures,
-//! stalled prefill ranks, and one prefill rank killed and restarted.
+//! stalled prefill ranks, and one prefill rank killed and restarted. All
+//! ranks run on this host: shared memory by default, tcp on request. Each
+//! mode's latencies come with their parts and a raw UCX baseline (raw.rs).
 //!
 //! `--policy eager` frees a request's blocks at its first handle failure —
 //! the behaviour kvpoll exists to prevent. It is UNSAFE and for comparison
