@@ -80,9 +80,6 @@ pub struct Workload {
     /// Requests per decode rank and mode.
     #[arg(long, value_name = "N", default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..))]
     pub requests: u64,
-    /// UCX transports (UCX_TLS).
-    #[arg(long, value_name = "LIST", default_value = "tcp")]
-    pub tls: String,
     /// Blocks per KV layer, on each rank.
     #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub blocks: u32,
@@ -116,7 +113,9 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value_t = Ranks::Processes)]
     pub ranks: Ranks,
     /// `eager` frees a request's blocks at its first handle failure: UNSAFE,
-    /// the pre-fix behaviour of Python connectors, for comparison only.
+    /// the pre-fix behaviour of Python connectors, for comparison only (it
+    /// corrupts blocks over tcp, where a sibling's bytes can land late; over
+    /// shared memory a get is the reader's own copy).
     #[arg(long, value_enum, default_value_t = Policy::Safe)]
     pub policy: Policy,
     /// Turn the fault mix off.
@@ -164,7 +163,21 @@ pub struct DemoArgs {
     /// Write the soak's samples to this CSV file.
     #[arg(long, value_name = "FILE")]
     pub soak_csv: Option<std::path::PathBuf>,
-    /// Sizes, counts and transports.
+    /// UCX transports (UCX_TLS). Every rank of the demo runs on this host,
+    /// so shared memory by default: posix and sysv carry messages, cma
+    /// (process_vm_readv/writev) the gets and puts. `tcp` (or any list)
+    /// overrides it; over tcp UCX emulates gets and puts with messages
+    /// that the other side's worker must apply.
+    #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
+    pub tls: String,
+    /// Before each mode, time this many transfers of the same shape done
+    /// by a plain UCX worker loop (no kvpoll engine) against the live
+    /// prefill ranks, one at a time and then at the demo's window on both
+    /// decode ranks: the raw UCX baseline printed next to the demo's
+    /// latencies (0: skip it).
+    #[arg(long, value_name = "N", default_value_t = 300)]
+    pub raw_requests: u32,
+    /// Sizes and counts.
     #[command(flatten)]
     pub workload: Workload,
 }
@@ -230,8 +243,11 @@ pub struct ConnectArgs {
     /// this long, retrying with exponential backoff until then.
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub give_up_after: u64,
-    /// Sizes, counts and transports (as for `demo`; they must match the
-    /// prefill ranks').
+    /// UCX transports (UCX_TLS); they must match the prefill ranks'.
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    pub tls: String,
+    /// Sizes and counts (as for `demo`; they must match the prefill
+    /// ranks').
     #[command(flatten)]
     pub workload: Workload,
 }

@@ -141,7 +141,14 @@ pub struct DecodeReport {
     pub corrupted_blocks: u64,
     pub leaked_blocks: u64,
     pub bytes: u64,
+    /// Request latency (issue to report) at p50, p90 and p99, in µs.
     pub latencies_us: Vec<u64>,
+    /// The transfer's share of it as this rank sees it, at the same
+    /// quantiles: pull, from `Engine::read` to the report; push, from the
+    /// PUSH messages sent to the report.
+    pub transfer_us: Vec<u64>,
+    /// Pull only: from issue until both prefill ranks answered READY.
+    pub control_us: Vec<u64>,
     pub busy_iterations: u64,
     pub idle_iterations: u64,
     pub seconds: f64,
@@ -204,6 +211,16 @@ impl Link {
     }
 }
 
+/// Idle rounds of the decode loop that only yield before it naps.
+const YIELDS: u32 = 4;
+/// The first nap while the engine has requests in flight (its reports
+/// cannot wake the loop); it doubles while nothing happens.
+const NAP: Duration = Duration::from_micros(20);
+/// The longest wait with nothing in the engine (control messages wake it).
+const IDLE_WAIT: Duration = Duration::from_millis(1);
+/// The decode thread's timer slack, in ns (Linux's default is 50 µs).
+const NAP_SLACK_NS: libc::c_ulong = 1_000;
+
 /// First retry delay after a failed attempt; it doubles up to the cap.
 const BACKOFF_FIRST: Duration = Duration::from_millis(50);
 const BACKOFF_CAP: Duration = Duration::from_secs(2);
@@ -227,7 +244,12 @@ struct Req {
     live_until: [Option<Instant>; 2],
     submitted: bool,
     freed: bool,
+    /// Issued (PREPARE or the lend and PUSH sent).
     t0: Instant,
+    /// Pull: both READY in; push: PUSH sent.
+    t_ready: Option<Instant>,
+    /// The transfer started (read submitted; PUSH sent).
+    t_transfer: Option<Instant>,
 }
 
 struct Decoder<'a> {
@@ -240,8 +262,12 @@ struct Decoder<'a> {
     report: DecodeReport,
     tx: mpsc::Sender<Incoming>,
     rx: mpsc::Receiver<Incoming>,
+    /// A control event taken while waiting, handled next.
+    pending: Option<Incoming>,
     buf: Vec<u8>,
     hist: Histogram<u64>,
+    hist_transfer: Histogram<u64>,
+    hist_control: Histogram<u64>,
     rng: u64,
 }
 
@@ -276,32 +302,42 @@ pub fn run(
         },
         tx,
         rx,
+        pending: None,
         buf: vec![0u8; cfg.block_size as usize],
         hist: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
+        hist_transfer: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
+        hist_control: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
         rng: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ (u64::from(std::process::id()) << 32)
             | 1,
     };
+    // Naps below are a few tens of µs: without this, each oversleeps by the
+    // default 50 µs timer slack.
+    // SAFETY: PR_SET_TIMERSLACK changes only the calling thread's slack.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, NAP_SLACK_NS, 0, 0, 0) };
     let start = Instant::now();
     let mut issued = 0u64;
+    let mut idle_rounds = 0u32;
     let mut out = Outcomes::default();
     let (mut stall_done, mut doze_done) = (false, false);
     let mut last_rings = Instant::now();
     loop {
         d.reconnect(registry);
+        let issued_before = issued;
         while issued < cfg.requests && d.reqs.len() < cfg.window && d.links_up() {
             if !d.issue(issued) {
                 break;
             }
             issued += 1;
         }
-        d.handle_links();
+        let heard = d.handle_links();
         out.clear();
         d.engine.poll(&mut out);
         d.handle_outcomes(&out, progress);
-        d.release_due(false);
+        let released = d.release_due(false);
+        let busy = issued != issued_before || heard || !out.is_empty() || released;
         let reported = progress_of(&d.report);
         if let Some((_, how_long)) = cfg.stall.filter(|&(at, _)| reported >= at && !stall_done) {
             // A hung poller: nothing of this rank moves for a while.
@@ -336,8 +372,11 @@ pub fn run(
                 last_rings = Instant::now();
             }
         }
-        if out.is_empty() {
-            std::thread::sleep(Duration::from_micros(100));
+        if busy {
+            idle_rounds = 0;
+        } else {
+            idle_rounds += 1;
+            d.wait(idle_rounds);
         }
     }
     d.release_due(true);
@@ -353,10 +392,15 @@ pub fn run(
     d.engine.shutdown();
     let mut out = Outcomes::default();
     d.engine.poll(&mut out);
-    d.report.latencies_us = [0.5, 0.9, 0.99]
-        .iter()
-        .map(|&q| d.hist.value_at_quantile(q))
-        .collect();
+    let quantiles = |h: &Histogram<u64>| {
+        [0.5, 0.9, 0.99]
+            .iter()
+            .map(|&q| h.value_at_quantile(q))
+            .collect()
+    };
+    d.report.latencies_us = quantiles(&d.hist);
+    d.report.transfer_us = quantiles(&d.hist_transfer);
+    d.report.control_us = quantiles(&d.hist_control);
     Ok(d.report)
 }
 
@@ -475,13 +519,15 @@ impl Decoder<'_> {
             return false;
         }
         let id = (u64::from(self.cfg.rank) << 40) | seq;
-        let req = Req {
+        let mut req = Req {
             blocks,
             ready: [None, None],
             live_until: [None, None],
             submitted: false,
             freed: false,
             t0: Instant::now(),
+            t_ready: None,
+            t_transfer: None,
         };
         match self.cfg.mode {
             Mode::Pull => {
@@ -542,14 +588,50 @@ impl Decoder<'_> {
                         );
                     }
                 }
+                let now = Instant::now();
+                req.t_ready = Some(now);
+                req.t_transfer = Some(now);
             }
         }
         self.reqs.insert(id, req);
         true
     }
 
-    fn handle_links(&mut self) {
-        while let Ok(inc) = self.rx.try_recv() {
+    /// Waits a little after a round in which nothing happened, waking at
+    /// once for a control message. The engine has no wake-up for its
+    /// reports, so while it has requests in flight the wait is a nap
+    /// (after a few yields, which cost a loaded CPU nothing) of 20 µs,
+    /// doubling while nothing happens up to 1 ms: a report is seen late by
+    /// at most about the time already waited for it, and a stalled peer
+    /// does not keep the thread waking 50,000 times a second. With no
+    /// request in the engine, the rank waits for its control links or its
+    /// next block release. It never spins: on a small machine a spinning
+    /// engine thread starves the pollers it waits for.
+    fn wait(&mut self, idle_rounds: u32) {
+        if idle_rounds <= YIELDS {
+            std::thread::yield_now();
+            return;
+        }
+        let nap = if self.engine.in_flight() > 0 {
+            NAP.saturating_mul(1 << (idle_rounds - YIELDS - 1).min(6))
+                .min(IDLE_WAIT)
+        } else {
+            let now = Instant::now();
+            self.holding
+                .front()
+                .map_or(IDLE_WAIT, |(due, _)| due.saturating_duration_since(now))
+                .clamp(NAP, IDLE_WAIT)
+        };
+        if let Ok(inc) = self.rx.recv_timeout(nap) {
+            self.pending = Some(inc);
+        }
+    }
+
+    /// Handles the control events that arrived; whether there were any.
+    fn handle_links(&mut self) -> bool {
+        let mut heard = false;
+        while let Some(inc) = self.pending.take().or_else(|| self.rx.try_recv().ok()) {
+            heard = true;
             match inc {
                 // Events of an earlier connection of a link are stale.
                 Incoming::Line(t, _) | Incoming::Bad(t, _) | Incoming::Closed(t)
@@ -581,6 +663,7 @@ impl Decoder<'_> {
                 }
             }
         }
+        heard
     }
 
     /// Link `i` is gone: requests still waiting for its blocks never get
@@ -624,10 +707,12 @@ impl Decoder<'_> {
             return;
         }
         r.ready[i] = Some(remote);
-        r.live_until[i] = Some(Instant::now() + Duration::from_millis(u64::from(lease_ms)));
+        let now = Instant::now();
+        r.live_until[i] = Some(now + Duration::from_millis(u64::from(lease_ms)));
         if r.ready.iter().any(|x| x.is_none()) {
             return;
         }
+        r.t_ready = Some(now);
         let (Some(p0), Some(p1)) = (self.links[0].peer, self.links[1].peer) else {
             return self.abandon(id);
         };
@@ -672,8 +757,12 @@ impl Decoder<'_> {
                 remote: &remote[1],
             },
         ];
+        let t_read = Instant::now();
         match self.engine.read(RequestId(id), &t) {
-            Ok(()) => r.submitted = true,
+            Ok(()) => {
+                r.submitted = true;
+                r.t_transfer = Some(t_read);
+            }
             Err(_) => self.abandon(id),
         }
     }
@@ -704,7 +793,17 @@ impl Decoder<'_> {
             self.report.finished += 1;
             self.report.bytes +=
                 r.blocks.len() as u64 * self.cfg.block_size * self.cfg.layers as u64;
-            let _ = self.hist.record(r.t0.elapsed().as_micros() as u64);
+            let now = Instant::now();
+            let us = |from: Instant| (now - from).as_micros() as u64;
+            let _ = self.hist.record(us(r.t0));
+            if let Some(t) = r.t_transfer {
+                let _ = self.hist_transfer.record(us(t));
+            }
+            if let (Mode::Pull, Some(t)) = (self.cfg.mode, r.t_ready) {
+                let _ = self
+                    .hist_control
+                    .record(t.saturating_duration_since(r.t0).as_micros() as u64);
+            }
             for (k, &b) in r.blocks.iter().enumerate() {
                 let side = k / h;
                 let e = Expect::Pattern {
@@ -759,8 +858,9 @@ impl Decoder<'_> {
 
     /// Gives back held blocks whose time is up (all, at the end), checking
     /// them once more: a change since arrival is a late write.
-    fn release_due(&mut self, all: bool) {
+    fn release_due(&mut self, all: bool) -> bool {
         let now = Instant::now();
+        let mut released = false;
         while let Some((due, _)) = self.holding.front() {
             if !all && *due > now {
                 break;
@@ -774,7 +874,9 @@ impl Decoder<'_> {
                 }
             }
             self.pool.release(&blocks);
+            released = true;
         }
+        released
     }
 }
 

@@ -6,7 +6,9 @@
 //! of (request, layer, rank, block) and checked by its reader when it
 //! arrives and again when it is given back to the pool. Faults are on by
 //! default at a low rate: handle errors, setup failures, release failures,
-//! stalled prefill ranks, and one prefill rank killed and restarted.
+//! stalled prefill ranks, and one prefill rank killed and restarted. All
+//! ranks run on this host: shared memory by default, tcp on request. Each
+//! mode's latencies come with their parts and a raw UCX baseline (raw.rs).
 //!
 //! `--policy eager` frees a request's blocks at its first handle failure —
 //! the behaviour kvpoll exists to prevent. It is UNSAFE and for comparison
@@ -18,6 +20,7 @@ mod link;
 mod pool;
 mod prefill;
 mod proto;
+mod raw;
 mod soak;
 
 use std::io::{BufRead, BufReader, IsTerminal};
@@ -70,12 +73,14 @@ struct Settings {
     soak: Duration,
     sample_every: Duration,
     soak_csv: Option<std::path::PathBuf>,
+    /// Raw UCX transfers timed before each mode (0: none).
+    raw_requests: u32,
 }
 
 impl Settings {
     /// A demo run's settings: the workload, the fault mix and how ranks run.
     fn demo(a: &DemoArgs) -> Result<Settings, CliError> {
-        let mut s = Settings::workload(&a.workload)?;
+        let mut s = Settings::workload(&a.workload, &a.tls)?;
         check_sizes(s.layers as u64, s.blocks, s.block_size, DEMO_RANKS)?;
         s.processes = a.ranks == Ranks::Processes;
         s.policy = a.policy;
@@ -91,16 +96,17 @@ impl Settings {
         s.soak = Duration::from_secs(a.soak);
         s.sample_every = Duration::from_secs(a.sample_secs);
         s.soak_csv = a.soak_csv.clone();
+        s.raw_requests = a.raw_requests;
         Ok(s)
     }
 
     /// The workload alone (what `connect` takes), faults off.
-    fn workload(w: &Workload) -> Result<Settings, CliError> {
+    fn workload(w: &Workload, tls: &str) -> Result<Settings, CliError> {
         let s = Settings {
             processes: true,
             policy: Policy::Safe,
             requests: w.requests,
-            tls: w.tls.clone(),
+            tls: tls.to_owned(),
             block_size: w.block_size,
             layers: usize::from(w.layers),
             blocks: w.blocks,
@@ -121,6 +127,7 @@ impl Settings {
             soak: Duration::ZERO,
             sample_every: Duration::from_secs(5),
             soak_csv: None,
+            raw_requests: 0,
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -311,6 +318,15 @@ fn layout(s: &Settings) -> Layout {
     }
 }
 
+/// Whether UCX may pick tcp from the transport list `tls` (an exclusion
+/// list, `^...`, or a list naming tcp or everything).
+fn uses_tcp(tls: &str) -> bool {
+    tls.starts_with('^')
+        || tls
+            .split(',')
+            .any(|t| matches!(t.trim(), "tcp" | "all" | "net"))
+}
+
 /// Ranks of a demo run that register a pool: four prefill, two decode.
 const DEMO_RANKS: u64 = (PREFILL_RANKS + DECODE_RANKS) as u64;
 
@@ -361,6 +377,80 @@ struct ModeReport {
     pauses: u32,
     prefill_transfer_errors: u64,
     prefill_release_failures: u64,
+    /// The raw UCX baseline timed before the mode, if it ran.
+    raw: Option<RawFigures>,
+}
+
+/// The raw UCX baseline of a mode: p50 and p99 in µs, one request at a
+/// time and at the demo's window on every decode rank at once.
+#[derive(Debug, Default, Clone)]
+struct RawFigures {
+    single: Option<[u64; 2]>,
+    windowed: Option<[u64; 2]>,
+    /// Why a part did not run.
+    error: Option<String>,
+}
+
+/// Times the raw UCX baseline for `mode` against the live prefill ranks,
+/// from this (the decode ranks') process: first one request at a time on
+/// decode rank 1's two prefill ranks, then `window` at a time on every
+/// decode rank at once, as the demo runs.
+fn raw_baseline(s: &Settings, mode: Mode, registry: &Registry) -> RawFigures {
+    let addrs: Vec<String> = registry
+        .addrs
+        .lock()
+        .map(|a| a.iter().map(|x| x.0.clone()).collect())
+        .unwrap_or_default();
+    let cfg = |window: usize| raw::RawConfig {
+        tls: s.tls.clone(),
+        layout: layout(s),
+        per_handle: s.per_handle,
+        mode,
+        requests: s.raw_requests,
+        window,
+    };
+    let pair = |d: u32| -> Result<[String; 2], String> {
+        match addrs.get(2 * d as usize..2 * d as usize + 2) {
+            Some([a, b]) => Ok([a.clone(), b.clone()]),
+            _ => Err(format!(
+                "no address for decode rank {}'s prefill ranks",
+                d + 1
+            )),
+        }
+    };
+    let p50_p99 = |h: &raw::Latencies| [h.value_at_quantile(0.5), h.value_at_quantile(0.99)];
+    let mut out = RawFigures::default();
+    match pair(0).and_then(|[a, b]| raw::measure(&cfg(1), [&a, &b])) {
+        Ok(h) => out.single = Some(p50_p99(&h)),
+        Err(e) => out.error = Some(format!("1 in flight: {e}")),
+    }
+    let runs: Vec<_> = (0..DECODE_RANKS)
+        .map(|d| {
+            let (c, p) = (cfg(s.window), pair(d));
+            std::thread::spawn(move || p.and_then(|[a, b]| raw::measure(&c, [&a, &b])))
+        })
+        .collect();
+    let mut all: Option<raw::Latencies> = None;
+    for r in runs {
+        match r.join().unwrap_or_else(|_| Err("panicked".into())) {
+            Ok(h) => match &mut all {
+                Some(a) => {
+                    let _ = a.add(&h);
+                }
+                None => all = Some(h),
+            },
+            Err(e) => {
+                out.error.get_or_insert(format!("window {}: {e}", s.window));
+            }
+        }
+    }
+    if out.error.is_none() {
+        out.windowed = all.as_ref().map(p50_p99);
+    }
+    if let Some(e) = &out.error {
+        tracing::warn!("raw UCX baseline ({mode:?}): {e}");
+    }
+    out
 }
 
 pub fn run(args: &DemoArgs) -> Result<(), CliError> {
@@ -550,6 +640,8 @@ fn run_mode(
     rings: &[Arc<AtomicU64>],
     fired_before: &mut std::collections::HashMap<String, (u64, u64)>,
 ) -> Result<ModeReport, CliError> {
+    // The baseline first, with no request in flight (see raw.rs).
+    let raw = (s.raw_requests > 0 && s.soak.is_zero()).then(|| raw_baseline(s, mode, registry));
     let progress = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
@@ -596,9 +688,11 @@ fn run_mode(
     let mut pause_done = !s.faults || s.pause_for.is_zero();
     let mut paused: Option<(u32, Instant)> = None;
     let mut next_stall = Instant::now() + s.stall_every;
-    // Pull mode only: a writer killed mid-put over tcp makes UCX 1.13 abort
-    // its destination's process (see docs/design.md, UCX facts).
-    let mut killed = !(s.faults && s.kill && s.processes && mode == Mode::Pull);
+    // In push mode only without tcp: a writer killed mid-put over tcp makes
+    // UCX 1.13 abort its destination's process (see docs/design.md, UCX
+    // facts); over shared memory the writer copies its puts itself.
+    let mut killed =
+        !(s.faults && s.kill && s.processes && (mode == Mode::Pull || !uses_tcp(&s.tls)));
     let mut last_line = Instant::now();
     while decoders.iter().any(|d| !d.is_finished()) {
         std::thread::sleep(Duration::from_millis(20));
@@ -694,6 +788,7 @@ fn run_mode(
         stalls,
         kills,
         pauses,
+        raw,
         ..ModeReport::default()
     };
     for d in decoders {
@@ -793,12 +888,61 @@ fn busy_pct(r: &ModeReport) -> f64 {
     }
 }
 
+/// Request latency at quantile `i` (0: p50, 1: p90, 2: p99), in µs: the
+/// slowest decode rank's.
 fn latency(r: &ModeReport, i: usize) -> u64 {
+    slowest(r, i, |d| &d.latencies_us)
+}
+
+/// The slowest decode rank's figure `i` of `of`.
+fn slowest(r: &ModeReport, i: usize, of: fn(&DecodeReport) -> &Vec<u64>) -> u64 {
     r.decode
         .iter()
-        .filter_map(|d| d.latencies_us.get(i).copied())
+        .filter_map(|d| of(d).get(i).copied())
         .max()
         .unwrap_or(0)
+}
+
+/// Prints the latency rows: p50 and p99 of the request, its parts, and
+/// the raw UCX baseline.
+fn print_latencies(mode: Mode, r: &ModeReport, s: &Settings) {
+    let row = |name: &str, [p50, p99]: [u64; 2]| {
+        println!("  {name:<48} p50 {p50:>7} us  p99 {p99:>7} us")
+    };
+    let q = |of: fn(&DecodeReport) -> &Vec<u64>| [slowest(r, 0, of), slowest(r, 2, of)];
+    row("request latency, issue -> report", q(|d| &d.latencies_us));
+    match mode {
+        Mode::Pull => {
+            row(
+                "  control: issue -> both prefill READY",
+                q(|d| &d.control_us),
+            );
+            row("  transfer: Engine::read -> report", q(|d| &d.transfer_us));
+        }
+        Mode::Push => row("  transfer: PUSH sent -> report", q(|d| &d.transfer_us)),
+    }
+    if let Some(raw) = &r.raw {
+        let op = match mode {
+            Mode::Pull => "gets",
+            Mode::Push => "puts+flush",
+        };
+        if let Some(x) = raw.single {
+            row(&format!("raw UCX transfer ({op}), 1 in flight"), x);
+        }
+        if let Some(x) = raw.windowed {
+            row(
+                &format!(
+                    "raw UCX transfer ({op}), {DECODE_RANKS} x {} in flight",
+                    s.window
+                ),
+                x,
+            );
+        }
+        if let Some(e) = &raw.error {
+            println!("  raw UCX transfer: not measured: {e}");
+        }
+    }
+    println!("  (latencies: the slowest decode rank's percentiles)");
 }
 
 fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
@@ -825,16 +969,7 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     row("  lease too short to read", t.lease_too_short);
     row("corrupted blocks", t.corrupted);
     row("leaked blocks", t.leaked);
-    println!(
-        "  {:<34} {:>9} us",
-        "latency p50 (slowest rank)",
-        latency(r, 0)
-    );
-    println!(
-        "  {:<34} {:>9} us",
-        "latency p99 (slowest rank)",
-        latency(r, 2)
-    );
+    print_latencies(mode, r, s);
     println!(
         "  {:<34} {:>12.0}",
         "throughput, requests/s",
@@ -906,8 +1041,24 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
         .map(|(mode, r)| {
             let t = sums(r);
             let c = t.causes;
+            let num = |x: Option<u64>| x.map_or("null".to_owned(), |v| v.to_string());
+            let q = |of: fn(&DecodeReport) -> &Vec<u64>, i| slowest(r, i, of);
+            let raw = r.raw.clone().unwrap_or_default();
+            let latencies = format!(
+                "\"transfer_p50_us\":{},\"transfer_p99_us\":{},\"control_p50_us\":{},\"control_p99_us\":{},\"raw_p50_us\":{},\"raw_p99_us\":{},\"raw_window\":{},\"raw_window_p50_us\":{},\"raw_window_p99_us\":{},\"raw_error\":{}",
+                q(|d| &d.transfer_us, 0),
+                q(|d| &d.transfer_us, 2),
+                num((*mode == Mode::Pull).then(|| q(|d| &d.control_us, 0))),
+                num((*mode == Mode::Pull).then(|| q(|d| &d.control_us, 2))),
+                num(raw.single.map(|x| x[0])),
+                num(raw.single.map(|x| x[1])),
+                s.window,
+                num(raw.windowed.map(|x| x[0])),
+                num(raw.windowed.map(|x| x[1])),
+                raw.error.as_deref().map_or("null".to_owned(), json_str),
+            );
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -926,6 +1077,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 t.leaked,
                 latency(r, 0),
                 latency(r, 2),
+                latencies,
                 t.finished as f64 / r.seconds,
                 t.bytes as f64 / r.seconds / 1e9,
                 busy_pct(r),
@@ -941,7 +1093,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
         })
         .collect();
     format!(
-        "{{\"policy\":\"{}\",\"fenced\":{},\"ranks\":\"{}\",\"faults\":{},\"modes\":[{}]}}",
+        "{{\"policy\":\"{}\",\"fenced\":{},\"ranks\":\"{}\",\"tls\":{},\"faults\":{},\"modes\":[{}]}}",
         if s.policy == Policy::Safe {
             "safe"
         } else {
@@ -949,6 +1101,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
         },
         !s.no_fence,
         if s.processes { "processes" } else { "threads" },
+        json_str(&s.tls),
         s.faults,
         modes.join(",")
     )
@@ -1002,7 +1155,7 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     }
     let addrs = args.to.clone();
     let mode = args.mode;
-    let mut s = Settings::workload(&args.workload)?;
+    let mut s = Settings::workload(&args.workload, &args.tls)?;
     s.give_up_after = Duration::from_secs(args.give_up_after);
     check_sizes(s.layers as u64, s.blocks, s.block_size, 1)?;
     let registry = Registry::default();
