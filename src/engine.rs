@@ -482,6 +482,7 @@ impl EngineBuilder {
             capacity: self.ledger.slots,
             block_size: self.block_size,
             read_deadline: self.read_deadline,
+            reports_signalled: false,
         })
     }
 }
@@ -540,6 +541,32 @@ pub struct Engine {
     capacity: u32,
     block_size: u64,
     read_deadline: Duration,
+    /// The last `wait` returned with its eventfd readable: drained before
+    /// the next announcement, not on the way to the reports.
+    reports_signalled: bool,
+}
+
+/// Wakes an engine thread blocked in [`Engine::wait`] from any thread (a
+/// control-plane thread that has work for it, say). Cheap to clone; a
+/// wake with nobody waiting makes the next `wait` return at once.
+#[derive(Clone)]
+pub struct EngineWaker {
+    shared: Arc<Shared>,
+}
+
+impl EngineWaker {
+    /// Wakes the engine thread if it waits; otherwise its next
+    /// [`Engine::wait`] returns without blocking. No syscall unless it
+    /// waits.
+    pub fn wake(&self) {
+        self.shared.reports.notify();
+    }
+}
+
+impl std::fmt::Debug for EngineWaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineWaker")
+    }
 }
 
 /// Poller counters, as SPDK's reactors count them.
@@ -1144,6 +1171,66 @@ impl Engine {
     /// an eventfd write only when it does). See [`crate::wake`].
     fn wake(&self) {
         self.shared.wake.notify();
+    }
+
+    /// Like [`Engine::poll`], but when nothing is new, blocks until the
+    /// poller publishes something, an [`EngineWaker`] wakes it, or
+    /// `timeout` passes (no spinning: an eventfd the poller writes only
+    /// when this thread announced that it blocks). Returns what was
+    /// appended to `out` (0: woken with nothing new, or timed out).
+    ///
+    /// For an engine thread with nothing else to do until a transfer ends:
+    /// a serving loop that steps anyway polls instead. The wake-up is the
+    /// one the poller gets from a submit, roles swapped, so it cannot be
+    /// lost (see the wake protocol in `docs/design.md`).
+    pub fn wait(&mut self, out: &mut Outcomes, timeout: Duration) -> usize {
+        let n = self.poll(out);
+        if n > 0 || timeout.is_zero() {
+            return n;
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        let shared = self.shared.clone();
+        let wake = &shared.reports;
+        loop {
+            if std::mem::take(&mut self.reports_signalled) {
+                wake.efd.drain();
+            }
+            // Announce; `false`: something was published (or a waker
+            // woke us) since we last looked: look again without blocking.
+            if wake.state.prepare_park() {
+                // Re-check after announcing: what was published before
+                // the announcement is in the ring now.
+                let n = self.poll(out);
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if n > 0 || left.is_zero() || shared.dead.load(Ordering::Acquire) {
+                    wake.state.woke();
+                    return n;
+                }
+                self.reports_signalled = poller::wait_readable(wake.efd.fd(), None, left);
+                let notified = wake.state.woke();
+                let n = self.poll(out);
+                if n > 0 || notified || self.reports_signalled {
+                    return n;
+                }
+            } else {
+                // Notified since the last announcement: by a waker, or by
+                // the poller for reports an earlier poll already took (the
+                // two look alike; returning 0 for the second costs the
+                // caller one more call, at most once per publication).
+                return self.poll(out);
+            }
+            if std::time::Instant::now() >= deadline {
+                return 0;
+            }
+        }
+    }
+
+    /// A handle that wakes this engine's thread out of [`Engine::wait`],
+    /// usable from any thread.
+    pub fn waker(&self) -> EngineWaker {
+        EngineWaker {
+            shared: self.shared.clone(),
+        }
     }
 
     /// Collects what happened since the last poll into `out` (appended; clear

@@ -38,8 +38,8 @@ pub(crate) mod wake;
 pub mod wire;
 
 pub use engine::{
-    Engine, EngineBuilder, EngineError, FailedRecv, IdlePolicy, LendTo, Outcomes, PollerStats,
-    Transfer,
+    Engine, EngineBuilder, EngineError, EngineWaker, FailedRecv, IdlePolicy, LendTo, Outcomes,
+    PollerStats, Transfer,
 };
 pub use ledger::{BlockId, Cause, PeerId, Reason, RequestId};
 pub use placement::CoreMap;

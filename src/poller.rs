@@ -38,6 +38,10 @@ type Wire = UcxTransport;
 pub(crate) struct Shared {
     /// How the engine wakes a blocked poller (see [`crate::wake`]).
     pub(crate) wake: Wake,
+    /// How the poller (and an [`crate::EngineWaker`]) wakes an engine thread
+    /// blocked in [`crate::Engine::wait`]: the same protocol, roles swapped,
+    /// with the event ring as the ring.
+    pub(crate) reports: Wake,
     pub(crate) stop: AtomicBool,
     /// Set by the engine after it sent a control message: the poller looks
     /// at the control channel only then (a channel `try_recv` on every
@@ -72,6 +76,7 @@ impl Shared {
     pub(crate) fn new() -> std::io::Result<Self> {
         Ok(Shared {
             wake: Wake::new()?,
+            reports: Wake::new()?,
             stop: AtomicBool::new(false),
             control_pending: AtomicBool::new(false),
             dead: AtomicBool::new(false),
@@ -559,6 +564,11 @@ impl Poller {
         if self.events.pending() > 0 {
             self.events.flush();
         }
+        if n > 0 {
+            // After the events are in the ring (release): an engine thread
+            // blocked in `wait` is woken; one that is not costs one swap.
+            self.shared.reports.notify();
+        }
         n
     }
 
@@ -674,7 +684,11 @@ impl Counters {
 
 /// Waits until `efd` or `other` is readable or `timeout` passed (`ppoll`,
 /// nanosecond timeout). Returns whether `efd` was readable.
-fn wait_readable(efd: libc::c_int, other: Option<libc::c_int>, timeout: Duration) -> bool {
+pub(crate) fn wait_readable(
+    efd: libc::c_int,
+    other: Option<libc::c_int>,
+    timeout: Duration,
+) -> bool {
     let mut fds = [
         libc::pollfd {
             fd: efd,

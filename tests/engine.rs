@@ -835,3 +835,72 @@ fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_
     assert!(ps.notification_messages < ps.notifications_sent, "{ps:?}");
     assert_eq!(ps.malformed_notifications, 0, "{ps:?}");
 }
+
+#[test]
+fn wait_blocks_until_a_report_and_never_misses_one() {
+    let mut p = engine("posix,sysv,cma", GUARD);
+    fill(&p, 7);
+    let mut d = engine("posix,sysv,cma", GUARD);
+    let peer = connect(&mut d, &p);
+    let (local, remote) = (ids(&[3]), ids(&[5]));
+    // One read at a time, each waited for: a lost wake-up leaves a wait
+    // blocked to its (long) timeout, with nothing reported.
+    let mut out = Outcomes::default();
+    for i in 0..300u64 {
+        let id = RequestId(1000 + i);
+        p.lend(id, &remote, LendTo::Readers(1), GUARD).unwrap();
+        d.read(
+            id,
+            &[Transfer {
+                peer,
+                local: &local,
+                remote: &remote,
+            }],
+        )
+        .unwrap();
+        out.clear();
+        let t = Instant::now();
+        // Returns 0 at most once per publication it already took.
+        while out.finished_recving.is_empty() && out.failed_recving.is_empty() {
+            d.wait(&mut out, GUARD);
+            assert!(t.elapsed() < GUARD, "read {i}: the wait was not woken");
+        }
+        assert_eq!(out.finished_recving, vec![id], "read {i}: {out:?}");
+        let mut po = Outcomes::default();
+        wait_for(&mut p, &mut po, "the release", |o| {
+            !o.finished_sending.is_empty()
+        });
+    }
+    assert!(holds(&d, 3, 7, 5));
+}
+
+#[test]
+fn wait_with_nothing_to_report_returns_at_its_timeout_or_when_woken() {
+    let mut e = engine("tcp", GUARD);
+    let mut out = Outcomes::default();
+    let t = Instant::now();
+    assert_eq!(e.wait(&mut out, Duration::from_millis(30)), 0);
+    assert!(
+        t.elapsed() >= Duration::from_millis(30),
+        "{:?}",
+        t.elapsed()
+    );
+    // Woken from another thread long before its timeout.
+    let waker = e.waker();
+    let wake = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        waker.wake();
+    });
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(50) {
+        assert_eq!(e.wait(&mut out, GUARD), 0);
+    }
+    wake.join().unwrap();
+    assert!(t.elapsed() < GUARD);
+    // A wake with nobody waiting: the next wait returns at once.
+    e.waker().wake();
+    let t = Instant::now();
+    assert_eq!(e.wait(&mut out, GUARD), 0);
+    assert!(t.elapsed() < GUARD);
+    assert!(out.is_empty());
+}
