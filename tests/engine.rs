@@ -904,3 +904,51 @@ fn wait_with_nothing_to_report_returns_at_its_timeout_or_when_woken() {
     assert!(t.elapsed() < GUARD);
     assert!(out.is_empty());
 }
+
+#[test]
+fn a_read_answered_before_the_lenders_poller_took_the_lend_is_confirmed_not_refused() {
+    // The lender's poller is slow between draining its commands and
+    // progressing UCX: the lend below is pushed while it sleeps there,
+    // and the reader's question arrives before it looks at its commands
+    // again. Causally the lend came first (the reader learnt of it after
+    // it was submitted), so the question must find it.
+    let tls = "posix,sysv,cma";
+    let mut p = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports(tls))
+        .faults(kvpoll::engine::Faults {
+            slow_progress: Duration::from_millis(100),
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    for _ in 0..REGIONS {
+        p.register(BLOCKS).unwrap();
+    }
+    fill(&p, 8);
+    let mut d = engine(tls, GUARD);
+    let peer = connect(&mut d, &p);
+    let (local, remote) = (ids(&[1]), ids(&[2]));
+    for i in 0..5u64 {
+        let id = RequestId(500 + i);
+        p.lend(id, &remote, LendTo::Readers(1), GUARD).unwrap();
+        d.read(
+            id,
+            &[Transfer {
+                peer,
+                local: &local,
+                remote: &remote,
+            }],
+        )
+        .unwrap();
+        let mut out = Outcomes::default();
+        wait_for(&mut d, &mut out, "the read", |o| {
+            !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
+        });
+        assert_eq!(out.finished_recving, vec![id], "read {i}: {out:?}");
+        let mut po = Outcomes::default();
+        wait_for(&mut p, &mut po, "the release", |o| {
+            !o.finished_sending.is_empty()
+        });
+    }
+}

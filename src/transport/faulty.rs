@@ -23,6 +23,10 @@ pub struct Faults {
     /// The poller panics at its n-th post (0: never): to see that a dead
     /// poller is reported, not hidden.
     pub panic_at_post: u32,
+    /// Every progress of the transport sleeps this long first: a poller
+    /// descheduled between draining its commands and progressing UCX,
+    /// while its engine thread submits and peers answer (zero: never).
+    pub slow_progress: Duration,
 }
 
 /// `T` with [`Faults`] injected.
@@ -102,6 +106,9 @@ impl<T: Transport> Transport for Faulty<T> {
     }
 
     fn progress(&mut self) -> u32 {
+        if !self.faults.slow_progress.is_zero() {
+            std::thread::sleep(self.faults.slow_progress);
+        }
         self.inner.progress()
     }
 
