@@ -211,14 +211,14 @@ impl Link {
     }
 }
 
-/// Idle rounds of the decode loop that only yield before it naps.
+/// Idle rounds of the decode loop that only yield before it blocks.
 const YIELDS: u32 = 4;
-/// The first nap while the engine has requests in flight (its reports
-/// cannot wake the loop); it doubles while nothing happens.
-const NAP: Duration = Duration::from_micros(20);
-/// The longest wait with nothing in the engine (control messages wake it).
-const IDLE_WAIT: Duration = Duration::from_millis(1);
-/// The decode thread's timer slack, in ns (Linux's default is 50 µs).
+/// The longest block in `Engine::wait` (reports and control messages wake
+/// it; this bounds how late the loop sees a timer: a link's retry, the stop
+/// flag).
+const IDLE_WAIT: Duration = Duration::from_millis(10);
+/// The decode thread's timer slack, in ns (Linux's default is 50 µs): a
+/// block release due in a few tens of µs is not overslept.
 const NAP_SLACK_NS: libc::c_ulong = 1_000;
 
 /// First retry delay after a failed attempt; it doubles up to the cap.
@@ -263,7 +263,6 @@ struct Decoder<'a> {
     tx: mpsc::Sender<Incoming>,
     rx: mpsc::Receiver<Incoming>,
     /// A control event taken while waiting, handled next.
-    pending: Option<Incoming>,
     buf: Vec<u8>,
     hist: Histogram<u64>,
     hist_transfer: Histogram<u64>,
@@ -302,7 +301,7 @@ pub fn run(
         },
         tx,
         rx,
-        pending: None,
+
         buf: vec![0u8; cfg.block_size as usize],
         hist: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
         hist_transfer: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
@@ -334,7 +333,14 @@ pub fn run(
         }
         let heard = d.handle_links();
         out.clear();
-        d.engine.poll(&mut out);
+        // After a few idle rounds, block until a report, a control message
+        // (its reader thread wakes the engine's waiter) or the next timer.
+        let block = if idle_rounds > YIELDS {
+            d.idle_timeout()
+        } else {
+            Duration::ZERO
+        };
+        d.engine.wait(&mut out, block);
         d.handle_outcomes(&out, progress);
         let released = d.release_due(false);
         let busy = issued != issued_before || heard || !out.is_empty() || released;
@@ -376,7 +382,10 @@ pub fn run(
             idle_rounds = 0;
         } else {
             idle_rounds += 1;
-            d.wait(idle_rounds);
+            if idle_rounds <= YIELDS {
+                // A loaded CPU loses nothing to these.
+                std::thread::yield_now();
+            }
         }
     }
     d.release_due(true);
@@ -457,8 +466,14 @@ impl Decoder<'_> {
                     .map_err(|e| LinkError::Refused(format!("our metadata: {e}")))?;
                 control::send(&mut stream, &Msg::Meta(meta)).map_err(LinkError::Write)?;
                 link.epoch += 1;
-                link::spawn_reader(&stream, i + 2 * link.epoch, self.tx.clone(), None)
-                    .map_err(LinkError::Connect)?;
+                link::spawn_reader(
+                    &stream,
+                    i + 2 * link.epoch,
+                    self.tx.clone(),
+                    None,
+                    Some(self.engine.waker()),
+                )
+                .map_err(LinkError::Connect)?;
                 Ok((stream, peer))
             });
             match result {
@@ -597,40 +612,29 @@ impl Decoder<'_> {
         true
     }
 
-    /// Waits a little after a round in which nothing happened, waking at
-    /// once for a control message. The engine has no wake-up for its
-    /// reports, so while it has requests in flight the wait is a nap
-    /// (after a few yields, which cost a loaded CPU nothing) of 20 µs,
-    /// doubling while nothing happens up to 1 ms: a report is seen late by
-    /// at most about the time already waited for it, and a stalled peer
-    /// does not keep the thread waking 50,000 times a second. With no
-    /// request in the engine, the rank waits for its control links or its
-    /// next block release. It never spins: on a small machine a spinning
-    /// engine thread starves the pollers it waits for.
-    fn wait(&mut self, idle_rounds: u32) {
-        if idle_rounds <= YIELDS {
-            std::thread::yield_now();
-            return;
-        }
-        let nap = if self.engine.in_flight() > 0 {
-            NAP.saturating_mul(1 << (idle_rounds - YIELDS - 1).min(6))
-                .min(IDLE_WAIT)
-        } else {
-            let now = Instant::now();
-            self.holding
-                .front()
-                .map_or(IDLE_WAIT, |(due, _)| due.saturating_duration_since(now))
-                .clamp(NAP, IDLE_WAIT)
-        };
-        if let Ok(inc) = self.rx.recv_timeout(nap) {
-            self.pending = Some(inc);
-        }
+    /// How long an idle round may block in `Engine::wait`: until the next
+    /// block release or link retry, at most [`IDLE_WAIT`]. Reports and
+    /// control messages wake it sooner.
+    fn idle_timeout(&self) -> Duration {
+        let now = Instant::now();
+        let release = self.holding.front().map(|(due, _)| *due);
+        let retry = self
+            .links
+            .iter()
+            .filter(|l| l.stream.is_none())
+            .map(|l| l.next_try);
+        release
+            .into_iter()
+            .chain(retry)
+            .map(|t| t.saturating_duration_since(now))
+            .fold(IDLE_WAIT, Duration::min)
+            .max(Duration::from_micros(1))
     }
 
     /// Handles the control events that arrived; whether there were any.
     fn handle_links(&mut self) -> bool {
         let mut heard = false;
-        while let Some(inc) = self.pending.take().or_else(|| self.rx.try_recv().ok()) {
+        while let Ok(inc) = self.rx.try_recv() {
             heard = true;
             match inc {
                 // Events of an earlier connection of a link are stale.

@@ -32,12 +32,14 @@ pub enum Incoming {
 }
 
 /// Starts a reader for `stream`, tagging what it reads with `tag`; `idle`
-/// bounds how long the link may stay silent.
+/// bounds how long the link may stay silent. With `wake`, each message
+/// sent on also wakes that engine's thread out of `Engine::wait`.
 pub fn spawn_reader(
     stream: &TcpStream,
     tag: usize,
     tx: Sender<Incoming>,
     idle: Option<Duration>,
+    wake: Option<kvpoll::EngineWaker>,
 ) -> std::io::Result<()> {
     let reader = stream.try_clone()?;
     reader.set_read_timeout(Some(TICK))?;
@@ -50,7 +52,13 @@ pub fn spawn_reader(
                 Err(e) => Incoming::Bad(tag, e.to_string()),
             };
             let last = !matches!(ev, Incoming::Line(..));
-            if tx.send(ev).is_err() || last {
+            if tx.send(ev).is_err() {
+                return;
+            }
+            if let Some(w) = &wake {
+                w.wake();
+            }
+            if last {
                 return;
             }
         }

@@ -102,7 +102,7 @@ pub fn serve(
             if tx.send(Incoming::Opened(tag, writer)).is_err() {
                 return;
             }
-            let _ = link::spawn_reader(&stream, tag, tx.clone(), Some(IDLE_TIMEOUT));
+            let _ = link::spawn_reader(&stream, tag, tx.clone(), Some(IDLE_TIMEOUT), None);
         }
     });
 
