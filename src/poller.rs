@@ -291,7 +291,7 @@ impl Poller {
             } else {
                 counts.idle += 1;
                 idle_streak = idle_streak.saturating_add(1);
-                if self.idle_wait(idle_streak) {
+                if self.idle_wait(idle_streak, counts.run_start) {
                     // About to block: the counters must not wait for it.
                     self.publish_counters(&mut counts);
                     self.block();
@@ -346,7 +346,7 @@ impl Poller {
     /// times, then (returns `true`) block. The busy policy only spins.
     ///
     /// Both phases are short on purpose (see [`SPIN`]).
-    fn idle_wait(&self, streak: u32) -> bool {
+    fn idle_wait(&self, streak: u32, idle_since: Nanos) -> bool {
         if self.cfg.idle == IdlePolicy::Busy {
             std::hint::spin_loop();
             return false;
@@ -358,9 +358,21 @@ impl Poller {
             1 => std::thread::yield_now(),
             0..=SPIN => std::hint::spin_loop(),
             YIELD_FROM..=YIELD_TO => std::thread::yield_now(),
+            _ if self.awaiting(idle_since) => std::thread::yield_now(),
             _ => return true,
         }
         false
+    }
+
+    /// Whether to keep yielding rather than block: requests are in flight
+    /// (the core has a deadline) and the poller went idle less than
+    /// [`AWAIT`] ago. An answer a peer sends within that time (a read's
+    /// confirmation, a write's acknowledgement) is then picked up by
+    /// progress instead of waking this thread through UCX's async thread
+    /// and the worker's event fd (two thread wake-ups, ~100 µs here).
+    fn awaiting(&self, idle_since: Nanos) -> bool {
+        self.core.next_deadline().is_some()
+            && self.now().0.saturating_sub(idle_since.0) < AWAIT.as_nanos() as u64
     }
 
     /// Blocks until the transport has an event, the engine pushed
@@ -639,6 +651,9 @@ impl Poller {
 const SPIN: u32 = 256;
 const YIELD_FROM: u32 = SPIN + 1;
 const YIELD_TO: u32 = SPIN + 16;
+/// How long an adaptive poller with requests in flight keeps yielding
+/// after its last work before it blocks (see `Poller::awaiting`).
+const AWAIT: Duration = Duration::from_micros(300);
 
 /// Longest block on an armed event fd: a safety net only (every event
 /// that matters fires the fd or the eventfd, and the core's deadlines cut
