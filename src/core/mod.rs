@@ -84,7 +84,8 @@ pub struct CoreConfig {
 
 /// Where an [`Action::Send`] or [`Action::Reply`] finds its notifications:
 /// `count` encoded notifications from byte `start` of [`Core::notes`],
-/// valid until the core is next fed or executed.
+/// valid until the next call that changes the core (`next_action`
+/// included): use them before asking for the next action.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Notes {
     /// First byte.
