@@ -244,20 +244,22 @@ impl Poller {
             let mut now = None;
             let mut work = self.drain_control();
             work += self.drain_retired();
-            // Progress before draining the commands, and feed what it saw
-            // after them: a peer's message that answers something the
-            // engine submitted (a read of a lend it announced, say) was
-            // sent after the submit, so the command is in the ring by the
-            // time progress has the message. The other order let a
-            // poller descheduled between the two refuse a read of a lend
-            // still waiting in its ring.
-            work += self.wire.progress();
             work += self.drain_commands(&mut now);
             // Checked after the commands were drained: a request submitted
             // before shutdown is begun, then cancelled and reported.
             if self.shared.stop.load(Ordering::Acquire) {
                 break;
             }
+            work += self.wire.progress();
+            // The commands again (an emptiness check when none came), then
+            // what progress saw: a peer's message that answers something
+            // the engine submitted (a read of a lend it announced, say) was
+            // sent after the submit, so that command is in the ring by the
+            // time progress has the message. Without this second look, a
+            // poller descheduled between the first drain and progress took
+            // the question first and refused a read of a lend still
+            // waiting in its ring.
+            work += self.drain_commands(&mut now);
             work += self.drain_transport(&mut now);
             // Deadlines: on an iteration that read the clock anyway, always;
             // otherwise (an idle spin) only every 16th iteration, and only
