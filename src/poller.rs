@@ -235,6 +235,7 @@ impl Poller {
     fn run(&mut self) {
         let mut idle_streak = 0u32;
         let mut counts = Counters::new(self.now());
+        let mut idle_since = counts.run_start;
         let mut iteration = 0u64;
         loop {
             iteration += 1;
@@ -286,6 +287,9 @@ impl Poller {
                     _ => self.now(),
                 };
                 counts.switch(t);
+                // (The counters' run start moves at each publication; the
+                // await phase counts from the last work.)
+                idle_since = t;
             }
             if busy {
                 counts.busy += 1;
@@ -293,7 +297,7 @@ impl Poller {
             } else {
                 counts.idle += 1;
                 idle_streak = idle_streak.saturating_add(1);
-                if self.idle_wait(idle_streak, counts.run_start) {
+                if self.idle_wait(idle_streak, idle_since) {
                     // About to block: the counters must not wait for it.
                     self.publish_counters(&mut counts);
                     self.block();

@@ -827,8 +827,20 @@ fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_
     for i in 0..n {
         assert!(holds(&d, i, 6, i), "block {i}");
     }
-    // One question a read, and one confirmation each, in fewer messages.
-    let (ds, ps) = (d.poller_stats(), p.poller_stats());
+    // One question a read, and one confirmation each, in fewer messages
+    // (the counters are published every 1024 poller iterations and before
+    // the poller blocks: wait for them).
+    let settled = |e: &Engine| {
+        let t = Instant::now();
+        loop {
+            let s = e.poller_stats();
+            if s.notifications_sent >= u64::from(n) || t.elapsed() > GUARD {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let (ds, ps) = (settled(&d), settled(&p));
     assert_eq!(ds.notifications_sent, u64::from(n), "{ds:?}");
     assert_eq!(ps.notifications_sent, u64::from(n), "{ps:?}");
     assert!(ds.notification_messages < ds.notifications_sent, "{ds:?}");
