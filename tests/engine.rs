@@ -78,6 +78,27 @@ fn wait_for(e: &mut Engine, out: &mut Outcomes, what: &str, done: impl Fn(&Outco
     }
 }
 
+/// `p` lends `remote` for `id` to one reader, and `d` reads it into `local`.
+fn lend_and_read(
+    p: &mut Engine,
+    d: &mut Engine,
+    peer: PeerId,
+    id: RequestId,
+    local: &[BlockId],
+    remote: &[BlockId],
+) {
+    p.lend(id, remote, LendTo::Readers(1), GUARD).unwrap();
+    d.read(
+        id,
+        &[Transfer {
+            peer,
+            local,
+            remote,
+        }],
+    )
+    .unwrap();
+}
+
 fn connect(from: &mut Engine, to: &Engine) -> PeerId {
     from.add_peer(&to.local_metadata().unwrap()).unwrap()
 }
@@ -860,16 +881,7 @@ fn wait_blocks_until_a_report_and_never_misses_one() {
     let mut out = Outcomes::default();
     for i in 0..300u64 {
         let id = RequestId(1000 + i);
-        p.lend(id, &remote, LendTo::Readers(1), GUARD).unwrap();
-        d.read(
-            id,
-            &[Transfer {
-                peer,
-                local: &local,
-                remote: &remote,
-            }],
-        )
-        .unwrap();
+        lend_and_read(&mut p, &mut d, peer, id, &local, &remote);
         out.clear();
         let t = Instant::now();
         // Returns 0 at most once per publication it already took.
@@ -943,16 +955,7 @@ fn a_read_answered_before_the_lenders_poller_took_the_lend_is_confirmed_not_refu
     let (local, remote) = (ids(&[1]), ids(&[2]));
     for i in 0..5u64 {
         let id = RequestId(500 + i);
-        p.lend(id, &remote, LendTo::Readers(1), GUARD).unwrap();
-        d.read(
-            id,
-            &[Transfer {
-                peer,
-                local: &local,
-                remote: &remote,
-            }],
-        )
-        .unwrap();
+        lend_and_read(&mut p, &mut d, peer, id, &local, &remote);
         let mut out = Outcomes::default();
         wait_for(&mut d, &mut out, "the read", |o| {
             !o.finished_recving.is_empty() || !o.failed_recving.is_empty()

@@ -21,15 +21,7 @@ fn kvpoll(args: &[&str]) -> (Option<i32>, String) {
 
 /// Sums `key` over every object in `json` that has it.
 fn sum(json: &str, key: &str) -> u64 {
-    json.match_indices(&format!("\"{key}\":"))
-        .map(|(at, m)| {
-            let rest = &json[at + m.len()..];
-            let end = rest.find([',', '}']).unwrap_or(rest.len());
-            rest[..end]
-                .parse::<u64>()
-                .unwrap_or_else(|_| panic!("{key} in {json}"))
-        })
-        .sum()
+    values(json, key).iter().sum()
 }
 
 /// Every value of `key` in `json`, in order (one a mode); panics on a
