@@ -159,6 +159,9 @@ struct Poller {
     /// The last wait returned with the engine's eventfd readable; it is
     /// drained before the next announcement.
     efd_signalled: bool,
+    /// Waits in a row that found the worker not armable (`UCS_ERR_BUSY`)
+    /// with no work done in between; reset by any work.
+    refused_arms: u32,
 }
 
 /// The poller thread's body.
@@ -225,6 +228,7 @@ impl Poller {
             control,
             shared,
             efd_signalled: false,
+            refused_arms: 0,
         })
     }
 
@@ -294,6 +298,7 @@ impl Poller {
             if busy {
                 counts.busy += 1;
                 idle_streak = 0;
+                self.refused_arms = 0;
             } else {
                 counts.idle += 1;
                 idle_streak = idle_streak.saturating_add(1);
@@ -410,16 +415,28 @@ impl Poller {
         if !ready {
             // Armed: block until the worker's fd fires. No fd (or events
             // waiting in the overflow): nap briefly on the eventfd alone.
-            // Not armable (UCS_ERR_BUSY): do not block, progress first.
+            // Not armable (UCS_ERR_BUSY): the first time, do not block,
+            // progress first (an event came in since the last progress).
+            // Refused again with no work done in between: UCX holds sends
+            // it cannot push out (a peer that does not drain its receive
+            // queue), and only progress retries them; nap on the eventfd,
+            // longer each time up to `REFUSED_NAP_MAX`, instead of
+            // spinning on progress and arm.
             let fd = if pending_events {
                 None
             } else {
                 self.wire.wait_fd()
             };
             let armed = fd.is_some() && self.wire.arm();
-            if fd.is_none() || armed {
+            let refused = fd.is_some() && !armed;
+            if refused {
+                self.refused_arms = self.refused_arms.saturating_add(1);
+            }
+            if !refused || self.refused_arms > 1 {
                 let cap = if armed {
                     MAX_BLOCK
+                } else if refused {
+                    refused_nap(self.refused_arms)
                 } else if pending_events {
                     Duration::from_micros(200)
                 } else {
@@ -668,6 +685,19 @@ const MAX_BLOCK: Duration = Duration::from_millis(100);
 /// Nap of a poller whose transport has no event fd: how late a remote
 /// event can be noticed then.
 const NAP: Duration = Duration::from_micros(200);
+
+/// First and longest nap of a poller whose worker refuses to arm with
+/// nothing to do (see `Poller::block`): how late queued sends are retried
+/// once the peer that held them up drains again.
+const REFUSED_NAP_MIN: Duration = Duration::from_micros(50);
+const REFUSED_NAP_MAX: Duration = Duration::from_millis(1);
+
+/// The nap after the `refused`-th refused arm in a row (≥ 2): doubling
+/// from [`REFUSED_NAP_MIN`] up to [`REFUSED_NAP_MAX`].
+fn refused_nap(refused: u32) -> Duration {
+    let doublings = refused.saturating_sub(2).min(16);
+    (REFUSED_NAP_MIN * (1 << doublings)).min(REFUSED_NAP_MAX)
+}
 
 /// Busy and idle iterations and nanoseconds since the last publication,
 /// and the run in progress (busy or idle) with the time it started.
