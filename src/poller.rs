@@ -249,7 +249,15 @@ impl Poller {
             let mut now = None;
             let mut work = self.drain_control();
             work += self.drain_retired();
-            work += self.drain_commands(&mut now);
+            let commands = self.drain_commands(&mut now);
+            if commands > 0 {
+                // What the commands settled alone (a prefix hit, a refused
+                // or aborted request) goes to the engine now, not after a
+                // progress that is cold after a quiet spell (2 to 3 us of a
+                // ~10 us wake-up path here, measured with timestamps).
+                work += self.publish() as u32;
+            }
+            work += commands;
             // Checked after the commands were drained: a request submitted
             // before shutdown is begun, then cancelled and reported.
             if self.shared.stop.load(Ordering::Acquire) {
