@@ -26,6 +26,18 @@ pub struct ContextOptions {
     /// napping on a timer. UCX 1.13 keeps `posix`, `sysv`, `cma` and `tcp`
     /// with it (measured: docs/design.md §4). Default on.
     pub wakeup: bool,
+    /// UCX's adaptive progress (`ADAPTIVE_PROGRESS`): an interface no
+    /// endpoint uses is left out of progress, and its events reach the
+    /// worker through UCX's async thread, which then signals the worker's
+    /// event fd: two thread wake-ups for a message to an idle poller
+    /// instead of one. `None` (the default) lets kvpoll choose: off when
+    /// the transport list names only shared-memory transports, where
+    /// progressing every interface costs nothing measurable and a lender's
+    /// poller then wakes on a notification in ~80 µs instead of ~200 µs
+    /// (docs/latency.md); UCX's default (on) otherwise, since with it off
+    /// each tcp interface (one per network device) costs a syscall in
+    /// every progress, idle or not.
+    pub adaptive_progress: Option<bool>,
 }
 
 impl Default for ContextOptions {
@@ -35,6 +47,7 @@ impl Default for ContextOptions {
             shared_memory_error_handling: true,
             extra: Vec::new(),
             wakeup: true,
+            adaptive_progress: None,
         }
     }
 }
@@ -64,6 +77,46 @@ impl ContextOptions {
                     })
             }
         }
+    }
+
+    /// The `ADAPTIVE_PROGRESS` value these options give UCX: the one asked
+    /// for, or kvpoll's choice (see [`ContextOptions::adaptive_progress`]);
+    /// `None` leaves UCX's own (or the environment's).
+    fn adaptive_progress_value(&self) -> Option<&'static str> {
+        let on = match self.adaptive_progress {
+            Some(on) => on,
+            None => {
+                let shared_memory_only = self.transports.as_deref().is_some_and(|list| {
+                    !list.starts_with('^')
+                        && list.split(',').all(|t| {
+                            matches!(
+                                t.trim(),
+                                "posix"
+                                    | "sysv"
+                                    | "cma"
+                                    | "knem"
+                                    | "xpmem"
+                                    | "mm"
+                                    | "sm"
+                                    | "shm"
+                                    | "self"
+                            )
+                        })
+                });
+                if !shared_memory_only {
+                    return None;
+                }
+                false
+            }
+        };
+        Some(if on { "y" } else { "n" })
+    }
+
+    /// With or without `UCX_ADAPTIVE_PROGRESS` (see
+    /// [`ContextOptions::adaptive_progress`]).
+    pub fn adaptive_progress(mut self, on: bool) -> Self {
+        self.adaptive_progress = Some(on);
+        self
     }
 
     /// With or without `UCP_FEATURE_WAKEUP` (see [`ContextOptions::wakeup`]).
@@ -152,6 +205,9 @@ impl Context {
         if options.shared_memory_error_handling && options.may_use_shared_memory() {
             cfg.set("MM_ERROR_HANDLING", "y")?;
         }
+        if let Some(v) = options.adaptive_progress_value() {
+            cfg.set("ADAPTIVE_PROGRESS", v)?;
+        }
         for (name, value) in &options.extra {
             cfg.set(name, value)?;
         }
@@ -202,5 +258,47 @@ impl Context {
     /// Whether this UCX can register CUDA device memory.
     pub fn supports_cuda(&self) -> Result<bool, UcxError> {
         Ok(self.memory_types()? & (1u64 << sys::UCS_MEMORY_TYPE_CUDA) != 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ContextOptions;
+
+    #[test]
+    fn adaptive_progress_is_off_for_shared_memory_lists_and_left_to_ucx_otherwise() {
+        let value = |o: ContextOptions| o.adaptive_progress_value();
+        for shm in [
+            "posix,sysv,cma",
+            "posix",
+            "sysv, cma",
+            "sm,self",
+            "posix,sysv,cma,knem",
+        ] {
+            assert_eq!(
+                value(ContextOptions::with_transports(shm)),
+                Some("n"),
+                "{shm}"
+            );
+        }
+        // Lists that can include tcp (or anything else), and UCX's own
+        // choice: UCX's default (each tcp interface would cost a syscall
+        // per progress with it off).
+        for other in ["tcp", "posix,sysv,cma,tcp", "^tcp", "all", "rc,sm"] {
+            assert_eq!(
+                value(ContextOptions::with_transports(other)),
+                None,
+                "{other}"
+            );
+        }
+        assert_eq!(value(ContextOptions::default()), None);
+        // Asked for: given to UCX whatever the list.
+        let tcp = ContextOptions::with_transports("tcp");
+        assert_eq!(value(tcp.clone().adaptive_progress(false)), Some("n"));
+        assert_eq!(value(tcp.adaptive_progress(true)), Some("y"));
+        assert_eq!(
+            value(ContextOptions::with_transports("posix").adaptive_progress(true)),
+            Some("y")
+        );
     }
 }
