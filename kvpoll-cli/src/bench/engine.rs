@@ -364,8 +364,9 @@ fn wait_released(
 /// poller sends it); one sample is send → `P.poll` reports the lend
 /// released. One kvpoll wake-up (P's poller, on its worker's event fd),
 /// where [`remote_wake_up`] chains two (the reader's poller on its
-/// submit, then P's). On shared memory UCX's async thread relays the
-/// event to the worker's fd: a thread wake-up that is UCX's.
+/// submit, then P's). Over tcp UCX's async thread relays the event to the
+/// worker's fd (adaptive progress; kvpoll turns it off on shared-memory
+/// transport lists): a thread wake-up that is UCX's.
 pub fn remote_wake_up_direct(
     n: usize,
     quiet: Duration,

@@ -342,7 +342,7 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         "remote_wake_up_direct_us",
         "wake-up on a remote notification alone, p50",
         engine_bench::remote_wake_up_direct(20, quiet, remote_tls),
-        "a UCX sender's notification -> lend released (1 kvpoll wake-up; UCX's async thread relays it)",
+        "a UCX sender's notification -> lend released (1 kvpoll wake-up; over tcp UCX's async thread relays it)",
         remote_tls,
         park50,
     ));
