@@ -159,9 +159,8 @@ struct Poller {
     /// The last wait returned with the engine's eventfd readable; it is
     /// drained before the next announcement.
     efd_signalled: bool,
-    /// Waits in a row that found the worker not armable (`UCS_ERR_BUSY`)
-    /// with no work done in between; reset by any work.
-    refused_arms: u32,
+    /// What to do about a worker that refuses to arm.
+    refusals: Refusals,
 }
 
 /// The poller thread's body.
@@ -228,7 +227,7 @@ impl Poller {
             control,
             shared,
             efd_signalled: false,
-            refused_arms: 0,
+            refusals: Refusals::default(),
         })
     }
 
@@ -306,7 +305,7 @@ impl Poller {
             if busy {
                 counts.busy += 1;
                 idle_streak = 0;
-                self.refused_arms = 0;
+                self.refusals.work();
             } else {
                 counts.idle += 1;
                 idle_streak = idle_streak.saturating_add(1);
@@ -429,26 +428,25 @@ impl Poller {
             // it cannot push out (a peer that does not drain its receive
             // queue), and only progress retries them; nap on the eventfd,
             // longer each time up to `REFUSED_NAP_MAX`, instead of
-            // spinning on progress and arm.
+            // spinning on progress and arm (`Refusals`; work or an arm
+            // that succeeds starts the count again).
             let fd = if pending_events {
                 None
             } else {
                 self.wire.wait_fd()
             };
             let armed = fd.is_some() && self.wire.arm();
-            let refused = fd.is_some() && !armed;
-            if refused {
-                self.refused_arms = self.refused_arms.saturating_add(1);
-            }
-            if !refused || self.refused_arms > 1 {
-                let cap = if armed {
-                    MAX_BLOCK
-                } else if refused {
-                    refused_nap(self.refused_arms)
-                } else if pending_events {
-                    Duration::from_micros(200)
-                } else {
-                    NAP
+            let refusal = if fd.is_some() {
+                self.refusals.arm(armed)
+            } else {
+                Refusal::Armed
+            };
+            if refusal != Refusal::ProgressFirst {
+                let cap = match refusal {
+                    _ if armed => MAX_BLOCK,
+                    Refusal::Nap(nap) => nap,
+                    _ if pending_events => Duration::from_micros(200),
+                    _ => NAP,
                 };
                 let timeout = match self.core.next_deadline() {
                     Some(t) => cap.min(Duration::from_nanos(
@@ -700,11 +698,46 @@ const NAP: Duration = Duration::from_micros(200);
 const REFUSED_NAP_MIN: Duration = Duration::from_micros(50);
 const REFUSED_NAP_MAX: Duration = Duration::from_millis(1);
 
-/// The nap after the `refused`-th refused arm in a row (≥ 2): doubling
-/// from [`REFUSED_NAP_MIN`] up to [`REFUSED_NAP_MAX`].
-fn refused_nap(refused: u32) -> Duration {
-    let doublings = refused.saturating_sub(2).min(16);
-    (REFUSED_NAP_MIN * (1 << doublings)).min(REFUSED_NAP_MAX)
+/// Refused arms in a row with no work done in between (`UCS_ERR_BUSY`,
+/// or an arm that failed outright).
+#[derive(Debug, Default)]
+struct Refusals(u32);
+
+/// What [`Refusals::arm`] says to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// The worker is armed (or there is nothing to arm): wait as usual.
+    Armed,
+    /// Refused once: an event came in since the last progress; progress
+    /// first, do not wait.
+    ProgressFirst,
+    /// Refused again with no work done: UCX holds sends it cannot push
+    /// out; wait this long on the eventfd before progress retries them.
+    Nap(Duration),
+}
+
+impl Refusals {
+    /// The outcome of an arm: an arm forgets the refusals before it;
+    /// doubling naps from [`REFUSED_NAP_MIN`] up
+    /// to [`REFUSED_NAP_MAX`] from the second refusal in a row.
+    fn arm(&mut self, armed: bool) -> Refusal {
+        if armed {
+            // Whatever held the worker busy is gone.
+            self.0 = 0;
+            return Refusal::Armed;
+        }
+        self.0 = self.0.saturating_add(1);
+        if self.0 == 1 {
+            return Refusal::ProgressFirst;
+        }
+        let doublings = (self.0 - 2).min(16);
+        Refusal::Nap((REFUSED_NAP_MIN * (1 << doublings)).min(REFUSED_NAP_MAX))
+    }
+
+    /// An iteration did work: the next refusal is a fresh one.
+    fn work(&mut self) {
+        self.0 = 0;
+    }
 }
 
 /// Busy and idle iterations and nanoseconds since the last publication,
@@ -795,6 +828,37 @@ fn release_retry(_cfg: &Config) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_arm_is_progressed_first_then_napped_on_longer_each_time_and_forgotten_once_armed()
+    {
+        let mut r = Refusals::default();
+        assert_eq!(r.arm(true), Refusal::Armed);
+        assert_eq!(r.arm(false), Refusal::ProgressFirst);
+        let naps: Vec<Refusal> = (0..7).map(|_| r.arm(false)).collect();
+        let us = |n| Refusal::Nap(Duration::from_micros(n));
+        assert_eq!(
+            naps,
+            [
+                us(50),
+                us(100),
+                us(200),
+                us(400),
+                us(800),
+                us(1000),
+                us(1000)
+            ]
+        );
+        // Work done: the next refusal is progressed first again.
+        r.work();
+        assert_eq!(r.arm(false), Refusal::ProgressFirst);
+        assert_eq!(r.arm(false), us(50));
+        // Armed again (the held sends went out, say, with progress
+        // reporting nothing): a later refusal is a fresh event, not the
+        // same stuck peer, and must not wait a nap before its progress.
+        assert_eq!(r.arm(true), Refusal::Armed);
+        assert_eq!(r.arm(false), Refusal::ProgressFirst);
+    }
 
     #[test]
     fn counters_split_time_between_busy_and_idle_runs_at_each_switch() {
