@@ -3,11 +3,13 @@
 //! path allocates nothing), and checked on receipt: a malformed payload is a
 //! typed error and is dropped (and counted) by the poller.
 //!
-//! One message carries 1 to [`MAX_PER_MESSAGE`] notifications back to back
-//! (the notifications the protocol core emits to one endpoint in one go are
-//! coalesced): [`split`] checks the message's length, and each notification
-//! is then checked on its own (its own magic, version and checksum), so a
-//! damaged one is dropped without its neighbours.
+//! One message carries 1 to
+//! [`MAX_PER_MESSAGE`](crate::notification::MAX_PER_MESSAGE) notifications
+//! back to back (the notifications the protocol core emits to one endpoint
+//! in one go are coalesced): [`split`](crate::notification::split) checks
+//! the message's length, and each notification is then checked on its own
+//! (its own magic, version and checksum), so a damaged one is dropped
+//! without its neighbours.
 //!
 //! ```text
 //! 0   2  magic "KN"

@@ -1,13 +1,15 @@
 //! Bounded SPSC rings between the engine thread and a poller, over `rtrb`.
 //!
-//! - [`commands`]: engine → poller. A full ring refuses the command
-//!   ([`Full`]) and hands it back: the engine retries later (back-pressure on
-//!   submission).
-//! - [`events`]: poller → engine. Events are never dropped: when the ring is
-//!   full the poller keeps them, in order, in a local overflow and moves them
-//!   on with [`EventPublisher::flush`] (call it every loop iteration). Past
-//!   the overflow's bound the event is still kept, and
-//!   [`EventPublisher::publish`] answers [`Backpressure`]: the poller must
+//! - [`commands`](crate::ring::commands): engine → poller. A full ring
+//!   refuses the command ([`Full`](crate::ring::Full)) and hands it back:
+//!   the engine retries later (back-pressure on submission).
+//! - [`events`](crate::ring::events): poller → engine. Events are never
+//!   dropped: when the ring is full the poller keeps them, in order, in a
+//!   local overflow and moves them on with
+//!   [`EventPublisher::flush`](crate::ring::EventPublisher::flush) (call it
+//!   every loop iteration). Past the overflow's bound the event is still
+//!   kept, and [`EventPublisher::publish`](crate::ring::EventPublisher::publish)
+//!   answers [`Backpressure`](crate::ring::Backpressure): the poller must
 //!   stop taking new work until the engine catches up. What can still arrive
 //!   then is bounded by the requests in flight (one report each, plus
 //!   failure notices), so the overflow stays bounded too; only beyond its
