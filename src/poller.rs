@@ -436,18 +436,14 @@ impl Poller {
                 self.wire.wait_fd()
             };
             let armed = fd.is_some() && self.wire.arm();
-            let refusal = if fd.is_some() {
-                self.refusals.arm(armed)
-            } else {
-                Refusal::Armed
+            let cap = match fd.map(|_| self.refusals.arm(armed)) {
+                Some(Refusal::Armed) => Some(MAX_BLOCK),
+                Some(Refusal::ProgressFirst) => None,
+                Some(Refusal::Nap(nap)) => Some(nap),
+                None if pending_events => Some(Duration::from_micros(200)),
+                None => Some(NAP),
             };
-            if refusal != Refusal::ProgressFirst {
-                let cap = match refusal {
-                    _ if armed => MAX_BLOCK,
-                    Refusal::Nap(nap) => nap,
-                    _ if pending_events => Duration::from_micros(200),
-                    _ => NAP,
-                };
+            if let Some(cap) = cap {
                 let timeout = match self.core.next_deadline() {
                     Some(t) => cap.min(Duration::from_nanos(
                         t.0.saturating_sub(self.now().0).max(1_000),
@@ -706,7 +702,7 @@ struct Refusals(u32);
 /// What [`Refusals::arm`] says to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refusal {
-    /// The worker is armed (or there is nothing to arm): wait as usual.
+    /// The worker is armed: block on its fd as usual.
     Armed,
     /// Refused once: an event came in since the last progress; progress
     /// first, do not wait.

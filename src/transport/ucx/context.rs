@@ -69,14 +69,23 @@ impl ContextOptions {
             None => true,
             Some(list) => {
                 list.starts_with('^')
-                    || list.split(',').any(|t| {
-                        matches!(
-                            t.trim(),
-                            "all" | "mm" | "sm" | "shm" | "posix" | "sysv" | "xpmem"
-                        )
-                    })
+                    || list
+                        .split(',')
+                        .any(|t| t.trim() == "all" || is_mm_transport(t.trim()))
             }
         }
+    }
+
+    /// Whether the transport list names only transports within one host:
+    /// shared memory, `cma`, `knem`, `self`.
+    fn same_host_only(&self) -> bool {
+        self.transports.as_deref().is_some_and(|list| {
+            !list.starts_with('^')
+                && list
+                    .split(',')
+                    .map(str::trim)
+                    .all(|t| is_mm_transport(t) || matches!(t, "cma" | "knem" | "self"))
+        })
     }
 
     /// The `ADAPTIVE_PROGRESS` value these options give UCX: the one asked
@@ -85,29 +94,8 @@ impl ContextOptions {
     fn adaptive_progress_value(&self) -> Option<&'static str> {
         let on = match self.adaptive_progress {
             Some(on) => on,
-            None => {
-                let shared_memory_only = self.transports.as_deref().is_some_and(|list| {
-                    !list.starts_with('^')
-                        && list.split(',').all(|t| {
-                            matches!(
-                                t.trim(),
-                                "posix"
-                                    | "sysv"
-                                    | "cma"
-                                    | "knem"
-                                    | "xpmem"
-                                    | "mm"
-                                    | "sm"
-                                    | "shm"
-                                    | "self"
-                            )
-                        })
-                });
-                if !shared_memory_only {
-                    return None;
-                }
-                false
-            }
+            None if self.same_host_only() => false,
+            None => return None,
         };
         Some(if on { "y" } else { "n" })
     }
@@ -130,6 +118,11 @@ impl ContextOptions {
         self.extra.push((name.to_owned(), value.to_owned()));
         self
     }
+}
+
+/// A shared-memory (mm) transport name or alias, as `UCX_TLS` takes it.
+fn is_mm_transport(name: &str) -> bool {
+    matches!(name, "mm" | "sm" | "shm" | "posix" | "sysv" | "xpmem")
 }
 
 pub(crate) struct ContextInner {
