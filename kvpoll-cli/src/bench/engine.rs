@@ -113,80 +113,212 @@ pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
     (percentile(&samples, 0.5), pinned && echo_pinned)
 }
 
-/// Completion → visible latencies (ns), one request at a time, `n` samples.
-/// Both ends run in threads of their own (pinned to two cores when the
-/// machine has them); the caller only waits.
+/// Completion → visible latencies (ns), one request at a time, `n` samples
+/// in one round (no round trips between them): the criterion bench's
+/// shape. The run's figure comes from [`handoff`].
 pub fn completion_to_visible(n: usize) -> Vec<u64> {
+    handoff(1, 0, n)
+        .completion_visible_ns
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Cache-line round trips and completion → visible latencies measured by
+/// the same two threads, alternately, round by round (see [`handoff`]).
+#[derive(Debug, Clone, Default)]
+pub struct Handoff {
+    /// Each round's cache-line round trip, ns (the mean of its trips).
+    pub round_trip_ns: Vec<f64>,
+    /// Each round's completion → visible latencies, ns.
+    pub completion_visible_ns: Vec<Vec<u64>>,
+    /// Whether the two threads were pinned to distinct cores.
+    pub pinned: bool,
+}
+
+impl Handoff {
+    /// The median round's round trip, ns.
+    pub fn round_trip_p50(&self) -> f64 {
+        median_f64(self.round_trip_ns.clone())
+    }
+
+    /// Every completion → visible latency, ns, unsorted.
+    pub fn samples(&self) -> Vec<u64> {
+        self.completion_visible_ns
+            .iter()
+            .flatten()
+            .copied()
+            .collect()
+    }
+
+    /// The median over rounds of (the round's completion → visible p50 /
+    /// the round's round trip): each ratio compares two figures taken
+    /// under one placement of the two threads. NaN without rounds.
+    pub fn ratio_p50(&self) -> f64 {
+        let ratios = self
+            .round_trip_ns
+            .iter()
+            .zip(&self.completion_visible_ns)
+            .filter(|(rtt, lat)| **rtt > 0.0 && !lat.is_empty())
+            .map(|(rtt, lat)| quantile(lat, 0.5) / rtt)
+            .collect();
+        median_f64(ratios)
+    }
+}
+
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_unstable_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Completion → visible next to the cache-line round trip, measured by the
+/// same two threads (pinned to two cores when the machine has them) in
+/// `rounds` alternating rounds: `trips` round trips of one line, timed
+/// together, then `per_round` completions, each timed alone. On a VM the
+/// two vCPUs' placement on the host changes while a run goes on (the
+/// round trip here ranges from ~30 ns to ~500 ns between runs and within
+/// one), so two figures measured one after the other can compare
+/// different machines; round by round they compare the same one.
+///
+/// A completion: the poller thread feeds a handle completion to the
+/// ledger, which publishes the request's report on the event ring, and the
+/// engine thread, spinning on the ring, sees it. Each end reads the same
+/// monotonic clock (`Instant`, whose own cost is included) and keeps its
+/// times to itself until the run ends, so the timing moves no cache line
+/// between the threads.
+pub fn handoff(rounds: usize, trips: u64, per_round: usize) -> Handoff {
     let Ok(mut ledger) = Ledger::new(LedgerConfig {
         slots: 64,
         max_blocks: 4,
     }) else {
-        return Vec::new();
+        return Handoff::default();
     };
     let slots = ledger.slots().clone();
     let (mut tx, mut rx) = kvpoll::ring::events::<kvpoll::ledger::Event>(1024, 1024);
     let (mut back, mut retired_keys) = kvpoll::ring::commands::<kvpoll::ledger::RequestKey>(64);
     let epoch = Instant::now();
-    let stamp = Arc::new(AtomicU64::new(0));
+    let line = Arc::new(crossbeam_utils::CachePadded::new(AtomicU64::new(0)));
     let seen = Arc::new(AtomicU64::new(0));
-    let (stamp2, seen2) = (stamp.clone(), seen.clone());
+    // Set when the poller thread stops early; each spin looks at it.
+    let gave_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (line2, seen2, gave_up2) = (line.clone(), seen.clone(), gave_up.clone());
     let engine_slots = slots.clone();
     let engine = std::thread::spawn(move || {
-        try_pin(0);
-        let mut lat = Vec::with_capacity(n);
+        let pinned = try_pin(0);
+        let mut out = Vec::with_capacity(rounds);
         let mut invalid = Vec::new();
-        while lat.len() < n {
-            if let Some(ev) = rx.recv() {
-                let t = epoch.elapsed().as_nanos() as u64;
-                lat.push(t.saturating_sub(stamp2.load(Ordering::Acquire)));
-                let _ = engine_slots.blocks_to_invalidate(ev.key, &mut invalid);
-                let _ = back.send(ev.key);
-                seen2.store(lat.len() as u64, Ordering::Release);
-            } else if seen2.load(Ordering::Acquire) == u64::MAX {
-                break; // the poller gave up
-            } else {
-                std::hint::spin_loop();
+        let mut expect = 1u64;
+        let mut answered = 0u64;
+        'rounds: for _ in 0..rounds {
+            // Answer each odd value with the next even one.
+            for _ in 0..trips {
+                while line2.load(Ordering::Acquire) != expect {
+                    if gave_up2.load(Ordering::Relaxed) {
+                        break 'rounds;
+                    }
+                    std::hint::spin_loop();
+                }
+                line2.store(expect + 1, Ordering::Release);
+                expect += 2;
             }
+            let mut lat = Vec::with_capacity(per_round);
+            while lat.len() < per_round {
+                if let Some(ev) = rx.recv() {
+                    lat.push(epoch.elapsed().as_nanos() as u64);
+                    let _ = engine_slots.blocks_to_invalidate(ev.key, &mut invalid);
+                    let _ = back.send(ev.key);
+                    answered += 1;
+                    seen2.store(answered, Ordering::Release);
+                } else if gave_up2.load(Ordering::Relaxed) {
+                    break 'rounds;
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            out.push(lat);
         }
-        lat
+        (out, pinned)
     });
     let poller = std::thread::spawn(move || {
-        try_pin(1);
+        let pinned = try_pin(1);
         let peers = [PeerId(0)];
-        for i in 0..n as u64 {
-            let req = Request {
-                id: RequestId(i),
-                kind: Kind::Read,
-                peers: &peers,
-                blocks: &[],
-                expires: Nanos(u64::MAX),
-            };
-            let mut publish = |e| {
-                let _ = tx.publish(e);
-            };
-            let hk = match ledger.begin(&req, &mut publish) {
-                Ok(Begun::Tracked(k)) => HandleKey::new(k, 0),
-                _ => None,
-            };
-            let Some(hk) = hk else {
-                seen.store(u64::MAX, Ordering::Release);
-                return;
-            };
-            let _ = slots.posting(hk);
-            // Release: the engine thread reads the stamp after the event,
-            // which the ring publishes after this store.
-            stamp.store(epoch.elapsed().as_nanos() as u64, Ordering::Release);
-            let _ = slots.completed(hk, Ok(()), &mut publish);
-            while seen.load(Ordering::Acquire) < i + 1 {
-                std::hint::spin_loop();
+        let mut round_trips = Vec::with_capacity(rounds);
+        // When each completion was fed, kept here until both threads end:
+        // the engine thread never reads it, so no line of it moves between
+        // the two while a sample is timed.
+        let mut stamps = Vec::with_capacity(rounds * per_round);
+        let mut v = 0u64;
+        let mut i = 0u64;
+        let give_up = |round_trips, stamps| {
+            gave_up.store(true, Ordering::Relaxed);
+            (round_trips, stamps, pinned)
+        };
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for _ in 0..trips {
+                line.store(v + 1, Ordering::Release);
+                while line.load(Ordering::Acquire) != v + 2 {
+                    std::hint::spin_loop();
+                }
+                v += 2;
             }
-            while let Some(k) = retired_keys.recv() {
-                let _ = ledger.retire(k);
+            round_trips.push(t.elapsed().as_nanos() as f64 / trips.max(1) as f64);
+            for _ in 0..per_round {
+                let req = Request {
+                    id: RequestId(i),
+                    kind: Kind::Read,
+                    peers: &peers,
+                    blocks: &[],
+                    expires: Nanos(u64::MAX),
+                };
+                let mut publish = |e| {
+                    let _ = tx.publish(e);
+                };
+                let hk = match ledger.begin(&req, &mut publish) {
+                    Ok(Begun::Tracked(k)) => HandleKey::new(k, 0),
+                    _ => None,
+                };
+                let Some(hk) = hk else {
+                    return give_up(round_trips, stamps);
+                };
+                let _ = slots.posting(hk);
+                stamps.push(epoch.elapsed().as_nanos() as u64);
+                let _ = slots.completed(hk, Ok(()), &mut publish);
+                while seen.load(Ordering::Acquire) < i + 1 {
+                    std::hint::spin_loop();
+                }
+                while let Some(k) = retired_keys.recv() {
+                    let _ = ledger.retire(k);
+                }
+                i += 1;
             }
         }
+        (round_trips, stamps, pinned)
     });
-    let _ = poller.join();
-    engine.join().unwrap_or_default()
+    let (round_trip_ns, stamps, poller_pinned) = poller.join().unwrap_or_default();
+    let (mut completion_visible_ns, engine_pinned) = engine.join().unwrap_or_default();
+    // A round the poller did not finish has no pair.
+    completion_visible_ns.truncate(round_trip_ns.len());
+    // Receive times less feed times, in order (one request at a time).
+    let mut fed = stamps.iter();
+    for round in &mut completion_visible_ns {
+        for t in round.iter_mut() {
+            *t = fed.next().map_or(0, |&s| t.saturating_sub(s));
+        }
+    }
+    let round_trip_ns = if trips == 0 {
+        Vec::new()
+    } else {
+        round_trip_ns
+    };
+    Handoff {
+        round_trip_ns,
+        completion_visible_ns,
+        pinned: poller_pinned && engine_pinned,
+    }
 }
 
 /// `Engine::poll` with nothing new, ns a call, over `calls` calls.
@@ -431,23 +563,22 @@ pub fn quantile(samples: &[u64], p: f64) -> f64 {
     percentile(&v, p)
 }
 
-/// Every figure, in one run.
-pub fn measure(samples: usize) -> Result<EngineFigures, EngineError> {
-    let (rtt, pinned) = cache_line_round_trip(20_000, 25);
-    let mut lat = completion_to_visible(samples);
+/// Every figure, in one run: the hand-off figures in `rounds` rounds of
+/// 2 000 round trips and `per_round` completions ([`handoff`]).
+pub fn measure(rounds: usize, per_round: usize) -> Result<EngineFigures, EngineError> {
+    let h = handoff(rounds, 2_000, per_round);
+    let mut lat = h.samples();
     lat.sort_unstable();
-    let p50 = percentile(&lat, 0.5);
-    let p99 = percentile(&lat, 0.99);
     let poll = poll_idle(2_000_000)?;
     // Let the OS settle the poller thread we just stopped.
     std::thread::sleep(Duration::from_millis(1));
     Ok(EngineFigures {
-        cache_line_round_trip_ns: rtt,
-        completion_visible_p50_ns: p50,
-        completion_visible_p99_ns: p99,
-        ratio_p50: if rtt > 0.0 { p50 / rtt } else { f64::NAN },
+        cache_line_round_trip_ns: h.round_trip_p50(),
+        completion_visible_p50_ns: percentile(&lat, 0.5),
+        completion_visible_p99_ns: percentile(&lat, 0.99),
+        ratio_p50: h.ratio_p50(),
         poll_idle_ns: poll,
-        pinned,
+        pinned: h.pinned,
     })
 }
 
@@ -474,5 +605,27 @@ mod tests {
     fn every_completion_becomes_visible_once() {
         let lat = completion_to_visible(200);
         assert_eq!(lat.len(), 200);
+        assert!(
+            lat.iter().all(|&ns| ns > 0),
+            "a latency of 0: the stamps were not paired"
+        );
+    }
+
+    #[test]
+    fn handoff_rounds_pair_a_round_trip_with_their_completions() {
+        let h = handoff(4, 100, 50);
+        assert_eq!(h.round_trip_ns.len(), 4);
+        assert_eq!(h.completion_visible_ns.len(), 4);
+        assert!(h.completion_visible_ns.iter().all(|r| r.len() == 50));
+        assert!(h.round_trip_ns.iter().all(|&ns| ns > 0.0));
+        assert_eq!(h.samples().len(), 200);
+        let r = h.ratio_p50();
+        assert!(r.is_finite() && r > 0.0, "ratio {r}");
+        // The ratio is the median of the rounds' own ratios.
+        let mut own: Vec<f64> = (0..4)
+            .map(|i| quantile(&h.completion_visible_ns[i], 0.5) / h.round_trip_ns[i])
+            .collect();
+        own.sort_unstable_by(f64::total_cmp);
+        assert_eq!(r, own[2]);
     }
 }
