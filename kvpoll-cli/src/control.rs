@@ -119,15 +119,15 @@ pub enum Msg {
     },
     /// Coordinator → prefill: report block accounting.
     Stats,
-    /// Prefill → coordinator: blocks in the pool, free, and poller counters.
+    /// Prefill → coordinator: blocks in the pool, free, and poller time.
     StatsReply {
         /// Blocks in the pool.
         total: u64,
         /// Blocks free.
         free: u64,
-        /// Busy poller iterations.
+        /// The poller's busy time since the rank started, ns.
         busy: u64,
-        /// Idle poller iterations.
+        /// The poller's idle time since the rank started, ns.
         idle: u64,
         /// Handles that failed with a transfer error, since the rank
         /// started (injected faults among them).

@@ -149,8 +149,9 @@ pub struct DecodeReport {
     pub transfer_us: Vec<u64>,
     /// Pull only: from issue until both prefill ranks answered READY.
     pub control_us: Vec<u64>,
-    pub busy_iterations: u64,
-    pub idle_iterations: u64,
+    /// The poller's busy and idle time, ns (`PollerStats`).
+    pub busy_ns: u64,
+    pub idle_ns: u64,
     pub seconds: f64,
     /// Requests this rank was to move.
     pub requests: u64,
@@ -393,11 +394,11 @@ pub fn run(
     d.report.seconds = start.elapsed().as_secs_f64();
     d.report.leaked_blocks = u64::from(d.pool.total() - d.pool.free());
     let s = d.engine.poller_stats();
-    d.report.busy_iterations = s.busy_iterations;
     let m = d.engine.metrics();
     d.report.faults.transfer_errors = m.handle_failures.transfer;
     d.report.faults.release_failures = m.release_failures;
-    d.report.idle_iterations = s.idle_iterations;
+    d.report.busy_ns = s.busy_ns;
+    d.report.idle_ns = s.idle_ns;
     d.engine.shutdown();
     let mut out = Outcomes::default();
     d.engine.poll(&mut out);

@@ -369,6 +369,7 @@ fn mem_available() -> Option<u64> {
 struct ModeReport {
     decode: Vec<DecodeReport>,
     prefill_leaked: u64,
+    /// The prefill ranks' pollers' busy and idle time in this mode, ns.
     prefill_busy: u64,
     prefill_idle: u64,
     seconds: f64,
@@ -490,11 +491,11 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     });
     let mut reports = Vec::new();
     let mut cycle = 0u32;
-    let mut fired_before = std::collections::HashMap::new();
+    let mut counted_before = std::collections::HashMap::new();
     loop {
         cycle += 1;
         for mode in [Mode::Pull, Mode::Push] {
-            let r = run_mode(&s, mode, &registry, &mut ranks, &rings, &mut fired_before)?;
+            let r = run_mode(&s, mode, &registry, &mut ranks, &rings, &mut counted_before)?;
             if !s.json {
                 if soak_until.is_some() {
                     print_soak_line(cycle, mode, &r);
@@ -638,7 +639,7 @@ fn run_mode(
     registry: &Arc<Registry>,
     ranks: &mut [Option<Rank>],
     rings: &[Arc<AtomicU64>],
-    fired_before: &mut std::collections::HashMap<String, (u64, u64)>,
+    counted_before: &mut std::collections::HashMap<String, [u64; 4]>,
 ) -> Result<ModeReport, CliError> {
     // The baseline first, with no request in flight (see raw.rs).
     let raw = (s.raw_requests > 0 && s.soak.is_zero()).then(|| raw_baseline(s, mode, registry));
@@ -819,14 +820,15 @@ fn run_mode(
             {
                 if free == total || Instant::now() > give_up {
                     report.prefill_leaked += total - free;
-                    report.prefill_busy += busy;
-                    report.prefill_idle += idle;
                     // The rank's counters run from its start: this mode's
                     // share is what they grew by since the last mode.
-                    let seen = fired_before.entry(addr.clone()).or_insert((0, 0));
-                    report.prefill_transfer_errors += transfer_errors.saturating_sub(seen.0);
-                    report.prefill_release_failures += release_failures.saturating_sub(seen.1);
-                    *seen = (transfer_errors, release_failures);
+                    let now = [transfer_errors, release_failures, busy, idle];
+                    let seen = counted_before.entry(addr.clone()).or_insert([0; 4]);
+                    let [errors, releases, busy, idle] = grown(now, seen);
+                    report.prefill_transfer_errors += errors;
+                    report.prefill_release_failures += releases;
+                    report.prefill_busy += busy;
+                    report.prefill_idle += idle;
                     break;
                 }
             } else if Instant::now() > give_up {
@@ -878,9 +880,21 @@ fn gave_up(r: &ModeReport) -> Option<&str> {
     r.decode.iter().find_map(|d| d.gave_up.as_deref())
 }
 
+/// What each of a prefill rank's counters grew by since `seen` (which
+/// becomes `now`). A counter below what was seen means the rank was
+/// restarted (a fault): all it counted since is new.
+fn grown<const N: usize>(now: [u64; N], seen: &mut [u64; N]) -> [u64; N] {
+    let d = std::array::from_fn(|i| now[i].checked_sub(seen[i]).unwrap_or(now[i]));
+    *seen = now;
+    d
+}
+
+/// The share of the pollers' time (decode and prefill ranks together) they
+/// were busy, % (`PollerStats::busy_ns` and `idle_ns`): iterations would
+/// weigh a short idle spin like a long transfer.
 fn busy_pct(r: &ModeReport) -> f64 {
-    let busy: u64 = r.decode.iter().map(|d| d.busy_iterations).sum::<u64>() + r.prefill_busy;
-    let idle: u64 = r.decode.iter().map(|d| d.idle_iterations).sum::<u64>() + r.prefill_idle;
+    let busy: u64 = r.decode.iter().map(|d| d.busy_ns).sum::<u64>() + r.prefill_busy;
+    let idle: u64 = r.decode.iter().map(|d| d.idle_ns).sum::<u64>() + r.prefill_idle;
     if busy + idle == 0 {
         0.0
     } else {
@@ -1189,4 +1203,38 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pollers_busy_is_the_share_of_the_pollers_time_they_were_busy() {
+        // Decode 900 of 1 000 ns, prefill 300 of 1 000 ns: 60 % of the
+        // pollers' time (it was a share of iterations, which weigh a short
+        // idle spin like a long transfer).
+        let decode = DecodeReport {
+            busy_ns: 900,
+            idle_ns: 100,
+            ..DecodeReport::default()
+        };
+        let r = ModeReport {
+            decode: vec![decode],
+            prefill_busy: 300,
+            prefill_idle: 700,
+            ..ModeReport::default()
+        };
+        assert!((busy_pct(&r) - 60.0).abs() < 1e-9, "{}", busy_pct(&r));
+    }
+
+    #[test]
+    fn a_prefill_ranks_counters_count_per_mode_and_survive_its_restart() {
+        let mut seen = [0; 2];
+        assert_eq!(grown([5, 100], &mut seen), [5, 100]);
+        assert_eq!(grown([7, 160], &mut seen), [2, 60]);
+        // Restarted: its counters began again from zero.
+        assert_eq!(grown([1, 30], &mut seen), [1, 30]);
+        assert_eq!(seen, [1, 30]);
+    }
 }

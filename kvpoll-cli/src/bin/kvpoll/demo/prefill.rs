@@ -353,8 +353,8 @@ fn handle(
             Some(Msg::StatsReply {
                 total: u64::from(pool.total()),
                 free: u64::from(pool.free()),
-                busy: s.busy_iterations,
-                idle: s.idle_iterations,
+                busy: s.busy_ns,
+                idle: s.idle_ns,
                 transfer_errors: m.handle_failures.transfer,
                 release_failures: m.release_failures,
             })
