@@ -1,4 +1,4 @@
-//! Zero heap allocations per request in steady state (DESIGN §6), counted by
+//! Zero heap allocations per request in steady state (docs/design.md §6), counted by
 //! a global allocator that counts only on the measuring thread (a
 //! thread-local flag), so other threads' allocations are not noise.
 

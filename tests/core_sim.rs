@@ -1,7 +1,7 @@
 //! Whole protocol cores over the simulated network (`transport::simnet`):
 //! one [`Core`] per node, driven single-threaded and deterministically the
 //! way `Poller::execute` drives one, with the engine's side (command
-//! batches, `report`) played by the harness. Named tests for the DESIGN §2
+//! batches, `report`) played by the harness. Named tests for the docs/design.md §2
 //! rules and the defects of issue 10, then a proptest over whole runs.
 //!
 //! Soak: `KVPOLL_SIM_CASES=200000 cargo test --release --test core_sim`

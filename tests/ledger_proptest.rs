@@ -1,5 +1,5 @@
 //! Random interleavings over many requests, driven through the seeded
-//! transport simulator, with the DESIGN.md §2 invariants checked after every
+//! transport simulator, with the docs/design.md §2 invariants checked after every
 //! step against the simulator's ground truth (what is really in flight).
 
 use std::collections::{HashMap, VecDeque};

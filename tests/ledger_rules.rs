@@ -1,4 +1,4 @@
-//! One test per rule of DESIGN.md §2 (and the vLLM connector's cases),
+//! One test per rule of docs/design.md §2 (and the vLLM connector's cases),
 //! driving the ledger directly.
 
 mod common;

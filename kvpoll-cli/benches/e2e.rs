@@ -1,6 +1,6 @@
 //! End to end over real UCX between two processes: kvpoll's engine reading
 //! from a `kvpoll engine-peer` against a raw UCX loop reading from a `kvpoll
-//! ucx-peer`, same operations, same run (DESIGN §6: overhead ≤ 10 %).
+//! ucx-peer`, same operations, same run (docs/design.md §6: overhead ≤ 10 %).
 //!
 //! Needs the release binary for the peer processes: `cargo build --release -p kvpoll-cli`
 //! first (it is looked up as `target/release/kvpoll`, next to this bench's

@@ -1,5 +1,5 @@
 //! Engine latencies next to the cache-line round trip measured in the same
-//! run (DESIGN §6). `cargo bench --bench engine`; the one-object summary is
+//! run (docs/design.md §6). `cargo bench --bench engine`; the one-object summary is
 //! `cargo run --release -p kvpoll-cli -- bench engine --json`.
 
 use std::time::Duration;

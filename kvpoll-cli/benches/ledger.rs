@@ -2,7 +2,7 @@
 //! thread, one engine thread), against a `Mutex<HashMap<request, Vec<handle>>>`
 //! tracker doing the same bookkeeping, in the same run.
 //!
-//! Targets (DESIGN.md §6): ≥ 20 M completions/s, ≥ 10× the locked tracker.
+//! Targets (docs/design.md §6): ≥ 20 M completions/s, ≥ 10× the locked tracker.
 //! `cargo run --release -p kvpoll-cli -- bench ledger --json` prints the same comparison as
 //! one JSON object.
 

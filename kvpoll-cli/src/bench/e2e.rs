@@ -1,6 +1,6 @@
 //! End to end over real UCX between two processes, against a raw UCX loop
 //! posting the same operations with no bookkeeping, in the same run
-//! (DESIGN §6: kvpoll's overhead ≤ 10 %).
+//! (docs/design.md §6: kvpoll's overhead ≤ 10 %).
 //!
 //! - **kvpoll**: an [`Engine`] in this process reads from a `kvpoll
 //!   engine-peer` process. Each read is a request; the engine thread keeps

@@ -1,5 +1,5 @@
 //! Latency figures of the engine, measured in one run next to their
-//! physical anchor (DESIGN §6):
+//! physical anchor (docs/design.md §6):
 //!
 //! - **cache-line round trip**: two threads (pinned to two cores when the
 //!   machine has them) bounce one `AtomicU64`; the time of one round trip is
