@@ -5,7 +5,8 @@
 //!
 //! `DIRECT=1`: only the remote wake-up with a plain UCX sender (to trace
 //! it with `perf sched record`); `PAIR=1`: the CPU share of two connected
-//! idle pollers over a quiet second.
+//! idle pollers over a quiet second; `QUIET_US=n`: the quiet spell before
+//! each sample, µs (default 20 000, the bench's).
 
 use std::time::Duration;
 
@@ -15,7 +16,10 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let rounds: u32 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3);
     let tls = args.get(2).map_or("posix,sysv,cma", String::as_str);
-    let quiet = Duration::from_millis(20);
+    let quiet = std::env::var("QUIET_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_millis(20), Duration::from_micros);
     if std::env::var_os("DIRECT").is_some() {
         let d = eb::remote_wake_up_direct(20, quiet, tls).expect("direct");
         println!("remote direct p50 {:.1} us", eb::quantile(&d, 0.5) / 1e3);
