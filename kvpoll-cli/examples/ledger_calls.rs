@@ -7,8 +7,9 @@
 
 use std::time::Instant;
 
-use kvpoll::ledger::{Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, Request};
-use kvpoll::{PeerId, RequestId};
+use kvpoll::ledger::{Begun, HandleKey, Ledger, LedgerConfig};
+use kvpoll::PeerId;
+use kvpoll_cli::bench::engine::bare_read;
 
 fn main() {
     let n: u64 = std::env::args()
@@ -32,13 +33,7 @@ fn main() {
     // A warm-up pass, then the measured one.
     for pass in 0..2 {
         for i in 0..n {
-            let req = Request {
-                id: RequestId(i),
-                kind: Kind::Read,
-                peers: &peers,
-                blocks: &[],
-                expires: Nanos(u64::MAX),
-            };
+            let req = bare_read(i, &peers);
             let mut publish = |e| {
                 let _ = tx.publish(e);
             };

@@ -70,6 +70,32 @@ fn percentile(sorted: &[u64], p: f64) -> f64 {
     sorted[i] as f64
 }
 
+/// `trips` round trips of `line` from the measuring end: store the next odd
+/// value (after `v`), wait for the echo's even one; how long they took.
+fn ping(line: &AtomicU64, v: &mut u64, trips: u64) -> Duration {
+    let t = Instant::now();
+    for _ in 0..trips {
+        line.store(*v + 1, Ordering::Release);
+        while line.load(Ordering::Acquire) != *v + 2 {
+            std::hint::spin_loop();
+        }
+        *v += 2;
+    }
+    t.elapsed()
+}
+
+/// A read of request `id` from `peers` with no blocks, never expiring:
+/// the request the hand-off figures feed through the ledger.
+pub fn bare_read(id: u64, peers: &[PeerId]) -> Request<'_> {
+    Request {
+        id: RequestId(id),
+        kind: Kind::Read,
+        peers,
+        blocks: &[],
+        expires: Nanos(u64::MAX),
+    }
+}
+
 /// Median cache-line round trip over `rounds` rounds of `trips` trips.
 pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
     let line = Arc::new(crossbeam_utils::CachePadded::new(AtomicU64::new(0)));
@@ -95,15 +121,7 @@ pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
         let mut samples = Vec::with_capacity(rounds);
         let mut v = 0u64;
         for _ in 0..rounds {
-            let t = Instant::now();
-            for _ in 0..trips {
-                line.store(v + 1, Ordering::Release);
-                while line.load(Ordering::Acquire) != v + 2 {
-                    std::hint::spin_loop();
-                }
-                v += 2;
-            }
-            samples.push(t.elapsed().as_nanos() as u64 / trips);
+            samples.push(ping(&line, &mut v, trips).as_nanos() as u64 / trips);
         }
         (samples, pinned)
     });
@@ -305,23 +323,10 @@ pub fn handoff(rounds: usize, trips: u64, per_round: usize) -> Handoff {
             (round_trips, stamps, pinned)
         };
         for _ in 0..rounds {
-            let t = Instant::now();
-            for _ in 0..trips {
-                line.store(v + 1, Ordering::Release);
-                while line.load(Ordering::Acquire) != v + 2 {
-                    std::hint::spin_loop();
-                }
-                v += 2;
-            }
-            round_trips.push(t.elapsed().as_nanos() as f64 / trips.max(1) as f64);
+            let t = ping(&line, &mut v, trips);
+            round_trips.push(t.as_nanos() as f64 / trips.max(1) as f64);
             for _ in 0..per_round {
-                let req = Request {
-                    id: RequestId(i),
-                    kind: Kind::Read,
-                    peers: &peers,
-                    blocks: &[],
-                    expires: Nanos(u64::MAX),
-                };
+                let req = bare_read(i, &peers);
                 let mut publish = |e| {
                     let _ = tx.publish(e);
                 };
