@@ -26,8 +26,8 @@ use thiserror::Error;
 
 use crate::core::{Command, MAX_CONSUMERS};
 use crate::ledger::{
-    BlockId, Cause, ConfigError, Event, Kind, LedgerConfig, Outcome, PeerId, Reason, RequestId,
-    RequestKey, Slots, MAX_HANDLES,
+    BlockId, Cause, ConfigError, Event, Incarnation, Kind, LedgerConfig, Outcome, PeerId, Reason,
+    RequestId, RequestKey, Slots, MAX_HANDLES,
 };
 use crate::metadata::MetadataError;
 use crate::placement::PlacementError;
@@ -64,6 +64,14 @@ pub struct Transfer<'a> {
     pub local: &'a [BlockId],
     /// Remote block ids, same length.
     pub remote: &'a [BlockId],
+    /// The incarnation of the remote lend (a read) or push destination (a
+    /// write) these blocks belong to: what the remote engine's
+    /// [`Engine::lend`] returned, carried here with the block ids. Every
+    /// notification about the transfer names it, so a late answer about an
+    /// earlier lend of the same request id cannot complete this one.
+    /// [`Incarnation::NONE`] only for a read with confirmation off (memory
+    /// no lend guards).
+    pub lend: Incarnation,
 }
 
 /// A failed send: a write that failed or was aborted. Never done; its source
@@ -110,6 +118,10 @@ pub struct Outcomes {
     pub expired: Vec<RequestId>,
     /// Informational: a handle failed (its request is reported later).
     pub handle_failures: Vec<(RequestId, u8, Reason)>,
+    /// Peers lost (their endpoint failed: the process died, the link is
+    /// gone), with the endpoint's status: their requests fail as reported
+    /// above, and each must be added again (fresh metadata) to be used.
+    pub peers_lost: Vec<(PeerId, Reason)>,
 }
 
 impl Outcomes {
@@ -122,6 +134,7 @@ impl Outcomes {
         self.failed_sending.clear();
         self.expired.clear();
         self.handle_failures.clear();
+        self.peers_lost.clear();
     }
 
     /// Whether nothing is reported.
@@ -132,6 +145,7 @@ impl Outcomes {
             && self.failed_sending.is_empty()
             && self.expired.is_empty()
             && self.handle_failures.is_empty()
+            && self.peers_lost.is_empty()
     }
 
     /// The invalid blocks of one failed receive.
@@ -205,6 +219,22 @@ pub enum EngineError {
     /// The peer is not known.
     #[error("peer {0:?} is not known")]
     UnknownPeer(PeerId),
+    /// The peer's metadata was given again (the same engine instance)
+    /// with different contents while transfers of ours are in flight on
+    /// it or a push destination waits for its word: replacing its
+    /// endpoint now could cut puts in flight or drop that fence. Retry
+    /// once they ended; identical metadata returns the same peer at once.
+    #[error("peer {0:?} is in use (transfers in flight, or a push destination awaits its word): its metadata can be replaced once they ended")]
+    PeerBusy(PeerId),
+    /// A handle names no incarnation, or handles to one peer name
+    /// different ones.
+    #[error("handle {handle}: {why}")]
+    BadIncarnation {
+        /// The handle's index.
+        handle: usize,
+        /// What is wrong.
+        why: &'static str,
+    },
     /// Peer metadata was refused.
     #[error(transparent)]
     Metadata(#[from] MetadataError),
@@ -259,6 +289,7 @@ pub struct EngineBuilder {
     confirm_reads: bool,
     fence_push_leases: bool,
     read_heartbeat: Duration,
+    lend_grace: Duration,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
@@ -278,6 +309,7 @@ impl Default for EngineBuilder {
             confirm_reads: true,
             fence_push_leases: true,
             read_heartbeat: Duration::from_millis(250),
+            lend_grace: Duration::from_secs(5),
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
@@ -386,6 +418,20 @@ impl EngineBuilder {
         self
     }
 
+    /// How long a read whose lender does not know the lend yet keeps
+    /// asking (default 5 s). A serving engine can hand a lend's block ids
+    /// and incarnation to the reader before the lender's poller has taken
+    /// the lend (the prefill answers the request, then its worker lends):
+    /// the lender answers "pending", and the reader asks again — after
+    /// 100 µs, doubling to 20 ms — until the lend is there or this much
+    /// time passed, then fails `Cause::LeaseLost`. The lender holds a
+    /// reader's give-up (or a writer's word, for a push destination) that
+    /// arrives first as long.
+    pub fn lend_grace(mut self, grace: Duration) -> Self {
+        self.lend_grace = grace;
+        self
+    }
+
     /// Faults to inject (default: none). Test hook: `fault-injection` only.
     #[cfg(feature = "fault-injection")]
     pub fn faults(mut self, faults: Faults) -> Self {
@@ -422,6 +468,7 @@ impl EngineBuilder {
             confirm_reads: self.confirm_reads,
             fence_push_leases: self.fence_push_leases,
             read_heartbeat: self.read_heartbeat,
+            lend_grace: self.lend_grace,
             #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };
@@ -482,6 +529,8 @@ impl EngineBuilder {
             capacity: self.ledger.slots,
             block_size: self.block_size,
             read_deadline: self.read_deadline,
+            confirm_reads: self.confirm_reads,
+            tokens: Tokens::default(),
             reports_signalled: false,
         })
     }
@@ -489,6 +538,63 @@ impl EngineBuilder {
 
 fn nanos(d: Duration) -> u64 {
     d.as_nanos().min(u128::from(u64::MAX)) as u64
+}
+
+/// Incarnation tokens, drawn from the operating system's CSPRNG
+/// (`getrandom(2)`) a batch at a time, so that drawing one costs an index.
+struct Tokens {
+    buf: [u64; 64],
+    next: usize,
+}
+
+impl Default for Tokens {
+    fn default() -> Self {
+        Tokens {
+            buf: [0; 64],
+            next: 64,
+        }
+    }
+}
+
+impl Tokens {
+    fn draw(&mut self) -> Incarnation {
+        loop {
+            if self.next == self.buf.len() {
+                self.refill();
+            }
+            let t = self.buf[self.next];
+            self.next += 1;
+            if t != 0 {
+                return Incarnation(t);
+            }
+        }
+    }
+
+    fn refill(&mut self) {
+        let len = std::mem::size_of_val(&self.buf);
+        let base = self.buf.as_mut_ptr().cast::<u8>();
+        let mut filled = 0;
+        while filled < len {
+            // SAFETY: the destination is the rest of `buf`, `len - filled`
+            // writable bytes; getrandom writes at most that many.
+            let n = unsafe { libc::getrandom(base.add(filled).cast(), len - filled, 0) };
+            if n > 0 {
+                filled += n as usize;
+            } else if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                // Without getrandom(2) (kernels before 3.17): the device.
+                use std::io::Read;
+                let mut bytes = vec![0u8; len - filled];
+                std::fs::File::open("/dev/urandom")
+                    .and_then(|mut f| f.read_exact(&mut bytes))
+                    .expect("no source of randomness for incarnation tokens");
+                // SAFETY: `bytes` holds exactly the `len - filled` bytes
+                // left in `buf`, which does not overlap it.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(filled), len - filled) };
+                filled = len;
+            }
+        }
+        self.next = 0;
+    }
 }
 
 fn instance_id() -> u64 {
@@ -541,6 +647,8 @@ pub struct Engine {
     capacity: u32,
     block_size: u64,
     read_deadline: Duration,
+    confirm_reads: bool,
+    tokens: Tokens,
     /// The last `wait` returned with its eventfd readable: drained before
     /// the next announcement, not on the way to the reports.
     reports_signalled: bool,
@@ -813,12 +921,25 @@ impl Engine {
             return Err(EngineError::TooManyHandles(handles.len()));
         }
         let mut total = 0usize;
+        let guarded = self.confirm_reads || kind != Kind::Read;
         for (i, h) in handles.iter().enumerate() {
             if h.local.len() != h.remote.len() || h.local.is_empty() {
                 return Err(EngineError::BadPairing {
                     handle: i,
                     local: h.local.len(),
                     remote: h.remote.len(),
+                });
+            }
+            if guarded && h.lend.is_none() {
+                return Err(EngineError::BadIncarnation {
+                    handle: i,
+                    why: "no incarnation: pass the token the remote engine's lend returned",
+                });
+            }
+            if handles[..i].iter().any(|g| g.peer == h.peer && g.lend != h.lend) {
+                return Err(EngineError::BadIncarnation {
+                    handle: i,
+                    why: "handles to one peer name different incarnations (one request reads one lend of each peer)",
                 });
             }
             self.check_blocks(h.local.iter())?;
@@ -838,11 +959,13 @@ impl Engine {
             handles: handles.len() as u8,
             blocks: 0,
             expires_in: nanos(expires_in),
+            token: self.tokens.draw(),
         });
         for h in handles {
             self.scratch.push(Command::Handle {
                 peer: h.peer,
                 pairs: h.local.len() as u32,
+                lend: h.lend,
             });
             self.scratch.extend(
                 h.local
@@ -906,13 +1029,24 @@ impl Engine {
 
     /// Nothing to read (a full prefix hit, or a producer rank this consumer
     /// does not read from), but each of `producers` lent blocks for request
-    /// `id` and awaits this engine's word: each is notified once, so it
-    /// releases at once instead of at its lease's end. Nothing is reported
-    /// here; the id is not tracked (it may be reused at once).
-    pub fn notify_only(&mut self, id: RequestId, producers: &[PeerId]) -> Result<(), EngineError> {
+    /// `id` (the incarnation its lend returned) and awaits this engine's
+    /// word: each is notified once, so it releases at once instead of at
+    /// its lease's end. Nothing is reported here; the id is not tracked
+    /// (it may be reused at once).
+    pub fn notify_only(
+        &mut self,
+        id: RequestId,
+        producers: &[(PeerId, Incarnation)],
+    ) -> Result<(), EngineError> {
         self.alive()?;
         if producers.len() > MAX_HANDLES {
             return Err(EngineError::TooManyHandles(producers.len()));
+        }
+        if let Some(i) = producers.iter().position(|p| p.1.is_none()) {
+            return Err(EngineError::BadIncarnation {
+                handle: i,
+                why: "no incarnation: pass the token the remote engine's lend returned",
+            });
         }
         self.fits(Command::entries_for_transfers(producers.len(), 0))?;
         self.scratch.clear();
@@ -922,11 +1056,12 @@ impl Engine {
             handles: producers.len() as u8,
             blocks: 0,
             expires_in: 0,
+            token: self.tokens.draw(),
         });
         self.scratch.extend(
             producers
                 .iter()
-                .map(|&peer| Command::Handle { peer, pairs: 0 }),
+                .map(|&(peer, lend)| Command::Handle { peer, pairs: 0, lend }),
         );
         self.send(id, Kind::NotifyOnly)
     }
@@ -970,13 +1105,21 @@ impl Engine {
     /// handles it used), or `lease` ends. Readers: `finished_sending`, or
     /// `expired`. Writers (a push destination): `finished_recving`, or
     /// `failed_recving` naming the blocks, which may hold partial data.
+    ///
+    /// Returns the lend's incarnation: hand it to the readers (or writers)
+    /// with the block ids, as [`Transfer::lend`]. It is drawn now, so a
+    /// reader holding it reads blocks this engine has already committed,
+    /// even if its read reaches the poller before this lend does (see
+    /// [`EngineBuilder::lend_grace`]); the lease starts when the poller
+    /// takes the lend. The request id may be reused once this lend is
+    /// reported: notes about this incarnation never touch the next one.
     pub fn lend(
         &mut self,
         id: RequestId,
         blocks: &[BlockId],
         to: LendTo,
         lease: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Incarnation, EngineError> {
         self.admit(id)?;
         let (n, kind) = match to {
             LendTo::Readers(n) => (n, Kind::Lend { notifications: n }),
@@ -997,16 +1140,19 @@ impl Engine {
         }
         self.fits(1 + blocks.len())?;
         self.scratch.clear();
+        let token = self.tokens.draw();
         self.scratch.push(Command::Begin {
             id,
             kind,
             handles: 0,
             blocks: blocks.len() as u32,
             expires_in: nanos(lease),
+            token,
         });
         self.scratch
             .extend(blocks.iter().map(|&b| Command::Block(b)));
-        self.send(id, kind)
+        self.send(id, kind)?;
+        Ok(token)
     }
 
     /// A push destination whose writers are named: `blocks` wait for each
@@ -1025,7 +1171,7 @@ impl Engine {
         blocks: &[BlockId],
         writers: &[PeerId],
         lease: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Incarnation, EngineError> {
         self.admit(id)?;
         let mut distinct: arrayvec::ArrayVec<PeerId, MAX_HANDLES> = arrayvec::ArrayVec::new();
         for &w in writers {
@@ -1050,21 +1196,24 @@ impl Engine {
             writers: distinct.len() as u32,
         };
         self.scratch.clear();
+        let token = self.tokens.draw();
         self.scratch.push(Command::Begin {
             id,
             kind,
             handles: distinct.len() as u8,
             blocks: blocks.len() as u32,
             expires_in: nanos(lease),
+            token,
         });
-        self.scratch.extend(
-            distinct
-                .iter()
-                .map(|&peer| Command::Handle { peer, pairs: 0 }),
-        );
+        self.scratch.extend(distinct.iter().map(|&peer| Command::Handle {
+            peer,
+            pairs: 0,
+            lend: Incarnation::NONE,
+        }));
         self.scratch
             .extend(blocks.iter().map(|&b| Command::Block(b)));
-        self.send(id, kind)
+        self.send(id, kind)?;
+        Ok(token)
     }
 
     /// Extends the leases of these writes or lends to `extend` from now
@@ -1253,6 +1402,15 @@ impl Engine {
         }
         if self.shared.dead.load(Ordering::Acquire) && !self.in_flight.is_empty() {
             n += self.report_orphans(out);
+        }
+        // Relaxed first: one load when no peer was lost (the common case).
+        if self.shared.lost_pending.load(Ordering::Relaxed)
+            && self.shared.lost_pending.swap(false, Ordering::Acquire)
+        {
+            if let Ok(mut lost) = self.shared.lost_peers.lock() {
+                n += lost.len();
+                out.peers_lost.append(&mut lost);
+            }
         }
         n
     }

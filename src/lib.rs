@@ -41,7 +41,7 @@ pub use engine::{
     Engine, EngineBuilder, EngineError, EngineWaker, FailedRecv, IdlePolicy, LendTo, Outcomes,
     PollerStats, Transfer,
 };
-pub use ledger::{BlockId, Cause, PeerId, Reason, RequestId};
+pub use ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId};
 pub use placement::CoreMap;
 pub use transport::ucx::ContextOptions;
 

@@ -13,27 +13,36 @@
 //!
 //! ```text
 //! 0   2  magic "KN"
-//! 2   1  version (2)
+//! 2   1  version (3)
 //! 3   1  kind: 1 read done, 2 write done, 3 ack, 4 read confirmed,
-//!          5 read refused, 6 gave up, 7 write abandoned, 8 heartbeat
+//!          5 read refused, 6 gave up, 7 write abandoned, 8 heartbeat,
+//!          9 write query, 10 write quiet, 11 read pending
 //! 4   8  request id
-//! 12  4  count
-//! 16  8  sender instance (its metadata's instance)
-//! 24  4  low 32 bits of FNV-1a 64 over bytes 0..24
+//! 12  8  incarnation: the lend's or push destination's token
+//! 20  8  nonce: the read's or write's own token (0 where none)
+//! 28  8  sender instance (its metadata's instance)
+//! 36  4  low 32 bits of FNV-1a 64 over bytes 0..36
 //! ```
+//!
+//! Every notification names one incarnation of the lend or push
+//! destination it is about (the token its owner drew and handed out with
+//! the block ids) and, for the traffic of a read or a write, that attempt's
+//! own token: a late note of an earlier incarnation, or an answer to an
+//! earlier attempt under the same request id, names another token and is
+//! refused.
 
 use thiserror::Error;
 
-use crate::ledger::RequestId;
+use crate::ledger::{Incarnation, RequestId};
 use crate::wire::fnv1a64;
 
 /// Encoded size of a notification.
-pub const LEN: usize = 28;
-/// Most notifications one message carries (1 792 bytes: an eager message
+pub const LEN: usize = 40;
+/// Most notifications one message carries (1 760 bytes: an eager message
 /// on every transport).
-pub const MAX_PER_MESSAGE: usize = 64;
+pub const MAX_PER_MESSAGE: usize = 44;
 const MAGIC: [u8; 2] = *b"KN";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// What a notification says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +80,10 @@ pub enum NoteKind {
     /// Writer → destination: nothing of mine for this request is in flight,
     /// and I will post nothing more for it.
     WriteQuiet = 10,
+    /// Lender → consumer: no lend of that incarnation is known here yet
+    /// (the read's question overtook the lend on its way to the lender's
+    /// poller): ask again. The consumer does, until its grace period ends.
+    ReadPending = 11,
 }
 
 /// One notification.
@@ -80,8 +93,11 @@ pub struct Notification {
     pub kind: NoteKind,
     /// The request it is about (the same id on both sides).
     pub id: RequestId,
-    /// How many notifications it counts for.
-    pub count: u32,
+    /// The lend or push destination it is about.
+    pub incarnation: Incarnation,
+    /// The read's or write's own token ([`Incarnation::NONE`] where the
+    /// note is not part of one attempt's traffic).
+    pub nonce: Incarnation,
     /// The sender engine's instance id, to route an ack back.
     pub sender: u64,
 }
@@ -105,9 +121,9 @@ pub enum NotificationError {
     /// An unknown kind byte.
     #[error("notification kind {0} is unknown")]
     Kind(u8),
-    /// A count of zero.
-    #[error("notification counts zero")]
-    ZeroCount,
+    /// No incarnation named.
+    #[error("notification names no incarnation")]
+    NoIncarnation,
 }
 
 impl Notification {
@@ -118,10 +134,11 @@ impl Notification {
         b[2] = VERSION;
         b[3] = self.kind as u8;
         b[4..12].copy_from_slice(&self.id.0.to_le_bytes());
-        b[12..16].copy_from_slice(&self.count.to_le_bytes());
-        b[16..24].copy_from_slice(&self.sender.to_le_bytes());
-        let sum = fnv1a64(&b[..24]) as u32;
-        b[24..28].copy_from_slice(&sum.to_le_bytes());
+        b[12..20].copy_from_slice(&self.incarnation.0.to_le_bytes());
+        b[20..28].copy_from_slice(&self.nonce.0.to_le_bytes());
+        b[28..36].copy_from_slice(&self.sender.to_le_bytes());
+        let sum = fnv1a64(&b[..36]) as u32;
+        b[36..40].copy_from_slice(&sum.to_le_bytes());
         b
     }
 
@@ -138,7 +155,7 @@ impl Notification {
             w[..r.len()].copy_from_slice(&b[r]);
             u64::from_le_bytes(w)
         };
-        if word(24..28) as u32 != fnv1a64(&b[..24]) as u32 {
+        if word(36..40) as u32 != fnv1a64(&b[..36]) as u32 {
             return Err(NotificationError::BadChecksum);
         }
         if b[2] != VERSION {
@@ -155,17 +172,19 @@ impl Notification {
             8 => NoteKind::Heartbeat,
             9 => NoteKind::WriteQuery,
             10 => NoteKind::WriteQuiet,
+            11 => NoteKind::ReadPending,
             k => return Err(NotificationError::Kind(k)),
         };
-        let count = word(12..16) as u32;
-        if count == 0 {
-            return Err(NotificationError::ZeroCount);
+        let incarnation = Incarnation(word(12..20));
+        if incarnation.is_none() {
+            return Err(NotificationError::NoIncarnation);
         }
         Ok(Self {
             kind,
             id: RequestId(word(4..12)),
-            count,
-            sender: word(16..24),
+            incarnation,
+            nonce: Incarnation(word(20..28)),
+            sender: word(28..36),
         })
     }
 }
@@ -189,7 +208,8 @@ mod tests {
         Notification {
             kind: NoteKind::Ack,
             id: RequestId(0xdead_beef),
-            count: 3,
+            incarnation: Incarnation(0x1234_5678_9abc),
+            nonce: Incarnation(77),
             sender: 42,
         }
     }
@@ -208,8 +228,8 @@ mod tests {
             assert!(Notification::decode(&c).is_err(), "flip at {i} accepted");
         }
         assert_eq!(
-            Notification::decode(&b[..27]),
-            Err(NotificationError::Length(27))
+            Notification::decode(&b[..LEN - 1]),
+            Err(NotificationError::Length(LEN - 1))
         );
         assert_eq!(
             Notification::decode(&[0u8; LEN]),

@@ -64,6 +64,10 @@ pub(crate) struct Shared {
     pub(crate) note_messages: AtomicU64,
     pub(crate) events_overflowed: AtomicU64,
     pub(crate) quarantined: AtomicU64,
+    /// Peers lost since the engine last looked (rare: a lock is fine), and
+    /// whether there are any (one relaxed load per poll when none).
+    pub(crate) lost_peers: std::sync::Mutex<Vec<(crate::ledger::PeerId, crate::ledger::Reason)>>,
+    pub(crate) lost_pending: AtomicBool,
     /// The CPU the poller was pinned to and verified on; `u64::MAX` if none.
     pub(crate) pinned_core: AtomicU64,
     pub(crate) epoch: Instant,
@@ -93,6 +97,8 @@ impl Shared {
             note_messages: AtomicU64::new(0),
             events_overflowed: AtomicU64::new(0),
             quarantined: AtomicU64::new(0),
+            lost_peers: std::sync::Mutex::new(Vec::new()),
+            lost_pending: AtomicBool::new(false),
             pinned_core: AtomicU64::new(u64::MAX),
             epoch: Instant::now(),
             tid: AtomicI32::new(0),
@@ -109,6 +115,7 @@ pub(crate) struct Config {
     pub(crate) confirm_reads: bool,
     pub(crate) fence_push_leases: bool,
     pub(crate) read_heartbeat: Duration,
+    pub(crate) lend_grace: Duration,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::transport::faulty::Faults,
 }
@@ -214,6 +221,7 @@ impl Poller {
                 confirm_reads: cfg.confirm_reads,
                 fence_push_leases: cfg.fence_push_leases,
                 heartbeat: Nanos(cfg.read_heartbeat.as_nanos().min(u128::from(u64::MAX)) as u64),
+                lend_grace: Nanos(cfg.lend_grace.as_nanos().min(u128::from(u64::MAX)) as u64),
             },
             ledger,
         );
@@ -482,16 +490,7 @@ impl Poller {
                     let _ = reply.send(self.ucx().metadata(instance).map_err(EngineError::from));
                 }
                 Control::AddPeer { meta, reply } => {
-                    let peer =
-                        self.core
-                            .add_peer(meta.instance, meta.regions.len(), region_blocks(&meta));
-                    self.execute(self.now());
-                    let r = self
-                        .wire
-                        .add_peer(peer, &meta)
-                        .map(|()| peer)
-                        .map_err(|_| EngineError::UnknownPeer(peer));
-                    let _ = reply.send(r);
+                    let _ = reply.send(self.add_peer(&meta));
                 }
                 Control::RemovePeer { peer, reply } => {
                     let known = self.core.remove_peer(peer);
@@ -506,6 +505,26 @@ impl Poller {
             }
         }
         n
+    }
+
+    /// Adds a peer; the same engine's metadata again is a refresh: the
+    /// same peer if nothing changed, a new entry if nothing uses the old
+    /// one, refused while something does.
+    fn add_peer(&mut self, meta: &crate::metadata::PeerMetadata) -> Result<PeerId, EngineError> {
+        if let Some(old) = self.core.peer_of(meta.instance) {
+            if self.ucx().peer_metadata(old) == Some(meta) {
+                return Ok(old);
+            }
+        }
+        let peer = self
+            .core
+            .add_peer(meta.instance, meta.regions.len(), region_blocks(meta))
+            .map_err(EngineError::PeerBusy)?;
+        self.execute(self.now());
+        self.wire
+            .add_peer(peer, meta)
+            .map(|()| peer)
+            .map_err(|_| EngineError::UnknownPeer(peer))
     }
 
     fn ucx(&mut self) -> &mut UcxTransport {
@@ -549,9 +568,13 @@ impl Poller {
             return 0;
         }
         let mut n = 0;
-        let now = *now.get_or_insert_with(|| self.now());
         while let Some(cmd) = self.commands.recv() {
             n += 1;
+            // Each command is dated when the poller takes it, after what
+            // came before it (a stall, a batch of posts): a lease starts,
+            // and a deadline counts, from then.
+            let t = self.now();
+            *now = Some(t);
             #[cfg(feature = "fault-injection")]
             if let Command::Stall { ns } = cmd {
                 std::thread::sleep(Duration::from_nanos(ns));
@@ -565,8 +588,8 @@ impl Poller {
                 self.drain_retired();
             }
             let commands = &mut self.commands;
-            self.core.on_command(cmd, &mut || commands.recv(), now);
-            self.execute(now);
+            self.core.on_command(cmd, &mut || commands.recv(), t);
+            self.execute(t);
         }
         n
     }
@@ -600,10 +623,18 @@ impl Poller {
 
     fn publish(&mut self) -> usize {
         let events = &mut self.events;
-        let n = self.core.drain_events(|e| {
+        let mut n = self.core.drain_events(|e| {
             // Backpressure only means the overflow is past its bound; the
             // event is kept either way, nothing is dropped.
             let _ = events.publish(e);
+        });
+        let shared = &self.shared;
+        self.core.drain_lost_peers(|peer, reason| {
+            if let Ok(mut lost) = shared.lost_peers.lock() {
+                lost.push((peer, reason));
+                shared.lost_pending.store(true, Ordering::Release);
+                n += 1;
+            }
         });
         if self.events.pending() > 0 {
             self.events.flush();

@@ -2,7 +2,7 @@
 //! command ring. A request is one all-or-nothing batch: a [`Command::Begin`]
 //! followed by its handles (each followed by its block pairs) or its blocks.
 
-use crate::ledger::{BlockId, Kind, PeerId, RequestId};
+use crate::ledger::{BlockId, Incarnation, Kind, PeerId, RequestId};
 
 /// One entry of the command ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +19,9 @@ pub enum Command {
         blocks: u32,
         /// Deadline (reads) or lease (writes, lends, receives) from now, ns.
         expires_in: u64,
+        /// The incarnation the engine drew for it: a lend's or a push
+        /// destination's token, or a read's or write's own nonce.
+        token: Incarnation,
     },
     /// One handle of the request begun last: its peer, and how many
     /// [`Command::Pair`] entries follow.
@@ -27,6 +30,9 @@ pub enum Command {
         peer: PeerId,
         /// Pairs that follow.
         pairs: u32,
+        /// The incarnation of the remote lend or push destination the
+        /// handle reads or writes (none for a push destination's writers).
+        lend: Incarnation,
     },
     /// A local block and the remote block it moves to or from.
     Pair {

@@ -25,8 +25,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 pub use command::Command;
 
 use crate::ledger::{
-    Begun, BlockId, Cancel, Cause, Event, HandleKey, Kind, Ledger, Nanos, Outcome, PeerId, Reason,
-    Request, RequestId, RequestKey, Slots, MAX_HANDLES,
+    Begun, BlockId, Cancel, Cause, Event, HandleKey, Incarnation, Kind, Ledger, Nanos, Outcome,
+    PeerId, Reason, Request, RequestId, RequestKey, Slots, MAX_HANDLES,
 };
 use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
 use crate::transport::{Direction, Ep, PostFailure, TransportEvent, CANCELED};
@@ -42,10 +42,31 @@ pub const T_TRANSPORT: u64 = 3 << 30;
 /// Most remote engines one request may await notifications from.
 pub const MAX_CONSUMERS: usize = 64;
 
-/// Requests answered [`NoteKind::WriteQuiet`] that are remembered (the
-/// oldest is forgotten first): a write submitted that long after its
-/// destination gave up on it is not refused locally any more.
-const QUIET_REMEMBERED: usize = 4096;
+/// Push destinations answered [`NoteKind::WriteQuiet`] that are remembered
+/// per asking engine (its oldest is forgotten first): a write submitted
+/// that long after its destination gave up on it is not refused locally
+/// any more. Per engine, so that one engine's questions never push out
+/// the promises made to another.
+const QUIET_PER_ENGINE: usize = 16_384;
+/// Engines whose promises are remembered; past it, an engine that is not
+/// a peer is forgotten first.
+const QUIET_ENGINES: usize = 1024;
+
+/// Incarnations of lends and push destinations that ended and are
+/// remembered (the oldest is forgotten first): a read's question for one
+/// of them is refused at once; for an older one, only once the reader's
+/// grace period ran out.
+const ENDED_REMEMBERED: usize = 16_384;
+
+/// Notes (a reader's give-up, a writer's word) naming an incarnation not
+/// lent yet, held until it is (or the grace period ends); past it, the
+/// oldest is dropped (its lend then waits for its lease: safe).
+const EARLY_HELD: usize = 1024;
+
+/// A read told [`NoteKind::ReadPending`] asks again after this long,
+/// doubling up to [`ASK_MAX`].
+const ASK_FIRST: Nanos = Nanos(100_000);
+const ASK_MAX: Nanos = Nanos(20_000_000);
 
 /// How often a quarantined push destination asks its silent writers
 /// again, at most (an answer can be lost with a closed endpoint).
@@ -80,6 +101,11 @@ pub struct CoreConfig {
     /// producers it reads from, the destinations it writes into) to keep
     /// their lends (`Nanos(u64::MAX)`: never).
     pub heartbeat: Nanos,
+    /// How long a read whose lender does not know the lend yet
+    /// ([`NoteKind::ReadPending`]) keeps asking before it fails
+    /// (`Cause::LeaseLost`); and how long a note naming a lend not begun
+    /// yet is held for it.
+    pub lend_grace: Nanos,
 }
 
 /// Where an [`Action::Send`] or [`Action::Reply`] finds its notifications:
@@ -238,11 +264,14 @@ struct Progress {
     held: bool,
     /// Whether it ended without error (puts flushed, gets landed).
     ok: bool,
+    /// The remote lend or push destination it reads or writes.
+    lend: Incarnation,
 }
 
 impl Default for Progress {
     fn default() -> Self {
         Progress {
+            lend: Incarnation::NONE,
             generation: u32::MAX,
             remaining: 0,
             failure: None,
@@ -261,6 +290,9 @@ impl Default for Progress {
 struct Info {
     generation: u32,
     id: RequestId,
+    /// Its incarnation: a lend's or push destination's token, a read's or
+    /// write's nonce.
+    token: Incarnation,
     kind: Kind,
     handles: u8,
     /// Distinct engines that notified (their instances are in `notifiers`).
@@ -285,6 +317,90 @@ struct Info {
     unnamed: bool,
     /// Writers of a push destination that said done or abandoned.
     words: u8,
+}
+
+/// A push destination's fence: when its lease ends (or at its abort), when
+/// to ask its silent writers again once quarantined, and — lent to writers
+/// it did not name — the peers it asked that have not answered yet (every
+/// peer it knew then, however many).
+#[derive(Debug, Clone)]
+struct Fence {
+    key: RequestKey,
+    due: Nanos,
+    asked: Vec<PeerId>,
+}
+
+/// The [`NoteKind::WriteQuiet`] promises this engine made, per asking
+/// engine: push destinations (by incarnation) it will not write into.
+#[derive(Default)]
+struct Quiet {
+    engines: HashMap<u64, (VecDeque<Incarnation>, HashSet<Incarnation>)>,
+}
+
+impl Quiet {
+    fn promised(&self, to: u64, lend: Incarnation) -> bool {
+        self.engines.get(&to).is_some_and(|(_, set)| set.contains(&lend))
+    }
+
+    /// Remembers a promise; `known` says whether an engine is a peer (one
+    /// that is not is forgotten first when too many engines asked).
+    fn promise(&mut self, to: u64, lend: Incarnation, known: impl Fn(u64) -> bool) {
+        if !self.engines.contains_key(&to) && self.engines.len() >= QUIET_ENGINES {
+            let stranger = self.engines.keys().copied().find(|&e| !known(e));
+            let gone = stranger.or_else(|| self.engines.keys().copied().next());
+            if let Some(e) = gone {
+                self.engines.remove(&e);
+            }
+        }
+        let (order, set) = self.engines.entry(to).or_default();
+        if !set.insert(lend) {
+            return;
+        }
+        if order.len() == QUIET_PER_ENGINE {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+        order.push_back(lend);
+    }
+}
+
+/// Incarnations that ended, the newest [`ENDED_REMEMBERED`].
+#[derive(Default)]
+struct Ended {
+    order: VecDeque<Incarnation>,
+    set: HashSet<Incarnation>,
+}
+
+impl Ended {
+    fn record(&mut self, inc: Incarnation) {
+        if inc.is_none() || !self.set.insert(inc) {
+            return;
+        }
+        if self.order.len() == ENDED_REMEMBERED {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        self.order.push_back(inc);
+    }
+
+    fn contains(&self, inc: Incarnation) -> bool {
+        self.set.contains(&inc)
+    }
+}
+
+/// A read asking a lender again whether its lend is live (the lender did
+/// not know it yet).
+#[derive(Debug, Clone, Copy)]
+struct Ask {
+    key: RequestKey,
+    peer: PeerId,
+    /// When to ask again (`u64::MAX`: asked, waiting for the answer).
+    due: Nanos,
+    /// The grace period's end: a pending answer after it fails the read.
+    until: Nanos,
+    wait: Nanos,
 }
 
 /// Counters, for metrics and tests.
@@ -320,6 +436,15 @@ pub struct CoreStats {
     pub quarantined_receives: u64,
     /// Of those, still quarantined now (a gauge).
     pub quarantined_now: u64,
+    /// Notes that named an incarnation not lent yet (a read's question
+    /// answered [`NoteKind::ReadPending`], a give-up or a writer's word
+    /// held for its lend).
+    pub early_notes: u64,
+    /// Notes that named an incarnation other than the live one of their
+    /// request id (a late note of an earlier lend, an answer to an earlier
+    /// attempt, a wrong token): refused, never applied. Also counted in
+    /// `rejected_notifications`.
+    pub stale_notifications: u64,
 }
 
 /// The protocol core. See the module docs.
@@ -354,12 +479,23 @@ pub struct Core {
     /// Push destinations, and their lease ends (kept here, not in the
     /// ledger: expiry starts a fence, it frees nothing); once quarantined,
     /// when to ask their silent writers again.
-    fences: Vec<(RequestKey, Nanos)>,
-    /// Requests this engine answered [`NoteKind::WriteQuiet`] for, with the
-    /// destination that asked: a write of one of them to that destination
-    /// is refused before anything is posted (its blocks may be reused).
-    quiet: VecDeque<(RequestId, u64)>,
-    quiet_set: HashSet<(RequestId, u64)>,
+    fences: Vec<Fence>,
+    /// Push destinations this engine answered [`NoteKind::WriteQuiet`]
+    /// for: a write into one of them is refused before anything is posted
+    /// (its blocks may be reused).
+    quiet: Quiet,
+    /// Lends and push destinations that ended, by incarnation.
+    ended: Ended,
+    /// Notes naming an incarnation not begun yet, and until when they are
+    /// held (in order of that time).
+    early: VecDeque<(Nanos, Notification)>,
+    /// Reads asking their lenders again.
+    asking: Vec<Ask>,
+    /// Peers removed while a fence still needs their word or puts of ours
+    /// to them are in flight: forgotten once neither holds.
+    leaving: Vec<PeerId>,
+    /// Peers lost or removed since the last [`Core::drain_lost_peers`].
+    lost: Vec<(PeerId, Reason)>,
     /// Handles whose release failed, and when to retry.
     held: Vec<(HandleKey, Nanos)>,
     ops_in_flight: u64,
@@ -376,6 +512,7 @@ pub struct Core {
     batches: Vec<Batch>,
     handle_peers: Vec<PeerId>,
     handle_pairs: Vec<u32>,
+    handle_lends: Vec<Incarnation>,
     blocks: Vec<BlockId>,
     cancels: Vec<Cancel>,
     stats: CoreStats,
@@ -402,6 +539,7 @@ impl Core {
                 Info {
                     generation: u32::MAX,
                     id: RequestId(0),
+                    token: Incarnation::NONE,
                     kind: Kind::Read,
                     handles: 0,
                     notified: 0,
@@ -419,8 +557,12 @@ impl Core {
             aborted: Vec::with_capacity(64),
             beating: VecDeque::with_capacity(2 * capacity + 1),
             fences: Vec::with_capacity(64),
-            quiet: VecDeque::with_capacity(QUIET_REMEMBERED),
-            quiet_set: HashSet::with_capacity(QUIET_REMEMBERED),
+            quiet: Quiet::default(),
+            ended: Ended::default(),
+            early: VecDeque::with_capacity(64),
+            asking: Vec::with_capacity(64),
+            leaving: Vec::new(),
+            lost: Vec::new(),
             held: Vec::new(),
             ops_in_flight: 0,
             notes_in_flight: 0,
@@ -431,6 +573,7 @@ impl Core {
             batches: Vec::with_capacity(16),
             handle_peers: Vec::with_capacity(MAX_HANDLES),
             handle_pairs: Vec::with_capacity(MAX_HANDLES),
+            handle_lends: Vec::with_capacity(MAX_HANDLES),
             blocks: Vec::with_capacity(1024),
             cancels: Vec::with_capacity(64),
             stats: CoreStats::default(),
@@ -567,13 +710,29 @@ impl Core {
         self.peers.iter().any(Option::is_some)
     }
 
-    /// Adds a peer. An engine re-added under the same instance replaces its
-    /// old entry, whose handles fail as if it had been lost.
-    /// The engine is alive (same instance), so push destinations waiting
-    /// for its word keep waiting, and name the new entry.
-    pub fn add_peer(&mut self, instance: u64, regions: usize, blocks: u64) -> PeerId {
+    /// The peer entry of engine `instance`, if it is a peer.
+    pub fn peer_of(&self, instance: u64) -> Option<PeerId> {
+        self.by_instance.get(&instance).copied()
+    }
+
+    /// Adds a peer. An engine re-added under the same instance (its
+    /// metadata refreshed) replaces its old entry — but only while nothing
+    /// uses that entry: with operations of ours in flight on it, or a push
+    /// destination waiting for its word, closing it could cut puts in
+    /// flight or drop a fence, so the refresh is refused (`Err` names the
+    /// entry in use). The engine is alive (same instance), so push
+    /// destinations that named it keep waiting, and name the new entry.
+    pub fn add_peer(
+        &mut self,
+        instance: u64,
+        regions: usize,
+        blocks: u64,
+    ) -> Result<PeerId, PeerId> {
         let replaced = self.by_instance.get(&instance).copied();
         if let Some(old) = replaced {
+            if self.in_use(old) {
+                return Err(old);
+            }
             self.drop_peer(old, Cause::PeerLost, false);
         }
         let id = PeerId(self.peers.len() as u32);
@@ -588,17 +747,89 @@ impl Core {
             closes: [(0, Cause::Transfer); 4],
         }));
         self.by_instance.insert(instance, id);
-        id
+        Ok(id)
     }
 
-    /// Removes a peer: its handles in flight fail (deferred, as always).
-    /// Returns whether the id was ever issued (a second removal is fine).
+    /// Removes a peer: its handles in flight fail (deferred, as always),
+    /// and nothing new is posted to it. While a push destination still
+    /// waits for its word, or puts of ours to it are in flight, it is only
+    /// marked as leaving — closing its endpoint could cut those puts or
+    /// drop the fence — and forgotten once neither holds. Returns whether
+    /// the id was ever issued (a second removal is fine).
     pub fn remove_peer(&mut self, peer: PeerId) -> bool {
-        if (peer.0 as usize) >= self.peers.len() {
+        let Some(entry) = self.peers.get(peer.0 as usize) else {
             return false;
+        };
+        if entry.is_none() || self.leaving.contains(&peer) {
+            return true;
         }
-        self.drop_peer(peer, Cause::PeerLost, true);
+        if self.fence_needs(peer) || self.puts_in_flight(peer) {
+            self.leaving.push(peer);
+        } else {
+            self.drop_peer(peer, Cause::PeerLost, true);
+        }
         true
+    }
+
+    /// Peers removed or lost since the last call, with why (`PeerLost` and
+    /// the endpoint's status for a loss).
+    pub fn drain_lost_peers(&mut self, mut out: impl FnMut(PeerId, Reason)) {
+        for (peer, reason) in self.lost.drain(..) {
+            out(peer, reason);
+        }
+    }
+
+    /// Whether anything of ours is in flight on `peer`'s entry, or a push
+    /// destination waits for its word.
+    fn in_use(&self, peer: PeerId) -> bool {
+        self.fence_needs(peer)
+            || self.progress.iter().enumerate().any(|(i, p)| {
+                p.peer == peer
+                    && (p.remaining > 0 || p.releasing)
+                    && self.info[i / MAX_HANDLES].generation == p.generation
+                    && self
+                        .ledger
+                        .is_live(RequestKey::new((i / MAX_HANDLES) as u32, p.generation))
+            })
+    }
+
+    /// Whether a live push destination could still hear from `peer` (a
+    /// writer it named that has not spoken, a peer it asked that has not
+    /// answered, or any peer while one lent to unnamed writers is not
+    /// quarantined yet: any of them could be writing).
+    fn fence_needs(&self, peer: PeerId) -> bool {
+        let instance = match self.peers.get(peer.0 as usize) {
+            Some(Some(p)) => p.instance,
+            _ => return false,
+        };
+        self.fences.iter().any(|f| {
+            if !self.fence_live(f.key) {
+                return false;
+            }
+            let slot = f.key.slot() as usize;
+            let info = &self.info[slot];
+            if info.unnamed {
+                return !info.quarantined || f.asked.contains(&peer);
+            }
+            let spoke = &self.notifiers[slot * MAX_CONSUMERS..][..usize::from(info.notified)];
+            let base = slot * MAX_HANDLES;
+            (0..info.handles as usize).any(|h| self.progress[base + h].peer == peer)
+                && !spoke.contains(&instance)
+        })
+    }
+
+    /// Peers marked as leaving that nothing holds any more are forgotten.
+    fn retire_leaving(&mut self) {
+        let mut i = 0;
+        while i < self.leaving.len() {
+            let peer = self.leaving[i];
+            if self.fence_needs(peer) || self.puts_in_flight(peer) {
+                i += 1;
+            } else {
+                self.leaving.swap_remove(i);
+                self.drop_peer(peer, Cause::PeerLost, true);
+            }
+        }
     }
 
     /// Push destinations that name writer `old` name `new` instead.
@@ -619,6 +850,13 @@ impl Core {
                 }
             }
         }
+        for f in &mut self.fences {
+            for p in &mut f.asked {
+                if *p == old {
+                    *p = new;
+                }
+            }
+        }
     }
 
     /// Forgets `peer`; `gone` says the engine behind it is gone (lost or
@@ -627,6 +865,7 @@ impl Core {
         let Some(p) = self.peers.get_mut(peer.0 as usize).and_then(Option::take) else {
             return;
         };
+        self.leaving.retain(|&l| l != peer);
         if self.by_instance.get(&p.instance) == Some(&peer) {
             self.by_instance.remove(&p.instance);
         }
@@ -656,9 +895,10 @@ impl Core {
                 handles,
                 blocks,
                 expires_in,
+                token,
             } => {
                 if self.read_plan(handles, blocks, next) {
-                    self.begin(id, kind, now, expires_in);
+                    self.begin(id, kind, token, now, expires_in);
                 }
             }
             Command::Abort(id) => self.abort(id, now),
@@ -666,8 +906,8 @@ impl Core {
                 let until = now.saturating_add(Nanos(extend_ns));
                 self.ledger.heartbeat(id, until);
                 if let Some(key) = self.ledger.key(id) {
-                    for f in self.fences.iter_mut().filter(|f| f.0 == key) {
-                        f.1 = f.1.max(until);
+                    for f in self.fences.iter_mut().filter(|f| f.key == key) {
+                        f.due = f.due.max(until);
                     }
                 }
             }
@@ -687,14 +927,16 @@ impl Core {
     ) -> bool {
         self.handle_peers.clear();
         self.handle_pairs.clear();
+        self.handle_lends.clear();
         self.pairs.clear();
         self.blocks.clear();
         for _ in 0..handles {
-            let Some(Command::Handle { peer, pairs }) = next() else {
+            let Some(Command::Handle { peer, pairs, lend }) = next() else {
                 return false;
             };
             self.handle_peers.push(peer);
             self.handle_pairs.push(pairs);
+            self.handle_lends.push(lend);
             for _ in 0..pairs {
                 let Some(Command::Pair { local, remote }) = next() else {
                     return false;
@@ -717,16 +959,17 @@ impl Core {
         let _ = self.ledger.retire(key);
     }
 
-    fn begin(&mut self, id: RequestId, kind: Kind, now: Nanos, lease_ns: u64) {
+    fn begin(&mut self, id: RequestId, kind: Kind, token: Incarnation, now: Nanos, lease_ns: u64) {
         let expires = now.saturating_add(Nanos(lease_ns));
         if kind == Kind::NotifyOnly {
             // Nothing to read, nothing tracked: each producer engine (once
             // per engine, whatever the handle count) hears that it may
-            // release.
+            // release its lend.
             for i in 0..self.handle_peers.len() {
                 let peer = self.handle_peers[i];
                 if !self.handle_peers[..i].contains(&peer) {
-                    self.notify(peer, None, NoteKind::GaveUp, id);
+                    let lend = self.handle_lends[i];
+                    self.send_note(peer, None, NoteKind::GaveUp, id, lend, token, false);
                 }
             }
             return;
@@ -738,6 +981,7 @@ impl Core {
             // A timer: its writers are not waited for (unsafe).
             self.handle_peers.clear();
             self.handle_pairs.clear();
+            self.handle_lends.clear();
         }
         let fenced = receive && self.cfg.fence_push_leases;
         let named = fenced && !self.handle_peers.is_empty();
@@ -747,6 +991,7 @@ impl Core {
             while i < self.handle_peers.len() {
                 if self.handle_peers[..i].contains(&self.handle_peers[i]) {
                     self.handle_peers.remove(i);
+                    self.handle_lends.remove(i);
                 } else {
                     i += 1;
                 }
@@ -774,6 +1019,7 @@ impl Core {
         self.info[slot] = Info {
             generation: key.generation(),
             id,
+            token,
             kind,
             handles: self.handle_peers.len() as u8,
             notified: 0,
@@ -791,15 +1037,24 @@ impl Core {
                 self.progress[base + h] = Progress {
                     generation: key.generation(),
                     peer: self.handle_peers[h],
+                    lend: token,
                     ..Progress::default()
                 };
             }
-            self.fences.push((key, expires));
+            self.fences.push(Fence {
+                key,
+                due: expires,
+                asked: Vec::new(),
+            });
             // Open an endpoint to each writer now, so that its loss is seen
             // (UCX reports a failed endpoint) even if it never writes.
             self.each_peer_once(key, NoteKind::Heartbeat, false);
+            self.take_early(token, now);
             self.after_events();
             return;
+        }
+        if matches!(kind, Kind::Lend { .. }) {
+            self.take_early(token, now);
         }
         // Reads and writes in flight tell their lenders (producers, push
         // destinations) that they are still at it.
@@ -849,16 +1104,20 @@ impl Core {
             return;
         };
         let peer_id = self.handle_peers[h as usize];
+        let lend = self.handle_lends[h as usize];
         let idx = Self::index(hk);
         self.progress[idx] = Progress {
             generation: key.generation(),
             peer: peer_id,
+            lend,
             ..Progress::default()
         };
         if self.slots.posting(hk).is_err() {
             return; // cancelled before it was posted: the ledger stopped it
         }
+        let leaving = !self.leaving.is_empty() && self.leaving.contains(&peer_id);
         let valid = match self.peers.get(peer_id.0 as usize).and_then(|p| p.as_ref()) {
+            Some(_) if leaving => None,
             Some(p) => {
                 let pairs = &self.pairs[range.0 as usize..(range.0 + range.1) as usize];
                 let ok = p.regions == self.local_regions
@@ -879,10 +1138,8 @@ impl Core {
         if dir == Direction::Put {
             // The destination already asked whether we would write this
             // and was told no: its blocks may hold another request now.
-            let id = self.info[key.slot() as usize].id;
             let to = self.peers[peer_id.0 as usize].map(|p| p.instance);
-            let quiet =
-                !self.quiet.is_empty() && to.is_some_and(|to| self.quiet_set.contains(&(id, to)));
+            let quiet = to.is_some_and(|to| self.quiet.promised(to, lend));
             if quiet {
                 let events = &mut self.events;
                 let _ = self
@@ -999,7 +1256,7 @@ impl Core {
         match ev {
             TransportEvent::Completion { token, status } => self.on_completion(token, status),
             TransportEvent::Message { payload, reply } => self.on_message(payload, reply, now),
-            TransportEvent::EndpointFailed { ep, status: _ } => self.on_endpoint_failed(ep),
+            TransportEvent::EndpointFailed { ep, status } => self.on_endpoint_failed(ep, status),
         }
     }
 
@@ -1106,8 +1363,9 @@ impl Core {
             p.peer != peer || (p.ok && !p.releasing && p.remaining == 0)
         });
         if all {
-            let ep_generation = self.progress[Self::index(hk)].ep_generation;
-            self.notify(peer, Some(ep_generation), NoteKind::WriteDone, info.id);
+            let p = self.progress[Self::index(hk)];
+            let on = Some(p.ep_generation);
+            self.send_note(peer, on, NoteKind::WriteDone, info.id, p.lend, info.token, false);
         }
     }
 
@@ -1135,6 +1393,8 @@ impl Core {
                     Some(p.ep_generation).filter(|&g| g != 0),
                     NoteKind::WriteAbandoned,
                     info.id,
+                    p.lend,
+                    info.token,
                     false,
                 );
             }
@@ -1158,31 +1418,37 @@ impl Core {
     }
 
     /// Sends `kind` about request `key` once to each distinct peer of its
-    /// handles.
+    /// handles, naming the incarnation each handle works on (and, for a
+    /// read or a write, the request's own).
     fn each_peer_once(&mut self, key: RequestKey, kind: NoteKind, want_reply: bool) {
         let slot = key.slot() as usize;
         let info = self.info[slot];
+        let nonce = match info.kind {
+            Kind::Receive { .. } => Incarnation::NONE,
+            _ => info.token,
+        };
         let base = slot * MAX_HANDLES;
         for h in 0..info.handles as usize {
-            let peer = self.progress[base + h].peer;
+            let Progress { peer, lend, .. } = self.progress[base + h];
             let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
             if !dup {
-                self.send_note(peer, None, kind, info.id, want_reply);
+                self.send_note(peer, None, kind, info.id, lend, nonce, want_reply);
             }
         }
     }
 
-    /// Queues a notification to `peer`, on endpoint generation `on` if given
-    /// (a write-done must follow its flush) or the current one.
-    fn notify(&mut self, peer: PeerId, on: Option<u32>, kind: NoteKind, id: RequestId) {
-        self.send_note(peer, on, kind, id, false);
-    }
-
-    fn note(&self, kind: NoteKind, id: RequestId) -> [u8; NOTE_LEN] {
+    fn note(
+        &self,
+        kind: NoteKind,
+        id: RequestId,
+        incarnation: Incarnation,
+        nonce: Incarnation,
+    ) -> [u8; NOTE_LEN] {
         Notification {
             kind,
             id,
-            count: 1,
+            incarnation,
+            nonce,
             sender: self.cfg.instance,
         }
         .encode()
@@ -1269,12 +1535,17 @@ impl Core {
         self.actions.push_back(action);
     }
 
+    /// Queues a notification to `peer`, on endpoint generation `on` if given
+    /// (a write-done must follow its flush) or the current one.
+    #[allow(clippy::too_many_arguments)]
     fn send_note(
         &mut self,
         peer: PeerId,
         on: Option<u32>,
         kind: NoteKind,
         id: RequestId,
+        incarnation: Incarnation,
+        nonce: Incarnation,
         want_reply: bool,
     ) {
         let Some(p) = self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) else {
@@ -1284,23 +1555,25 @@ impl Core {
             peer,
             generation: on.unwrap_or(p.generation),
         };
-        let note = self.note(kind, id);
+        let note = self.note(kind, id, incarnation, nonce);
         self.enqueue_note(NoteTarget::Ep(ep), &note, want_reply);
     }
 
-    /// Answers a received note through its reply handle, if its sender
-    /// asked for answers.
-    fn answer(&mut self, reply: Option<u32>, kind: NoteKind, id: RequestId) {
+    /// Answers received note `to_note` through its reply handle, if its
+    /// sender asked for answers, naming the same incarnation and nonce.
+    fn answer(&mut self, reply: Option<u32>, kind: NoteKind, to_note: &Notification) {
         if let Some(to) = reply {
-            let note = self.note(kind, id);
+            let note = self.note(kind, to_note.id, to_note.incarnation, to_note.nonce);
             self.enqueue_note(NoteTarget::Reply(to), &note, false);
         }
     }
 
-    /// Acknowledges a push to writer engine `from`, through its endpoint.
-    fn acknowledge(&mut self, from: u64, id: RequestId) {
-        if let Some(&peer) = self.by_instance.get(&from) {
-            self.notify(peer, None, NoteKind::Ack, id);
+    /// Acknowledges writer engine `done.sender`'s push, through its
+    /// endpoint, naming the write's nonce.
+    fn acknowledge(&mut self, done: &Notification) {
+        if let Some(&peer) = self.by_instance.get(&done.sender) {
+            let (id, inc, nonce) = (done.id, done.incarnation, done.nonce);
+            self.send_note(peer, None, NoteKind::Ack, id, inc, nonce, false);
         }
     }
 
@@ -1323,45 +1596,157 @@ impl Core {
         self.slots.count_rejected_notification();
     }
 
-    /// Checks a notification against the request it names and acts on it;
-    /// each remote engine counts once per request. Refusals are counted.
+    /// Checks a notification against the request and incarnation it names
+    /// and hands it to the role it is for; each remote engine counts once
+    /// per request. Refusals are counted; a note naming an incarnation
+    /// other than the live one never touches it.
     fn accept(&mut self, note: Notification, reply: Option<u32>, now: Nanos) {
         let live = self.ledger.key(note.id).filter(|k| {
             let info = &self.info[k.slot() as usize];
             info.generation == k.generation()
         });
-        let Some(key) = live else {
-            // Unknown (never lent, released, expired and retired): a read
-            // of it must not finish.
-            if note.kind == NoteKind::ReadDone {
-                self.answer(reply, NoteKind::ReadRefused, note.id);
+        match note.kind {
+            NoteKind::ReadDone | NoteKind::GaveUp | NoteKind::Heartbeat
+                if self.owns(live, &note, |k| matches!(k, Kind::Lend { .. })) =>
+            {
+                self.lend_note(live.expect("owned"), &note, reply, now)
             }
-            if note.kind == NoteKind::WriteQuery {
-                // Not writing it (never, or no more): say so, and refuse a
-                // write of it to that destination from now on.
-                self.go_quiet(note.id, note.sender);
-                self.answer(reply, NoteKind::WriteQuiet, note.id);
-                return;
+            NoteKind::WriteDone
+            | NoteKind::WriteAbandoned
+            | NoteKind::WriteQuiet
+            | NoteKind::Heartbeat
+                if self.owns(live, &note, |k| matches!(k, Kind::Receive { .. })) =>
+            {
+                self.receive_note(live.expect("owned"), &note, now)
             }
-            if !matches!(
-                note.kind,
-                NoteKind::GaveUp
-                    | NoteKind::WriteAbandoned
-                    | NoteKind::Heartbeat
-                    | NoteKind::WriteQuiet
-            ) {
-                self.reject();
+            NoteKind::ReadConfirmed | NoteKind::ReadRefused | NoteKind::ReadPending => {
+                match live.filter(|&k| self.attempt_of(k, &note, Kind::Read)) {
+                    Some(key) => self.read_answer(key, &note, now),
+                    None => self.stale(),
+                }
             }
-            return;
+            NoteKind::Ack => match live.filter(|&k| self.attempt_of(k, &note, Kind::Write { acks: 0 })) {
+                Some(key) => {
+                    // Only an engine this write wrote to can acknowledge it.
+                    let slot = key.slot() as usize;
+                    if self.seen(slot, note.sender) {
+                        return self.reject();
+                    }
+                    if self.ledger_notify(note.id) {
+                        self.counted(slot, note.sender);
+                    }
+                }
+                None => self.stale(),
+            },
+            NoteKind::WriteQuery => self.write_query(live, &note, reply),
+            // A destination opened its endpoint to a writer: nothing to do.
+            NoteKind::Heartbeat => {}
+            _ => self.early(&note, reply, now),
+        }
+    }
+
+    /// Whether `key` is the live lend or push destination (`kind`) that
+    /// `note` names by its incarnation.
+    fn owns(&self, key: Option<RequestKey>, note: &Notification, kind: fn(Kind) -> bool) -> bool {
+        key.is_some_and(|k| {
+            let info = &self.info[k.slot() as usize];
+            kind(info.kind) && info.token == note.incarnation
+        })
+    }
+
+    /// Whether `note` answers live read or write `key`'s own attempt (its
+    /// nonce) from an engine one of its handles works with, about the
+    /// incarnation that handle names.
+    fn attempt_of(&self, key: RequestKey, note: &Notification, kind: Kind) -> bool {
+        let slot = key.slot() as usize;
+        let info = &self.info[slot];
+        if std::mem::discriminant(&info.kind) != std::mem::discriminant(&kind)
+            || info.token != note.nonce
+        {
+            return false;
+        }
+        let Some(&peer) = self.by_instance.get(&note.sender) else {
+            return false;
         };
+        let base = slot * MAX_HANDLES;
+        (0..info.handles as usize).any(|h| {
+            let p = &self.progress[base + h];
+            p.peer == peer && p.lend == note.incarnation
+        })
+    }
+
+    /// Whether engine `sender` was counted for the request in `slot`.
+    fn seen(&self, slot: usize, sender: u64) -> bool {
+        let n = usize::from(self.info[slot].notified);
+        self.notifiers[slot * MAX_CONSUMERS..slot * MAX_CONSUMERS + n].contains(&sender)
+    }
+
+    /// A note that names no live incarnation of its request: refused.
+    fn stale(&mut self) {
+        self.stats.stale_notifications += 1;
+        self.reject();
+    }
+
+    /// A note for a lend or push destination this engine does not hold
+    /// under that incarnation. One that ended: refused. One not begun yet
+    /// (the note overtook the lend on its way to this poller): a read's
+    /// question is answered pending (the reader asks again); a give-up or a
+    /// writer's word is held until the lend begins or the grace period
+    /// ends.
+    fn early(&mut self, note: &Notification, reply: Option<u32>, now: Nanos) {
+        let ended = self.ended.contains(note.incarnation);
+        match note.kind {
+            NoteKind::ReadDone if ended => self.answer(reply, NoteKind::ReadRefused, note),
+            NoteKind::ReadDone => {
+                self.stats.early_notes += 1;
+                self.answer(reply, NoteKind::ReadPending, note);
+            }
+            NoteKind::GaveUp | NoteKind::WriteDone | NoteKind::WriteAbandoned if !ended => {
+                self.stats.early_notes += 1;
+                while self.early.front().is_some_and(|&(t, _)| t <= now) {
+                    self.early.pop_front();
+                }
+                if self.early.len() == EARLY_HELD {
+                    self.early.pop_front();
+                }
+                self.early
+                    .push_back((now.saturating_add(self.cfg.lend_grace), *note));
+            }
+            // A reader that gave up on a lend that ended, a heartbeat for
+            // one: nothing to do.
+            NoteKind::GaveUp => {}
+            _ => self.stale(),
+        }
+    }
+
+    /// The notes held for incarnation `token`, which just began, are taken
+    /// as if they arrived now.
+    fn take_early(&mut self, token: Incarnation, now: Nanos) {
+        if self.early.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.early.len() {
+            let (until, note) = self.early[i];
+            if note.incarnation == token && until > now {
+                self.early.remove(i);
+                self.accept(note, None, now);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// A reader's note about lend `key` (the incarnation it names).
+    fn lend_note(&mut self, key: RequestKey, note: &Notification, reply: Option<u32>, now: Nanos) {
         let slot = key.slot() as usize;
         let info = self.info[slot];
-        let n = usize::from(info.notified);
-        let seen =
-            self.notifiers[slot * MAX_CONSUMERS..slot * MAX_CONSUMERS + n].contains(&note.sender);
-        match (info.kind, note.kind) {
-            (Kind::Lend { .. }, NoteKind::ReadDone) => {
-                // The read happened before this question: the lend was live
+        let (seen, n) = (self.seen(slot, note.sender), usize::from(info.notified));
+        match note.kind {
+            NoteKind::ReadDone => {
+                // The read happened before this question, and after the
+                // engine lent the blocks (the reader holds the lend's
+                // token, which the engine drew then): the lend was live
                 // for it if it is live now and this engine has not been
                 // counted (a second read of a consumed lend is refused).
                 let confirmed = if seen || n == MAX_CONSUMERS {
@@ -1376,102 +1761,174 @@ impl Core {
                 };
                 if confirmed {
                     self.counted(slot, note.sender);
-                    self.answer(reply, NoteKind::ReadConfirmed, note.id);
+                    self.answer(reply, NoteKind::ReadConfirmed, note);
                 } else {
-                    self.answer(reply, NoteKind::ReadRefused, note.id);
+                    self.answer(reply, NoteKind::ReadRefused, note);
                 }
             }
-            (Kind::Lend { .. }, NoteKind::Heartbeat) => {
+            NoteKind::Heartbeat => {
                 // A reader is still at it: keep the lend as long again.
                 let until = now.saturating_add(Nanos(info.lease));
                 self.ledger.heartbeat(note.id, until);
             }
-            (Kind::Lend { .. }, NoteKind::GaveUp) => {
+            _ => {
                 // That engine will not read (its read stopped): stop waiting.
                 if !seen && n < MAX_CONSUMERS && self.ledger_notify(note.id) {
                     self.counted(slot, note.sender);
                 }
             }
-            (Kind::Read, NoteKind::ReadConfirmed | NoteKind::ReadRefused) => {
-                if seen || !self.is_party(slot, note.sender) {
-                    return self.reject();
-                }
-                self.counted(slot, note.sender);
-                if note.kind == NoteKind::ReadConfirmed {
-                    self.ledger_confirm(note.id, key);
-                } else {
-                    self.ledger_fail(key, Cause::LeaseLost);
-                }
-            }
-            (Kind::Receive { writers }, NoteKind::WriteDone | NoteKind::WriteAbandoned) => {
+        }
+    }
+
+    /// A writer's note about push destination `key`.
+    fn receive_note(&mut self, key: RequestKey, note: &Notification, now: Nanos) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let Kind::Receive { writers } = info.kind else {
+            return;
+        };
+        let (seen, n) = (self.seen(slot, note.sender), usize::from(info.notified));
+        let sender = self.by_instance.get(&note.sender).copied();
+        match note.kind {
+            NoteKind::WriteDone | NoteKind::WriteAbandoned => {
                 let named = !info.unnamed;
                 if seen || n == MAX_CONSUMERS || (named && !self.is_party(slot, note.sender)) {
                     return self.reject();
                 }
                 self.counted(slot, note.sender);
+                self.answered(key, sender);
                 let words = info.words.saturating_add(1);
                 self.info[slot].words = words;
                 let abandoned = info.abandoned || note.kind == NoteKind::WriteAbandoned;
                 self.info[slot].abandoned = abandoned;
-                if abandoned && u32::from(words) >= writers {
+                let counted = if abandoned && u32::from(words) >= writers {
                     // Every writer has spoken and one gave up: nothing more
                     // lands; the blocks hold partial data.
                     self.ledger_fail(key, Cause::LeaseLost);
+                    false
                 } else {
-                    self.ledger_notify(note.id);
-                }
-                if note.kind == NoteKind::WriteDone {
-                    self.acknowledge(note.sender, note.id);
+                    self.ledger_notify(note.id)
+                };
+                // Acknowledged only if its data counted: a destination that
+                // failed (or whose lease ran out) does not hold it.
+                if note.kind == NoteKind::WriteDone && counted {
+                    self.acknowledge(note);
                 }
                 self.lift_fence(key);
             }
-            (Kind::Receive { .. }, NoteKind::WriteQuiet) => {
+            NoteKind::WriteQuiet => {
                 // A writer this destination asked: nothing of it will land.
-                if seen || n == MAX_CONSUMERS || !self.is_party(slot, note.sender) {
+                let asked = info.unnamed
+                    && sender.is_some_and(|p| self.fence_of(key).is_some_and(|f| f.asked.contains(&p)));
+                if !asked && (seen || n == MAX_CONSUMERS || !self.is_party(slot, note.sender)) {
                     return self.reject();
                 }
-                self.counted(slot, note.sender);
+                if !info.unnamed {
+                    self.counted(slot, note.sender);
+                }
+                self.answered(key, sender);
                 self.lift_fence(key);
             }
-            (Kind::Receive { .. }, NoteKind::Heartbeat) => {
+            _ => {
                 // A writer still at it: keep the lease as long again.
                 let until = now.saturating_add(Nanos(info.lease));
-                for f in self.fences.iter_mut().filter(|f| f.0 == key) {
-                    if !info.quarantined {
-                        f.1 = f.1.max(until);
+                if !info.quarantined {
+                    for f in self.fences.iter_mut().filter(|f| f.key == key) {
+                        f.due = f.due.max(until);
                     }
                 }
             }
-            (Kind::Write { .. }, NoteKind::WriteQuery) => {
-                // Quiet unless this write still has puts in flight to the
-                // asking engine: then its word follows them.
-                let base = slot * MAX_HANDLES;
-                let asker = self.by_instance.get(&note.sender).copied();
-                let in_flight = asker.is_some_and(|peer| {
-                    (0..info.handles as usize).any(|h| {
-                        let p = &self.progress[base + h];
-                        p.peer == peer && p.remaining > 0
-                    })
-                });
-                if !in_flight {
-                    self.go_quiet(note.id, note.sender);
-                    self.answer(reply, NoteKind::WriteQuiet, note.id);
-                }
-            }
-            (Kind::Write { .. }, NoteKind::Heartbeat) => {
-                // A destination opened its endpoint to us: nothing to do.
-            }
-            (Kind::Write { .. }, NoteKind::Ack) => {
-                // Only an engine this write wrote to can acknowledge it.
-                if seen || !self.is_party(slot, note.sender) {
-                    return self.reject();
-                }
-                if self.ledger_notify(note.id) {
-                    self.counted(slot, note.sender);
-                }
-            }
-            _ => self.reject(),
         }
+    }
+
+    fn fence_of(&self, key: RequestKey) -> Option<&Fence> {
+        self.fences.iter().find(|f| f.key == key)
+    }
+
+    /// Peer `peer` answered push destination `key`'s question (or spoke):
+    /// it is not waited for any more.
+    fn answered(&mut self, key: RequestKey, peer: Option<PeerId>) {
+        let Some(peer) = peer else {
+            return;
+        };
+        for f in self.fences.iter_mut().filter(|f| f.key == key) {
+            f.asked.retain(|&p| p != peer);
+        }
+    }
+
+    /// A lender's answer to read `key`'s question.
+    fn read_answer(&mut self, key: RequestKey, note: &Notification, now: Nanos) {
+        let slot = key.slot() as usize;
+        if self.seen(slot, note.sender) {
+            return self.reject();
+        }
+        let Some(&peer) = self.by_instance.get(&note.sender) else {
+            return self.reject();
+        };
+        match note.kind {
+            NoteKind::ReadConfirmed => {
+                self.counted(slot, note.sender);
+                self.asking.retain(|a| a.key != key || a.peer != peer);
+                self.ledger_confirm(note.id, key);
+            }
+            NoteKind::ReadRefused => {
+                self.counted(slot, note.sender);
+                self.ledger_fail(key, Cause::LeaseLost);
+            }
+            _ => {
+                // The lender does not know the lend yet: ask again, later,
+                // until the grace period ends.
+                let grace = self.cfg.lend_grace;
+                let i = match self.asking.iter().position(|a| a.key == key && a.peer == peer) {
+                    Some(i) => i,
+                    None => {
+                        self.asking.push(Ask {
+                            key,
+                            peer,
+                            due: Nanos(u64::MAX),
+                            until: now.saturating_add(grace),
+                            wait: Nanos(ASK_FIRST.0 / 2),
+                        });
+                        self.asking.len() - 1
+                    }
+                };
+                let a = &mut self.asking[i];
+                if now >= a.until {
+                    self.asking.swap_remove(i);
+                    self.counted(slot, note.sender);
+                    self.ledger_fail(key, Cause::LeaseLost);
+                } else {
+                    a.wait = Nanos((a.wait.0 * 2).min(ASK_MAX.0));
+                    a.due = now.saturating_add(a.wait);
+                }
+            }
+        }
+    }
+
+    /// A push destination asks whether anything of ours will still land in
+    /// it (the incarnation it names): quiet unless a write of ours has puts
+    /// in flight to the asking engine for that incarnation — then its word
+    /// follows them. A quiet answer is a promise: no write into that
+    /// incarnation is posted from now on.
+    fn write_query(&mut self, live: Option<RequestKey>, note: &Notification, reply: Option<u32>) {
+        let asker = self.by_instance.get(&note.sender).copied();
+        if let (Some(key), Some(peer)) = (live, asker) {
+            let slot = key.slot() as usize;
+            let info = self.info[slot];
+            let base = slot * MAX_HANDLES;
+            let in_flight = matches!(info.kind, Kind::Write { .. })
+                && (0..info.handles as usize).any(|h| {
+                    let p = &self.progress[base + h];
+                    p.peer == peer && p.lend == note.incarnation && p.remaining > 0
+                });
+            if in_flight {
+                return;
+            }
+        }
+        let by_instance = &self.by_instance;
+        self.quiet
+            .promise(note.sender, note.incarnation, |e| by_instance.contains_key(&e));
+        self.answer(reply, NoteKind::WriteQuiet, note);
     }
 
     fn ledger_notify(&mut self, id: RequestId) -> bool {
@@ -1501,15 +1958,20 @@ impl Core {
         }
         let base = slot * MAX_HANDLES;
         let spoke = &self.notifiers[slot * MAX_CONSUMERS..][..usize::from(info.notified)];
-        let all_fenced = (0..info.handles as usize).all(|h| {
-            // A peer no longer known was lost (and counted then), or
-            // replaced under a new id that its handle names now.
-            let peer = self.progress[base + h].peer;
-            match self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) {
-                Some(p) => spoke.contains(&p.instance),
-                None => true,
-            }
-        });
+        let all_fenced = if info.unnamed {
+            // Every peer it asked answered, spoke or was lost.
+            self.fence_of(key).is_none_or(|f| f.asked.is_empty())
+        } else {
+            (0..info.handles as usize).all(|h| {
+                // A peer no longer known was lost (and counted then), or
+                // replaced under a new id that its handle names now.
+                let peer = self.progress[base + h].peer;
+                match self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) {
+                    Some(p) => spoke.contains(&p.instance),
+                    None => true,
+                }
+            })
+        };
         let enough = info.unnamed
             && matches!(info.kind, Kind::Receive { writers } if u32::from(info.words) >= writers);
         if all_fenced || enough {
@@ -1534,7 +1996,7 @@ impl Core {
     fn expire_fences(&mut self, now: Nanos) {
         let mut i = 0;
         while i < self.fences.len() {
-            let (key, due) = self.fences[i];
+            let (key, due) = (self.fences[i].key, self.fences[i].due);
             if !self.fence_live(key) {
                 self.fences.swap_remove(i);
                 continue;
@@ -1550,7 +2012,7 @@ impl Core {
                     continue;
                 }
                 let lease = Nanos(self.info[key.slot() as usize].lease);
-                self.fences[i].1 = now.saturating_add(lease.max(REQUERY_MIN));
+                self.fences[i].due = now.saturating_add(lease.max(REQUERY_MIN));
             }
             i += 1;
         }
@@ -1570,19 +2032,20 @@ impl Core {
         self.stats.quarantined_receives += 1;
         self.stats.quarantined_now += 1;
         if self.info[slot].unnamed {
-            let base = slot * MAX_HANDLES;
-            let mut h = 0;
-            for (i, p) in self.peers.iter().enumerate() {
-                if p.is_some() && h < MAX_HANDLES {
-                    self.progress[base + h] = Progress {
-                        generation: key.generation(),
-                        peer: PeerId(i as u32),
-                        ..Progress::default()
-                    };
-                    h += 1;
-                }
+            // Every peer known now, however many, that has not spoken.
+            let spoke = &self.notifiers[slot * MAX_CONSUMERS..][..usize::from(self.info[slot].notified)];
+            let asked: Vec<PeerId> = self
+                .peers
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| {
+                    p.filter(|p| !spoke.contains(&p.instance))
+                        .map(|_| PeerId(i as u32))
+                })
+                .collect();
+            if let Some(f) = self.fences.iter_mut().find(|f| f.key == key) {
+                f.asked = asked;
             }
-            self.info[slot].handles = h as u8;
         }
         self.query_writers(key);
         self.lift_fence(key);
@@ -1593,6 +2056,13 @@ impl Core {
     fn query_writers(&mut self, key: RequestKey) {
         let slot = key.slot() as usize;
         let info = self.info[slot];
+        if info.unnamed {
+            let asked = self.fence_of(key).map(|f| f.asked.clone()).unwrap_or_default();
+            for peer in asked {
+                self.send_note(peer, None, NoteKind::WriteQuery, info.id, info.token, Incarnation::NONE, true);
+            }
+            return;
+        }
         let base = slot * MAX_HANDLES;
         for h in 0..info.handles as usize {
             let peer = self.progress[base + h].peer;
@@ -1607,7 +2077,8 @@ impl Core {
                 [..usize::from(self.info[slot].notified)]
                 .contains(&instance);
             if !spoke && !(0..h).any(|g| self.progress[base + g].peer == peer) {
-                self.send_note(peer, None, NoteKind::WriteQuery, info.id, true);
+                let (id, inc) = (info.id, info.token);
+                self.send_note(peer, None, NoteKind::WriteQuery, id, inc, Incarnation::NONE, true);
             }
         }
     }
@@ -1615,9 +2086,20 @@ impl Core {
     /// Writer `instance` (peer `peer`) is gone: the push destinations that
     /// named it and did not hear from it count it as having given up.
     fn writer_lost(&mut self, peer: PeerId, instance: u64) {
+        // Destinations lent to unnamed writers that asked it stop waiting.
+        let mut lifted = Vec::new();
+        for f in &mut self.fences {
+            if f.asked.contains(&peer) {
+                f.asked.retain(|&p| p != peer);
+                lifted.push(f.key);
+            }
+        }
+        for key in lifted {
+            self.lift_fence(key);
+        }
         for slot in 0..self.info.len() {
             let info = self.info[slot];
-            if !matches!(info.kind, Kind::Receive { .. }) || info.handles == 0 {
+            if !matches!(info.kind, Kind::Receive { .. }) || info.handles == 0 || info.unnamed {
                 continue;
             }
             let key = RequestKey::new(slot as u32, info.generation);
@@ -1650,20 +2132,6 @@ impl Core {
         }
     }
 
-    /// Remembers that this engine told destination `to` it will not write
-    /// request `id` (the oldest such promise is forgotten first).
-    fn go_quiet(&mut self, id: RequestId, to: u64) {
-        if !self.quiet_set.insert((id, to)) {
-            return;
-        }
-        if self.quiet.len() == QUIET_REMEMBERED {
-            if let Some(old) = self.quiet.pop_front() {
-                self.quiet_set.remove(&old);
-            }
-        }
-        self.quiet.push_back((id, to));
-    }
-
     /// Whether engine `instance` is the peer of one of the request's handles.
     fn is_party(&self, slot: usize, instance: u64) -> bool {
         let Some(&peer) = self.by_instance.get(&instance) else {
@@ -1673,15 +2141,18 @@ impl Core {
         (0..self.info[slot].handles as usize).any(|h| self.progress[base + h].peer == peer)
     }
 
-    fn on_endpoint_failed(&mut self, ep: Ep) {
+    fn on_endpoint_failed(&mut self, ep: Ep, status: i8) {
         let current = matches!(
             self.peers.get(ep.peer.0 as usize),
             Some(Some(p)) if p.generation == ep.generation
         );
         if current {
             // Rule 9: fail its handles (deferred) and drop the peer at once;
-            // add_peer with fresh metadata works again.
+            // add_peer with fresh metadata works again. The engine hears
+            // of it.
             self.stats.peers_lost += 1;
+            self.lost
+                .push((ep.peer, Reason::new(Cause::PeerLost, status.min(-1))));
             self.drop_peer(ep.peer, Cause::PeerLost, true);
             self.after_events();
         }
@@ -1694,6 +2165,11 @@ impl Core {
             let slot = key.slot() as usize;
             let info = self.info[slot];
             let fenced = matches!(info.kind, Kind::Receive { .. });
+            // A destination already reported (not yet polled) stays as it
+            // was reported: nothing to fence again.
+            if fenced && info.generation == key.generation() && !self.ledger.is_live(key) {
+                return;
+            }
             if fenced && info.generation == key.generation() {
                 // Its writers may still be writing: fence them first, as at
                 // the lease's end.
@@ -1701,8 +2177,8 @@ impl Core {
                 if !info.quarantined {
                     self.quarantine(key);
                     let requery = now.saturating_add(Nanos(info.lease).max(REQUERY_MIN));
-                    for f in self.fences.iter_mut().filter(|f| f.0 == key) {
-                        f.1 = requery;
+                    for f in self.fences.iter_mut().filter(|f| f.key == key) {
+                        f.due = requery;
                     }
                 }
                 self.after_events();
@@ -1756,8 +2232,33 @@ impl Core {
         }
         self.apply_cancels(Cause::PeerStalled);
         self.beat(now);
+        self.ask_again(now);
         self.expire_fences(now);
         self.after_events();
+    }
+
+    /// Reads told their lend is not known yet ask again when due.
+    fn ask_again(&mut self, now: Nanos) {
+        let mut i = 0;
+        while i < self.asking.len() {
+            let a = self.asking[i];
+            if !self.ledger.is_live(a.key) || self.info[a.key.slot() as usize].generation != a.key.generation() {
+                self.asking.swap_remove(i);
+                continue;
+            }
+            if a.due <= now {
+                self.asking[i].due = Nanos(u64::MAX);
+                let slot = a.key.slot() as usize;
+                let info = self.info[slot];
+                let base = slot * MAX_HANDLES;
+                let lend = (0..info.handles as usize)
+                    .map(|h| self.progress[base + h])
+                    .find(|p| p.peer == a.peer)
+                    .map_or(Incarnation::NONE, |p| p.lend);
+                self.send_note(a.peer, None, NoteKind::ReadDone, info.id, lend, info.token, true);
+            }
+            i += 1;
+        }
     }
 
     /// Reads still in flight whose heartbeat is due tell their lenders.
@@ -1797,8 +2298,11 @@ impl Core {
         if let Some(&(_, due)) = self.beating.front() {
             t = t.min(due);
         }
-        for &(_, due) in &self.fences {
-            t = t.min(due);
+        for f in &self.fences {
+            t = t.min(f.due);
+        }
+        for a in &self.asking {
+            t = t.min(a.due);
         }
         (t != Nanos(u64::MAX)).then_some(t)
     }
@@ -1865,6 +2369,11 @@ impl Core {
             if info.generation != ev.key.generation() {
                 continue;
             }
+            if matches!(info.kind, Kind::Lend { .. } | Kind::Receive { .. }) {
+                // Its incarnation is over: a late question about it is
+                // refused at once.
+                self.ended.record(info.token);
+            }
             if ev.outcome == Outcome::Finished {
                 if info.kind == Kind::Read && !self.cfg.confirm_reads {
                     // Unconfirmed reads tell their lenders afterwards.
@@ -1878,6 +2387,9 @@ impl Core {
                 Kind::Write { .. } if unsuccessful => self.abandon_write(ev.key),
                 _ => {}
             }
+        }
+        if !self.leaving.is_empty() {
+            self.retire_leaving();
         }
         if self.shutting_down {
             // Endpoints left open at shutdown for puts that have ended now.
@@ -1902,7 +2414,7 @@ impl Core {
             return;
         }
         self.shutting_down = true;
-        let fences: Vec<RequestKey> = self.fences.iter().map(|f| f.0).collect();
+        let fences: Vec<RequestKey> = self.fences.iter().map(|f| f.key).collect();
         for key in fences {
             if self.fence_live(key) && !self.info[key.slot() as usize].quarantined {
                 self.quarantine(key);

@@ -12,6 +12,36 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
 
+/// One incarnation of a lend or a push destination: a token its owner's
+/// engine draws (64 bits from the operating system's CSPRNG) when
+/// [`crate::Engine::lend`] is called, carried to the other side with the
+/// block ids, and named by every notification about it. A note naming an
+/// incarnation that is not live never touches another one, even of the same
+/// [`RequestId`]. Unguessable, so it is also the capability to read or
+/// write those blocks.
+///
+/// Reads and writes draw one of their own too (the attempt's nonce), so
+/// that an answer to an earlier attempt under the same id is refused.
+///
+/// ```
+/// use kvpoll::ledger::Incarnation;
+/// assert!(Incarnation::NONE.is_none());
+/// assert!(!Incarnation(7).is_none());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Incarnation(pub u64);
+
+impl Incarnation {
+    /// No incarnation: a read of memory no lend guards (reads with
+    /// confirmation off).
+    pub const NONE: Incarnation = Incarnation(0);
+
+    /// Whether this is [`Incarnation::NONE`].
+    pub fn is_none(self) -> bool {
+        self.0 == 0
+    }
+}
+
 /// A remote rank (one endpoint) that handles transfer to or from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId(pub u32);

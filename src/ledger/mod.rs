@@ -113,7 +113,9 @@ use arrayvec::ArrayVec;
 
 pub use error::{AbortError, BeginError, ConfigError, InputError, NotifyError, RetireError};
 pub use event::{Cancel, Cause, Event, Outcome, Reason};
-pub use key::{BlockId, HandleKey, Nanos, PeerId, RequestId, RequestKey, MAX_HANDLES, MAX_SLOTS};
+pub use key::{
+    BlockId, HandleKey, Incarnation, Nanos, PeerId, RequestId, RequestKey, MAX_HANDLES, MAX_SLOTS,
+};
 pub use request::{Kind, Request};
 pub(crate) use slots::bits;
 pub use slots::{Phase, SlotView, Slots, Stats};

@@ -61,6 +61,14 @@ pub struct UcxTransport {
 }
 
 impl UcxTransport {
+    /// The metadata peer `peer` was added with, if it is known.
+    pub fn peer_metadata(&self, peer: PeerId) -> Option<&PeerMetadata> {
+        self.peers
+            .get(peer.0 as usize)
+            .and_then(|p| p.as_ref())
+            .map(|p| &p.meta)
+    }
+
     /// A context and worker with `options`, listening for notifications.
     pub fn new(options: &ContextOptions, block_size: u64) -> Result<Self, UcxError> {
         let context = Context::new(options)?;
