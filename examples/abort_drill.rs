@@ -101,6 +101,19 @@ fn main() {
                 locals.push([BlockId(local)]);
                 remotes.push([BlockId(remote as u32)]);
             }
+            let lends: Vec<_> = used
+                .iter()
+                .map(|&p| {
+                    producers[p]
+                        .lend(
+                            id,
+                            &[BlockId(0)],
+                            LendTo::Readers(1),
+                            Duration::from_secs(60),
+                        )
+                        .expect("lend")
+                })
+                .collect();
             let transfers: Vec<Transfer> = used
                 .iter()
                 .enumerate()
@@ -108,18 +121,9 @@ fn main() {
                     peer: peers[p],
                     local: &locals[i],
                     remote: &remotes[i],
+                    lend: lends[i],
                 })
                 .collect();
-            for &p in &used {
-                producers[p]
-                    .lend(
-                        id,
-                        &[BlockId(0)],
-                        LendTo::Readers(1),
-                        Duration::from_secs(60),
-                    )
-                    .expect("lend");
-            }
             decode.read(id, &transfers).expect("read");
             let abort = next() % 50 == 0;
             if abort {

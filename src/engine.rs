@@ -589,7 +589,9 @@ impl Tokens {
                     .expect("no source of randomness for incarnation tokens");
                 // SAFETY: `bytes` holds exactly the `len - filled` bytes
                 // left in `buf`, which does not overlap it.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(filled), len - filled) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(filled), len - filled)
+                };
                 filled = len;
             }
         }
@@ -936,7 +938,10 @@ impl Engine {
                     why: "no incarnation: pass the token the remote engine's lend returned",
                 });
             }
-            if handles[..i].iter().any(|g| g.peer == h.peer && g.lend != h.lend) {
+            if handles[..i]
+                .iter()
+                .any(|g| g.peer == h.peer && g.lend != h.lend)
+            {
                 return Err(EngineError::BadIncarnation {
                     handle: i,
                     why: "handles to one peer name different incarnations (one request reads one lend of each peer)",
@@ -1058,11 +1063,12 @@ impl Engine {
             expires_in: 0,
             token: self.tokens.draw(),
         });
-        self.scratch.extend(
-            producers
-                .iter()
-                .map(|&(peer, lend)| Command::Handle { peer, pairs: 0, lend }),
-        );
+        self.scratch
+            .extend(producers.iter().map(|&(peer, lend)| Command::Handle {
+                peer,
+                pairs: 0,
+                lend,
+            }));
         self.send(id, Kind::NotifyOnly)
     }
 
@@ -1205,11 +1211,12 @@ impl Engine {
             expires_in: nanos(lease),
             token,
         });
-        self.scratch.extend(distinct.iter().map(|&peer| Command::Handle {
-            peer,
-            pairs: 0,
-            lend: Incarnation::NONE,
-        }));
+        self.scratch
+            .extend(distinct.iter().map(|&peer| Command::Handle {
+                peer,
+                pairs: 0,
+                lend: Incarnation::NONE,
+            }));
         self.scratch
             .extend(blocks.iter().map(|&b| Command::Block(b)));
         self.send(id, kind)?;

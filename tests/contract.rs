@@ -18,7 +18,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
+use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
 use common::pattern;
@@ -152,12 +152,9 @@ fn reported(out: &Outcomes, id: RequestId) -> bool {
     reports_of(out, id) > 0
 }
 
+/// One handle of an unconfirmed read (memory no lend guards).
 fn one_handle<'a>(peer: PeerId, local: &'a [BlockId], remote: &'a [BlockId]) -> [Transfer<'a>; 1] {
-    [Transfer {
-        peer,
-        local,
-        remote,
-    }]
+    common::one(peer, local, remote, Incarnation::NONE)
 }
 
 fn check_no_problems(problems: &[String]) {
@@ -311,7 +308,7 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
     let (a, b) = (connect(&mut c1, &p), connect(&mut c2, &p));
     let id = RequestId(21);
     let lent = range(10, 6);
-    p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
+    let lend = p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
 
     // C1 reads the request in 3 handles, all to P (different blocks).
     let (l0, l1, l2) = (range(0, 2), range(2, 2), range(4, 2));
@@ -321,16 +318,19 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
             peer: a,
             local: &l0,
             remote: &r0,
+            lend,
         },
         Transfer {
             peer: a,
             local: &l1,
             remote: &r1,
+            lend,
         },
         Transfer {
             peer: a,
             local: &l2,
             remote: &r2,
+            lend,
         },
     ];
     let all_local = range(0, 6);
@@ -342,7 +342,9 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
         Err(e @ (EngineError::RingFull(_) | EngineError::Shutdown)) => {
             panic!("a read with 3 handles to one producer was refused with {e:?}")
         }
-        Err(_) => c1.read(id, &one_handle(a, &all_local, &lent)).unwrap(),
+        Err(_) => c1
+            .read(id, &common::one(a, &all_local, &lent, lend))
+            .unwrap(),
     }
     let mut o1 = Outcomes::default();
     wait_for(&mut c1, &mut o1, GUARD, "C1's read", |o| reported(o, id));
@@ -362,7 +364,8 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
     assert_eq!(p.in_flight(), 1, "the lend must still be held");
 
     // The second rank reads; now P releases, once.
-    c2.read(id, &one_handle(b, &all_local, &lent)).unwrap();
+    c2.read(id, &common::one(b, &all_local, &lent, lend))
+        .unwrap();
     let mut o2 = Outcomes::default();
     wait_for(&mut c2, &mut o2, GUARD, "C2's read", |o| reported(o, id));
     assert_eq!(o2.finished_recving, vec![id], "C2's read: {o2:?}");
@@ -488,11 +491,18 @@ impl RawPeer {
         }
     }
 
-    fn send(&mut self, kind: kvpoll::notification::NoteKind, id: RequestId, sender: u64) {
+    fn send(
+        &mut self,
+        kind: kvpoll::notification::NoteKind,
+        id: RequestId,
+        incarnation: Incarnation,
+        sender: u64,
+    ) {
         let note = kvpoll::notification::Notification {
             kind,
             id,
-            count: 1,
+            incarnation,
+            nonce: Incarnation(1),
             sender,
         };
         self.sent += 1;
@@ -547,11 +557,12 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut peer = RawPeer::to(&p);
     let mut out = Outcomes::default();
     let push = RequestId(101);
-    p.lend(push, &ids(&[1, 2]), LendTo::Writers(1), GUARD)
+    let lend = p
+        .lend(push, &ids(&[1, 2]), LendTo::Writers(1), GUARD)
         .unwrap();
     let base = rejected(&p);
-    peer.send(NoteKind::ReadDone, push, 7);
-    peer.send(NoteKind::Ack, push, 7);
+    peer.send(NoteKind::ReadDone, push, lend, 7);
+    peer.send(NoteKind::Ack, push, lend, 7);
     let settled = peer.pump(&mut p, &mut out, GUARD, |e, o| {
         rejected(e) >= base + 2 || reported(o, push)
     });
@@ -571,7 +582,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
         ));
     }
     // The right kind completes it.
-    peer.send(NoteKind::WriteDone, push, 7);
+    peer.send(NoteKind::WriteDone, push, lend, 7);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, push));
     if !out.finished_recving.contains(&push) || reports_of(&out, push) != 1 {
         problems.push(format!(
@@ -584,10 +595,10 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut peer = RawPeer::to(&p);
     let pull = RequestId(102);
     let mut out = Outcomes::default();
-    p.lend(pull, &ids(&[3]), LendTo::Readers(1), GUARD).unwrap();
+    let lend = p.lend(pull, &ids(&[3]), LendTo::Readers(1), GUARD).unwrap();
     let base = rejected(&p);
-    peer.send(NoteKind::WriteDone, pull, 7);
-    peer.send(NoteKind::Ack, pull, 7);
+    peer.send(NoteKind::WriteDone, pull, lend, 7);
+    peer.send(NoteKind::Ack, pull, lend, 7);
     peer.pump(&mut p, &mut out, GUARD, |e, o| {
         rejected(e) >= base + 2 || reported(o, pull)
     });
@@ -601,7 +612,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
             rejected(&p) - base
         ));
     }
-    peer.send(NoteKind::ReadDone, pull, 7);
+    peer.send(NoteKind::ReadDone, pull, lend, 7);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, pull));
     if !out.finished_sending.contains(&pull) || reports_of(&out, pull) != 1 {
         problems.push(format!(
@@ -614,10 +625,10 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut peer = RawPeer::to(&p);
     let two = RequestId(103);
     let mut out = Outcomes::default();
-    p.lend(two, &ids(&[4]), LendTo::Readers(2), GUARD).unwrap();
+    let lend = p.lend(two, &ids(&[4]), LendTo::Readers(2), GUARD).unwrap();
     let base = rejected(&p);
-    peer.send(NoteKind::ReadDone, two, 7);
-    peer.send(NoteKind::ReadDone, two, 7);
+    peer.send(NoteKind::ReadDone, two, lend, 7);
+    peer.send(NoteKind::ReadDone, two, lend, 7);
     // Settles when the duplicate is rejected or the lend is (wrongly)
     // released; otherwise watch for QUIET.
     peer.pump(&mut p, &mut out, QUIET, |e, o| {
@@ -628,7 +639,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
             "one consumer instance sending ReadDone twice released a Readers(2) lend: {out:?}"
         ));
     }
-    peer.send(NoteKind::ReadDone, two, 8);
+    peer.send(NoteKind::ReadDone, two, lend, 8);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, two));
     if !out.finished_sending.contains(&two) || reports_of(&out, two) != 1 {
         problems.push(format!(

@@ -12,7 +12,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
+use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
 use common::pattern;
@@ -63,12 +63,9 @@ fn connect(from: &mut Engine, to: &Engine) -> PeerId {
     from.add_peer(&to.local_metadata().unwrap()).unwrap()
 }
 
+/// One handle of an unconfirmed read (memory no lend guards).
 fn one<'a>(peer: PeerId, local: &'a [BlockId], remote: &'a [BlockId]) -> [Transfer<'a>; 1] {
-    [Transfer {
-        peer,
-        local,
-        remote,
-    }]
+    common::one(peer, local, remote, Incarnation::NONE)
 }
 
 fn wait_for(e: &mut Engine, out: &mut Outcomes, what: &str, done: impl Fn(&Outcomes) -> bool) {
@@ -109,10 +106,11 @@ fn notify_only_releases_each_producers_lend_and_reports_nothing_on_the_consumer(
     let mut d = engine();
     let (a, b) = (connect(&mut d, &p0), connect(&mut d, &p1));
     let id = RequestId(1);
-    p0.lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
+    let l0 = p0
+        .lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
         .unwrap();
-    p1.lend(id, &ids(&[3]), LendTo::Readers(1), GUARD).unwrap();
-    d.notify_only(id, &[a, b]).unwrap();
+    let l1 = p1.lend(id, &ids(&[3]), LendTo::Readers(1), GUARD).unwrap();
+    d.notify_only(id, &[(a, l0), (b, l1)]).unwrap();
     for p in [&mut p0, &mut p1] {
         let mut o = Outcomes::default();
         wait_for(p, &mut o, "the release", |o| reported(o, id));
@@ -133,11 +131,11 @@ fn an_aborted_write_is_reported_in_failed_sending_with_its_reason() {
     let id = RequestId(2);
     let dst = ids(&[30, 31]);
     warm(&mut p, to_c, RequestId(100));
-    c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
+    let lend = c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
     // No ack can come while the consumer is stalled.
     c.stall(Duration::from_millis(1500)).unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    p.write(id, &one(to_c, &ids(&[1, 2]), &dst), 1, GUARD)
+    p.write(id, &common::one(to_c, &ids(&[1, 2]), &dst, lend), 1, GUARD)
         .unwrap();
     p.abort(id).unwrap();
     let mut out = Outcomes::default();

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use kvpoll::core::{Action, Command, Core, CoreConfig, T_TRANSPORT};
 use kvpoll::ledger::{
-    BlockId, Cause, Event, HandleKey, Kind, Ledger, LedgerConfig, Nanos, Outcome, PeerId, Reason,
-    RequestId, RequestKey,
+    BlockId, Cause, Event, HandleKey, Incarnation, Kind, Ledger, LedgerConfig, Nanos, Outcome,
+    PeerId, Reason, RequestId, RequestKey,
 };
 use kvpoll::notification::{NoteKind, Notification};
 use kvpoll::transport::sim::Rng;
@@ -44,6 +44,11 @@ struct Req {
     expect: Vec<(BlockId, usize, BlockId)>,
     report: Option<(Nanos, Report, RequestKey)>,
     handle_failures: Vec<(u8, Reason)>,
+    /// Its incarnation (a lend's or destination's token, a read's or
+    /// write's nonce).
+    token: Incarnation,
+    /// Unique in the run: which of the requests that used this id it is.
+    serial: u64,
 }
 
 struct NodeState {
@@ -64,13 +69,19 @@ struct NodeState {
 #[derive(Debug, Clone, Copy)]
 struct BlockOwner {
     id: u64,
+    serial: u64,
 }
 
 struct Harness {
     net: SimNet,
     nodes: Vec<NodeState>,
     now: Nanos,
+    /// The newest request of each (node, id).
     reqs: BTreeMap<(usize, u64), Req>,
+    /// Requests whose id was used again after their report.
+    past: Vec<((usize, u64), Req)>,
+    serials: u64,
+    tokens: u64,
     owners: HashMap<(usize, u32), BlockOwner>,
     next_block: Vec<u32>,
     /// Writes already checked.
@@ -101,6 +112,7 @@ fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core 
             confirm_reads: true,
             fence_push_leases: true,
             heartbeat: Nanos(heartbeat),
+            lend_grace: Nanos(GRACE),
         },
         ledger,
     );
@@ -120,6 +132,9 @@ impl Harness {
             nodes: Vec::new(),
             now: Nanos(0),
             reqs: BTreeMap::new(),
+            past: Vec::new(),
+            serials: 0,
+            tokens: cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
             owners: HashMap::new(),
             next_block: vec![0; cfg.nodes],
             checked: 0,
@@ -151,7 +166,10 @@ impl Harness {
     fn connect(&mut self, a: usize, b: usize) {
         let cfg = *self.net.config();
         let inst = self.nodes[b].instance;
-        let pid = self.nodes[a].core.add_peer(inst, cfg.regions, cfg.blocks);
+        let pid = self.nodes[a]
+            .core
+            .add_peer(inst, cfg.regions, cfg.blocks)
+            .expect("a new peer");
         self.execute(a);
         self.net.add_peer_node(a, pid, b);
         self.nodes[a].peers.insert(b, pid);
@@ -183,9 +201,33 @@ impl Harness {
         }
     }
 
-    fn track(&mut self, node: usize, id: u64, kind: Kind, blocks: Vec<BlockId>) {
+    /// A fresh incarnation token (distinct within the run, never 0).
+    fn token(&mut self) -> Incarnation {
+        self.tokens = self
+            .tokens
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        Incarnation(self.tokens | 1)
+    }
+
+    /// The incarnation of `node`'s newest lend or push destination `id`
+    /// (a token nobody holds if there is none: a read of a lend that was
+    /// never made).
+    fn lend_token(&mut self, node: usize, id: u64) -> Incarnation {
+        match self.reqs.get(&(node, id)) {
+            Some(r) if matches!(r.kind, Kind::Lend { .. } | Kind::Receive { .. }) => r.token,
+            _ => self.token(),
+        }
+    }
+
+    /// Starts tracking a request; an id may be used again once the
+    /// request that had it was reported. Returns its token.
+    fn track(&mut self, node: usize, id: u64, kind: Kind, blocks: Vec<BlockId>) -> Incarnation {
+        let token = self.token();
+        self.serials += 1;
+        let serial = self.serials;
         for &b in &blocks {
-            self.owners.insert((node, b.0), BlockOwner { id });
+            self.owners.insert((node, b.0), BlockOwner { id, serial });
         }
         let prev = self.reqs.insert(
             (node, id),
@@ -195,13 +237,19 @@ impl Harness {
                 expect: Vec::new(),
                 report: None,
                 handle_failures: Vec::new(),
+                token,
+                serial,
             },
         );
-        assert!(
-            prev.is_none(),
-            "seed {}: id {id} reused on {node}",
-            self.seed
-        );
+        if let Some(prev) = prev {
+            assert!(
+                prev.report.is_some(),
+                "seed {}: id {id} used again on {node} before its report",
+                self.seed
+            );
+            self.past.push(((node, id), prev));
+        }
+        token
     }
 
     fn feed(&mut self, node: usize, cmds: Vec<Command>) {
@@ -225,6 +273,22 @@ impl Harness {
         handles: &[(usize, Vec<(BlockId, BlockId)>)],
         deadline: u64,
     ) {
+        let named: Vec<_> = handles
+            .iter()
+            .map(|(n, p)| (*n, self.lend_token(*n, id), p.clone()))
+            .collect();
+        self.read_named(node, id, &named, deadline);
+    }
+
+    /// A read whose handles name the incarnation they read (the token the
+    /// producer's lend returned, or any other).
+    fn read_named(
+        &mut self,
+        node: usize,
+        id: u64,
+        handles: &[(usize, Incarnation, Vec<(BlockId, BlockId)>)],
+        deadline: u64,
+    ) {
         let kind = if handles.is_empty() {
             Kind::PrefixHit
         } else {
@@ -232,15 +296,15 @@ impl Harness {
         };
         let blocks: Vec<BlockId> = handles
             .iter()
-            .flat_map(|(_, p)| p.iter().map(|x| x.0))
+            .flat_map(|(_, _, p)| p.iter().map(|x| x.0))
             .collect();
-        self.track(node, id, kind, blocks);
+        let token = self.track(node, id, kind, blocks);
         let expect = handles
             .iter()
-            .flat_map(|(n, p)| p.iter().map(move |&(l, r)| (l, *n, r)))
+            .flat_map(|(n, _, p)| p.iter().map(move |&(l, r)| (l, *n, r)))
             .collect();
         self.reqs.get_mut(&(node, id)).unwrap().expect = expect;
-        let cmds = self.transfer_batch(node, id, kind, handles, deadline);
+        let cmds = self.transfer_batch(node, id, kind, token, handles, deadline);
         self.feed(node, cmds);
     }
 
@@ -258,8 +322,12 @@ impl Harness {
             .iter()
             .flat_map(|(_, p)| p.iter().map(|x| x.0))
             .collect();
-        self.track(node, id, kind, blocks);
-        let cmds = self.transfer_batch(node, id, kind, handles, lease);
+        let named: Vec<_> = handles
+            .iter()
+            .map(|(n, p)| (*n, self.lend_token(*n, id), p.clone()))
+            .collect();
+        let token = self.track(node, id, kind, blocks);
+        let cmds = self.transfer_batch(node, id, kind, token, &named, lease);
         self.feed(node, cmds);
     }
 
@@ -268,7 +336,8 @@ impl Harness {
         node: usize,
         id: u64,
         kind: Kind,
-        handles: &[(usize, Vec<(BlockId, BlockId)>)],
+        token: Incarnation,
+        handles: &[(usize, Incarnation, Vec<(BlockId, BlockId)>)],
         expires_in: u64,
     ) -> Vec<Command> {
         let mut cmds = vec![Command::Begin {
@@ -277,11 +346,13 @@ impl Harness {
             handles: handles.len() as u8,
             blocks: 0,
             expires_in,
+            token,
         }];
-        for (peer, pairs) in handles {
+        for (peer, lend, pairs) in handles {
             cmds.push(Command::Handle {
                 peer: self.peer(node, *peer),
                 pairs: pairs.len() as u32,
+                lend: *lend,
             });
             cmds.extend(
                 pairs
@@ -294,13 +365,14 @@ impl Harness {
 
     /// `Engine::lend`: `Kind::Lend` (readers) or `Kind::Receive` (writers).
     fn lend(&mut self, node: usize, id: u64, blocks: &[BlockId], kind: Kind, lease: u64) {
-        self.track(node, id, kind, blocks.to_vec());
+        let token = self.track(node, id, kind, blocks.to_vec());
         let mut cmds = vec![Command::Begin {
             id: RequestId(id),
             kind,
             handles: 0,
             blocks: blocks.len() as u32,
             expires_in: lease,
+            token,
         }];
         cmds.extend(blocks.iter().map(|&b| Command::Block(b)));
         self.feed(node, cmds);
@@ -318,18 +390,20 @@ impl Harness {
         let kind = Kind::Receive {
             writers: writers.len() as u32,
         };
-        self.track(node, id, kind, blocks.to_vec());
+        let token = self.track(node, id, kind, blocks.to_vec());
         let mut cmds = vec![Command::Begin {
             id: RequestId(id),
             kind,
             handles: writers.len() as u8,
             blocks: blocks.len() as u32,
             expires_in: lease,
+            token,
         }];
         for &w in writers {
             cmds.push(Command::Handle {
                 peer: self.peer(node, w),
                 pairs: 0,
+                lend: Incarnation::NONE,
             });
         }
         cmds.extend(blocks.iter().map(|&b| Command::Block(b)));
@@ -338,17 +412,21 @@ impl Harness {
 
     /// `Engine::notify_only` (not tracked).
     fn notify_only(&mut self, node: usize, id: u64, producers: &[usize]) {
+        let token = self.token();
         let mut cmds = vec![Command::Begin {
             id: RequestId(id),
             kind: Kind::NotifyOnly,
             handles: producers.len() as u8,
             blocks: 0,
             expires_in: 0,
+            token,
         }];
         for &p in producers {
+            let lend = self.lend_token(p, id);
             cmds.push(Command::Handle {
                 peer: self.peer(node, p),
                 pairs: 0,
+                lend,
             });
         }
         self.feed(node, cmds);
@@ -526,7 +604,17 @@ impl Harness {
             let Some(owner) = self.owners.get(&(w.node, w.block.0)).copied() else {
                 panic!("seed {}: write into unowned block {w:?}", self.seed);
             };
-            let req = &self.reqs[&(w.node, owner.id)];
+            let req = match self.reqs.get(&(w.node, owner.id)) {
+                Some(r) if r.serial == owner.serial => r,
+                _ => {
+                    &self
+                        .past
+                        .iter()
+                        .find(|(_, r)| r.serial == owner.serial)
+                        .expect("every owner was tracked")
+                        .1
+                }
+            };
             let Some((at, ref r, _)) = req.report else {
                 continue;
             };
@@ -607,7 +695,11 @@ impl Harness {
     /// Every request of every node that did not die was reported once, and
     /// every slot is free.
     fn check_end(&self) {
-        for (&(node, id), req) in &self.reqs {
+        let all = self
+            .reqs
+            .iter()
+            .chain(self.past.iter().map(|(k, r)| (k, r)));
+        for (&(node, id), req) in all {
             if self.net.dead(node) {
                 continue;
             }
@@ -646,6 +738,8 @@ fn cfg(seed: u64, nodes: usize) -> SimNetConfig {
 }
 
 const MS: u64 = 1_000_000;
+/// How long a read asks again for a lend its lender does not know yet.
+const GRACE: u64 = 20 * MS;
 
 fn pairs(local: &[BlockId], remote: &[BlockId]) -> Vec<(BlockId, BlockId)> {
     local.iter().copied().zip(remote.iter().copied()).collect()
@@ -734,7 +828,8 @@ fn wrong_kind_notification_is_rejected_and_changes_nothing() {
         let note = Notification {
             kind,
             id: RequestId(4),
-            count: 1,
+            incarnation: h.lend_token(1, 4),
+            nonce: Incarnation(1),
             sender: h.nodes[0].instance,
         };
         let now = h.now;
@@ -1242,11 +1337,13 @@ fn a_message_of_several_notifications_is_taken_note_by_note_and_a_damaged_one_al
         lend_filled(&mut h, 1, id, 1, 1, 100 * MS);
     }
     let reader = h.nodes[0].instance;
-    let gave_up = |id| {
+    let lends = [h.lend_token(1, 1), h.lend_token(1, 2)];
+    let gave_up = |id: u64| {
         Notification {
             kind: NoteKind::GaveUp,
             id: RequestId(id),
-            count: 1,
+            incarnation: lends[(id as usize).saturating_sub(1).min(1)],
+            nonce: Incarnation(1),
             sender: reader,
         }
         .encode()

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
+use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
 use common::pattern;
@@ -87,13 +87,14 @@ fn lend_and_read(
     local: &[BlockId],
     remote: &[BlockId],
 ) {
-    p.lend(id, remote, LendTo::Readers(1), GUARD).unwrap();
+    let lend = p.lend(id, remote, LendTo::Readers(1), GUARD).unwrap();
     d.read(
         id,
         &[Transfer {
             peer,
             local,
             remote,
+            lend,
         }],
     )
     .unwrap();
@@ -112,8 +113,8 @@ fn decode_at_tp2_reads_two_handles_from_two_prefill_ranks_and_every_block_matche
     let (a, b) = (connect(&mut d, &p0), connect(&mut d, &p1));
     let id = RequestId(7);
     let (r0, r1) = (ids(&[10, 11, 12, 13]), ids(&[20, 21, 22, 23]));
-    p0.lend(id, &r0, LendTo::Readers(1), GUARD).unwrap();
-    p1.lend(id, &r1, LendTo::Readers(1), GUARD).unwrap();
+    let lend0 = p0.lend(id, &r0, LendTo::Readers(1), GUARD).unwrap();
+    let lend1 = p1.lend(id, &r1, LendTo::Readers(1), GUARD).unwrap();
     let (l0, l1) = (ids(&[0, 1, 2, 3]), ids(&[4, 5, 6, 7]));
     d.read(
         id,
@@ -122,11 +123,13 @@ fn decode_at_tp2_reads_two_handles_from_two_prefill_ranks_and_every_block_matche
                 peer: a,
                 local: &l0,
                 remote: &r0,
+                lend: lend0,
             },
             Transfer {
                 peer: b,
                 local: &l1,
                 remote: &r1,
+                lend: lend1,
             },
         ],
     )
@@ -170,6 +173,7 @@ fn a_failed_handle_is_reported_only_after_its_stalled_sibling_stopped_and_no_byt
     let (l0, r0) = (ids(&[0, 1]), ids(&[999, 1000]));
     let (l1, r1) = (ids(&[2, 3]), ids(&[5, 6]));
     let t = Instant::now();
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         id,
         &[
@@ -177,11 +181,13 @@ fn a_failed_handle_is_reported_only_after_its_stalled_sibling_stopped_and_no_byt
                 peer: a,
                 local: &l0,
                 remote: &r0,
+                lend,
             },
             Transfer {
                 peer: b,
                 local: &l1,
                 remote: &r1,
+                lend,
             },
         ],
     )
@@ -234,12 +240,14 @@ fn unknown_peer_is_a_setup_failure_with_no_operation_posted() {
     let mut d = engine("tcp", GUARD);
     let id = RequestId(3);
     let (l, r) = (ids(&[1]), ids(&[1]));
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         id,
         &[Transfer {
             peer: PeerId(42),
             local: &l,
             remote: &r,
+            lend,
         }],
     )
     .unwrap();
@@ -263,7 +271,7 @@ fn push_is_done_only_after_the_consumer_acknowledged_and_the_data_is_there() {
     let _to_p = connect(&mut c, &p); // the consumer acks through its own endpoint
     let id = RequestId(11);
     let dst = ids(&[30, 31, 32]);
-    c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
+    let lend = c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
     let src = ids(&[1, 2, 3]);
     p.write(
         id,
@@ -271,6 +279,7 @@ fn push_is_done_only_after_the_consumer_acknowledged_and_the_data_is_there() {
             peer: to_c,
             local: &src,
             remote: &dst,
+            lend,
         }],
         1,
         GUARD,
@@ -299,12 +308,14 @@ fn a_failed_push_is_never_done_and_is_reported_failed_with_its_reason_once() {
     let to_c = connect(&mut p, &c);
     let id = RequestId(12);
     let (src, dst) = (ids(&[1]), ids(&[5000])); // beyond the consumer's blocks
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     p.write(
         id,
         &[Transfer {
             peer: to_c,
             local: &src,
             remote: &dst,
+            lend,
         }],
         1,
         Duration::from_millis(300),
@@ -338,7 +349,7 @@ fn a_lend_is_released_only_after_both_consumer_ranks_notified() {
     let (a, b) = (connect(&mut d1, &p), connect(&mut d2, &p));
     let id = RequestId(21);
     let lent = ids(&[40, 41, 42, 43]);
-    p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
+    let lend = p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
     let (first, second) = (ids(&[40, 41]), ids(&[42, 43]));
     let local = ids(&[0, 1]);
     d1.read(
@@ -347,6 +358,7 @@ fn a_lend_is_released_only_after_both_consumer_ranks_notified() {
             peer: a,
             local: &local,
             remote: &first,
+            lend,
         }],
     )
     .unwrap();
@@ -370,6 +382,7 @@ fn a_lend_is_released_only_after_both_consumer_ranks_notified() {
             peer: b,
             local: &local,
             remote: &second,
+            lend,
         }],
     )
     .unwrap();
@@ -389,7 +402,7 @@ fn a_heartbeat_keeps_a_lend_alive_past_the_lease_of_its_twin() {
     let mut p = engine("tcp", GUARD);
     let lease = Duration::from_millis(400);
     let (kept, dropped) = (RequestId(31), RequestId(32));
-    p.lend(kept, &ids(&[1]), LendTo::Readers(1), lease).unwrap();
+    let lend = p.lend(kept, &ids(&[1]), LendTo::Readers(1), lease).unwrap();
     p.lend(dropped, &ids(&[2]), LendTo::Readers(1), lease)
         .unwrap();
     p.heartbeat(&[kept, RequestId(999)], Duration::from_secs(60))
@@ -411,6 +424,7 @@ fn a_heartbeat_keeps_a_lend_alive_past_the_lease_of_its_twin() {
             peer,
             local: &ids(&[0]),
             remote: &ids(&[1]),
+            lend,
         }],
     )
     .unwrap();
@@ -428,12 +442,14 @@ fn abort_fails_the_request_only_after_its_operations_were_cancelled() {
     p.stall(Duration::from_secs(2)).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let id = RequestId(41);
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         id,
         &[Transfer {
             peer,
             local: &ids(&[0, 1]),
             remote: &ids(&[0, 1]),
+            lend,
         }],
     )
     .unwrap();
@@ -475,7 +491,8 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
             &[Transfer {
                 peer: PeerId(0),
                 local: &ids(&[1, 2]),
-                remote: &r
+                remote: &r,
+                lend: Incarnation(0x1d1e),
             }]
         ),
         Err(EngineError::BadPairing { .. })
@@ -486,19 +503,22 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
             &[Transfer {
                 peer: PeerId(0),
                 local: &ids(&[64]),
-                remote: &r
+                remote: &r,
+                lend: Incarnation(0x1d1e),
             }]
         ),
         Err(EngineError::BlockOutOfRange { .. })
     ));
     assert_eq!(d.in_flight(), 0);
     // No peer was added by the refused metadata: PeerId(0) is unknown.
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         RequestId(1),
         &[Transfer {
             peer: PeerId(0),
             local: &l,
             remote: &r,
+            lend,
         }],
     )
     .unwrap();
@@ -508,7 +528,8 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
             &[Transfer {
                 peer: PeerId(0),
                 local: &l,
-                remote: &r
+                remote: &r,
+                lend: Incarnation(0x1d1e),
             }]
         ),
         Err(EngineError::Duplicate(_))
@@ -527,12 +548,14 @@ fn shutdown_reports_requests_in_flight_and_is_idempotent() {
     let peer = connect(&mut d, &p);
     p.stall(Duration::from_secs(2)).unwrap();
     let id = RequestId(51);
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         id,
         &[Transfer {
             peer,
             local: &ids(&[0]),
             remote: &ids(&[0]),
+            lend,
         }],
     )
     .unwrap();
@@ -571,12 +594,14 @@ fn a_failed_release_holds_the_request_until_the_retry_releases_it() {
     }
     let peer = connect(&mut d, &p);
     let t = Instant::now();
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         RequestId(61),
         &[Transfer {
             peer,
             local: &ids(&[0]),
             remote: &ids(&[9]),
+            lend,
         }],
     )
     .unwrap();
@@ -597,7 +622,7 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
 
     let mut p = engine("tcp", GUARD);
     let id = RequestId(71);
-    p.lend(id, &ids(&[1]), LendTo::Readers(1), GUARD).unwrap();
+    let lend = p.lend(id, &ids(&[1]), LendTo::Readers(1), GUARD).unwrap();
     let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
 
     // A raw UCX worker plays a misbehaving peer.
@@ -608,7 +633,8 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
         Notification {
             kind,
             id,
-            count: 1,
+            incarnation: lend,
+            nonce: Incarnation(1),
             sender,
         }
         .encode()
@@ -619,7 +645,7 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
         b"hello",
         &damaged,
         &note(NoteKind::ReadDone, RequestId(999), 1),
-        &[0u8; 28],
+        &[0u8; kvpoll::notification::LEN],
     ];
     for (i, payload) in sends.iter().enumerate() {
         ep.send_active_message(kvpoll::engine::NOTIFY_AM_ID, payload, i as u64)
@@ -742,12 +768,14 @@ fn reads_land_in_caller_registered_memory() {
         Err(EngineError::BadRegion { .. })
     ));
     let peer = connect(&mut d, &p);
+    let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation
     d.read(
         RequestId(91),
         &[Transfer {
             peer,
             local: &ids(&[3]),
             remote: &ids(&[17]),
+            lend,
         }],
     )
     .unwrap();
@@ -770,7 +798,8 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
     fill(&p, 4);
     let peer = connect(&mut d, &p);
     let id = RequestId(120);
-    p.lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
+    let lend = p
+        .lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
         .unwrap();
     d.read(
         id,
@@ -778,6 +807,7 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
             peer,
             local: &ids(&[7, 8]),
             remote: &ids(&[1, 2]),
+            lend,
         }],
     )
     .unwrap();
@@ -811,15 +841,17 @@ fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_
     let mut d = engine(tls, GUARD);
     let peer = connect(&mut d, &p);
     let n = 16u32;
-    for i in 0..n {
-        p.lend(
-            RequestId(100 + u64::from(i)),
-            &ids(&[i]),
-            LendTo::Readers(1),
-            GUARD,
-        )
-        .unwrap();
-    }
+    let lends: Vec<Incarnation> = (0..n)
+        .map(|i| {
+            p.lend(
+                RequestId(100 + u64::from(i)),
+                &ids(&[i]),
+                LendTo::Readers(1),
+                GUARD,
+            )
+            .unwrap()
+        })
+        .collect();
     // The reader's poller sleeps while the reads are queued behind the
     // stall: it then posts them all at once, and they complete together.
     // (Shorter than the read heartbeat period, 250 ms: no heartbeat is due.)
@@ -832,6 +864,7 @@ fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_
                 peer,
                 local: &locals[i as usize],
                 remote: &locals[i as usize],
+                lend: lends[i as usize],
             }],
         )
         .unwrap();

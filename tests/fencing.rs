@@ -63,7 +63,8 @@ fn a_read_of_a_live_lend_is_confirmed_and_finishes_with_the_lenders_bytes() {
     let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
     fill(&p, 1, 3);
     let id = RequestId(1);
-    p.lend(id, &[BlockId(3)], LendTo::Readers(1), GUARD)
+    let lend = p
+        .lend(id, &[BlockId(3)], LendTo::Readers(1), GUARD)
         .unwrap();
     d.read(
         id,
@@ -71,6 +72,7 @@ fn a_read_of_a_live_lend_is_confirmed_and_finishes_with_the_lenders_bytes() {
             peer,
             local: &[BlockId(5)],
             remote: &[BlockId(3)],
+            lend,
         }],
     )
     .unwrap();
@@ -100,7 +102,8 @@ fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
     let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
     // Wire the endpoint up first (a read of a live lend).
     fill(&p, 1, 0);
-    p.lend(RequestId(9), &[BlockId(0)], LendTo::Readers(1), GUARD)
+    let lend = p
+        .lend(RequestId(9), &[BlockId(0)], LendTo::Readers(1), GUARD)
         .unwrap();
     d.read(
         RequestId(9),
@@ -108,6 +111,7 @@ fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
             peer,
             local: &[BlockId(0)],
             remote: &[BlockId(0)],
+            lend,
         }],
     )
     .unwrap();
@@ -118,19 +122,21 @@ fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
 
     let id = RequestId(10);
     fill(&p, 10, 4);
-    p.lend(
-        id,
-        &[BlockId(4)],
-        LendTo::Readers(1),
-        Duration::from_millis(200),
-    )
-    .unwrap();
+    let lend = p
+        .lend(
+            id,
+            &[BlockId(4)],
+            LendTo::Readers(1),
+            Duration::from_millis(200),
+        )
+        .unwrap();
     d.read(
         id,
         &[Transfer {
             peer,
             local: &[BlockId(6)],
             remote: &[BlockId(4)],
+            lend,
         }],
     )
     .unwrap();
@@ -168,13 +174,14 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
     let gone = d.add_peer(&engine().local_metadata().unwrap()).unwrap();
     d.remove_peer(gone).unwrap();
     let id = RequestId(20);
-    a.lend(
-        id,
-        &[BlockId(1)],
-        LendTo::Readers(1),
-        Duration::from_secs(600),
-    )
-    .unwrap();
+    let lend = a
+        .lend(
+            id,
+            &[BlockId(1)],
+            LendTo::Readers(1),
+            Duration::from_secs(600),
+        )
+        .unwrap();
     d.read(
         id,
         &[
@@ -182,11 +189,13 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
                 peer: to_a,
                 local: &[BlockId(1)],
                 remote: &[BlockId(1)],
+                lend,
             },
             Transfer {
                 peer: gone,
                 local: &[BlockId(2)],
                 remote: &[BlockId(2)],
+                lend,
             },
         ],
     )
@@ -218,19 +227,20 @@ fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64, tls: &s
     fill(&w, seed, 2);
     let id = RequestId(seed);
     let lease = Duration::from_millis(200);
-    if named {
+    let lend = if named {
         c.lend_to_writers(id, &[BlockId(7)], &[to_w], lease)
-            .unwrap();
+            .unwrap()
     } else {
         c.lend(id, &[BlockId(7)], LendTo::Writers(1), lease)
-            .unwrap();
-    }
+            .unwrap()
+    };
     w.write(
         id,
         &[Transfer {
             peer: to_c,
             local: &[BlockId(2)],
             remote: &[BlockId(7)],
+            lend,
         }],
         1,
         Duration::from_millis(300),
@@ -300,7 +310,8 @@ fn a_named_writer_that_never_wrote_is_asked_and_a_later_write_of_it_is_refused()
     let to_c = w.add_peer(&c.local_metadata().unwrap()).unwrap();
     let to_w = c.add_peer(&w.local_metadata().unwrap()).unwrap();
     let id = RequestId(50);
-    c.lend_to_writers(id, &[BlockId(9)], &[to_w], Duration::from_millis(100))
+    let lend = c
+        .lend_to_writers(id, &[BlockId(9)], &[to_w], Duration::from_millis(100))
         .unwrap();
     let mut out = Outcomes::default();
     let mut wout = Outcomes::default();
@@ -333,6 +344,7 @@ fn a_named_writer_that_never_wrote_is_asked_and_a_later_write_of_it_is_refused()
             peer: to_c,
             local: &[BlockId(3)],
             remote: &[BlockId(9)],
+            lend,
         }],
         1,
         Duration::from_secs(1),

@@ -126,9 +126,16 @@ proptest! {
     }
 
     #[test]
-    fn a_damaged_notification_is_refused(i in 0usize..28, flip in 1u8..=255) {
+    fn a_damaged_notification_is_refused(i in 0usize..kvpoll::notification::LEN, flip in 1u8..=255) {
         use kvpoll::notification::{NoteKind, Notification};
-        let mut b = Notification { kind: NoteKind::Ack, id: kvpoll::ledger::RequestId(5), count: 2, sender: 9 }.encode();
+        let mut b = Notification {
+            kind: NoteKind::Ack,
+            id: kvpoll::ledger::RequestId(5),
+            incarnation: kvpoll::Incarnation(0xabc),
+            nonce: kvpoll::Incarnation(2),
+            sender: 9,
+        }
+        .encode();
         b[i] ^= flip;
         prop_assert!(Notification::decode(&b).is_err());
     }

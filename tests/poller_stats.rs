@@ -87,6 +87,7 @@ fn a_poller_whose_sends_wait_on_a_peer_that_does_not_drain_waits_instead_of_spin
             peer,
             local: &local,
             remote: &remote,
+            lend: kvpoll::Incarnation::NONE,
         };
         d.read(RequestId(id), &[transfer]).unwrap();
         let t = Instant::now();

@@ -105,7 +105,8 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
     let note = Notification {
         kind: NoteKind::ReadDone,
         id,
-        count: 1,
+        incarnation: kvpoll::Incarnation(5),
+        nonce: kvpoll::Incarnation(6),
         sender: 99,
     }
     .encode();

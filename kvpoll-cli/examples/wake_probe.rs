@@ -67,14 +67,15 @@ fn pair_idle_cpu(tls: &str) {
     let peer = c.add_peer(&p.local_metadata().unwrap()).unwrap();
     let mut out = Outcomes::default();
     let id = RequestId(1);
-    p.lend(
-        id,
-        &[kvpoll::BlockId(0)],
-        kvpoll::LendTo::Readers(1),
-        Duration::from_secs(10),
-    )
-    .unwrap();
-    c.notify_only(id, &[peer]).unwrap();
+    let lend = p
+        .lend(
+            id,
+            &[kvpoll::BlockId(0)],
+            kvpoll::LendTo::Readers(1),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    c.notify_only(id, &[(peer, lend)]).unwrap();
     while !out.finished_sending.contains(&id) {
         p.poll(&mut out);
         std::thread::yield_now();

@@ -37,7 +37,7 @@ pub const HEADER: usize = 12;
 /// Bytes after the payload (the checksum).
 pub const TRAILER: usize = 8;
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Largest payload a control frame may carry: engine metadata of the
 /// largest layout the tool accepts fits with room to spare.
 pub const MAX_PAYLOAD: usize = 256 * 1024;
@@ -89,6 +89,9 @@ pub enum Msg {
         /// What was left of the lend's lease when this was sent, in ms: the
         /// reader counts it down and does not read once it may have run out.
         lease_ms: u32,
+        /// The lend's incarnation (what `Engine::lend` returned): the read
+        /// names it.
+        lend: u64,
         /// The lent blocks.
         blocks: Vec<u32>,
     },
@@ -101,6 +104,8 @@ pub enum Msg {
     Push {
         /// The request.
         req: u64,
+        /// The push destination's incarnation: the write names it.
+        lend: u64,
         /// The destination blocks.
         blocks: Vec<u32>,
     },
@@ -299,20 +304,23 @@ impl Msg {
             Msg::Ready {
                 req,
                 lease_ms,
+                lend,
                 blocks,
             } => {
                 o.u8(4);
                 o.u64(*req);
                 o.u32(*lease_ms);
+                o.u64(*lend);
                 o.blocks(blocks);
             }
             Msg::Busy { req } => {
                 o.u8(5);
                 o.u64(*req);
             }
-            Msg::Push { req, blocks } => {
+            Msg::Push { req, lend, blocks } => {
                 o.u8(6);
                 o.u64(*req);
+                o.u64(*lend);
                 o.blocks(blocks);
             }
             Msg::Pushed { req, done } => {
@@ -367,11 +375,13 @@ impl Msg {
             4 => Msg::Ready {
                 req: r.u64()?,
                 lease_ms: r.u32()?,
+                lend: r.u64()?,
                 blocks: r.blocks()?,
             },
             5 => Msg::Busy { req: r.u64()? },
             6 => Msg::Push {
                 req: r.u64()?,
+                lend: r.u64()?,
                 blocks: r.blocks()?,
             },
             7 => Msg::Pushed {
@@ -590,11 +600,13 @@ mod tests {
             Msg::Ready {
                 req: 9,
                 lease_ms: 2000,
+                lend: 0xfeed_f00d,
                 blocks: vec![1, 2, 3],
             },
             Msg::Busy { req: 3 },
             Msg::Push {
                 req: 9,
+                lend: u64::MAX,
                 blocks: vec![7],
             },
             Msg::Pushed { req: 9, done: true },
@@ -632,6 +644,7 @@ mod tests {
         let f = Msg::Ready {
             req: 1,
             lease_ms: 2000,
+            lend: 77,
             blocks: vec![4, 5],
         }
         .encode()

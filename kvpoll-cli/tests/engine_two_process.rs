@@ -89,6 +89,7 @@ fn read_and_verify(d: &mut Engine, peer: kvpoll::ledger::PeerId, id: u64, seed: 
             peer,
             local: &local,
             remote: &remote,
+            lend: kvpoll::Incarnation::NONE,
         }],
     )
     .unwrap();
@@ -124,6 +125,7 @@ fn a_stopped_peer_process_fails_reads_at_the_deadline_through_forced_close() {
             peer: p,
             local: &ids(&[4]),
             remote: &ids(&[4]),
+            lend: kvpoll::Incarnation::NONE,
         }],
     )
     .unwrap();
@@ -134,6 +136,7 @@ fn a_stopped_peer_process_fails_reads_at_the_deadline_through_forced_close() {
             peer: p,
             local: &ids(&[5]),
             remote: &ids(&[5]),
+            lend: kvpoll::Incarnation::NONE,
         }],
         GUARD,
     )
@@ -176,6 +179,7 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
             peer: p,
             local: &ids(&[5, 6]),
             remote: &ids(&[5, 6]),
+            lend: kvpoll::Incarnation::NONE,
         }],
     )
     .unwrap();
@@ -200,6 +204,7 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
             peer: p,
             local: &ids(&[5]),
             remote: &ids(&[5]),
+            lend: kvpoll::Incarnation::NONE,
         }],
     )
     .unwrap();

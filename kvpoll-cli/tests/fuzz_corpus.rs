@@ -64,11 +64,13 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
         Msg::Ready {
             req: 7,
             lease_ms: 2000,
+            lend: 0x5eed_1e4d,
             blocks: vec![1, 2, 3, 4],
         },
         Msg::Busy { req: 7 },
         Msg::Push {
             req: 8,
+            lend: 0x5eed_de57,
             blocks: vec![9, 10],
         },
         Msg::Pushed { req: 8, done: true },
@@ -145,7 +147,8 @@ fn notification_corpus_decodes_without_panic_and_valid_ones_round_trip() {
             Notification {
                 kind,
                 id: RequestId(42),
-                count: 1,
+                incarnation: kvpoll::Incarnation(0x1eed_5eed_0042),
+                nonce: kvpoll::Incarnation(9),
                 sender: 7,
             }
             .encode()

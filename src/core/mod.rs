@@ -339,7 +339,9 @@ struct Quiet {
 
 impl Quiet {
     fn promised(&self, to: u64, lend: Incarnation) -> bool {
-        self.engines.get(&to).is_some_and(|(_, set)| set.contains(&lend))
+        self.engines
+            .get(&to)
+            .is_some_and(|(_, set)| set.contains(&lend))
     }
 
     /// Remembers a promise; `known` says whether an engine is a peer (one
@@ -1365,7 +1367,15 @@ impl Core {
         if all {
             let p = self.progress[Self::index(hk)];
             let on = Some(p.ep_generation);
-            self.send_note(peer, on, NoteKind::WriteDone, info.id, p.lend, info.token, false);
+            self.send_note(
+                peer,
+                on,
+                NoteKind::WriteDone,
+                info.id,
+                p.lend,
+                info.token,
+                false,
+            );
         }
     }
 
@@ -1431,7 +1441,8 @@ impl Core {
         for h in 0..info.handles as usize {
             let Progress { peer, lend, .. } = self.progress[base + h];
             let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
-            if !dup {
+            // A read of memory no lend guards has nobody to tell.
+            if !dup && !lend.is_none() {
                 self.send_note(peer, None, kind, info.id, lend, nonce, want_reply);
             }
         }
@@ -1625,22 +1636,29 @@ impl Core {
                     None => self.stale(),
                 }
             }
-            NoteKind::Ack => match live.filter(|&k| self.attempt_of(k, &note, Kind::Write { acks: 0 })) {
-                Some(key) => {
-                    // Only an engine this write wrote to can acknowledge it.
-                    let slot = key.slot() as usize;
-                    if self.seen(slot, note.sender) {
-                        return self.reject();
+            NoteKind::Ack => {
+                match live.filter(|&k| self.attempt_of(k, &note, Kind::Write { acks: 0 })) {
+                    Some(key) => {
+                        // Only an engine this write wrote to can acknowledge it.
+                        let slot = key.slot() as usize;
+                        if self.seen(slot, note.sender) {
+                            return self.reject();
+                        }
+                        if self.ledger_notify(note.id) {
+                            self.counted(slot, note.sender);
+                        }
                     }
-                    if self.ledger_notify(note.id) {
-                        self.counted(slot, note.sender);
-                    }
+                    None => self.stale(),
                 }
-                None => self.stale(),
-            },
+            }
             NoteKind::WriteQuery => self.write_query(live, &note, reply),
             // A destination opened its endpoint to a writer: nothing to do.
             NoteKind::Heartbeat => {}
+            // About the live request of that incarnation, but of a kind it
+            // does not take.
+            _ if live.is_some_and(|k| self.info[k.slot() as usize].token == note.incarnation) => {
+                self.reject()
+            }
             _ => self.early(&note, reply, now),
         }
     }
@@ -1819,7 +1837,8 @@ impl Core {
             NoteKind::WriteQuiet => {
                 // A writer this destination asked: nothing of it will land.
                 let asked = info.unnamed
-                    && sender.is_some_and(|p| self.fence_of(key).is_some_and(|f| f.asked.contains(&p)));
+                    && sender
+                        .is_some_and(|p| self.fence_of(key).is_some_and(|f| f.asked.contains(&p)));
                 if !asked && (seen || n == MAX_CONSUMERS || !self.is_party(slot, note.sender)) {
                     return self.reject();
                 }
@@ -1879,7 +1898,11 @@ impl Core {
                 // The lender does not know the lend yet: ask again, later,
                 // until the grace period ends.
                 let grace = self.cfg.lend_grace;
-                let i = match self.asking.iter().position(|a| a.key == key && a.peer == peer) {
+                let i = match self
+                    .asking
+                    .iter()
+                    .position(|a| a.key == key && a.peer == peer)
+                {
                     Some(i) => i,
                     None => {
                         self.asking.push(Ask {
@@ -1926,8 +1949,9 @@ impl Core {
             }
         }
         let by_instance = &self.by_instance;
-        self.quiet
-            .promise(note.sender, note.incarnation, |e| by_instance.contains_key(&e));
+        self.quiet.promise(note.sender, note.incarnation, |e| {
+            by_instance.contains_key(&e)
+        });
         self.answer(reply, NoteKind::WriteQuiet, note);
     }
 
@@ -2033,7 +2057,8 @@ impl Core {
         self.stats.quarantined_now += 1;
         if self.info[slot].unnamed {
             // Every peer known now, however many, that has not spoken.
-            let spoke = &self.notifiers[slot * MAX_CONSUMERS..][..usize::from(self.info[slot].notified)];
+            let spoke =
+                &self.notifiers[slot * MAX_CONSUMERS..][..usize::from(self.info[slot].notified)];
             let asked: Vec<PeerId> = self
                 .peers
                 .iter()
@@ -2057,9 +2082,20 @@ impl Core {
         let slot = key.slot() as usize;
         let info = self.info[slot];
         if info.unnamed {
-            let asked = self.fence_of(key).map(|f| f.asked.clone()).unwrap_or_default();
+            let asked = self
+                .fence_of(key)
+                .map(|f| f.asked.clone())
+                .unwrap_or_default();
             for peer in asked {
-                self.send_note(peer, None, NoteKind::WriteQuery, info.id, info.token, Incarnation::NONE, true);
+                self.send_note(
+                    peer,
+                    None,
+                    NoteKind::WriteQuery,
+                    info.id,
+                    info.token,
+                    Incarnation::NONE,
+                    true,
+                );
             }
             return;
         }
@@ -2078,7 +2114,15 @@ impl Core {
                 .contains(&instance);
             if !spoke && !(0..h).any(|g| self.progress[base + g].peer == peer) {
                 let (id, inc) = (info.id, info.token);
-                self.send_note(peer, None, NoteKind::WriteQuery, id, inc, Incarnation::NONE, true);
+                self.send_note(
+                    peer,
+                    None,
+                    NoteKind::WriteQuery,
+                    id,
+                    inc,
+                    Incarnation::NONE,
+                    true,
+                );
             }
         }
     }
@@ -2242,7 +2286,9 @@ impl Core {
         let mut i = 0;
         while i < self.asking.len() {
             let a = self.asking[i];
-            if !self.ledger.is_live(a.key) || self.info[a.key.slot() as usize].generation != a.key.generation() {
+            if !self.ledger.is_live(a.key)
+                || self.info[a.key.slot() as usize].generation != a.key.generation()
+            {
                 self.asking.swap_remove(i);
                 continue;
             }
@@ -2255,7 +2301,15 @@ impl Core {
                     .map(|h| self.progress[base + h])
                     .find(|p| p.peer == a.peer)
                     .map_or(Incarnation::NONE, |p| p.lend);
-                self.send_note(a.peer, None, NoteKind::ReadDone, info.id, lend, info.token, true);
+                self.send_note(
+                    a.peer,
+                    None,
+                    NoteKind::ReadDone,
+                    info.id,
+                    lend,
+                    info.token,
+                    true,
+                );
             }
             i += 1;
         }

@@ -158,3 +158,20 @@ impl Harness {
         v
     }
 }
+
+/// One handle of a read or write: `local` paired with `remote` of `peer`,
+/// in the lend (or push destination) of incarnation `lend`
+/// (`Incarnation::NONE`: memory no lend guards, for unconfirmed reads).
+pub fn one<'a>(
+    peer: PeerId,
+    local: &'a [BlockId],
+    remote: &'a [BlockId],
+    lend: Incarnation,
+) -> [kvpoll::Transfer<'a>; 1] {
+    [kvpoll::Transfer {
+        peer,
+        local,
+        remote,
+        lend,
+    }]
+}

@@ -18,7 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use kvpoll::engine::{Engine, EngineError, IdlePolicy, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, PeerId, RequestId};
+use kvpoll::ledger::{BlockId, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
 /// Success.
@@ -112,6 +112,10 @@ pub struct kvpoll_transfer {
     pub remote: *const u32,
     /// Blocks in this handle.
     pub n_blocks: usize,
+    /// The incarnation of the remote lend (a read) or push destination (a
+    /// write): what the remote engine's `kvpoll_lend` gave back, carried
+    /// with the block ids. 0 only for a read with confirmation off.
+    pub lend: u64,
 }
 
 /// One report of `kvpoll_poll`.
@@ -145,7 +149,7 @@ pub struct kvpoll_engine {
     blocks: Vec<u32>,
     locals: Vec<BlockId>,
     remotes: Vec<BlockId>,
-    spans: Vec<(PeerId, usize, usize)>,
+    spans: Vec<(PeerId, usize, usize, Incarnation)>,
 }
 
 /// An error inside a call: status and message.
@@ -520,22 +524,24 @@ unsafe fn load_handles(
         let start = e.locals.len();
         e.locals.extend(l.iter().map(|&b| BlockId(b)));
         e.remotes.extend(r.iter().map(|&b| BlockId(b)));
-        e.spans.push((PeerId(h.peer), start, e.locals.len()));
+        e.spans
+            .push((PeerId(h.peer), start, e.locals.len(), Incarnation(h.lend)));
     }
     Ok(())
 }
 
 fn transfers<'a>(
-    spans: &[(PeerId, usize, usize)],
+    spans: &[(PeerId, usize, usize, Incarnation)],
     locals: &'a [BlockId],
     remotes: &'a [BlockId],
 ) -> Vec<Transfer<'a>> {
     spans
         .iter()
-        .map(|&(peer, a, b)| Transfer {
+        .map(|&(peer, a, b, lend)| Transfer {
             peer,
             local: &locals[a..b],
             remote: &remotes[a..b],
+            lend,
         })
         .collect()
 }
@@ -607,11 +613,14 @@ pub unsafe extern "C" fn kvpoll_write(
 
 /// Lends `n` local blocks to `count` remote readers
 /// (`KVPOLL_LEND_READERS`) or writers (`KVPOLL_LEND_WRITERS`) until they
-/// all notified, or `lease_ns` ends.
+/// all notified, or `lease_ns` ends. Writes the lend's incarnation to
+/// `*incarnation` (if not NULL): hand it to the readers or writers with
+/// the block ids (`kvpoll_transfer.lend`).
 ///
 /// # Safety
-/// `e` from `kvpoll_engine_new`; `blocks` valid for `n` items; `err` NULL
-/// or valid for `err_len` bytes.
+/// `e` from `kvpoll_engine_new`; `blocks` valid for `n` items;
+/// `incarnation` NULL or valid for one write; `err` NULL or valid for
+/// `err_len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn kvpoll_lend(
     e: *mut kvpoll_engine,
@@ -621,6 +630,7 @@ pub unsafe extern "C" fn kvpoll_lend(
     to: u32,
     count: u32,
     lease_ns: u64,
+    incarnation: *mut u64,
     err: *mut c_char,
     err_len: usize,
 ) -> i32 {
@@ -636,8 +646,13 @@ pub unsafe extern "C" fn kvpoll_lend(
             let b = slice(blocks, n, "blocks")?;
             e.locals.clear();
             e.locals.extend(b.iter().map(|&b| BlockId(b)));
-            e.inner
+            let inc = e
+                .inner
                 .lend(RequestId(id), &e.locals, to, Duration::from_nanos(lease_ns))?;
+            if !incarnation.is_null() {
+                // SAFETY: caller's contract: valid for one write.
+                *incarnation = inc.0;
+            }
             Ok(())
         })
     }

@@ -32,7 +32,8 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -42,7 +43,7 @@ use kvpoll::transport::ucx::{
     UcxError, Worker, WorkerAddress, NOTIFY_AM_ID,
 };
 use kvpoll::wire::from_hex;
-use kvpoll::{BlockId, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
+use kvpoll::{BlockId, Engine, EngineError, Incarnation, Outcomes, PeerId, RequestId, Transfer};
 
 /// Blocks the peers serve (remote offsets wrap inside them).
 const PEER_BLOCKS: u64 = 64;
@@ -222,6 +223,17 @@ struct PeerProcess {
     child: Child,
     stdin: Option<ChildStdin>,
     ready: String,
+    /// What it prints after READY, and the `LENT` lines before it.
+    stdout: Option<BufReader<ChildStdout>>,
+    lent: Vec<(u64, Incarnation)>,
+}
+
+/// A `LENT <id> <hex incarnation>` line of a lending `engine-peer`.
+fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
+    let mut parts = line.trim().strip_prefix("LENT ")?.split_whitespace();
+    let id = parts.next()?.parse().ok()?;
+    let inc = u64::from_str_radix(parts.next()?, 16).ok()?;
+    Some((id, Incarnation(inc)))
 }
 
 impl PeerProcess {
@@ -235,26 +247,57 @@ impl PeerProcess {
             .spawn()
             .map_err(|e| fail(format!("spawning {}: {e}", exe.display())))?;
         let stdin = child.stdin.take();
-        let mut line = String::new();
-        let read = child
-            .stdout
-            .take()
-            .map(|o| BufReader::new(o).read_line(&mut line));
         let mut p = PeerProcess {
+            stdout: child.stdout.take().map(BufReader::new),
             child,
             stdin,
             ready: String::new(),
+            lent: Vec::new(),
         };
-        match read {
-            Some(Ok(_)) => match line.trim().strip_prefix("READY ") {
+        let Some(out) = p.stdout.as_mut() else {
+            return Err(fail("no standard output".into()));
+        };
+        loop {
+            let mut line = String::new();
+            match out.read_line(&mut line) {
+                Ok(n) if n > 0 => {}
+                _ => return Err(fail("no READY line".into())),
+            }
+            if let Some(lent) = lent_line(&line) {
+                p.lent.push(lent);
+                continue;
+            }
+            return match line.trim().strip_prefix("READY ") {
                 Some(rest) => {
                     p.ready = rest.to_owned();
                     Ok(p)
                 }
                 None => Err(fail(format!("said {line:?} instead of READY"))),
-            },
-            _ => Err(fail("no READY line".into())),
+            };
         }
+    }
+
+    /// The incarnations it lends, in order: those it printed before READY,
+    /// then the rest as it prints them.
+    fn lent(&mut self) -> mpsc::Receiver<(u64, Incarnation)> {
+        let (tx, rx) = mpsc::channel();
+        for &l in &self.lent {
+            let _ = tx.send(l);
+        }
+        if let Some(mut out) = self.stdout.take() {
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                while matches!(out.read_line(&mut line), Ok(n) if n > 0) {
+                    if let Some(l) = lent_line(&line) {
+                        if tx.send(l).is_err() {
+                            return;
+                        }
+                    }
+                    line.clear();
+                }
+            });
+        }
+        rx
     }
 }
 
@@ -286,6 +329,9 @@ struct KvpollSide {
     peer: PeerId,
     out: Outcomes,
     next_id: u64,
+    /// With confirmation: the incarnations the peer lent each id with, in
+    /// id order.
+    lent: Option<mpsc::Receiver<(u64, Incarnation)>>,
 }
 
 impl KvpollSide {
@@ -310,7 +356,27 @@ impl KvpollSide {
             peer,
             out: Outcomes::default(),
             next_id: 0,
+            lent: None,
         })
+    }
+
+    /// The incarnation of the peer's lend of `id` (none without
+    /// confirmation).
+    fn lend_of(&mut self, id: u64) -> Result<Incarnation, E2eError> {
+        let Some(lent) = &self.lent else {
+            return Ok(Incarnation::NONE);
+        };
+        loop {
+            match lent.recv_timeout(GUARD) {
+                Ok((i, inc)) if i == id => return Ok(inc),
+                Ok(_) => {}
+                Err(_) => {
+                    return Err(E2eError::Failed(format!(
+                        "the lending peer never said how it lent request {id}"
+                    )))
+                }
+            }
+        }
     }
 
     /// `n` requests of `blocks` blocks, `depth` in flight; returns the run's
@@ -334,13 +400,16 @@ impl KvpollSide {
         while done < n {
             while submitted < n && submitted - done < depth {
                 let slot = (submitted % depth * blocks) as usize;
+                let id = first + u64::from(submitted);
+                let lend = self.lend_of(id)?;
                 started[submitted as usize] = Instant::now();
                 self.engine.read(
-                    RequestId(first + u64::from(submitted)),
+                    RequestId(id),
                     &[Transfer {
                         peer: self.peer,
                         local: &local[slot..slot + blocks as usize],
                         remote: &remote,
+                        lend,
                     }],
                 )?;
                 submitted += 1;
@@ -537,7 +606,7 @@ impl Session {
         engine_args.extend(["--regions".into(), "1".into()]);
         let engine_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
         engine_args.extend(["--lend-ahead".into(), LEND_AHEAD.to_string()]);
-        let lending_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
+        let mut lending_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
         let ucx_peer = PeerProcess::spawn(kvpoll_exe, "ucx-peer", &common(PEER_BLOCKS))?;
         let hex = |p: &PeerProcess| {
             from_hex(&p.ready).map_err(|_| E2eError::Peer {
@@ -552,7 +621,8 @@ impl Session {
         );
         let kv = KvpollSide::new(cfg, &metadata, local_blocks, false)?;
         // Its ids start at 0, the first the lending peer lent.
-        let kv_confirmed = KvpollSide::new(cfg, &lending_metadata, local_blocks, true)?;
+        let mut kv_confirmed = KvpollSide::new(cfg, &lending_metadata, local_blocks, true)?;
+        kv_confirmed.lent = Some(lending_peer.lent());
         let raw = RawSide::new(cfg, &ucx_peer.ready, local_blocks)?;
         let mut s = Session {
             cfg: cfg.clone(),

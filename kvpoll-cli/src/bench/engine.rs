@@ -507,11 +507,11 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
     let mut samples = Vec::with_capacity(n);
     for i in 0..=n as u64 {
         let id = RequestId(i);
-        p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        let lend = p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
         std::thread::sleep(quiet);
         out.clear();
         let t = Instant::now();
-        c.notify_only(id, &[peer])?;
+        c.notify_only(id, &[(peer, lend)])?;
         wait_released(&mut p, &mut out, id, t, guard, || {})?;
         if i > 0 {
             samples.push(t.elapsed().as_nanos() as u64);
@@ -581,11 +581,12 @@ pub fn remote_wake_up_direct(
     let mut samples = Vec::with_capacity(n);
     for i in 0..=n as u64 {
         let id = RequestId(i);
-        p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        let incarnation = p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
         let note = Notification {
             kind: NoteKind::GaveUp,
             id,
-            count: 1,
+            incarnation,
+            nonce: kvpoll::Incarnation::NONE,
             sender: 0x5eed,
         }
         .encode();

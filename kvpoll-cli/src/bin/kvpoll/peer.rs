@@ -92,7 +92,8 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
 
 /// `kvpoll engine-peer`: a whole kvpoll engine in its own process, serving
 /// its blocks (filled with the pattern of `--seed`) to readers. Prints
-/// `READY <hex metadata>` and runs until its standard input closes.
+/// `READY <hex metadata>` (after the `LENT` lines of what it lent ahead)
+/// and runs until its standard input closes.
 pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     let EnginePeerArgs {
         ref tls,
@@ -180,15 +181,25 @@ impl Lender {
         }
     }
 
+    /// Lends up to `ahead` past what was released, printing `LENT <id>
+    /// <incarnation, hex>` for each: the reader reads each id with that
+    /// incarnation.
     fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::EngineError> {
+        let mut lent = String::new();
         while self.next < self.released + self.ahead {
-            engine.lend(
+            let inc = engine.lend(
                 kvpoll::RequestId(self.next),
                 &[kvpoll::BlockId(0)],
                 kvpoll::LendTo::Readers(1),
                 std::time::Duration::from_secs(3600),
             )?;
+            lent.push_str(&format!("LENT {} {:x}\n", self.next, inc.0));
             self.next += 1;
+        }
+        if !lent.is_empty() {
+            let mut out = std::io::stdout().lock();
+            // A reader that went away leaves nobody to tell: not an error.
+            let _ = out.write_all(lent.as_bytes()).and_then(|_| out.flush());
         }
         Ok(())
     }

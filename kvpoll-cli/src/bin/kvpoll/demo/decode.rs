@@ -240,6 +240,8 @@ fn jitter(d: Duration, rng: &mut u64) -> Duration {
 struct Req {
     blocks: Vec<BlockId>,
     ready: [Option<Vec<u32>>; 2],
+    /// Each lender's lend incarnation, from its READY.
+    lends: [kvpoll::Incarnation; 2],
     /// Until when each lender's lend is sure to be live (counted down from
     /// the lease it reported, from when its answer arrived).
     live_until: [Option<Instant>; 2],
@@ -538,6 +540,7 @@ impl Decoder<'_> {
         let mut req = Req {
             blocks,
             ready: [None, None],
+            lends: [kvpoll::Incarnation::NONE; 2],
             live_until: [None, None],
             submitted: false,
             freed: false,
@@ -578,11 +581,11 @@ impl Decoder<'_> {
                         self.cfg.lease,
                     )
                 };
-                if lent.is_err() {
+                let Ok(lend) = lent else {
                     self.pool.release(&req.blocks);
                     self.report.refused += 1;
                     return true;
-                }
+                };
                 let sabotage = self.cfg.setup_failure_every != 0
                     && seq % self.cfg.setup_failure_every == 7 % self.cfg.setup_failure_every;
                 if sabotage {
@@ -599,6 +602,7 @@ impl Decoder<'_> {
                             s,
                             &Msg::Push {
                                 req: id,
+                                lend: lend.0,
                                 blocks: half,
                             },
                         );
@@ -649,9 +653,10 @@ impl Decoder<'_> {
                     Msg::Ready {
                         req,
                         lease_ms,
+                        lend,
                         blocks,
                     },
-                ) => self.ready(t % 2, req, lease_ms, blocks),
+                ) => self.ready(t % 2, req, lease_ms, kvpoll::Incarnation(lend), blocks),
                 Incoming::Line(_, Msg::Busy { req }) => self.abandon(req),
                 Incoming::Line(t, Msg::Refused(why)) => {
                     let i = t % 2;
@@ -703,7 +708,14 @@ impl Decoder<'_> {
         }
     }
 
-    fn ready(&mut self, i: usize, id: u64, lease_ms: u32, remote: Vec<u32>) {
+    fn ready(
+        &mut self,
+        i: usize,
+        id: u64,
+        lease_ms: u32,
+        lend: kvpoll::Incarnation,
+        remote: Vec<u32>,
+    ) {
         let h = self.cfg.per_handle as usize;
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
@@ -712,6 +724,7 @@ impl Decoder<'_> {
             return;
         }
         r.ready[i] = Some(remote);
+        r.lends[i] = lend;
         let now = Instant::now();
         r.live_until[i] = Some(now + Duration::from_millis(u64::from(lease_ms)));
         if r.ready.iter().any(|x| x.is_none()) {
@@ -734,7 +747,8 @@ impl Decoder<'_> {
                 t.saturating_duration_since(Instant::now())
             });
         if left <= margin {
-            let _ = self.engine.notify_only(RequestId(id), &[p0, p1]);
+            let lends = [(p0, r.lends[0]), (p1, r.lends[1])];
+            let _ = self.engine.notify_only(RequestId(id), &lends);
             self.report.lease_too_short += 1;
             return self.abandon(id);
         }
@@ -755,11 +769,13 @@ impl Decoder<'_> {
                 peer: p0,
                 local: &r.blocks[..h],
                 remote: &remote[0],
+                lend: r.lends[0],
             },
             Transfer {
                 peer: p1,
                 local: &r.blocks[h..],
                 remote: &remote[1],
+                lend: r.lends[1],
             },
         ];
         let t_read = Instant::now();

@@ -283,7 +283,7 @@ fn handle(
             }
             fill(engine, cfg, req, alloc, buf);
             match engine.lend(RequestId(req), alloc, LendTo::Readers(1), cfg.lease) {
-                Ok(()) => {
+                Ok(lend) => {
                     held.insert(
                         req,
                         Held {
@@ -295,6 +295,7 @@ fn handle(
                     Some(Msg::Ready {
                         req,
                         lease_ms: u32::try_from(cfg.lease.as_millis()).unwrap_or(u32::MAX),
+                        lend: lend.0,
                         blocks: alloc.iter().map(|b| b.0).collect(),
                     })
                 }
@@ -304,7 +305,7 @@ fn handle(
                 }
             }
         }
-        Msg::Push { req, blocks } => {
+        Msg::Push { req, lend, blocks } => {
             let peer = conns.get(&tag).and_then(|c| c.peer);
             alloc.clear();
             let Some(peer) =
@@ -318,6 +319,7 @@ fn handle(
                 peer,
                 local: alloc,
                 remote: &remote,
+                lend: kvpoll::Incarnation(lend),
             };
             match engine.write(RequestId(req), &[t], 1, cfg.lease) {
                 Ok(()) => {
