@@ -530,7 +530,6 @@ impl EngineBuilder {
             block_size: self.block_size,
             read_deadline: self.read_deadline,
             confirm_reads: self.confirm_reads,
-            tokens: Tokens::default(),
             reports_signalled: false,
         })
     }
@@ -538,6 +537,21 @@ impl EngineBuilder {
 
 fn nanos(d: Duration) -> u64 {
     d.as_nanos().min(u128::from(u64::MAX)) as u64
+}
+
+impl Incarnation {
+    /// A fresh incarnation: 64 bits from the operating system's CSPRNG
+    /// (`getrandom(2)`, drawn a batch at a time per thread), never
+    /// [`Incarnation::NONE`]. [`Engine::lend`] draws one itself; a serving
+    /// engine that hands out a lend's block ids before its worker lends
+    /// them (vLLM's scheduler does) draws one here, hands it out with the
+    /// ids and lends with [`Engine::lend_with`].
+    pub fn draw() -> Incarnation {
+        thread_local! {
+            static TOKENS: std::cell::RefCell<Tokens> = std::cell::RefCell::new(Tokens::default());
+        }
+        TOKENS.with(|t| t.borrow_mut().draw())
+    }
 }
 
 /// Incarnation tokens, drawn from the operating system's CSPRNG
@@ -650,7 +664,6 @@ pub struct Engine {
     block_size: u64,
     read_deadline: Duration,
     confirm_reads: bool,
-    tokens: Tokens,
     /// The last `wait` returned with its eventfd readable: drained before
     /// the next announcement, not on the way to the reports.
     reports_signalled: bool,
@@ -964,7 +977,7 @@ impl Engine {
             handles: handles.len() as u8,
             blocks: 0,
             expires_in: nanos(expires_in),
-            token: self.tokens.draw(),
+            token: Incarnation::draw(),
         });
         for h in handles {
             self.scratch.push(Command::Handle {
@@ -1061,7 +1074,7 @@ impl Engine {
             handles: producers.len() as u8,
             blocks: 0,
             expires_in: 0,
-            token: self.tokens.draw(),
+            token: Incarnation::draw(),
         });
         self.scratch
             .extend(producers.iter().map(|&(peer, lend)| Command::Handle {
@@ -1126,6 +1139,31 @@ impl Engine {
         to: LendTo,
         lease: Duration,
     ) -> Result<Incarnation, EngineError> {
+        let token = Incarnation::draw();
+        self.lend_with(id, blocks, to, lease, token)?;
+        Ok(token)
+    }
+
+    /// [`Engine::lend`] under an incarnation the caller drew with
+    /// [`Incarnation::draw`] and may already have handed out with the
+    /// block ids: a reader may then ask before this lend reaches the
+    /// poller, and is answered once it does ([`EngineBuilder::lend_grace`]).
+    /// Draw a fresh one for every lend: an incarnation used twice lets a
+    /// late note about the first lend touch the second.
+    pub fn lend_with(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        to: LendTo,
+        lease: Duration,
+        token: Incarnation,
+    ) -> Result<(), EngineError> {
+        if token.is_none() {
+            return Err(EngineError::BadIncarnation {
+                handle: 0,
+                why: "a lend needs an incarnation (Incarnation::draw)",
+            });
+        }
         self.admit(id)?;
         let (n, kind) = match to {
             LendTo::Readers(n) => (n, Kind::Lend { notifications: n }),
@@ -1146,7 +1184,6 @@ impl Engine {
         }
         self.fits(1 + blocks.len())?;
         self.scratch.clear();
-        let token = self.tokens.draw();
         self.scratch.push(Command::Begin {
             id,
             kind,
@@ -1157,8 +1194,7 @@ impl Engine {
         });
         self.scratch
             .extend(blocks.iter().map(|&b| Command::Block(b)));
-        self.send(id, kind)?;
-        Ok(token)
+        self.send(id, kind)
     }
 
     /// A push destination whose writers are named: `blocks` wait for each
@@ -1169,8 +1205,10 @@ impl Engine {
     /// (a stalled writer does, once it resumes and its own lease ends) or
     /// its peer is lost (its endpoint fails, or [`Engine::remove_peer`]).
     /// Reported in `finished_recving`, or in `failed_recving` naming the
-    /// blocks. (With [`LendTo::Writers`] the writers are unnamed and the
-    /// lease is a timer: a writer stalled past it can still land bytes.)
+    /// blocks. (With [`LendTo::Writers`] the writers are unnamed: at the
+    /// lease's end every peer this engine knows is asked instead.)
+    ///
+    /// Returns the destination's incarnation, for the writers' handles.
     pub fn lend_to_writers(
         &mut self,
         id: RequestId,
@@ -1178,6 +1216,27 @@ impl Engine {
         writers: &[PeerId],
         lease: Duration,
     ) -> Result<Incarnation, EngineError> {
+        let token = Incarnation::draw();
+        self.lend_to_writers_with(id, blocks, writers, lease, token)?;
+        Ok(token)
+    }
+
+    /// [`Engine::lend_to_writers`] under an incarnation the caller drew
+    /// (see [`Engine::lend_with`]).
+    pub fn lend_to_writers_with(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        writers: &[PeerId],
+        lease: Duration,
+        token: Incarnation,
+    ) -> Result<(), EngineError> {
+        if token.is_none() {
+            return Err(EngineError::BadIncarnation {
+                handle: 0,
+                why: "a lend needs an incarnation (Incarnation::draw)",
+            });
+        }
         self.admit(id)?;
         let mut distinct: arrayvec::ArrayVec<PeerId, MAX_HANDLES> = arrayvec::ArrayVec::new();
         for &w in writers {
@@ -1202,7 +1261,6 @@ impl Engine {
             writers: distinct.len() as u32,
         };
         self.scratch.clear();
-        let token = self.tokens.draw();
         self.scratch.push(Command::Begin {
             id,
             kind,
@@ -1219,8 +1277,7 @@ impl Engine {
             }));
         self.scratch
             .extend(blocks.iter().map(|&b| Command::Block(b)));
-        self.send(id, kind)?;
-        Ok(token)
+        self.send(id, kind)
     }
 
     /// Extends the leases of these writes or lends to `extend` from now

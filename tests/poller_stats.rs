@@ -87,7 +87,10 @@ fn a_poller_whose_sends_wait_on_a_peer_that_does_not_drain_waits_instead_of_spin
             peer,
             local: &local,
             remote: &remote,
-            lend: kvpoll::Incarnation::NONE,
+            // No lend guards these blocks, but naming one makes each read
+            // tell the lender when it is done: those messages are what
+            // fills the stalled lender's queue.
+            lend: kvpoll::Incarnation(7),
         };
         d.read(RequestId(id), &[transfer]).unwrap();
         let t = Instant::now();

@@ -486,6 +486,9 @@ pub struct Core {
     /// for: a write into one of them is refused before anything is posted
     /// (its blocks may be reused).
     quiet: Quiet,
+    /// Live lends and push destinations, by incarnation: a note finds the
+    /// one it names by its token, never by its request id alone.
+    by_token: HashMap<Incarnation, RequestKey, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
     /// Lends and push destinations that ended, by incarnation.
     ended: Ended,
     /// Notes naming an incarnation not begun yet, and until when they are
@@ -560,6 +563,7 @@ impl Core {
             beating: VecDeque::with_capacity(2 * capacity + 1),
             fences: Vec::with_capacity(64),
             quiet: Quiet::default(),
+            by_token: HashMap::default(),
             ended: Ended::default(),
             early: VecDeque::with_capacity(64),
             asking: Vec::with_capacity(64),
@@ -1018,6 +1022,9 @@ impl Core {
             }
         };
         let slot = key.slot() as usize;
+        if matches!(kind, Kind::Lend { .. } | Kind::Receive { .. }) {
+            self.by_token.insert(token, key);
+        }
         self.info[slot] = Info {
             generation: key.generation(),
             id,
@@ -1659,6 +1666,7 @@ impl Core {
             _ if live.is_some_and(|k| self.info[k.slot() as usize].token == note.incarnation) => {
                 self.reject()
             }
+            _ if self.names_another(&note) => self.stale(),
             _ => self.early(&note, reply, now),
         }
     }
@@ -1670,6 +1678,15 @@ impl Core {
             let info = &self.info[k.slot() as usize];
             kind(info.kind) && info.token == note.incarnation
         })
+    }
+
+    /// Whether `note` names a live lend or push destination of another
+    /// request id (a note that mixes one request's id with another's
+    /// incarnation).
+    fn names_another(&self, note: &Notification) -> bool {
+        self.by_token
+            .get(&note.incarnation)
+            .is_some_and(|k| self.info[k.slot() as usize].id != note.id)
     }
 
     /// Whether `note` answers live read or write `key`'s own attempt (its
@@ -2426,6 +2443,7 @@ impl Core {
             if matches!(info.kind, Kind::Lend { .. } | Kind::Receive { .. }) {
                 // Its incarnation is over: a late question about it is
                 // refused at once.
+                self.by_token.remove(&info.token);
                 self.ended.record(info.token);
             }
             if ev.outcome == Outcome::Finished {
