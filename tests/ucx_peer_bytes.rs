@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, PeerId, RequestId};
 use kvpoll::metadata::MetadataError;
-use kvpoll::transport::ucx::{ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey};
-use kvpoll::transport::ucx::{UcxError, WorkerAddress};
+use kvpoll::transport::ucx::{
+    Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey, UcxError, Worker,
+    WorkerAddress,
+};
 use kvpoll::wire::{self, Kind};
 
 use ucx_common::pattern;
@@ -215,9 +217,14 @@ fn single_byte_flips(raw: &[u8]) -> impl Iterator<Item = (usize, Vec<u8>)> + '_ 
 
 #[test]
 fn any_single_byte_flip_of_a_real_worker_address_is_refused_or_connects_without_aborting() {
-    for tls in ["tcp", "posix,sysv,cma"] {
-        let (_ca, a) = ucx_common::worker(tls);
-        let (_cb, b) = ucx_common::worker(tls);
+    let cases = ["tcp", "posix,sysv,cma"].map(|tls| ["v1", "v2"].map(|v| (tls, v)));
+    for (tls, version) in cases.into_iter().flatten() {
+        let options = ContextOptions::with_transports(tls).option("ADDRESS_VERSION", version);
+        let (ca, cb) = (
+            Context::new(&options).unwrap(),
+            Context::new(&options).unwrap(),
+        );
+        let (a, b) = (Worker::new(&ca).unwrap(), Worker::new(&cb).unwrap());
         let framed = b.address().unwrap();
         let raw = wire::decode(framed.as_bytes(), Kind::WorkerAddress).unwrap();
         let (mut refused, mut connected) = (0, 0);
@@ -234,9 +241,9 @@ fn any_single_byte_flip_of_a_real_worker_address_is_refused_or_connects_without_
             }
             a.progress();
         }
-        assert!(refused > 0, "{tls}: nothing refused");
+        assert!(refused > 0, "{tls} {version}: nothing refused");
         println!(
-            "{tls}: {} bytes, {refused} flips refused, {connected} connected",
+            "{tls} {version}: {} bytes, {refused} flips refused, {connected} connected",
             raw.len()
         );
     }

@@ -55,10 +55,11 @@ pub enum LayoutError {
     /// A system device past UCX's 64-bit maps.
     #[error("{0}: system device {1} is not below 64")]
     SystemDevice(&'static str, u8),
-    /// Interface performance figures UCX's lane selection cannot score (a
-    /// negative or not-a-number overhead, latency or bandwidth makes a
-    /// negative score, on which UCX asserts).
-    #[error("worker address entry {0} has a negative, zero-bandwidth or not-a-number performance figure")]
+    /// Interface figures UCX asserts on when it builds an endpoint: a
+    /// negative or not-a-number overhead, latency or bandwidth (lane
+    /// selection asserts on a negative score), or an active-message
+    /// segment too small for this side's rkeys (`rkey_size <= max_bcopy`).
+    #[error("worker address entry {0} has an unusable performance figure or segment size")]
     InterfaceFigures(usize),
     /// More transport entries than UCX keeps.
     #[error("worker address has more than {MAX_RESOURCES} transport entries")]
@@ -149,6 +150,14 @@ const IFACE_LEN_MASK: u8 = 0x3f;
 /// 1, three floats and a word) or `ucp_address_v2_packed_iface_attr_t`.
 const IFACE_ATTR_V1: usize = 16;
 const IFACE_ATTR_V2: usize = 8;
+/// `UCP_ADDR_IFACE_FLAG_AM_SYNC` in a format-2 entry's flags.
+const IFACE_FLAG_AM_SYNC: u16 = 1 << 1;
+/// Smallest active-message segment accepted from a peer. UCX asserts that
+/// an endpoint's `am.max_bcopy` (its interface's, bounded by the peer's
+/// segment) holds this side's whole packed rkey, a few dozen bytes per
+/// memory domain; every UCX transport with active messages has segments
+/// of kilobytes.
+const MIN_AM_SEGMENT: usize = 1024;
 
 /// Checks a worker address as `ucp_ep_create` unpacks it (the flags it
 /// passes: uuid, name, device, interface and endpoint addresses; not
@@ -250,14 +259,20 @@ pub(crate) fn check_worker_address(bytes: &[u8]) -> Result<(), LayoutError> {
     c.finish()
 }
 
-/// Whether lane selection can score an entry's packed figures: format 1
+/// Whether UCX can build an endpoint on an entry's packed figures. Format 1
 /// packs `f32` overhead, bandwidth and latency (a negative bandwidth is an
-/// old peer's "shared" figure, and taken as its magnitude); format 2 packs
-/// them as `ucs_fp8` bytes, never negative, whose exponent nibble `0xf` is
-/// infinity or not-a-number.
+/// old peer's "shared" figure, and taken as its magnitude) and no segment
+/// size. Format 2 packs them as `ucs_fp8` bytes, never negative, whose
+/// exponent nibble `0xf` is infinity or not-a-number, then the priority,
+/// the segment size in units of 64 bytes, and the flags; an entry that can
+/// carry active messages (`UCP_ADDR_IFACE_FLAG_AM_SYNC`) bounds the
+/// endpoint's `am.max_bcopy` by its segment, which must hold an rkey.
 fn scorable(attr: &[u8], v2: bool) -> bool {
     if v2 {
-        return attr[..3].iter().all(|&b| b & 0x0f != 0x0f);
+        let seg = usize::from(u16::from_le_bytes([attr[4], attr[5]])) * 64;
+        let flags = u16::from_le_bytes([attr[6], attr[7]]);
+        return attr[..3].iter().all(|&b| b & 0x0f != 0x0f)
+            && (flags & IFACE_FLAG_AM_SYNC == 0 || seg >= MIN_AM_SEGMENT);
     }
     let f = |i: usize| f32::from_le_bytes([attr[i], attr[i + 1], attr[i + 2], attr[i + 3]]);
     let (overhead, bandwidth, latency) = (f(0), f(4), f(8));
@@ -440,7 +455,7 @@ mod tests {
         let mut a = v1();
         a[17..21].copy_from_slice(&(-1e9f32).to_le_bytes());
         check_worker_address(&a).unwrap();
-        // Format 2: three fp8 bytes from 56.
+        // Format 2: three fp8 bytes from 56, segment at 60, flags at 62.
         for at in 56..59 {
             let mut a = v2();
             a[at] = 0x3f;
@@ -449,6 +464,16 @@ mod tests {
                 Err(LayoutError::InterfaceFigures(0))
             );
         }
+        let mut a = v2();
+        a[60..64].copy_from_slice(&[15, 0, 2, 0]);
+        assert_eq!(
+            check_worker_address(&a),
+            Err(LayoutError::InterfaceFigures(0))
+        );
+        a[60] = 16;
+        check_worker_address(&a).unwrap();
+        a[60..64].copy_from_slice(&[0, 0, 0x18, 0]);
+        check_worker_address(&a).unwrap();
     }
 
     #[test]
