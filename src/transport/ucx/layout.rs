@@ -4,8 +4,8 @@
 //! `ucp_ep_create` and `ucp_ep_rkey_unpack` take no length: they walk the
 //! bytes by the lengths and "last" flags inside them, and assert on a
 //! version they do not know (`ucp_address_unpack`: an address version other
-//! than 1 or 2 aborts the process). So kvpoll walks both formats the way
-//! UCX 1.13 and UCX 1.22 read them (`src/ucp/wireup/address.c`,
+//! than v1 or v2, nibble 0 or 1, aborts the process). So kvpoll walks both
+//! formats the way UCX 1.13 and UCX 1.22 read them (`src/ucp/wireup/address.c`,
 //! `src/ucp/core/ucp_rkey.c`), with every read bounded, and refuses what
 //! UCX would assert on, read past the end of, or index an array with out of
 //! range. What it does not read — the transports' own device, interface and
