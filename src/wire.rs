@@ -4,7 +4,8 @@
 //! `ucp_ep_create` or `ucp_ep_rkey_unpack` can read out of bounds or crash.
 //! So everything kvpoll sends to a peer is wrapped in a frame that carries a
 //! magic, a kind, a version, the payload length and a checksum, and nothing
-//! reaches UCX before the frame checked out.
+//! reaches UCX before the frame checked out — and, for UCX's own bytes
+//! inside it, their layout (`transport::ucx::LayoutError`).
 //!
 //! ```text
 //! offset  size  field

@@ -204,6 +204,10 @@ impl Context {
         for (name, value) in &options.extra {
             cfg.set(name, value)?;
         }
+        // Last, over the environment and `extra`: in unified mode a worker
+        // address leaves out the lengths that kvpoll checks a peer's address
+        // by (layout.rs), taking them from the local interfaces instead.
+        cfg.set("UNIFIED_MODE", "n")?;
 
         let params = sys::ucp_params_t {
             field_mask: (sys::UCP_PARAM_FIELD_FEATURES

@@ -127,7 +127,9 @@ impl Endpoint {
             failed: Cell::new(0),
         });
         worker.inner.sink.reserve_failure();
-        let raw = address.raw();
+        // UCX takes no length: the padding bounds what a transport reads of
+        // its own device and interface addresses (layout.rs).
+        let raw = super::layout::padded(address.raw());
         let params = sys::ucp_ep_params_t {
             field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -141,8 +143,9 @@ impl Endpoint {
             ..Default::default()
         };
         let mut handle = ptr::null_mut();
-        // SAFETY: the worker is live; the address bytes passed the frame
-        // check and live for the call; the state box outlives the endpoint.
+        // SAFETY: the worker is live; the address's layout was walked when
+        // it was made (every length inside fits it), its bytes live for the
+        // call; the state box outlives the endpoint.
         let status = unsafe { sys::ucp_ep_create(worker.inner.handle, &params, &mut handle) };
         super::error::check("ucp_ep_create", status)?;
         Ok(Self {

@@ -3,6 +3,7 @@ use std::fmt;
 use thiserror::Error;
 use ucx_sys::ucs_status_t as st;
 
+use super::layout::LayoutError;
 use crate::wire::FrameError;
 
 /// A UCX status code (`ucs_status_t`, one signed byte).
@@ -62,6 +63,15 @@ pub enum UcxError {
     /// Packed rkey bytes from a peer did not check out.
     #[error("invalid remote key: {0}")]
     BadRemoteKey(FrameError),
+    /// Worker address bytes whose frame checked out but whose UCX layout
+    /// does not: refused before `ucp_ep_create` could assert on it or read
+    /// past its end.
+    #[error("invalid worker address: {0}")]
+    WorkerAddressLayout(LayoutError),
+    /// Packed rkey bytes whose frame checked out but whose UCX layout does
+    /// not: refused before `ucp_ep_rkey_unpack` could read past its end.
+    #[error("invalid remote key: {0}")]
+    RemoteKeyLayout(LayoutError),
     /// A remote key names a region that does not fit the address space
     /// (`base + len` overflows): refused before anything is posted with it.
     #[error("remote key region {base:#x}+{len} overflows the address space")]

@@ -7,6 +7,7 @@ use ucx_sys as sys;
 use super::context::Context;
 use super::endpoint::{Endpoint, EndpointInner};
 use super::error::{check, UcxError, UcxStatus};
+use super::layout;
 use crate::wire::{self, FrameError, Kind};
 
 /// Memory registered with UCX, either mapped from the caller or allocated
@@ -184,7 +185,8 @@ impl PackedRkey {
             }));
         }
         let key = Self(bytes.to_vec());
-        let (base, len, _) = key.parts();
+        let (base, len, raw) = key.parts();
+        layout::check_rkey(raw).map_err(UcxError::RemoteKeyLayout)?;
         if base.checked_add(len).is_none() {
             return Err(UcxError::RemoteKeyBounds { base, len });
         }
@@ -230,8 +232,11 @@ impl RemoteKey {
             return Err(UcxError::EndpointClosed(endpoint.failure()));
         }
         let mut rkey = ptr::null_mut();
-        // SAFETY: ep is live; raw is a UCX packed rkey that passed the frame
-        // checksum, so it is what a kvpoll peer's ucp_rkey_pack produced.
+        // UCX takes no length: the padding bounds what a transport reads of
+        // its own part of the key (src/transport/ucx/layout.rs).
+        let raw = layout::padded(raw);
+        // SAFETY: ep is live; raw's layout was walked when `packed` was made
+        // (every length inside it fits it) and it lives for the call.
         check("ucp_ep_rkey_unpack", unsafe {
             sys::ucp_ep_rkey_unpack(ep, raw.as_ptr() as *const c_void, &mut rkey)
         })?;

@@ -19,6 +19,7 @@
 mod context;
 mod endpoint;
 mod error;
+mod layout;
 mod memory;
 mod request;
 mod transport;
@@ -27,6 +28,7 @@ mod worker;
 pub use context::{Context, ContextOptions};
 pub use endpoint::{BlockOp, Endpoint, PostError};
 pub use error::{UcxError, UcxStatus};
+pub use layout::LayoutError;
 pub use memory::{MemoryRegion, PackedRkey, RemoteKey};
 pub use transport::{UcxTransport, NOTIFY_AM_ID};
 pub use worker::{ActiveMessage, Completion, EndpointFailure, Worker, WorkerAddress};

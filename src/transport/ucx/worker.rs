@@ -7,6 +7,7 @@ use ucx_sys as sys;
 
 use super::context::Context;
 use super::error::{check, UcxError, UcxStatus};
+use super::layout;
 use super::MAX_AM_PAYLOAD;
 use crate::wire::{self, Kind};
 
@@ -380,15 +381,16 @@ impl Worker {
     }
 }
 
-/// A worker address as a peer sends it: framed and checksummed, so garbage
-/// is refused before UCX sees it.
+/// A worker address as a peer sends it: framed and checksummed, and its UCX
+/// layout walked, so garbage is refused before UCX sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerAddress(Vec<u8>);
 
 impl WorkerAddress {
     /// Checks bytes received from a peer.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, UcxError> {
-        wire::decode(bytes, Kind::WorkerAddress).map_err(UcxError::BadWorkerAddress)?;
+        let raw = wire::decode(bytes, Kind::WorkerAddress).map_err(UcxError::BadWorkerAddress)?;
+        layout::check_worker_address(raw).map_err(UcxError::WorkerAddressLayout)?;
         Ok(Self(bytes.to_vec()))
     }
 

@@ -1,0 +1,281 @@
+//! A peer's UCX bytes — its worker address and packed rkeys — damaged inside
+//! well-framed metadata (the checksums recomputed, as a hostile peer would):
+//! refused with a typed error before UCX sees them, the engine untouched,
+//! and never an abort inside UCX.
+
+mod ucx_common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes, Transfer};
+use kvpoll::ledger::{BlockId, PeerId, RequestId};
+use kvpoll::metadata::MetadataError;
+use kvpoll::transport::ucx::{
+    Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey, UcxError, Worker,
+    WorkerAddress,
+};
+use kvpoll::wire::{self, Kind};
+
+use ucx_common::pattern;
+
+const BS: u64 = 4096;
+const BLOCKS: u64 = 16;
+const GUARD: Duration = Duration::from_secs(60);
+/// The child-process test runs only where this is set.
+const CHILD: &str = "KVPOLL_PEER_BYTES_CHILD";
+
+fn engine() -> Engine {
+    let mut e = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .idle(IdlePolicy::Adaptive)
+        .confirm_reads(false)
+        .build()
+        .expect("engine");
+    e.register(BLOCKS).unwrap();
+    let mut buf = vec![0u8; BS as usize];
+    for b in 0..BLOCKS {
+        pattern::fill(9, b, &mut buf);
+        e.write_block(0, BlockId(b as u32), &buf).unwrap();
+    }
+    e
+}
+
+/// Peer metadata rebuilt with `addr` applied to the raw UCX worker address
+/// and `rkey` to each region's raw UCX rkey (after kvpoll's 16-byte bounds),
+/// every frame resealed: only the UCX bytes are wrong.
+fn rewrite(meta: &[u8], addr: impl Fn(&mut [u8]), rkey: impl Fn(&mut [u8])) -> Vec<u8> {
+    let p = wire::decode(meta, Kind::PeerMetadata).unwrap();
+    let mut out = p[..16].to_vec();
+    let mut at = 16;
+    let frame = |at: &mut usize, kind: Kind, skip: usize, edit: &dyn Fn(&mut [u8])| {
+        let len = u32::from_le_bytes(p[*at..*at + 4].try_into().unwrap()) as usize;
+        let mut inner = wire::decode(&p[*at + 4..*at + 4 + len], kind)
+            .unwrap()
+            .to_vec();
+        let mut raw = inner.split_off(skip);
+        edit(&mut raw);
+        inner.extend_from_slice(&raw);
+        let framed = wire::encode(kind, &inner);
+        *at += 4 + len;
+        framed
+    };
+    let a = frame(&mut at, Kind::WorkerAddress, 0, &addr);
+    out.extend_from_slice(&(a.len() as u32).to_le_bytes());
+    out.extend_from_slice(&a);
+    let count = u16::from_le_bytes([p[at], p[at + 1]]);
+    out.extend_from_slice(&p[at..at + 2]);
+    at += 2;
+    for _ in 0..count {
+        out.extend_from_slice(&p[at..at + 12]);
+        at += 12;
+        let k = frame(&mut at, Kind::RemoteKey, 16, &rkey);
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(&k);
+    }
+    wire::encode(Kind::PeerMetadata, &out)
+}
+
+/// Reads `remote` blocks of `peer` into `local` ones of `d` and polls until
+/// the read is reported.
+fn read(d: &mut Engine, peer: PeerId, id: u64, local: &[BlockId], remote: &[BlockId]) -> Outcomes {
+    let mut out = Outcomes::default();
+    if let Err(e) = d.read(
+        RequestId(id),
+        &[Transfer {
+            peer,
+            local,
+            remote,
+        }],
+    ) {
+        panic!("read {id} refused: {e}");
+    }
+    let t = Instant::now();
+    while out.finished_recving.is_empty() && out.failed_recving.is_empty() {
+        d.poll(&mut out);
+        assert!(t.elapsed() < GUARD, "the read hung: {out:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    out
+}
+
+/// Reads blocks 0..4 of `peer` into `d`'s blocks 8..12 and checks them.
+fn read_and_check(d: &mut Engine, peer: PeerId, id: u64) {
+    let (local, remote) = (ids(8..12), ids(0..4));
+    let out = read(d, peer, id, &local, &remote);
+    assert_eq!(out.finished_recving, vec![RequestId(id)], "{out:?}");
+    let mut buf = vec![0u8; BS as usize];
+    for (l, r) in local.iter().zip(&remote) {
+        d.read_block(0, *l, &mut buf).unwrap();
+        assert!(pattern::check(9, u64::from(r.0), &buf), "block {}", l.0);
+    }
+}
+
+fn ids(r: std::ops::Range<u32>) -> Vec<BlockId> {
+    r.map(BlockId).collect()
+}
+
+/// The low nibble of a UCX worker address's first byte is its format
+/// version (1 or 2); anything else trips UCX's assertion.
+fn bad_version(a: &mut [u8]) {
+    a[0] = (a[0] & 0xf0) | 0x0f;
+}
+
+#[test]
+fn a_worker_address_of_an_unknown_version_is_refused_and_the_engine_still_reads() {
+    let (mut d, p) = (engine(), engine());
+    let bad = rewrite(&p.local_metadata().unwrap(), bad_version, |_| {});
+    match d.add_peer(&bad) {
+        Err(EngineError::Metadata(MetadataError::Address(e))) => {
+            assert!(e.to_string().contains("version 15"), "{e}")
+        }
+        other => panic!("damaged address accepted or refused for another reason: {other:?}"),
+    }
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    read_and_check(&mut d, peer, 1);
+}
+
+#[test]
+fn a_remote_key_naming_no_memory_domain_or_an_unknown_memory_type_is_refused() {
+    let (mut d, p) = (engine(), engine());
+    let meta = p.local_metadata().unwrap();
+    // Bytes 0..8: the map of memory domains the key has parts for; byte 8:
+    // the memory type.
+    for (edit, what) in [
+        (
+            &(|k: &mut [u8]| k[..8].fill(0)) as &dyn Fn(&mut [u8]),
+            "no memory domain",
+        ),
+        (&|k: &mut [u8]| k[8] = 0xee, "memory type 238"),
+    ] {
+        match d.add_peer(&rewrite(&meta, |_| {}, edit)) {
+            Err(EngineError::Metadata(MetadataError::RemoteKey { region: 0, error })) => {
+                assert!(error.to_string().contains(what), "{error}")
+            }
+            other => panic!("damaged rkey ({what}) accepted or refused otherwise: {other:?}"),
+        }
+    }
+    let peer = d.add_peer(&meta).unwrap();
+    read_and_check(&mut d, peer, 2);
+}
+
+/// Run by the next test in a child process: add the damaged peer, read
+/// from it if it was accepted, then read from the real one.
+#[test]
+fn child_reads_after_adding_a_peer_with_a_damaged_address() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let (mut d, p) = (engine(), engine());
+    match d.add_peer(&rewrite(&p.local_metadata().unwrap(), bad_version, |_| {})) {
+        Ok(peer) => {
+            // What the unchecked code did: this read reaches ucp_ep_create.
+            let out = read(&mut d, peer, 3, &ids(0..1), &ids(0..1));
+            println!("accepted; the read ended: {out:?}");
+        }
+        Err(e) => println!("refused: {e}"),
+    }
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    read_and_check(&mut d, peer, 4);
+    println!("child done");
+}
+
+#[test]
+fn a_damaged_worker_address_does_not_abort_the_process_that_reads() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_reads_after_adding_a_peer_with_a_damaged_address",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the child died ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains("refused: "), "{stdout}");
+    assert!(stdout.contains("child done"), "{stdout}");
+}
+
+/// Every byte of `raw` changed three ways (low bit, high bit, all bits).
+fn single_byte_flips(raw: &[u8]) -> impl Iterator<Item = (usize, Vec<u8>)> + '_ {
+    (0..raw.len()).flat_map(move |i| {
+        [0x01u8, 0x80, 0xff].into_iter().map(move |x| {
+            let mut b = raw.to_vec();
+            b[i] ^= x;
+            (i, b)
+        })
+    })
+}
+
+#[test]
+fn any_single_byte_flip_of_a_real_worker_address_is_refused_or_connects_without_aborting() {
+    let cases = ["tcp", "posix,sysv,cma"].map(|tls| ["v1", "v2"].map(|v| (tls, v)));
+    for (tls, version) in cases.into_iter().flatten() {
+        let options = ContextOptions::with_transports(tls).option("ADDRESS_VERSION", version);
+        let (ca, cb) = (
+            Context::new(&options).unwrap(),
+            Context::new(&options).unwrap(),
+        );
+        let (a, b) = (Worker::new(&ca).unwrap(), Worker::new(&cb).unwrap());
+        let framed = b.address().unwrap();
+        let raw = wire::decode(framed.as_bytes(), Kind::WorkerAddress).unwrap();
+        let (mut refused, mut connected) = (0, 0);
+        for (_, bytes) in single_byte_flips(raw) {
+            let Ok(addr) = WorkerAddress::from_bytes(&wire::encode(Kind::WorkerAddress, &bytes))
+            else {
+                refused += 1;
+                continue;
+            };
+            // Accepted: UCX must take it without an abort, whatever it says.
+            if let Ok(ep) = Endpoint::connect(&a, &addr, 1) {
+                connected += 1;
+                let _ = ep.force_close(7);
+            }
+            a.progress();
+        }
+        assert!(refused > 0, "{tls} {version}: nothing refused");
+        println!(
+            "{tls} {version}: {} bytes, {refused} flips refused, {connected} connected",
+            raw.len()
+        );
+    }
+}
+
+#[test]
+fn any_single_byte_flip_of_a_real_remote_key_is_refused_or_unpacks_without_aborting() {
+    for tls in ["tcp", "posix,sysv,cma"] {
+        let (_ca, a) = ucx_common::worker(tls);
+        let (cb, b) = ucx_common::worker(tls);
+        let region = MemoryRegion::allocate(&cb, 64 * 1024).unwrap();
+        let packed = region.pack_rkey().unwrap();
+        let payload = wire::decode(packed.as_bytes(), Kind::RemoteKey).unwrap();
+        let ep = Endpoint::connect(&a, &b.address().unwrap(), 1).unwrap();
+        let (mut refused, mut unpacked) = (0, 0);
+        for (_, raw) in single_byte_flips(&payload[16..]) {
+            let mut p = payload[..16].to_vec();
+            p.extend_from_slice(&raw);
+            match PackedRkey::from_bytes(&wire::encode(Kind::RemoteKey, &p)) {
+                Err(UcxError::RemoteKeyLayout(_)) => refused += 1,
+                Err(e) => panic!("refused for another reason: {e}"),
+                Ok(k) => {
+                    if RemoteKey::unpack(&ep, &k).is_ok() {
+                        unpacked += 1;
+                    }
+                }
+            }
+        }
+        assert!(refused > 0, "{tls}: nothing refused");
+        println!(
+            "{tls}: {} bytes, {refused} flips refused, {unpacked} unpacked",
+            payload.len() - 16
+        );
+    }
+}
