@@ -490,9 +490,13 @@ impl Poller {
                     let _ = reply.send(self.ucx().metadata(instance).map_err(EngineError::from));
                 }
                 Control::AddPeer { meta, reply } => {
+                    self.drain_commands(&mut None);
                     let _ = reply.send(self.add_peer(&meta));
                 }
                 Control::RemovePeer { peer, reply } => {
+                    // What the engine submitted before this call (a lend
+                    // that names the peer as its writer) comes first.
+                    self.drain_commands(&mut None);
                     let known = self.core.remove_peer(peer);
                     self.execute(self.now());
                     let _ = reply.send(if known {

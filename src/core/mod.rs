@@ -488,7 +488,8 @@ pub struct Core {
     quiet: Quiet,
     /// Live lends and push destinations, by incarnation: a note finds the
     /// one it names by its token, never by its request id alone.
-    by_token: HashMap<Incarnation, RequestKey, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
+    by_token:
+        HashMap<Incarnation, RequestKey, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
     /// Lends and push destinations that ended, by incarnation.
     ended: Ended,
     /// Notes naming an incarnation not begun yet, and until when they are

@@ -24,7 +24,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTup
 use kvpoll::engine::{
     Engine as RsEngine, EngineError, IdlePolicy, LendTo, Outcomes, Transfer as RsTransfer,
 };
-use kvpoll::ledger::{BlockId, PeerId, Reason, RequestId};
+use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
 // ---------------------------------------------------------------- errors
@@ -149,8 +149,11 @@ fn kind_of(e: &EngineError) -> Option<Kind> {
         | EngineError::TooManyBlocks { .. }
         | EngineError::BlockOutOfRange { .. }
         | EngineError::NothingToAwait
+        | EngineError::BadIncarnation { .. }
         | EngineError::UnknownRequest(_) => Some(Kind::Request),
-        EngineError::UnknownPeer(_) | EngineError::Metadata(_) => Some(Kind::Peer),
+        EngineError::UnknownPeer(_) | EngineError::PeerBusy(_) | EngineError::Metadata(_) => {
+            Some(Kind::Peer)
+        }
         EngineError::Full(_) | EngineError::RingFull(_) => Some(Kind::Busy),
         EngineError::Ucx(_) => Some(Kind::Transport),
         EngineError::BadRegion { .. } | EngineError::NoRegions => Some(Kind::Region),
@@ -355,12 +358,22 @@ fn cause_name(reason: &Reason) -> String {
     out
 }
 
+/// A fresh lend incarnation (64 random bits from the kernel's CSPRNG, never
+/// 0), for a serving engine that hands out a lend's block ids before it
+/// lends them: pass it to ``Engine.lend(..., incarnation=)``.
+#[pyfunction]
+fn draw_incarnation() -> u64 {
+    Incarnation::draw().0
+}
+
 // -------------------------------------------------------------- Transfer
 
 /// One handle of a read or write: the blocks moved with one remote rank.
 ///
-/// ``local[i]`` pairs with ``remote[i]``. A plain tuple
-/// ``(peer, local, remote)`` works everywhere a ``Transfer`` does.
+/// ``local[i]`` pairs with ``remote[i]``; ``lend`` is the incarnation the
+/// remote engine's ``lend`` returned (0 only for reads with confirmation
+/// off). A plain tuple ``(peer, local, remote, lend)`` works everywhere a
+/// ``Transfer`` does.
 #[pyclass(module = "kvpoll", frozen)]
 struct Transfer {
     /// The remote rank, as returned by ``Engine.add_peer``.
@@ -368,16 +381,20 @@ struct Transfer {
     peer: u32,
     local: Vec<BlockId>,
     remote: Vec<BlockId>,
+    /// The remote lend's (or push destination's) incarnation.
+    #[pyo3(get)]
+    lend: u64,
 }
 
 #[pymethods]
 impl Transfer {
     #[new]
-    #[pyo3(signature = (peer, local, remote))]
+    #[pyo3(signature = (peer, local, remote, lend=UInt(0)))]
     fn new(
         peer: &Bound<'_, PyAny>,
         local: &Bound<'_, PyAny>,
         remote: &Bound<'_, PyAny>,
+        lend: UInt<u64>,
     ) -> PyResult<Self> {
         let peer = uint::<u32>(peer, "peer")?;
         let (mut l, mut r) = (Vec::new(), Vec::new());
@@ -387,6 +404,7 @@ impl Transfer {
             peer,
             local: l,
             remote: r,
+            lend: lend.0,
         })
     }
 
@@ -404,10 +422,11 @@ impl Transfer {
 
     fn __repr__(&self) -> String {
         format!(
-            "Transfer(peer={}, local={:?}, remote={:?})",
+            "Transfer(peer={}, local={:?}, remote={:?}, lend={:#x})",
             self.peer,
             self.local(),
-            self.remote()
+            self.remote(),
+            self.lend
         )
     }
 }
@@ -601,6 +620,7 @@ struct Span {
     peer: PeerId,
     local: (usize, usize),
     remote: (usize, usize),
+    lend: Incarnation,
 }
 
 /// A kvpoll engine: one poller thread that owns the UCX worker, moving
@@ -657,6 +677,7 @@ fn transfers<'a>(
             peer: s.peer,
             local: &locals[s.local.0..s.local.1],
             remote: &remotes[s.remote.0..s.remote.1],
+            lend: s.lend,
         })
         .collect()
 }
@@ -669,37 +690,41 @@ impl Engine {
         self.spans.clear();
         if handles.is_instance_of::<PyString>() || handles.is_instance_of::<PyBytes>() {
             return Err(PyTypeError::new_err(
-                "handles must be a sequence of Transfer or (peer, local, remote) tuples",
+                "handles must be a sequence of Transfer or (peer, local, remote, lend) tuples",
             ));
         }
         let iter = handles.try_iter().map_err(|_| {
             PyTypeError::new_err(format!(
-                "handles must be a sequence of Transfer or (peer, local, remote) tuples, not {}",
+                "handles must be a sequence of Transfer or (peer, local, remote, lend) tuples, not {}",
                 type_name(handles)
             ))
         })?;
         for h in iter {
             let h = h?;
             let (l0, r0) = (self.locals.len(), self.remotes.len());
-            let peer = if let Ok(t) = h.downcast::<Transfer>() {
+            let (peer, lend) = if let Ok(t) = h.downcast::<Transfer>() {
                 let t = t.get();
                 self.locals.extend_from_slice(&t.local);
                 self.remotes.extend_from_slice(&t.remote);
-                t.peer
+                (t.peer, t.lend)
             } else if let Ok(tuple) = h.downcast::<PyTuple>() {
-                if tuple.len() != 3 {
+                if tuple.len() != 3 && tuple.len() != 4 {
                     return Err(PyValueError::new_err(format!(
-                        "a handle tuple is (peer, local_blocks, remote_blocks); got {} items",
+                        "a handle tuple is (peer, local_blocks, remote_blocks, lend); got {} items",
                         tuple.len()
                     )));
                 }
                 let peer = uint::<u32>(&tuple.get_item(0)?, "peer")?;
                 blocks_into(&tuple.get_item(1)?, "local block id", &mut self.locals)?;
                 blocks_into(&tuple.get_item(2)?, "remote block id", &mut self.remotes)?;
-                peer
+                let lend = match tuple.len() {
+                    4 => uint::<u64>(&tuple.get_item(3)?, "lend incarnation")?,
+                    _ => 0,
+                };
+                (peer, lend)
             } else {
                 return Err(PyTypeError::new_err(format!(
-                    "a handle is a Transfer or a (peer, local_blocks, remote_blocks) tuple, not {}",
+                    "a handle is a Transfer or a (peer, local_blocks, remote_blocks, lend) tuple, not {}",
                     type_name(&h)
                 )));
             };
@@ -707,6 +732,7 @@ impl Engine {
                 peer: PeerId(peer),
                 local: (l0, self.locals.len()),
                 remote: (r0, self.remotes.len()),
+                lend: Incarnation(lend),
             });
         }
         Ok(())
@@ -995,7 +1021,13 @@ impl Engine {
     /// and ``writers``. Released lends to readers are reported in
     /// ``finished_sending``; completed lends to writers (the data is here)
     /// in ``finished_recving``.
-    #[pyo3(signature = (req_id, blocks, *, readers=None, writers=None, lease_s=30.0))]
+    ///
+    /// Returns the lend's incarnation (an int): hand it to the readers or
+    /// writers with the block ids; their handles name it. ``incarnation``
+    /// lends under one drawn earlier with ``kvpoll.draw_incarnation()``
+    /// (and perhaps handed out already: a read may then arrive first).
+    #[pyo3(signature = (req_id, blocks, *, readers=None, writers=None, lease_s=30.0, incarnation=None))]
+    #[allow(clippy::too_many_arguments)]
     fn lend(
         &mut self,
         py: Python<'_>,
@@ -1004,7 +1036,8 @@ impl Engine {
         readers: Option<&Bound<'_, PyAny>>,
         writers: Option<&Bound<'_, PyAny>>,
         lease_s: f64,
-    ) -> PyResult<()> {
+        incarnation: Option<UInt<u64>>,
+    ) -> PyResult<u64> {
         let key = request_key(req_id)?;
         let to = match (readers, writers) {
             (Some(r), None) => LendTo::Readers(uint::<u32>(r, "readers")?),
@@ -1019,17 +1052,26 @@ impl Engine {
         self.check_unique(py, req_id, key)?;
         self.locals.clear();
         blocks_into(blocks, "block id", &mut self.locals)?;
+        let inc = match incarnation {
+            Some(UInt(0)) => {
+                return Err(PyValueError::new_err(
+                    "incarnation 0 names no lend: draw one with kvpoll.draw_incarnation()",
+                ))
+            }
+            Some(UInt(i)) => Incarnation(i),
+            None => Incarnation::draw(),
+        };
         self.inner
             .get()
-            .lend(RequestId(key), &self.locals, to, lease)
+            .lend_with(RequestId(key), &self.locals, to, lease, inc)
             .map_err(|e| engine_err(py, e))?;
         self.ids.insert(key, req_id.clone().unbind());
-        Ok(())
+        Ok(inc.0)
     }
 
-    /// Nothing to read (a full prefix hit), but each of ``producers`` (peer
-    /// ids) lent blocks for ``req_id``: each is told once, so it releases
-    /// them at once. Nothing is reported here.
+    /// Nothing to read (a full prefix hit), but each of ``producers``
+    /// (``(peer, lend incarnation)`` pairs) lent blocks for ``req_id``: each
+    /// is told once, so it releases them at once. Nothing is reported here.
     #[pyo3(signature = (req_id, producers))]
     fn notify_only(
         &mut self,
@@ -1040,7 +1082,21 @@ impl Engine {
         let key = request_key(req_id)?;
         let mut peers = Vec::new();
         for p in producers.try_iter()? {
-            peers.push(PeerId(uint::<u32>(&p?, "producer")?));
+            let p = p?;
+            let pair = p
+                .downcast::<PyTuple>()
+                .ok()
+                .filter(|t| t.len() == 2)
+                .ok_or_else(|| {
+                    PyTypeError::new_err(format!(
+                        "a producer is a (peer, lend incarnation) pair, not {}",
+                        type_name(&p)
+                    ))
+                })?;
+            peers.push((
+                PeerId(uint::<u32>(&pair.get_item(0)?, "producer")?),
+                Incarnation(uint::<u64>(&pair.get_item(1)?, "lend incarnation")?),
+            ));
         }
         self.inner
             .get()
@@ -1225,6 +1281,7 @@ fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Engine>()?;
     m.add_class::<Transfer>()?;
+    m.add_function(wrap_pyfunction!(draw_incarnation, m)?)?;
     m.add_class::<PollResult>()?;
     m.add_function(wrap_pyfunction!(request_id, m)?)?;
     m.add("KvpollError", py.get_type::<KvpollError>())?;

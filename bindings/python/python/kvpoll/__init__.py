@@ -23,6 +23,7 @@ from ._kvpoll import (
     ShutdownError,
     Transfer,
     TransportError,
+    draw_incarnation,
     request_id,
 )
 
@@ -38,5 +39,6 @@ __all__ = [
     "ShutdownError",
     "Transfer",
     "TransportError",
+    "draw_incarnation",
     "request_id",
 ]

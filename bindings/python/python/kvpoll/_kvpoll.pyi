@@ -7,7 +7,11 @@ from typing import Dict, Iterable, List, Literal, Optional, Sequence, Set, Tuple
 RequestId = Union[str, int]
 """A request id: a ``str`` (as vLLM's) or an ``int`` in ``0..2**63``."""
 
-Handle = Union["Transfer", Tuple[int, Sequence[int], Sequence[int]]]
+Handle = Union[
+    "Transfer",
+    Tuple[int, Sequence[int], Sequence[int]],
+    Tuple[int, Sequence[int], Sequence[int], int],
+]
 """One handle of a read or write: a ``Transfer`` or ``(peer, local, remote)``."""
 
 class KvpollError(Exception):
@@ -34,17 +38,23 @@ class TransportError(KvpollError):
 class ShutdownError(KvpollError):
     """The engine is shut down (or its poller died)."""
 
+def draw_incarnation() -> int:
+    """A fresh lend incarnation (64 random bits, never 0)."""
 def request_id(req_id: RequestId) -> int:
     """kvpoll's 64-bit id for a request id: an int is itself, a str the
     FNV-1a hash of its UTF-8 bytes with the top bit set."""
 
 class Transfer:
     """One handle: ``local[i]`` of this engine pairs with ``remote[i]`` of
-    ``peer``."""
+    ``peer``, in the remote lend of incarnation ``lend``."""
 
-    def __init__(self, peer: int, local: Iterable[int], remote: Iterable[int]) -> None: ...
+    def __init__(
+        self, peer: int, local: Iterable[int], remote: Iterable[int], lend: int = 0
+    ) -> None: ...
     @property
     def peer(self) -> int: ...
+    @property
+    def lend(self) -> int: ...
     @property
     def local(self) -> List[int]: ...
     @property
@@ -112,7 +122,7 @@ class Engine:
         deadline_s: Optional[float] = None,
     ) -> None:
         """Pull: reads the handles; reported finished or failed (once)."""
-    def notify_only(self, req_id: RequestId, producers: Iterable[int]) -> None:
+    def notify_only(self, req_id: RequestId, producers: Iterable[Tuple[int, int]]) -> None:
         """Nothing to read: each producer releases its lend of ``req_id``."""
     def write(
         self,
@@ -130,8 +140,10 @@ class Engine:
         readers: Optional[int] = None,
         writers: Optional[int] = None,
         lease_s: float = 30.0,
-    ) -> None:
-        """Lends blocks to remote readers or writers until they notified."""
+        incarnation: Optional[int] = None,
+    ) -> int:
+        """Lends blocks to remote readers or writers until they notified;
+        returns the lend's incarnation."""
     def heartbeat(self, ids: Iterable[RequestId], extend_s: float) -> None:
         """Extends the leases of these writes or lends."""
     def abort(self, req_id: RequestId) -> None:
