@@ -945,6 +945,7 @@ impl Engine {
                     remote: h.remote.len(),
                 });
             }
+            self.check_blocks(h.local.iter())?;
             if guarded && h.lend.is_none() {
                 return Err(EngineError::BadIncarnation {
                     handle: i,
@@ -960,7 +961,6 @@ impl Engine {
                     why: "handles to one peer name different incarnations (one request reads one lend of each peer)",
                 });
             }
-            self.check_blocks(h.local.iter())?;
             total += h.local.len();
         }
         if total > self.max_blocks as usize {

@@ -710,7 +710,7 @@ impl Engine {
             } else if let Ok(tuple) = h.downcast::<PyTuple>() {
                 if tuple.len() != 3 && tuple.len() != 4 {
                     return Err(PyValueError::new_err(format!(
-                        "a handle tuple is (peer, local_blocks, remote_blocks, lend); got {} items",
+                        "a handle tuple is (peer, local_blocks, remote_blocks) or (peer, local_blocks, remote_blocks, lend); got {} items",
                         tuple.len()
                     )));
                 }

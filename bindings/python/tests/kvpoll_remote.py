@@ -108,7 +108,8 @@ def poll_for(engine: Any, reports: Reports, seconds: float) -> None:
 
 def producer_loop(engine: Any, ids: List[Any], batch: int, lease_s: float, timeout: float) -> Dict[str, Any]:
     """A prefill worker's scheduler loop over the connector core: lends one
-    block per request in batches (each batch passed as finished the same
+    block per request (``ids``: (n, request id, incarnation drawn by the
+    test and handed to the reader first)) in batches (each batch passed as finished the same
     step, as vLLM's scheduler does at the end of prefill) and calls
     get_finished every step until every id came back. Returns how many
     times each id was seen in ``sending`` and ``recving``."""
@@ -124,8 +125,8 @@ def producer_loop(engine: Any, ids: List[Any], batch: int, lease_s: float, timeo
         if next_i < len(ids):
             chunk = ids[next_i : next_i + batch]
             next_i += len(chunk)
-            worker.start_load_kv(reqs_to_send={i: [n % BLOCKS] for n, i in chunk})
-            finished = [i for _, i in chunk]
+            worker.start_load_kv(reqs_to_send={i: ([n % BLOCKS], 1, inc) for n, i, inc in chunk})
+            finished = [i for _, i, _ in chunk]
         s, r = worker.get_finished(finished)
         for i in s or ():
             sending[i] = sending.get(i, 0) + 1

@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from kvpoll import draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 from kvpoll_remote import BLOCKS, BS, REGIONS, pattern
 
@@ -23,8 +24,12 @@ def test_a_scheduler_loop_calling_get_finished_every_step_sees_each_request_exac
     failing = {ids[n] for n in range(0, N, FAIL_EVERY)}
     # The producer lends one block per request it will be read from (not
     # the failing ones: a failed read notifies nobody) and runs its own
-    # loop, get_finished every step, until every lend came back.
-    lent = [(n, i) for n, i in enumerate(ids) if i not in failing]
+    # loop, get_finished every step, until every lend came back. Each
+    # lend's incarnation is drawn here and handed to the reader first (as
+    # vLLM's scheduler hands out block ids): reads may reach the producer
+    # before its lends do.
+    incs = {i: draw_incarnation() for i in ids}
+    lent = [(n, i, incs[i]) for n, i in enumerate(ids) if i not in failing]
     p.start_producer_loop(lent, 256, 60.0, 90.0)
 
     w = KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive")
@@ -41,9 +46,9 @@ def test_a_scheduler_loop_calling_get_finished_every_step_sees_each_request_exac
             while next_n < N and len(in_flight) + len(batch) < 256 and len(batch) < 64:
                 n, i = next_n, ids[next_n]
                 local = n % BLOCKS
-                handles = [("prefill-0", [local], [n % BLOCKS])]
+                handles = [("prefill-0", [local], [n % BLOCKS], incs[i])]
                 if i in failing:
-                    handles.append((UNKNOWN_PEER, [(local + 1) % BLOCKS], [0]))
+                    handles.append((UNKNOWN_PEER, [(local + 1) % BLOCKS], [0], draw_incarnation()))
                     expected_errors.update({local, (local + 1) % BLOCKS})
                 batch[i] = handles
                 next_n += 1
@@ -75,7 +80,7 @@ def test_a_scheduler_loop_calling_get_finished_every_step_sees_each_request_exac
 
     got = p.answer(timeout=120)
     assert got["pending"] == 0
-    assert set(got["sending"]) == {i for _, i in lent}
+    assert set(got["sending"]) == {i for _, i, _ in lent}
     assert max(got["sending"].values()) == 1
     assert not got["recving"]
 
@@ -86,9 +91,14 @@ def test_a_failed_load_is_in_recving_once_and_its_blocks_in_the_load_errors_once
         w.register_kv_caches({"l0": [np.zeros((BLOCKS, BS), np.uint8), np.zeros((BLOCKS, BS), np.uint8)]})
         w.add_remote("p", p.metadata)
         # Reads finish only once their lender confirmed the lend was live.
-        p.call("lend", "ok", [5, 6], readers=1)
-        p.call("lend", "bad", [7], readers=1)
-        w.start_load_kv(reqs_to_recv={"ok": [("p", [1, 2], [5, 6])], "bad": [("p", [3], [7]), (999, [4], [8])]})
+        ok = p.call("lend", "ok", [5, 6], readers=1)
+        bad = p.call("lend", "bad", [7], readers=1)
+        w.start_load_kv(
+            reqs_to_recv={
+                "ok": [("p", [1, 2], [5, 6], ok)],
+                "bad": [("p", [3], [7], bad), (999, [4], [8], draw_incarnation())],
+            }
+        )
         seen = Counter()
         errors = []
         end = time.monotonic() + 30
@@ -117,8 +127,8 @@ def test_a_push_through_the_connector_is_sent_once_released_by_the_scheduler_and
             w.engine.write_block(r, 9, pattern(14, r, 9))
         to_d = w.add_remote("decode-0", d.metadata)
         d.call("add_peer", w.metadata())
-        d.call("lend", "push-9", [50], writers=1)
-        w.save_kv("push-9", [("decode-0", [9], [50])])
+        dest = d.call("lend", "push-9", [50], writers=1)
+        w.save_kv("push-9", [("decode-0", [9], [50], dest)])
         w.wait_for_save()
         sent_before_release = []
         end = time.monotonic() + 30

@@ -40,9 +40,9 @@ def test_pull_with_two_handles_from_two_producer_processes_lands_every_byte_once
     p1, p2 = make_producer(seed=1), make_producer(seed=2)
     c = make_consumer()
     a, b = c.add_peer(p1.metadata), c.add_peer(p2.metadata)
-    p1.call("lend", "pull-1", [10, 11, 12, 13], readers=1)
-    p2.call("lend", "pull-1", [20, 21, 22, 23], readers=1)
-    c.read("pull-1", [(a, [0, 1, 2, 3], [10, 11, 12, 13]), kvpoll.Transfer(b, [4, 5, 6, 7], [20, 21, 22, 23])])
+    l1 = p1.call("lend", "pull-1", [10, 11, 12, 13], readers=1)
+    l2 = p2.call("lend", "pull-1", [20, 21, 22, 23], readers=1)
+    c.read("pull-1", [(a, [0, 1, 2, 3], [10, 11, 12, 13], l1), kvpoll.Transfer(b, [4, 5, 6, 7], [20, 21, 22, 23], l2)])
     reports = Reports()
     wait(c, reports, "finished_recving", "pull-1")
     assert holds(c, [0, 1, 2, 3], 1, [10, 11, 12, 13])
@@ -62,12 +62,12 @@ def test_a_handle_failure_is_deferred_until_its_stopped_sibling_ends_and_reporte
     p1, p2 = make_producer(seed=1), make_producer(seed=2)
     c = make_consumer()
     a, b = c.add_peer(p1.metadata), c.add_peer(p2.metadata)
-    p1.call("lend", "deferred", [10, 11], readers=1)
-    p2.call("lend", "deferred", [20, 21], readers=1, lease_s=1.0)
+    l1 = p1.call("lend", "deferred", [10, 11], readers=1)
+    l2 = p2.call("lend", "deferred", [20, 21], readers=1, lease_s=1.0)
     c.remove_peer(b)  # handle 1's peer is gone: a setup failure, at once
     os.kill(p1.pid, signal.SIGSTOP)  # handle 0's gets stay in flight (tcp needs p1's progress)
     try:
-        c.read("deferred", [(a, [0, 1], [10, 11]), (b, [2, 3], [20, 21])])
+        c.read("deferred", [(a, [0, 1], [10, 11], l1), (b, [2, 3], [20, 21], l2)])
         reports = Reports()
         wait(c, reports, "handle_failures", "deferred")
         assert reports.handle_failures[0][:3] == ("deferred", 1, "setup")
@@ -94,8 +94,8 @@ def test_push_is_done_only_after_the_consumer_acknowledged_and_the_bytes_are_the
     c = make_consumer()
     c.add_peer(p.metadata)  # the consumer acknowledges through its own endpoint
     to_c = p.call("add_peer", c.local_metadata())
-    c.lend("push-1", [30, 31, 32], writers=1)
-    p.call("write", "push-1", [(to_c, [1, 2, 3], [30, 31, 32])], expected_acks=1)
+    dest = c.lend("push-1", [30, 31, 32], writers=1)
+    p.call("write", "push-1", [(to_c, [1, 2, 3], [30, 31, 32], dest)], expected_acks=1)
     seen = p.wait("finished_sending", "push-1")
     assert seen["finished_sending"] == ["push-1"] and seen["expired"] == []
     reports = Reports()
@@ -120,7 +120,7 @@ def test_a_heartbeat_keeps_a_lend_alive_past_its_twins_lease_and_a_reader_still_
     make_producer, make_consumer
 ):
     p = make_producer(seed=5)
-    p.call("lend", "kept", [1], readers=1, lease_s=0.5)
+    kept = p.call("lend", "kept", [1], readers=1, lease_s=0.5)
     p.call("lend", "dropped", [2], readers=1, lease_s=0.5)
     p.call("heartbeat", ["kept", "never-lent"], 60.0)
     seen = p.wait("expired", "dropped")
@@ -128,7 +128,7 @@ def test_a_heartbeat_keeps_a_lend_alive_past_its_twins_lease_and_a_reader_still_
     assert seen["expired"] == ["dropped"]
     c = make_consumer()
     peer = c.add_peer(p.metadata)
-    c.read("kept", [(peer, [0], [1])])
+    c.read("kept", [(peer, [0], [1], kept)])
     reports = Reports()
     wait(c, reports, "finished_recving", "kept")
     seen = p.wait("finished_sending", "kept")
@@ -153,7 +153,7 @@ def test_abort_fails_a_stuck_read_once_with_cause_aborted(make_producer, make_co
         assert time.monotonic() < end, "the producer did not stop"
         time.sleep(0.001)
     try:
-        c.read("abort-1", [(peer, [0, 1], [0, 1])])
+        c.read("abort-1", [(peer, [0, 1], [0, 1], kvpoll.draw_incarnation())])  # nothing lent: aborted first
         reports = Reports()
         poll_for(c, reports, 0.2)
         assert reports.failed_recving == [] and reports.finished_recving == []
@@ -180,10 +180,9 @@ def test_str_and_int_ids_round_trip_as_the_same_objects_and_name_one_request_in_
     c = make_consumer()
     peer = c.add_peer(p.metadata)
     ids = ["cmpl-ünï-çødé-0", "", "7", 7, 0, 2**63 - 1, "x" * 1000]
+    incs = [p.call("lend", i, [n], readers=1) for n, i in enumerate(ids)]
     for n, i in enumerate(ids):
-        p.call("lend", i, [n], readers=1)
-    for n, i in enumerate(ids):
-        c.read(i, [(peer, [n], [n])])
+        c.read(i, [(peer, [n], [n], incs[n])])
     reports = Reports()
     for i in ids:
         wait(c, reports, "finished_recving", i)
@@ -202,9 +201,9 @@ def test_a_killed_producer_fails_the_read_once(make_producer, make_consumer):
     p = make_producer(seed=8)
     c = make_consumer(read_deadline_s=20.0)
     peer = c.add_peer(p.metadata)
-    p.call("lend", "kill-1", [3, 4], readers=1)
+    inc = p.call("lend", "kill-1", [3, 4], readers=1)
     os.kill(p.pid, signal.SIGSTOP)  # the read stays in flight
-    c.read("kill-1", [(peer, [8, 9], [3, 4])])
+    c.read("kill-1", [(peer, [8, 9], [3, 4], inc)])
     reports = Reports()
     poll_for(c, reports, 0.2)
     assert reports.failed_recving == [] and reports.finished_recving == []
@@ -231,8 +230,8 @@ def test_reads_land_in_numpy_arrays_registered_as_regions(make_producer):
         assert c.register_buffer((layers[1].ctypes.data, layers[1].nbytes)) == 1
         peer = c.add_peer(p.metadata)
         # A read finishes only once its lender confirmed the lend was live.
-        p.call("lend", "np-1", [40, 41], readers=1)
-        c.read("np-1", [(peer, [2, 3], [40, 41])])
+        inc = p.call("lend", "np-1", [40, 41], readers=1)
+        c.read("np-1", [(peer, [2, 3], [40, 41], inc)])
         reports = Reports()
         wait(c, reports, "finished_recving", "np-1")
         for r in range(REGIONS):
@@ -249,7 +248,7 @@ def test_a_write_to_a_block_beyond_the_consumer_fails_once_in_failed_sending_wit
     p = make_producer(seed=15)
     c = make_consumer()
     to_p = c.add_peer(p.metadata)
-    c.write("bad-push", [(to_p, [1], [10_000])], expected_acks=1, lease_s=0.3)
+    c.write("bad-push", [(to_p, [1], [10_000], kvpoll.draw_incarnation())], expected_acks=1, lease_s=0.3)
     reports = Reports()
     wait(c, reports, "failed_sending", "bad-push")
     assert reports.failed_sending == [("bad-push", ("setup", 0))]
@@ -264,8 +263,8 @@ def test_notify_only_releases_the_producers_lend_and_reports_nothing_here(
     p = make_producer(seed=16)
     c = make_consumer()
     to_p = c.add_peer(p.metadata)
-    p.call("lend", "hit-1", [5], readers=1, lease_s=60.0)
-    c.notify_only("hit-1", [to_p])
+    inc = p.call("lend", "hit-1", [5], readers=1, lease_s=60.0)
+    c.notify_only("hit-1", [(to_p, inc)])
     seen = p.wait("finished_sending", "hit-1")
     assert seen["finished_sending"] == ["hit-1"]
     reports = Reports()

@@ -45,12 +45,15 @@ from typing import (
 from ._kvpoll import BusyError, Engine
 
 RequestId = Union[str, int]
-#: One handle of a load: (remote, local block ids, remote block ids). The
-#: remote is a name given to ``add_remote`` or a peer id from
-#: ``Engine.add_peer``.
-LoadHandle = Tuple[Hashable, Sequence[int], Sequence[int]]
-#: What to lend for a request: its block ids, or (block ids, readers).
-SendSpec = Union[Sequence[int], Tuple[Sequence[int], int]]
+#: One handle of a load: (remote, local block ids, remote block ids, lend
+#: incarnation). The remote is a name given to ``add_remote`` or a peer id
+#: from ``Engine.add_peer``; the incarnation is what the remote's lend
+#: returned (``incarnation(req_id)`` there), carried with the block ids.
+LoadHandle = Tuple[Hashable, Sequence[int], Sequence[int], int]
+#: What to lend for a request: its block ids, (block ids, readers), or
+#: (block ids, readers, incarnation) with one drawn by
+#: ``kvpoll.draw_incarnation()`` and already handed out with the ids.
+SendSpec = Union[Sequence[int], Tuple[Sequence[int], int], Tuple[Sequence[int], int, int]]
 
 __all__ = ["KvConnectorWorker", "LoadHandle", "SendSpec", "region_of"]
 
@@ -112,6 +115,8 @@ class KvConnectorWorker:
         self._recved: Set[RequestId] = set()
         # Blocks lent to remote writers, by request: invalid if it expires.
         self._push_dest: Dict[RequestId, List[int]] = {}
+        #: The incarnation of each lend this worker made, for its readers.
+        self._incarnations: Dict[RequestId, int] = {}
         self._load_errors: Set[int] = set()
         self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
         # Submissions refused with BusyError, retried each step in order.
@@ -161,8 +166,13 @@ class KvConnectorWorker:
             return remote
         raise KeyError(f"unknown remote {remote!r}: add_remote it first")
 
-    def _handles(self, handles: Iterable[LoadHandle]) -> List[Tuple[int, Sequence[int], Sequence[int]]]:
-        return [(self._peer(r), local, remote) for (r, local, remote) in handles]
+    def _handles(self, handles: Iterable[LoadHandle]) -> List[Tuple[int, Sequence[int], Sequence[int], int]]:
+        return [(self._peer(h[0]), h[1], h[2], *h[3:]) for h in handles]
+
+    def incarnation(self, req_id: RequestId) -> int:
+        """The incarnation of this worker's lend of ``req_id``: hand it to
+        the readers (or writers) with the block ids."""
+        return self._incarnations[req_id]
 
     # ------------------------------------------------------ vLLM worker API
 
@@ -246,6 +256,9 @@ class KvConnectorWorker:
                 for req_id in recving:
                     self._push_dest.pop(req_id, None)
             self._recved |= recving
+            if self._incarnations:
+                for req_id in freed | recving:
+                    self._incarnations.pop(req_id, None)
             if freed:
                 self._sending -= freed
                 self._sent |= freed
@@ -317,20 +330,26 @@ class KvConnectorWorker:
         if what == "read":
             e.read(req_id, spec)
         elif what == "lend_readers":
+            inc = None
             if (
                 isinstance(spec, tuple)
-                and len(spec) == 2
+                and len(spec) in (2, 3)
                 and isinstance(spec[1], int)
                 and not isinstance(spec[0], int)
             ):
-                blocks, readers = spec
+                blocks, readers, *rest = spec
+                inc = rest[0] if rest else None
             else:
                 blocks, readers = spec, 1
-            e.lend(req_id, blocks, readers=readers, lease_s=self.lease_s)
+            self._incarnations[req_id] = e.lend(
+                req_id, blocks, readers=readers, lease_s=self.lease_s, incarnation=inc
+            )
             self._sending.add(req_id)
         elif what == "lend_writers":
-            blocks, writers = spec
-            e.lend(req_id, blocks, writers=writers, lease_s=self.lease_s)
+            blocks, writers, *rest = spec
+            self._incarnations[req_id] = e.lend(
+                req_id, blocks, writers=writers, lease_s=self.lease_s, incarnation=rest[0] if rest else None
+            )
             self._push_dest[req_id] = list(blocks)
         elif what == "write":
             handles, acks = spec
