@@ -194,6 +194,12 @@ typedef struct kvpoll_transfer {
    * Blocks in this handle.
    */
   size_t n_blocks;
+  /**
+   * The incarnation of the remote lend (a read) or push destination (a
+   * write): what the remote engine's `kvpoll_lend` gave back, carried
+   * with the block ids. 0 only for a read with confirmation off.
+   */
+  uint64_t lend;
 } kvpoll_transfer;
 
 /**
@@ -372,11 +378,14 @@ int32_t kvpoll_write(struct kvpoll_engine *e,
 /**
  * Lends `n` local blocks to `count` remote readers
  * (`KVPOLL_LEND_READERS`) or writers (`KVPOLL_LEND_WRITERS`) until they
- * all notified, or `lease_ns` ends.
+ * all notified, or `lease_ns` ends. Writes the lend's incarnation to
+ * `*incarnation` (if not NULL): hand it to the readers or writers with
+ * the block ids (`kvpoll_transfer.lend`).
  *
  * # Safety
- * `e` from `kvpoll_engine_new`; `blocks` valid for `n` items; `err` NULL
- * or valid for `err_len` bytes.
+ * `e` from `kvpoll_engine_new`; `blocks` valid for `n` items;
+ * `incarnation` NULL or valid for one write; `err` NULL or valid for
+ * `err_len` bytes.
  */
 int32_t kvpoll_lend(struct kvpoll_engine *e,
                     uint64_t id,
@@ -385,6 +394,7 @@ int32_t kvpoll_lend(struct kvpoll_engine *e,
                     uint32_t to,
                     uint32_t count,
                     uint64_t lease_ns,
+                    uint64_t *incarnation,
                     char *err,
                     size_t err_len);
 

@@ -118,8 +118,11 @@ int main(void) {
 
     /* The pull: lend 10..13, read them into 0..3. */
     uint32_t lent[4] = {10, 11, 12, 13}, local[4] = {0, 1, 2, 3};
-    MUST(kvpoll_lend(producer, 7, lent, 4, KVPOLL_LEND_READERS, 1, 30000000000ull, err, sizeof err));
-    kvpoll_transfer h = {peer, local, lent, 4};
+    uint64_t lend = 0;
+    MUST(kvpoll_lend(producer, 7, lent, 4, KVPOLL_LEND_READERS, 1, 30000000000ull, &lend, err,
+                     sizeof err));
+    CHECK(lend != 0, "the lend gives its incarnation");
+    kvpoll_transfer h = {peer, local, lent, 4, lend};
     MUST(kvpoll_read(consumer, 7, &h, 1, err, sizeof err));
     kvpoll_report rep;
     CHECK(wait_report(consumer, 7, KVPOLL_FINISHED_RECVING, &rep, NULL, NULL),
@@ -140,7 +143,7 @@ int main(void) {
     /* A handle to an unknown peer fails at setup, with its blocks. */
     uint32_t l2[2] = {5, 6}, r2[2] = {1, 2}, bad_blocks[8];
     size_t nb = 0;
-    kvpoll_transfer bad = {peer + 40, l2, r2, 2};
+    kvpoll_transfer bad = {peer + 40, l2, r2, 2, lend};
     MUST(kvpoll_read(consumer, 8, &bad, 1, err, sizeof err));
     int got = wait_report(consumer, 8, KVPOLL_FAILED_RECVING, &rep, bad_blocks, &nb);
     CHECK(got && rep.cause == 2 && nb == 2 && bad_blocks[0] == 5 && bad_blocks[1] == 6,
@@ -151,7 +154,7 @@ int main(void) {
     s = kvpoll_add_peer(consumer, (const uint8_t *)"junk", 4, &peer, err, sizeof err);
     CHECK(s == KVPOLL_ERR_PEER && strlen(err) > 0, "junk metadata: KVPOLL_ERR_PEER (\"%s\")", err);
     uint32_t l3[2] = {0, 1};
-    kvpoll_transfer unpaired = {peer, l3, r2, 2};
+    kvpoll_transfer unpaired = {peer, l3, r2, 2, lend};
     unpaired.n_blocks = 0;
     s = kvpoll_read(consumer, 9, &unpaired, 1, err, sizeof err);
     CHECK(s == KVPOLL_ERR_REQUEST, "an empty handle: KVPOLL_ERR_REQUEST (\"%s\")", err);
@@ -160,7 +163,7 @@ int main(void) {
     s = kvpoll_read(consumer, 9, NULL, 1, err, sizeof err);
     CHECK(s == KVPOLL_ERR_ARGUMENT, "NULL handles: KVPOLL_ERR_ARGUMENT (\"%s\")", err);
     uint32_t far[1] = {BLOCKS};
-    kvpoll_transfer out_of_range = {peer, far, far, 1};
+    kvpoll_transfer out_of_range = {peer, far, far, 1, lend};
     s = kvpoll_read(consumer, 9, &out_of_range, 1, err, sizeof err);
     CHECK(s == KVPOLL_ERR_REQUEST, "a block out of range: KVPOLL_ERR_REQUEST (\"%s\")", err);
     char tiny[8];
