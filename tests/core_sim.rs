@@ -331,6 +331,25 @@ impl Harness {
         self.feed(node, cmds);
     }
 
+    /// A write whose handles name the destination incarnation they write.
+    fn write_named(
+        &mut self,
+        node: usize,
+        id: u64,
+        handles: &[(usize, Incarnation, Vec<(BlockId, BlockId)>)],
+        acks: u32,
+        lease: u64,
+    ) {
+        let kind = Kind::Write { acks };
+        let blocks: Vec<BlockId> = handles
+            .iter()
+            .flat_map(|(_, _, p)| p.iter().map(|x| x.0))
+            .collect();
+        let token = self.track(node, id, kind, blocks);
+        let cmds = self.transfer_batch(node, id, kind, token, handles, lease);
+        self.feed(node, cmds);
+    }
+
     fn transfer_batch(
         &self,
         node: usize,
@@ -434,6 +453,58 @@ impl Harness {
 
     fn abort(&mut self, node: usize, id: u64) {
         self.feed(node, vec![Command::Abort(RequestId(id))]);
+    }
+
+    /// `Engine::lend_with`: a lend (or push destination) under an
+    /// incarnation drawn beforehand (and perhaps handed out already).
+    fn lend_as(
+        &mut self,
+        node: usize,
+        id: u64,
+        blocks: &[BlockId],
+        kind: Kind,
+        lease: u64,
+        token: Incarnation,
+    ) {
+        self.track(node, id, kind, blocks.to_vec());
+        self.reqs.get_mut(&(node, id)).unwrap().token = token;
+        let mut cmds = vec![Command::Begin {
+            id: RequestId(id),
+            kind,
+            handles: 0,
+            blocks: blocks.len() as u32,
+            expires_in: lease,
+            token,
+        }];
+        cmds.extend(blocks.iter().map(|&b| Command::Block(b)));
+        self.feed(node, cmds);
+    }
+
+    /// `Engine::remove_peer`: `node` forgets `other`.
+    fn remove_peer(&mut self, node: usize, other: usize) {
+        let peer = self.peer(node, other);
+        assert!(self.nodes[node].core.remove_peer(peer));
+        self.execute(node);
+        self.pump(node);
+    }
+
+    /// Hands `note`, as if it arrived from the network, to `node`.
+    fn inject(&mut self, node: usize, note: Notification) {
+        let now = self.now;
+        self.nodes[node].core.on_transport(
+            kvpoll::transport::TransportEvent::Message {
+                payload: &note.encode(),
+                reply: None,
+            },
+            now,
+        );
+        self.execute(node);
+        self.pump(node);
+    }
+
+    /// The token of `node`'s request `id` (the newest one).
+    fn token_of(&self, node: usize, id: u64) -> Incarnation {
+        self.reqs[&(node, id)].token
     }
 
     fn shutdown(&mut self, node: usize) {
@@ -1879,5 +1950,268 @@ fn an_unnamed_destination_nobody_wrote_is_released_when_every_peer_is_quiet() {
         .filter(|&n| h.nodes[n].sent.iter().any(|s| s.0 == NoteKind::WriteQuiet))
         .count();
     assert_eq!(quiet, 2, "both other peers answer");
+    h.check_end();
+}
+
+// -- one request id living twice ----------------------------------------------
+
+/// A read retried under the same id (its first attempt failed at its
+/// deadline while the lender was paused): the first attempt's late
+/// confirmation names the first attempt's nonce, so the retry does not
+/// finish on it — only on its own answer.
+#[test]
+fn a_late_confirmation_of_a_first_read_attempt_never_finishes_its_retry() {
+    let mut h = Harness::new(cfg(40, 2));
+    let src = lend_filled(&mut h, 1, 5, 2, 1, 100 * MS);
+    let lend = h.token_of(1, 5);
+    h.pause(1, Nanos(10 * MS));
+    let l1 = h.alloc(0, 2);
+    h.read(0, 5, &[(1, pairs(&l1, &src))], MS);
+    h.run_until(Nanos(3 * MS));
+    assert!(
+        matches!(h.report_of(0, 5), Some(Report::FailedRecving(r, _)) if r.cause == Cause::Deadline),
+        "{:?}",
+        h.report_of(0, 5)
+    );
+    let first = h.token_of(0, 5);
+    // The retry, while the lender is still paused.
+    let l2 = h.alloc(0, 2);
+    h.read(0, 5, &[(1, pairs(&l2, &src))], 50 * MS);
+    let stale = h.nodes[0].core.stats().stale_notifications;
+    let lender = h.nodes[1].instance;
+    h.inject(
+        0,
+        Notification {
+            kind: NoteKind::ReadConfirmed,
+            id: RequestId(5),
+            incarnation: lend,
+            nonce: first,
+            sender: lender,
+        },
+    );
+    assert_eq!(h.nodes[0].core.stats().stale_notifications, stale + 1);
+    h.run_until(Nanos(9 * MS));
+    assert_eq!(
+        h.report_of(0, 5),
+        None,
+        "the retry finished on its first attempt's answer"
+    );
+    h.settle();
+    assert!(h.report_of(0, 5).is_some());
+    h.check_end();
+}
+
+/// A lend released by its reader's give-up, then lent again under the same
+/// id: a late give-up naming the first incarnation does not release the
+/// second, and a read of the first is refused.
+#[test]
+fn a_late_note_about_an_earlier_lend_never_touches_a_later_lend_of_the_same_id() {
+    let mut h = Harness::new(cfg(41, 2));
+    lend_filled(&mut h, 1, 7, 1, 1, 100 * MS);
+    let first = h.token_of(1, 7);
+    h.notify_only(0, 7, &[1]);
+    h.run_until(Nanos(2 * MS));
+    assert_eq!(h.report_of(1, 7), Some(&Report::FinishedSending));
+    let src = lend_filled(&mut h, 1, 7, 1, 1, 100 * MS);
+    let reader = h.nodes[0].instance;
+    for kind in [NoteKind::GaveUp, NoteKind::Heartbeat, NoteKind::ReadDone] {
+        h.inject(
+            1,
+            Notification {
+                kind,
+                id: RequestId(7),
+                incarnation: first,
+                nonce: Incarnation(3),
+                sender: reader,
+            },
+        );
+    }
+    h.run_until(Nanos(5 * MS));
+    assert_eq!(
+        h.report_of(1, 7),
+        None,
+        "a note of the first lend ended the second"
+    );
+    // The reader of the second lend is served and releases it.
+    let l = h.alloc(0, 1);
+    h.read(0, 7, &[(1, pairs(&l, &src))], 10 * MS);
+    h.settle();
+    assert_eq!(h.report_of(0, 7), Some(&Report::FinishedRecving));
+    assert_eq!(h.report_of(1, 7), Some(&Report::FinishedSending));
+    h.check_end();
+}
+
+/// A writer answered quiet for a destination that gave up on it; the
+/// destination lends the same request id again (a new incarnation) to the
+/// same writer: the promise was about the first one, so the write lands.
+#[test]
+fn a_quiet_promise_about_one_destination_does_not_refuse_the_next_of_the_same_id() {
+    let mut h = Harness::new(cfg(42, 2));
+    let d1 = h.alloc(1, 1);
+    h.receive_from(1, 15, &d1, &[0], MS);
+    h.run_until(Nanos(5 * MS));
+    assert!(
+        matches!(h.report_of(1, 15), Some(Report::FailedRecving(r, _)) if r.cause == Cause::LeaseExpired),
+        "{:?}",
+        h.report_of(1, 15)
+    );
+    assert!(h.nodes[0].sent.iter().any(|s| s.0 == NoteKind::WriteQuiet));
+    let d2 = h.alloc(1, 2);
+    h.receive_from(1, 15, &d2, &[0], 50 * MS);
+    let src = h.alloc(0, 2);
+    h.fill(0, &src);
+    h.reqs.get_mut(&(1, 15)).unwrap().expect =
+        d2.iter().zip(&src).map(|(&x, &s)| (x, 0, s)).collect();
+    h.write(0, 15, &[(1, pairs(&src, &d2))], 1, 50 * MS);
+    h.settle();
+    assert_eq!(h.report_of(0, 15), Some(&Report::FinishedSending));
+    assert_eq!(h.report_of(1, 15), Some(&Report::FinishedRecving));
+    h.check_end();
+}
+
+/// A third engine floods a writer with questions about destinations that
+/// do not exist: the writer's promise to a real destination is kept, and a
+/// late write into that destination is still refused before anything is
+/// posted (nothing lands in its reused blocks).
+#[test]
+fn a_flood_of_questions_from_one_engine_does_not_push_out_anothers_quiet_promises() {
+    let mut h = Harness::new(cfg(43, 3));
+    let d = h.alloc(1, 1);
+    h.receive_from(1, 16, &d, &[0], MS);
+    h.run_until(Nanos(5 * MS));
+    assert!(h.report_of(1, 16).is_some());
+    let dest = h.token_of(1, 16);
+    let flooder = h.nodes[2].instance;
+    for i in 0..20_000u64 {
+        let now = h.now;
+        let note = Notification {
+            kind: NoteKind::WriteQuery,
+            id: RequestId(1_000_000 + i),
+            incarnation: Incarnation(0xf100d_0000 + i),
+            nonce: Incarnation::NONE,
+            sender: flooder,
+        };
+        h.nodes[0].core.on_transport(
+            kvpoll::transport::TransportEvent::Message {
+                payload: &note.encode(),
+                reply: None,
+            },
+            now,
+        );
+    }
+    h.execute(0);
+    h.pump(0);
+    let src = h.alloc(0, 1);
+    h.write_named(0, 16, &[(1, dest, pairs(&src, &d))], 1, 10 * MS);
+    h.settle();
+    match h.report_of(0, 16) {
+        Some(Report::FailedSending(r)) => assert_eq!(r.cause, Cause::LeaseLost),
+        other => panic!("the write into a destination it promised to leave: {other:?}"),
+    }
+    h.check_end();
+}
+
+/// A destination lent to writers it did not name asks every peer it
+/// knows — 65 of them — and waits for the last, paused one.
+#[test]
+fn an_unnamed_destination_asks_every_peer_past_64_and_waits_for_the_last() {
+    let mut h = Harness::new(SimNetConfig {
+        blocks: 16,
+        ..cfg(44, 66)
+    });
+    let d = h.alloc(0, 1);
+    h.lend(0, 17, &d, Kind::Receive { writers: 1 }, MS);
+    h.pause(65, Nanos(30 * MS));
+    h.run_until(Nanos(20 * MS));
+    let asked = h.nodes[0]
+        .sent
+        .iter()
+        .filter(|s| s.0 == NoteKind::WriteQuery && s.1 == RequestId(17))
+        .map(|s| s.2)
+        .collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(asked.len(), 65, "peers asked: {asked:?}");
+    assert_eq!(
+        h.report_of(0, 17),
+        None,
+        "released before the 65th peer answered"
+    );
+    h.settle();
+    assert!(h.report_of(0, 17).is_some());
+    h.check_end();
+}
+
+/// Removing a named writer that has not spoken keeps its destination's
+/// fence: nothing is reported until its word, whose puts land first.
+#[test]
+fn removing_a_named_writer_keeps_its_destinations_fence_until_it_speaks() {
+    let mut h = Harness::new(cfg(45, 2));
+    let dst = h.alloc(1, 2);
+    h.receive_from(1, 18, &dst, &[0], MS);
+    let src = h.alloc(0, 2);
+    h.fill(0, &src);
+    h.reqs.get_mut(&(1, 18)).unwrap().expect =
+        dst.iter().zip(&src).map(|(&x, &s)| (x, 0, s)).collect();
+    h.write(0, 18, &[(1, pairs(&src, &dst))], 1, 50 * MS);
+    h.pause(0, Nanos(10 * MS));
+    h.remove_peer(1, 0);
+    h.run_until(Nanos(9 * MS));
+    assert_eq!(
+        h.report_of(1, 18),
+        None,
+        "reported while its removed writer could write"
+    );
+    h.settle();
+    assert!(h.report_of(1, 18).is_some());
+    h.check_end();
+}
+
+/// A read's question that overtakes its lend (the block ids and the
+/// incarnation reached the reader first) is answered pending, asked again,
+/// and confirmed once the lend begins.
+#[test]
+fn a_read_question_that_overtakes_its_lend_is_confirmed_once_the_lend_begins() {
+    let mut h = Harness::new(cfg(46, 2));
+    let src = h.alloc(1, 2);
+    h.fill(1, &src);
+    let inc = h.token();
+    let l = h.alloc(0, 2);
+    h.read_named(0, 19, &[(1, inc, pairs(&l, &src))], 50 * MS);
+    h.run_until(Nanos(3 * MS));
+    assert_eq!(h.report_of(0, 19), None);
+    assert!(
+        h.nodes[1].core.stats().early_notes > 0,
+        "no question reached the lender first"
+    );
+    h.lend_as(1, 19, &src, Kind::Lend { notifications: 1 }, 100 * MS, inc);
+    h.settle();
+    assert_eq!(h.report_of(0, 19), Some(&Report::FinishedRecving));
+    assert_eq!(h.report_of(1, 19), Some(&Report::FinishedSending));
+    h.check_end();
+}
+
+/// ...and a read whose lend never begins fails once the grace period ran
+/// out, naming its blocks.
+#[test]
+fn a_read_whose_lend_never_begins_fails_after_the_grace_period() {
+    let mut h = Harness::new(cfg(47, 2));
+    let src = h.alloc(1, 1);
+    let l = h.alloc(0, 1);
+    let inc = h.token();
+    h.read_named(0, 20, &[(1, inc, pairs(&l, &src))], 500 * MS);
+    h.run_until(Nanos(GRACE / 2));
+    assert_eq!(
+        h.report_of(0, 20),
+        None,
+        "refused before the grace period ended"
+    );
+    h.settle();
+    match h.report_of(0, 20) {
+        Some(Report::FailedRecving(r, b)) => {
+            assert_eq!(r.cause, Cause::LeaseLost);
+            assert_eq!(b, &l);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(h.now.0 >= GRACE);
     h.check_end();
 }
