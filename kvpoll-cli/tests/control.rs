@@ -169,7 +169,7 @@ struct Server {
 impl Server {
     fn start(extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
             .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -60,11 +59,13 @@ struct Held {
     since: Instant,
 }
 
-/// Serves decode ranks on `listener` until `stop` is set.
+/// Serves decode ranks on `listener` until `stop` says so; `ready` runs
+/// once the engine is up and the control port is served.
 pub fn serve(
     listener: TcpListener,
     cfg: ServeConfig,
-    stop: Arc<AtomicBool>,
+    stop: impl Fn() -> bool,
+    ready: impl FnOnce(),
 ) -> Result<(), EngineError> {
     let mut engine = Engine::builder()
         .block_size(cfg.block_size)
@@ -116,7 +117,8 @@ pub fn serve(
     // at each refresh.
     let mut tally = MetricsSnapshot::default();
     let mut published: Option<Instant> = None;
-    while !stop.load(Ordering::Acquire) {
+    ready();
+    while !stop() {
         if let Some(m) = &cfg.metrics {
             if published.is_none_or(|t| t.elapsed() >= METRICS_EVERY) {
                 publish(&engine, &tally, m);
