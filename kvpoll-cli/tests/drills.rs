@@ -61,18 +61,7 @@ fn serve(rank: u32) -> (Proc, String) {
 }
 
 /// A number field of `connect --json`'s first mode.
-fn field(json: &str, name: &str) -> u64 {
-    let key = format!("\"{name}\":");
-    let at = json
-        .find(&key)
-        .unwrap_or_else(|| panic!("no {name} in {json}"));
-    json[at + key.len()..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
-}
+use procs::json_field as field;
 
 /// What happens to the run while requests are in flight.
 #[derive(Clone, Copy, Debug)]

@@ -25,34 +25,7 @@ fn kvpoll() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvpoll"))
 }
 
-/// A `kvpoll serve` child that ends when dropped.
-struct Serve {
-    child: Child,
-    addr: String,
-}
-
-impl Serve {
-    /// Started with `--until-stdin-closes` (as the demo starts its ranks).
-    fn start(extra: &[&str]) -> Serve {
-        let mut child = kvpoll()
-            .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn kvpoll serve");
-        let addr = procs::listen_addr(&mut child);
-        Serve { child, addr }
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use procs::Serve;
 
 /// Waits for `child` to exit within `guard`; kills it and panics otherwise.
 fn wait_exit(child: &mut Child, guard: Duration, what: &str) -> std::process::ExitStatus {
@@ -96,19 +69,7 @@ fn finish(mut child: Child, guard: Duration, what: &str) -> Output {
     }
 }
 
-/// A number field of a JSON line.
-fn field(json: &str, name: &str) -> u64 {
-    let key = format!("\"{name}\":");
-    let at = json
-        .find(&key)
-        .unwrap_or_else(|| panic!("no {name} in {json}"));
-    json[at + key.len()..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
-}
+use procs::json_field as field;
 
 /// A control proxy in front of `upstream` that forwards everything but
 /// passes each `READY` from the server through `lie` (`None`: dropped).
@@ -212,21 +173,8 @@ fn assert_all_failed(out: &Output, reason: &str) {
 fn free_blocks(addr: &str) -> (u64, u64) {
     let t = Instant::now();
     loop {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(200)))
-            .unwrap();
-        let mut r = FrameReader::new(
-            s.try_clone().unwrap(),
-            Duration::from_secs(10),
-            Some(Duration::from_secs(10)),
-        );
-        s.write_all(&Msg::Hello(LAYOUT).encode().unwrap()).unwrap();
-        assert_eq!(r.read_msg().unwrap(), Msg::Hello(LAYOUT));
-        assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
-        s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
-        let Msg::StatsReply { total, free, .. } = r.read_msg().unwrap() else {
-            panic!("no stats");
-        };
+        let (mut s, mut r) = procs::client(addr, LAYOUT);
+        let (total, free) = procs::stats(&mut s, &mut r);
         if free == total || t.elapsed() > Duration::from_secs(10) {
             return (free, total);
         }

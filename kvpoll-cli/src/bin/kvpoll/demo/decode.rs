@@ -688,7 +688,7 @@ impl Decoder<'_> {
                     let i = t % 2;
                     tracing::warn!(rank = self.cfg.prefill[i], "prefill rank refused: {why}");
                 }
-                Incoming::Line(_, _) | Incoming::Opened(..) => {}
+                Incoming::Line(_, _) => {}
                 Incoming::Bad(t, why) => {
                     let i = t % 2;
                     tracing::warn!(rank = self.cfg.prefill[i], "control link lost: {why}");
@@ -744,16 +744,23 @@ impl Decoder<'_> {
             .map(|(&id, _)| id)
             .collect();
         for id in waiting {
-            if let Some(r) = self.reqs.get(&id) {
-                let lenders: Vec<PeerId> = (0..2)
-                    .filter(|&j| r.ready[j].is_some())
-                    .filter_map(|j| self.links[j].peer)
-                    .collect();
-                if !lenders.is_empty() {
-                    let _ = self.engine.notify_only(RequestId(id), &lenders);
-                }
-            }
+            self.release_lends(id);
             self.abandon(id);
+        }
+    }
+
+    /// Tells the prefill ranks that answered READY for request `id` (not
+    /// read) to release their lends now rather than at their lease's end.
+    fn release_lends(&mut self, id: u64) {
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        let lenders: Vec<PeerId> = (0..2)
+            .filter(|&j| r.ready[j].is_some())
+            .filter_map(|j| self.links[j].peer)
+            .collect();
+        if !lenders.is_empty() {
+            let _ = self.engine.notify_only(RequestId(id), &lenders);
         }
     }
 
@@ -782,16 +789,10 @@ impl Decoder<'_> {
     /// it fails now, with `why`, and the ranks that did lend for it are
     /// told to release.
     fn fail_answer(&mut self, id: u64, why: String, bad: bool) {
+        self.release_lends(id);
         let Some(r) = self.reqs.remove(&id) else {
             return;
         };
-        let lenders: Vec<PeerId> = (0..2)
-            .filter(|&j| r.ready[j].is_some())
-            .filter_map(|j| self.links[j].peer)
-            .collect();
-        if !lenders.is_empty() {
-            let _ = self.engine.notify_only(RequestId(id), &lenders);
-        }
         self.pool.release(&r.blocks);
         self.progress.fetch_add(1, Ordering::Relaxed);
         self.report.failed += 1;

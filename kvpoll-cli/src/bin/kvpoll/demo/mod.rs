@@ -16,6 +16,7 @@
 //! can fail.
 
 mod decode;
+mod door;
 mod link;
 mod pool;
 mod prefill;
@@ -213,6 +214,7 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         // normally ends (done or failed) before its destination's lease.
         lease: s.lease,
         metrics: None,
+        limits: door::Limits { max_conns: 256 },
         // The demo stalls its ranks on purpose.
         testing: s.faults,
         faults: Faults {
@@ -1167,6 +1169,9 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
             ..Faults::default()
         },
         metrics: args.metrics.map(|_| Arc::default()),
+        limits: door::Limits {
+            max_conns: args.max_connections as usize,
+        },
         testing: args.testing,
     };
     check_sizes(u64::from(args.layers), args.blocks, args.block_size, 1)?;
