@@ -87,6 +87,7 @@ fn read(d: &mut Engine, peer: PeerId, id: u64, local: &[BlockId], remote: &[Bloc
             peer,
             local,
             remote,
+            lend: kvpoll::Incarnation::NONE,
         }],
     ) {
         panic!("read {id} refused: {e}");

@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpoll_cli::control::{FrameReader, Layout, Msg, ReadError, HEADER, MAX_PAYLOAD};
@@ -160,43 +160,21 @@ fn connect_to_a_server_of_another_layout_exits_1_at_once_naming_both() {
     );
 }
 
-/// A `kvpoll serve` child and its address.
-struct Server {
-    child: Child,
-    addr: String,
+use procs::Serve as Server;
+
+/// What the tests ask of a running server.
+trait Ask {
+    /// A connection past the handshake, and a reader of its replies.
+    fn client(&self) -> (TcpStream, FrameReader<TcpStream>);
+    /// Peak resident memory (VmHWM), in bytes.
+    fn peak_rss(&self) -> u64;
 }
 
-impl Server {
-    fn start(extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn kvpoll serve");
-        let addr = procs::listen_addr(&mut child);
-        Server { child, addr }
-    }
-
-    /// A connection past the handshake, and a reader of its replies.
+impl Ask for Server {
     fn client(&self) -> (TcpStream, FrameReader<TcpStream>) {
-        let mut s = TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(200)))
-            .unwrap();
-        let mut r = FrameReader::new(
-            s.try_clone().unwrap(),
-            Duration::from_secs(10),
-            Some(Duration::from_secs(30)),
-        );
-        s.write_all(&Msg::Hello(LAYOUT).encode().unwrap()).unwrap();
-        assert_eq!(r.read_msg().unwrap(), Msg::Hello(LAYOUT));
-        assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
-        (s, r)
+        procs::client(&self.addr, LAYOUT)
     }
 
-    /// Peak resident memory (VmHWM), in bytes.
     fn peak_rss(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
@@ -206,21 +184,6 @@ impl Server {
             .parse::<u64>()
             .unwrap()
             * 1024
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        drop(self.child.stdin.take());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -313,4 +276,153 @@ fn a_text_line_without_newline_is_refused_as_foreign_without_being_buffered() {
         Msg::Refused(why) => assert!(why.contains("bad magic"), "{why}"),
         other => panic!("a text line was not refused: {other:?}"),
     }
+}
+
+/// This process's engine metadata, as a decode rank would send it.
+fn our_metadata() -> (kvpoll::Engine, Vec<u8>) {
+    let mut e = kvpoll::Engine::builder()
+        .block_size(LAYOUT.block_size)
+        .ucx(kvpoll::ContextOptions::with_transports("tcp"))
+        .build()
+        .unwrap();
+    for _ in 0..LAYOUT.layers {
+        e.register(u64::from(LAYOUT.blocks)).unwrap();
+    }
+    let meta = e.local_metadata().unwrap();
+    (e, meta)
+}
+
+use procs::stats;
+
+#[test]
+fn prepare_before_meta_and_prepare_for_no_blocks_are_refused_and_lend_nothing() {
+    let server = Server::start(&[]);
+    let (mut s, mut r) = server.client();
+    for req in 0..200u64 {
+        s.write_all(&Msg::Prepare { req, n: 4 }.encode().unwrap())
+            .unwrap();
+    }
+    for _ in 0..200 {
+        match r.read_msg().unwrap() {
+            Msg::Refused(why) => assert!(why.contains("META"), "{why}"),
+            other => panic!("a PREPARE before META was answered {other:?}"),
+        }
+    }
+    let (total, free) = stats(&mut s, &mut r);
+    assert_eq!(free, total, "PREPAREs before META lent blocks");
+    let (_engine, meta) = our_metadata();
+    s.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
+    s.write_all(&Msg::Prepare { req: 7, n: 0 }.encode().unwrap())
+        .unwrap();
+    match r.read_msg().unwrap() {
+        Msg::Refused(why) => assert!(why.contains("0 blocks"), "{why}"),
+        other => panic!("a PREPARE for 0 blocks was answered {other:?}"),
+    }
+    // A proper one is served.
+    s.write_all(&Msg::Prepare { req: 8, n: 4 }.encode().unwrap())
+        .unwrap();
+    assert!(
+        matches!(r.read_msg().unwrap(), Msg::Ready { req: 8, ref blocks, .. } if blocks.len() == 4)
+    );
+}
+
+#[test]
+fn a_stalled_poller_leaves_the_control_plane_answering_stats_and_handshakes() {
+    let server = Server::start(&["--testing"]);
+    let (_engine, meta) = our_metadata();
+    let (mut a, _ra) = server.client();
+    a.write_all(&Msg::Stall { ms: 20_000 }.encode().unwrap())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // A client whose metadata the stalled engine cannot take yet.
+    let (mut b, _rb) = server.client();
+    b.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
+    b.write_all(&Msg::Prepare { req: 1, n: 4 }.encode().unwrap())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // New handshakes and STATS are still answered (the client's reader
+    // gives up after 10 s: well before the stall ends).
+    let t = Instant::now();
+    let (mut c, mut rc) = server.client();
+    let (total, _) = stats(&mut c, &mut rc);
+    assert_eq!(total, u64::from(LAYOUT.blocks));
+    assert!(t.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn a_connection_past_the_cap_is_refused_saying_so() {
+    let server = Server::start(&["--max-connections", "3"]);
+    let held: Vec<_> = (0..3).map(|_| server.client()).collect();
+    let (_s, mut r) = procs::hello(&server.addr, LAYOUT);
+    match r.read_msg().unwrap() {
+        Msg::Refused(why) => assert!(why.contains("server full"), "{why}"),
+        other => panic!("a connection past the cap was answered {other:?}"),
+    }
+    drop(held);
+    // Room again once one closed.
+    std::thread::sleep(Duration::from_millis(300));
+    let (mut s2, mut r2) = server.client();
+    let _ = stats(&mut s2, &mut r2);
+}
+
+/// Threads, open descriptors and resident memory (bytes) of process `pid`.
+fn resources(pid: u32) -> (usize, usize, u64) {
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap()
+        * 1024;
+    (threads, fds, rss)
+}
+
+#[test]
+fn a_flood_of_idle_and_half_open_connections_keeps_serve_flat_and_a_client_served() {
+    const FLOOD: usize = 3000;
+    let server = Server::start(&[]);
+    let pid = server.child.id();
+    let before = resources(pid);
+    // Half of them silent, half stopped inside a frame's header.
+    let mut flood = Vec::with_capacity(FLOOD);
+    for i in 0..FLOOD {
+        let Ok(mut s) = TcpStream::connect(&server.addr) else {
+            continue;
+        };
+        if i % 2 == 1 {
+            let _ = s.write_all(&Msg::Hello(LAYOUT).encode().unwrap()[..5]);
+        }
+        flood.push(s);
+    }
+    // Past their handshakes' bounds, some still open on our side.
+    std::thread::sleep(Duration::from_millis(500));
+    let during = resources(pid);
+    // A real client is served while the flood holds its sockets.
+    let (mut s, mut r) = server.client();
+    let (total, free) = stats(&mut s, &mut r);
+    assert_eq!(free, total);
+    eprintln!(
+        "flood of {} connections: serve threads {} -> {}, fds {} -> {}, RSS {} -> {} KiB",
+        flood.len(),
+        before.0,
+        during.0,
+        before.1,
+        during.1,
+        before.2 / 1024,
+        during.2 / 1024
+    );
+    assert!(flood.len() >= FLOOD / 2, "the flood opened {}", flood.len());
+    assert!(during.0 <= before.0 + 2, "threads {before:?} -> {during:?}");
+    assert!(during.1 <= before.1 + 128, "fds {before:?} -> {during:?}");
+    assert!(
+        during.2 <= before.2 + (64 << 20),
+        "RSS {before:?} -> {during:?}"
+    );
 }

@@ -243,6 +243,7 @@ fn serve_and_connect_move_verified_blocks_on_loopback() {
                 &rank.to_string(),
                 "--listen",
                 "127.0.0.1:0",
+                "--until-stdin-closes",
             ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

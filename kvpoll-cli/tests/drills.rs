@@ -3,9 +3,9 @@
 //! stopped (SIGSTOP) for half, one and a half and five times the lease
 //! while requests are in flight. Every block is checked on arrival and
 //! again when it is given back, so a late write into reused blocks shows as
-//! corruption. A drill passes when `connect` exits 0 (nothing corrupted or
-//! leaked), reports every request, and ends within a bound (a quarantine
-//! that never lifts shows as a hang).
+//! corruption. A drill passes when `connect --allow-failures` exits 0
+//! (nothing corrupted or leaked), reports every request, and ends within a
+//! bound (a quarantine that never lifts shows as a hang).
 //!
 //! Partitions too: one prefill rank runs in its own network namespace,
 //! joined to the others by a veth pair whose link is cut (`ip link set
@@ -47,6 +47,7 @@ impl Drop for Proc {
 fn serve(rank: u32) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
         .args(["serve", "--rank", &rank.to_string(), "--tls", "tcp"])
+        .arg("--until-stdin-closes")
         .env("UCX_NET_DEVICES", "lo")
         .args(["--blocks", "256", "--block-size", "4096", "--layers", "2"])
         .args(["--lease-ms", &LEASE_MS.to_string()])
@@ -60,18 +61,7 @@ fn serve(rank: u32) -> (Proc, String) {
 }
 
 /// A number field of `connect --json`'s first mode.
-fn field(json: &str, name: &str) -> u64 {
-    let key = format!("\"{name}\":");
-    let at = json
-        .find(&key)
-        .unwrap_or_else(|| panic!("no {name} in {json}"));
-    json[at + key.len()..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
-}
+use procs::json_field as field;
 
 /// What happens to the run while requests are in flight.
 #[derive(Clone, Copy, Debug)]
@@ -192,6 +182,7 @@ fn serve_in(ns: &Netns, rank: u32) -> (Proc, String) {
     let mut child = Command::new("ip")
         .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_kvpoll")])
         .args(["serve", "--rank", &rank.to_string(), "--tls", "tcp"])
+        .arg("--until-stdin-closes")
         .args(["--listen", &format!("{}:0", ns.ns_addr)])
         .args(["--blocks", "256", "--block-size", "4096", "--layers", "2"])
         .args(["--lease-ms", &LEASE_MS.to_string()])
@@ -237,6 +228,9 @@ fn run_drill(mode: &str, fault: Fault, ns: Option<&Netns>) {
             .args(["--tls", "tcp", "--blocks", "256", "--block-size", "4096"])
             .args(["--layers", "2", "--requests", &REQUESTS.to_string()])
             .args(["--lease-ms", &LEASE_MS.to_string(), "--json"])
+            // Requests may fail in a drill; what must not happen is
+            // corruption, a leak or a request unaccounted for.
+            .arg("--allow-failures")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

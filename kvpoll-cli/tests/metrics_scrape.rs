@@ -40,6 +40,7 @@ fn serve(rank: u32, metrics: bool) -> Server {
         &rank.to_string(),
         "--listen",
         "127.0.0.1:0",
+        "--until-stdin-closes",
     ]);
     if metrics {
         cmd.args(["--metrics", "127.0.0.1:0"]);

@@ -42,6 +42,10 @@ use super::cpulist::format_cpu_list;
 use super::error::PlacementError;
 use super::topology::Topology;
 
+/// The largest core-map file read, in bytes: a map names a few lines per
+/// poller, so even a machine of thousands of cores needs far less.
+pub const MAX_CORE_MAP_BYTES: u64 = 1 << 20;
+
 /// How a poller waits when there is nothing to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -310,13 +314,27 @@ impl CoreMapFile {
         }))
     }
 
-    /// Reads and parses a core-map file.
+    /// Reads and parses a core-map file. At most
+    /// [`MAX_CORE_MAP_BYTES`] are read: a larger file (or a device that
+    /// never ends, such as `/dev/zero`) is refused with
+    /// [`PlacementError::TooLarge`].
     pub fn load(path: impl AsRef<Path>) -> Result<Self, PlacementError> {
+        use std::io::Read as _;
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| PlacementError::Read {
+        let read = |source| PlacementError::Read {
             file: path.to_owned(),
             source,
-        })?;
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_CORE_MAP_BYTES + 1).read_to_string(&mut text))
+            .map_err(read)?;
+        if text.len() as u64 > MAX_CORE_MAP_BYTES {
+            return Err(PlacementError::TooLarge {
+                file: path.to_owned(),
+                limit: MAX_CORE_MAP_BYTES,
+            });
+        }
         Self::parse(&text, &path.display().to_string())
     }
 

@@ -17,6 +17,16 @@ pub enum PlacementError {
         /// Why reading failed.
         source: std::io::Error,
     },
+    /// The core-map file is larger than a core map can be
+    /// ([`MAX_CORE_MAP_BYTES`](super::MAX_CORE_MAP_BYTES)); nothing past
+    /// the limit was read.
+    #[error("{file}: larger than {limit} bytes, the most a core map may be")]
+    TooLarge {
+        /// The path given.
+        file: PathBuf,
+        /// The limit, in bytes.
+        limit: u64,
+    },
     /// The file is not valid TOML.
     #[error("{file}:{line}: TOML syntax error: {message}")]
     Syntax {

@@ -40,7 +40,7 @@ mod pin;
 mod topology;
 
 pub use check::{check, Warning, WarningKind};
-pub use core_map::{CoreMap, CoreMapFile, IdlePolicy, PollerSpec, AUTO};
+pub use core_map::{CoreMap, CoreMapFile, IdlePolicy, PollerSpec, AUTO, MAX_CORE_MAP_BYTES};
 pub use cpulist::{format_cpu_list, parse_cpu_list};
 pub use error::PlacementError;
 pub use isolation::{interrupts_per_cpu, BootOptions, Isolation};

@@ -1,9 +1,60 @@
 //! Shared helpers for the tests that run `kvpoll` processes.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
-use std::process::Child;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use kvpoll_cli::control::{FrameReader, Layout, Msg};
+
+/// A control connection to `addr` that said HELLO with `layout`, and a
+/// reader of what comes back (10 s a frame, 30 s of silence at most).
+pub fn hello(addr: &str, layout: Layout) -> (TcpStream, FrameReader<TcpStream>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let r = FrameReader::new(
+        s.try_clone().unwrap(),
+        Duration::from_secs(10),
+        Some(Duration::from_secs(30)),
+    );
+    s.write_all(&Msg::Hello(layout).encode().unwrap()).unwrap();
+    (s, r)
+}
+
+/// [`hello`], and the server's HELLO and META read: a connection past
+/// the handshake.
+pub fn client(addr: &str, layout: Layout) -> (TcpStream, FrameReader<TcpStream>) {
+    let (s, mut r) = hello(addr, layout);
+    assert_eq!(r.read_msg().unwrap(), Msg::Hello(layout));
+    assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
+    (s, r)
+}
+
+/// Blocks in the pool and free, as the rank at `addr` answers STATS on a
+/// connection past the handshake.
+pub fn stats(s: &mut TcpStream, r: &mut FrameReader<TcpStream>) -> (u64, u64) {
+    s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
+    match r.read_msg().unwrap() {
+        Msg::StatsReply { total, free, .. } => (total, free),
+        other => panic!("STATS answered {other:?}"),
+    }
+}
+
+/// A number field of a JSON line (the first one of that name).
+pub fn json_field(json: &str, name: &str) -> u64 {
+    let key = format!("\"{name}\":");
+    let at = json
+        .find(&key)
+        .unwrap_or_else(|| panic!("no {name} in {json}"));
+    json[at + key.len()..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
+        .parse()
+        .unwrap_or_else(|_| panic!("{name} is not a number in {json}"))
+}
 
 /// The address a freshly spawned `kvpoll serve` prints first (`LISTEN
 /// addr`); its standard output must be piped.
@@ -44,4 +95,42 @@ pub fn stop(pid: u32) {
 pub fn cont(pid: u32) {
     // SAFETY: signalling a child process of the test.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
+}
+
+/// A `kvpoll serve` child on a free loopback port, started with
+/// `--until-stdin-closes` and `extra`; dropping it closes its standard
+/// input and waits for it to end (20 s, then it is killed).
+pub struct Serve {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Serve {
+    pub fn start(extra: &[&str]) -> Serve {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvpoll serve");
+        let addr = listen_addr(&mut child);
+        Serve { child, addr }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -19,6 +19,10 @@ pub enum CliError {
     /// The command ran and failed (exit 1).
     #[error("{0}")]
     Failed(String),
+    /// A signal (SIGHUP, SIGINT, SIGTERM) cut the run short; it stopped
+    /// cleanly (exit 128 + the signal's number).
+    #[error("stopped by signal {0}")]
+    Signal(i32),
 }
 
 /// Moves KV-cache blocks between prefill and decode engines over UCX, and
@@ -40,8 +44,8 @@ pub enum Command {
     /// Prefill TP=4 and decode TP=2 over real UCX, pull then push, with
     /// faults; every block checked; exit 1 on corruption or a leak.
     Demo(DemoArgs),
-    /// One prefill rank: listens for decode ranks (prints `LISTEN addr`)
-    /// and serves until its standard input closes.
+    /// One prefill rank: listens for decode ranks (prints `LISTEN addr`
+    /// once it serves) and serves until SIGINT, SIGTERM or SIGHUP (exit 0).
     Serve(ServeArgs),
     /// One decode rank reading from two prefill ranks started with `serve`.
     Connect(ConnectArgs),
@@ -77,26 +81,28 @@ pub enum Ranks {
 /// The shape of a demo or `connect` run: sizes, counts and transports.
 #[derive(Debug, Clone, Args)]
 pub struct Workload {
-    /// Requests per decode rank and mode.
-    #[arg(long, value_name = "N", default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Requests per decode rank and mode (1 to 10^9).
+    #[arg(long, value_name = "N", default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
     pub requests: u64,
-    /// Blocks per KV layer, on each rank.
-    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Blocks per KV layer, on each rank (1 to 2^24).
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=1 << 24))]
     pub blocks: u32,
-    /// Bytes per block.
-    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Bytes per block (1 to 1 GiB).
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub block_size: u64,
-    /// KV layers (registered regions) per rank (a peer accepts at most
-    /// 1024).
+    /// KV layers (registered regions) per rank (1 to 1024: a peer accepts
+    /// at most 1024).
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub layers: u16,
-    /// Blocks each prefill rank contributes to a request.
-    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Blocks each prefill rank contributes to a request (1 to 4096, the
+    /// most one control message names).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub blocks_per_handle: u32,
-    /// Requests in flight per decode rank.
-    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Requests in flight per decode rank (1 to 4096).
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub window: u32,
-    /// A prefill rank's lease on what it lends or writes, in ms; the decode
+    /// A prefill rank's lease on what it lends or writes, in ms (10 to
+    /// 3 600 000); the decode
     /// rank lends its push destinations for twice as long and gives a read
     /// three quarters of it. Must match the prefill ranks' `--lease-ms`.
     #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
@@ -124,26 +130,27 @@ pub struct DemoArgs {
     /// Do not kill and restart a prefill rank mid-run.
     #[arg(long)]
     pub no_kill: bool,
-    /// Every N-th handle fails with a transfer error (0: never).
-    #[arg(long, value_name = "N", default_value_t = 200)]
+    /// Every N-th handle fails with a transfer error (0: never; at most 10^6).
+    #[arg(long, value_name = "N", default_value_t = 200, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub handle_error_every: u32,
-    /// Every N-th handle's release fails once (0: never).
-    #[arg(long, value_name = "N", default_value_t = 50)]
+    /// Every N-th handle's release fails once (0: never; at most 10^6).
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub release_failure_every: u32,
-    /// Every N-th request's setup fails (0: never).
-    #[arg(long, value_name = "N", default_value_t = 197)]
+    /// Every N-th request's setup fails (0: never; at most 10^6).
+    #[arg(long, value_name = "N", default_value_t = 197, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub setup_failure_every: u64,
-    /// Stall a prefill rank this often, in ms.
-    #[arg(long, value_name = "MS", default_value_t = 2500, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Stall a prefill rank this often, in ms (1 to 3 600 000).
+    #[arg(long, value_name = "MS", default_value_t = 2500, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub stall_every_ms: u64,
-    /// How long a stall lasts, in ms.
-    #[arg(long, value_name = "MS", default_value_t = 400)]
+    /// How long a stall lasts, in ms (0 to 60 000, the longest stall a
+    /// prefill rank takes).
+    #[arg(long, value_name = "MS", default_value_t = 400, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub stall_ms: u64,
     /// Once a mode, stop a prefill rank's process (SIGSTOP) this long, in
     /// ms: past every lease (default 2.5 x --lease-ms, longer than the
-    /// decode ranks' push leases too; 0: never). With `--ranks threads`
-    /// its poller is stalled instead.
-    #[arg(long, value_name = "MS")]
+    /// decode ranks' push leases too; 0: never; with `--ranks threads`
+    /// its poller is stalled instead; at most 600 000).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=600_000))]
     pub pause_ms: Option<u64>,
     /// Leases are timers, not fences: reads are not confirmed and push
     /// destinations are reported at their lease's end even while a stalled
@@ -154,11 +161,12 @@ pub struct DemoArgs {
     /// Soak: run the modes over and over, with the full fault mix, for
     /// this many seconds, sampling memory, file descriptors and ring
     /// occupancy; exit 1 if any grew without bound, or on any corrupted,
-    /// leaked, lost or duplicated request (0: one pull and one push run).
-    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    /// leaked, lost or duplicated request (0: one pull and one push run;
+    /// at most 604 800, a week).
+    #[arg(long, value_name = "SECS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=604_800))]
     pub soak: u64,
-    /// How often the soak samples, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    /// How often the soak samples, in seconds (1 to 3600).
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub sample_secs: u64,
     /// Write the soak's samples to this CSV file.
     #[arg(long, value_name = "FILE")]
@@ -174,8 +182,8 @@ pub struct DemoArgs {
     /// by a plain UCX worker loop (no kvpoll engine) against the live
     /// prefill ranks, one at a time and then at the demo's window on both
     /// decode ranks: the raw UCX baseline printed next to the demo's
-    /// latencies (0: skip it).
-    #[arg(long, value_name = "N", default_value_t = 300)]
+    /// latencies (0: skip it; at most 10^6).
+    #[arg(long, value_name = "N", default_value_t = 300, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub raw_requests: u32,
     /// Sizes and counts.
     #[command(flatten)]
@@ -185,8 +193,8 @@ pub struct DemoArgs {
 /// `kvpoll serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// This prefill rank's number (it seeds the block pattern).
-    #[arg(long, value_name = "R", default_value_t = 0)]
+    /// This prefill rank's number (it seeds the block pattern; 0 to 65535).
+    #[arg(long, value_name = "R", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=65535))]
     pub rank: u32,
     /// Address the control listener binds (port 0: any free port).
     #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:0")]
@@ -194,23 +202,25 @@ pub struct ServeArgs {
     /// UCX transports (UCX_TLS).
     #[arg(long, value_name = "LIST", default_value = "tcp")]
     pub tls: String,
-    /// Blocks per KV layer.
-    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Blocks per KV layer (1 to 2^24).
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=1 << 24))]
     pub blocks: u32,
-    /// Bytes per block.
-    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Bytes per block (1 to 1 GiB).
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub block_size: u64,
-    /// KV layers (registered regions; a peer accepts at most 1024).
+    /// KV layers (registered regions; 1 to 1024, as a peer accepts at most
+    /// 1024).
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub layers: u16,
-    /// Every N-th handle's release fails once (0: never).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// Every N-th handle's release fails once (0: never; at most 10^6).
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub release_failure_every: u32,
-    /// Lease on what this rank lends (pull) or writes (push), in ms.
+    /// Lease on what this rank lends (pull) or writes (push), in ms (10 to
+    /// 3 600 000).
     #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
     pub lease_ms: u64,
-    /// Every N-th handle fails with a transfer error (0: never).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// Every N-th handle fails with a transfer error (0: never; at most 10^6).
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub handle_error_every: u32,
     /// Accept fault injection over the control port (`STALL`, which stops
     /// this rank's progress). For tests and the demo only: without it a
@@ -222,6 +232,16 @@ pub struct ServeArgs {
     /// `METRICS addr`). Off by default.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Most client connections past their handshake at once (1 to 4096);
+    /// one more is refused with a message saying so. The number of
+    /// connections still in their handshake is capped apart (64; the
+    /// oldest is dropped for a new one).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_connections: u32,
+    /// Also stop (exit 0) when standard input closes: how a parent process
+    /// (the demo, a test) stops its ranks, and stops them if it dies.
+    #[arg(long)]
+    pub until_stdin_closes: bool,
 }
 
 /// `kvpoll connect`.
@@ -240,9 +260,19 @@ pub struct ConnectArgs {
     #[arg(long, value_enum, default_value_t = Mode::Pull)]
     pub mode: Mode,
     /// Stop (exit 1, saying why) once a prefill rank stayed unreachable
-    /// this long, retrying with exponential backoff until then.
+    /// this long (1 to 86 400 s), retrying with exponential backoff until
+    /// then.
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub give_up_after: u64,
+    /// How long a request's PREPARE may wait for a prefill rank's READY or
+    /// BUSY before the request fails ("no answer"), in ms.
+    #[arg(long, value_name = "MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub answer_timeout_ms: u64,
+    /// Exit 0 even when requests failed, expired or were refused, as long
+    /// as none was corrupted or leaked and every one was reported (without
+    /// it, `connect` exits 1 unless every request was transferred).
+    #[arg(long)]
+    pub allow_failures: bool,
     /// UCX transports (UCX_TLS); they must match the prefill ranks'.
     #[arg(long, value_name = "LIST", default_value = "tcp")]
     pub tls: String,
@@ -258,14 +288,14 @@ pub struct TransferArgs {
     /// UCX transports (UCX_TLS).
     #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
     pub tls: String,
-    /// Blocks per round.
-    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Blocks per round (1 to 2^24; with --block-size at most 4 GiB).
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
     pub blocks: u64,
-    /// Bytes per block.
-    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Bytes per block (1 to 1 GiB).
+    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub block_size: u64,
-    /// Rounds (the first is a warm-up, verified but not timed).
-    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Rounds (1 to 10^6; the first is a warm-up, verified but not timed).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub rounds: u64,
     /// Print one JSON object.
     #[arg(long)]

@@ -8,6 +8,7 @@ mod demo;
 mod metrics_http;
 mod peer;
 mod plot;
+mod signals;
 mod topo;
 mod transfer;
 
@@ -52,14 +53,20 @@ fn init_logging() {
 }
 
 fn main() -> ExitCode {
+    signals::ucx_defaults();
     let cli = Cli::parse();
     init_logging();
+    signals::install();
     let name = subcommand_name(&cli.command);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(CliError::Failed(msg)) => {
             eprintln!("kvpoll: {msg}");
             ExitCode::from(1)
+        }
+        Err(CliError::Signal(sig)) => {
+            eprintln!("kvpoll: stopped by signal {sig}");
+            ExitCode::from(signals::exit_code(sig))
         }
         // Options that do not fit together: reported like a parse error.
         Err(CliError::Usage(msg)) => {

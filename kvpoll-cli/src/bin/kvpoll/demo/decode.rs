@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -75,6 +75,9 @@ pub struct DecodeConfig {
     /// they are checked again and freed.
     pub hold: Duration,
     pub give_up: Duration,
+    /// How long a PREPARE may wait for its READY or BUSY before its
+    /// request fails.
+    pub answer_timeout: Duration,
     /// How long a prefill rank may stay unreachable before the run stops.
     pub give_up_after: Duration,
     /// Reads are confirmed and push leases are fences (false: timers,
@@ -110,6 +113,10 @@ pub struct Causes {
     pub deadline: u64,
     pub lease_lost: u64,
     pub other: u64,
+    /// A prefill rank answered a PREPARE with a malformed READY.
+    pub bad_answer: u64,
+    /// A prefill rank did not answer a PREPARE in time.
+    pub no_answer: u64,
 }
 
 impl Causes {
@@ -129,6 +136,8 @@ impl Causes {
         self.deadline += o.deadline;
         self.lease_lost += o.lease_lost;
         self.other += o.other;
+        self.bad_answer += o.bad_answer;
+        self.no_answer += o.no_answer;
     }
 }
 
@@ -159,6 +168,9 @@ pub struct DecodeReport {
     pub causes: Causes,
     /// Why the run stopped before every request was reported, if it did.
     pub gave_up: Option<String>,
+    /// Why the first request that a prefill rank answered wrongly (or not
+    /// at all) failed.
+    pub first_bad_answer: Option<String>,
     /// Poller stalls and engine-thread sleeps this rank went through.
     pub stalls: u32,
     /// Injected faults that fired on this rank.
@@ -257,6 +269,8 @@ struct Req {
 
 struct Decoder<'a> {
     cfg: &'a DecodeConfig,
+    /// Requests reported, however they ended (for the demo's progress).
+    progress: &'a AtomicU64,
     engine: Engine,
     pool: Pool,
     links: [Link; 2],
@@ -277,7 +291,7 @@ pub fn run(
     cfg: &DecodeConfig,
     registry: &Registry,
     progress: &AtomicU64,
-    stop: &AtomicBool,
+    stop: &dyn Fn() -> bool,
 ) -> Result<DecodeReport, EngineError> {
     let mut engine = Engine::builder()
         .block_size(cfg.block_size)
@@ -293,6 +307,7 @@ pub fn run(
     let (tx, rx) = mpsc::channel();
     let mut d = Decoder {
         cfg,
+        progress,
         engine,
         pool: Pool::new(cfg.blocks),
         links: [Link::new(), Link::new()],
@@ -325,16 +340,22 @@ pub fn run(
     let mut out = Outcomes::default();
     let (mut stall_done, mut doze_done) = (false, false);
     let mut last_rings = Instant::now();
+    let mut draining: Option<Instant> = None;
     loop {
         d.reconnect(registry);
         let issued_before = issued;
-        while issued < cfg.requests && d.reqs.len() < cfg.window && d.links_up() {
+        while draining.is_none()
+            && issued < cfg.requests
+            && d.reqs.len() < cfg.window
+            && d.links_up()
+        {
             if !d.issue(issued) {
                 break;
             }
             issued += 1;
         }
         let heard = d.handle_links();
+        d.expire_answers();
         out.clear();
         // After a few idle rounds, block until a report, a control message
         // (its reader thread wakes the engine's waiter) or the next timer.
@@ -344,7 +365,7 @@ pub fn run(
             Duration::ZERO
         };
         d.engine.wait(&mut out, block);
-        d.handle_outcomes(&out, progress);
+        d.handle_outcomes(&out);
         let released = d.release_due(false);
         let busy = issued != issued_before || heard || !out.is_empty() || released;
         let reported = progress_of(&d.report);
@@ -362,7 +383,15 @@ pub fn run(
             doze_done = true;
         }
         let all_done = issued >= cfg.requests && d.reqs.is_empty();
-        if all_done || stop.load(Ordering::Acquire) || d.report.gave_up.is_some() {
+        if draining.is_none() && stop() {
+            // Stopped (a signal): issue nothing more, give back what never
+            // reached the engine, and let what is in flight end (its
+            // deadline bounds it) so that nothing is left held.
+            d.drain();
+            draining = Some(Instant::now() + cfg.lease * 2 + Duration::from_secs(1));
+        }
+        let drained = draining.is_some_and(|t| d.reqs.is_empty() || Instant::now() >= t);
+        if all_done || drained || d.report.gave_up.is_some() {
             break;
         }
         if start.elapsed() > cfg.give_up {
@@ -658,11 +687,13 @@ impl Decoder<'_> {
                     },
                 ) => self.ready(t % 2, req, lease_ms, kvpoll::Incarnation(lend), blocks),
                 Incoming::Line(_, Msg::Busy { req }) => self.abandon(req),
+                // A writer that refused or failed: nothing more comes.
+                Incoming::Line(_, Msg::Pushed { req, done: false }) => self.abandon(req),
                 Incoming::Line(t, Msg::Refused(why)) => {
                     let i = t % 2;
                     tracing::warn!(rank = self.cfg.prefill[i], "prefill rank refused: {why}");
                 }
-                Incoming::Line(_, _) | Incoming::Opened(..) => {}
+                Incoming::Line(_, _) => {}
                 Incoming::Bad(t, why) => {
                     let i = t % 2;
                     tracing::warn!(rank = self.cfg.prefill[i], "control link lost: {why}");
@@ -708,6 +739,81 @@ impl Decoder<'_> {
         }
     }
 
+    /// Gives back the blocks of every request not in the engine yet, and
+    /// tells the ranks that lent for them to release.
+    fn drain(&mut self) {
+        let waiting: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| !r.submitted)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in waiting {
+            self.release_lends(id);
+            self.abandon(id);
+        }
+    }
+
+    /// Tells the prefill ranks that answered READY for request `id` (not
+    /// read) to release their lends now rather than at their lease's end.
+    fn release_lends(&mut self, id: u64) {
+        let Some(r) = self.reqs.get(&id) else {
+            return;
+        };
+        let lenders: Vec<(PeerId, kvpoll::Incarnation)> = (0..2)
+            .filter(|&j| r.ready[j].is_some())
+            .filter_map(|j| self.links[j].peer.map(|p| (p, r.lends[j])))
+            .collect();
+        if !lenders.is_empty() {
+            let _ = self.engine.notify_only(RequestId(id), &lenders);
+        }
+    }
+
+    /// Fails every PREPARE that waited longer than the answer timeout.
+    fn expire_answers(&mut self) {
+        if self.cfg.mode != Mode::Pull {
+            return;
+        }
+        let late: Vec<(u64, usize)> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| !r.submitted && r.t0.elapsed() >= self.cfg.answer_timeout)
+            .filter_map(|(&id, r)| r.ready.iter().position(|x| x.is_none()).map(|i| (id, i)))
+            .collect();
+        for (id, i) in late {
+            let why = format!(
+                "no answer to PREPARE from prefill rank {} within {} ms",
+                self.cfg.prefill[i],
+                self.cfg.answer_timeout.as_millis()
+            );
+            self.fail_answer(id, why, false);
+        }
+    }
+
+    /// A prefill rank answered request `id` wrongly (`bad`) or not at all:
+    /// it fails now, with `why`, and the ranks that did lend for it are
+    /// told to release.
+    fn fail_answer(&mut self, id: u64, why: String, bad: bool) {
+        self.release_lends(id);
+        let Some(r) = self.reqs.remove(&id) else {
+            return;
+        };
+        self.pool.release(&r.blocks);
+        self.progress.fetch_add(1, Ordering::Relaxed);
+        self.report.failed += 1;
+        if bad {
+            self.report.causes.bad_answer += 1;
+        } else {
+            self.report.causes.no_answer += 1;
+        }
+        if self.report.first_bad_answer.is_none() {
+            tracing::warn!(rank = self.cfg.rank, "request {id:#x} failed: {why}");
+            self.report.first_bad_answer = Some(why);
+        } else {
+            tracing::debug!(rank = self.cfg.rank, "request {id:#x} failed: {why}");
+        }
+    }
+
     fn ready(
         &mut self,
         i: usize,
@@ -718,10 +824,25 @@ impl Decoder<'_> {
     ) {
         let h = self.cfg.per_handle as usize;
         let Some(r) = self.reqs.get_mut(&id) else {
+            // Late (its request failed already): release the lend now.
+            if let Some(p) = self.links[i].peer {
+                let _ = self.engine.notify_only(RequestId(id), &[(p, lend)]);
+            }
             return;
         };
-        if remote.len() != h || r.submitted {
+        if r.submitted || r.ready[i].is_some() {
             return;
+        }
+        if remote.len() != h {
+            let why = format!(
+                "prefill rank {} answered READY with {} blocks, {h} asked for",
+                self.cfg.prefill[i],
+                remote.len()
+            );
+            // It lent something: it is told to release too.
+            r.ready[i] = Some(remote);
+            r.lends[i] = lend;
+            return self.fail_answer(id, why, true);
         }
         r.ready[i] = Some(remote);
         r.lends[i] = lend;
@@ -788,7 +909,8 @@ impl Decoder<'_> {
         }
     }
 
-    fn handle_outcomes(&mut self, out: &Outcomes, progress: &AtomicU64) {
+    fn handle_outcomes(&mut self, out: &Outcomes) {
+        let progress = self.progress;
         let h = self.cfg.per_handle as usize;
         for &(id, _, _) in &out.handle_failures {
             if self.cfg.policy == Policy::Eager && self.cfg.mode == Mode::Pull {

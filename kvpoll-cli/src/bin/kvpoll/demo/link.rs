@@ -22,8 +22,6 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// What a reader thread reports.
 pub enum Incoming {
-    /// A new connection (sent before any of its messages, on the same channel).
-    Opened(usize, TcpStream),
     Line(usize, Msg),
     /// The link sent bytes that are not a valid frame, timed out, or
     /// failed: why. Nothing more is read from it.

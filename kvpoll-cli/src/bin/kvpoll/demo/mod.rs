@@ -16,6 +16,7 @@
 //! can fail.
 
 mod decode;
+mod door;
 mod link;
 mod pool;
 mod prefill;
@@ -33,6 +34,7 @@ use std::time::{Duration, Instant};
 use kvpoll::engine::Faults;
 
 use crate::cli::{CliError, ConnectArgs, DemoArgs, Ranks, ServeArgs, Workload};
+use crate::signals;
 use decode::{progress_of, Causes, DecodeConfig, DecodeReport, Registry};
 pub use decode::{Mode, Policy};
 use kvpoll_cli::control::{self, FrameReader};
@@ -63,6 +65,8 @@ struct Settings {
     kill: bool,
     json: bool,
     give_up_after: Duration,
+    /// How long a PREPARE waits for its answer.
+    answer_timeout: Duration,
     /// A prefill rank's lend (pull) and write (push) lease.
     lease: Duration,
     /// How long a prefill rank is stopped once a mode (zero: never).
@@ -121,6 +125,7 @@ impl Settings {
             kill: false,
             json: w.json,
             give_up_after: Duration::from_secs(30),
+            answer_timeout: Duration::from_secs(5),
             lease: Duration::from_millis(w.lease_ms),
             pause_for: Duration::ZERO,
             no_fence: false,
@@ -189,6 +194,7 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         lease: s.lease * 2,
         hold: Duration::from_millis(30),
         give_up: Duration::from_secs(240),
+        answer_timeout: s.answer_timeout,
         give_up_after: s.give_up_after,
         fence: !s.no_fence,
         stall: None,
@@ -208,6 +214,7 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         // normally ends (done or failed) before its destination's lease.
         lease: s.lease,
         metrics: None,
+        limits: door::Limits { max_conns: 256 },
         // The demo stalls its ranks on purpose.
         testing: s.faults,
         faults: Faults {
@@ -237,6 +244,8 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
                 &rank.to_string(),
                 "--listen",
                 "127.0.0.1:0",
+                // Closing its stdin stops it, also when the demo is killed.
+                "--until-stdin-closes",
             ])
             .args(["--tls", &s.tls, "--blocks", &s.blocks.to_string()])
             .args([
@@ -286,7 +295,8 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
         let stop = Arc::new(AtomicBool::new(false));
         let (cfg, flag) = (serve_config(s, rank), stop.clone());
         let t = std::thread::spawn(move || {
-            if let Err(e) = prefill::serve(listener, cfg, flag) {
+            let stop = move || flag.load(Ordering::Acquire);
+            if let Err(e) = prefill::serve(listener, cfg, stop, || {}) {
                 tracing::error!(rank, "prefill rank stopped: {e}");
             }
         });
@@ -504,6 +514,15 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
                 }
             }
             reports.push((mode, r));
+            if signals::caught().is_some() {
+                break;
+            }
+        }
+        if let Some(sig) = signals::caught() {
+            for r in ranks.into_iter().flatten() {
+                r.stop();
+            }
+            return Err(CliError::Signal(sig));
         }
         let stopped_early = reports.iter().any(|(_, r)| gave_up(r).is_some());
         match soak_until {
@@ -669,7 +688,7 @@ fn run_mode(
         }
         let (reg, prog, st) = (registry.clone(), progress.clone(), stop.clone());
         decoders.push(std::thread::spawn(move || {
-            decode::run(&cfg, &reg, &prog, &st)
+            decode::run(&cfg, &reg, &prog, &|| st.load(Ordering::Acquire))
         }));
     }
 
@@ -697,6 +716,10 @@ fn run_mode(
     let mut last_line = Instant::now();
     while decoders.iter().any(|d| !d.is_finished()) {
         std::thread::sleep(Duration::from_millis(20));
+        if signals::caught().is_some() {
+            // Cut short: the decode ranks stop; the caller stops the rest.
+            stop.store(true, Ordering::Release);
+        }
         let done = progress.load(Ordering::Relaxed);
         if let Some(b) = &bar {
             b.set_position(done);
@@ -978,6 +1001,8 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     row("  deadline", t.causes.deadline);
     row("  lease lost", t.causes.lease_lost);
     row("  other causes", t.causes.other);
+    row("  wrong answer to PREPARE", t.causes.bad_answer);
+    row("  no answer to PREPARE", t.causes.no_answer);
     row("requests expired", t.expired);
     row("requests refused before transfer", t.refused);
     row("  lease too short to read", t.lease_too_short);
@@ -1072,7 +1097,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 raw.error.as_deref().map_or("null".to_owned(), json_str),
             );
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -1084,6 +1109,12 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 c.deadline,
                 c.lease_lost,
                 c.other,
+                c.bad_answer,
+                c.no_answer,
+                r.decode
+                    .iter()
+                    .find_map(|d| d.first_bad_answer.as_deref())
+                    .map_or("null".to_owned(), json_str),
                 t.expired,
                 t.refused,
                 t.lease_too_short,
@@ -1138,6 +1169,9 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
             ..Faults::default()
         },
         metrics: args.metrics.map(|_| Arc::default()),
+        limits: door::Limits {
+            max_conns: args.max_connections as usize,
+        },
         testing: args.testing,
     };
     check_sizes(u64::from(args.layers), args.blocks, args.block_size, 1)?;
@@ -1146,17 +1180,29 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     let addr = listener
         .local_addr()
         .map_err(|e| CliError::Failed(e.to_string()))?;
-    println!("LISTEN {addr}");
-    if let (Some(at), Some(snapshot)) = (args.metrics, &cfg.metrics) {
-        let bound = crate::metrics_http::start(at, snapshot.clone())
-            .map_err(|e| CliError::Failed(format!("--metrics {at}: {e}")))?;
-        println!("METRICS {bound}");
-    }
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
-    // Serve until standard input closes (the parent went away).
-    prefill::serve(listener, cfg, crate::peer::stdin_closed())
-        .map_err(|e| CliError::Failed(e.to_string()))
+    // Everything `LISTEN` promises listens before it is printed.
+    let metrics = match (args.metrics, &cfg.metrics) {
+        (Some(at), Some(snapshot)) => Some(
+            crate::metrics_http::start(at, snapshot.clone())
+                .map_err(|e| CliError::Failed(format!("--metrics {at}: {e}")))?,
+        ),
+        _ => None,
+    };
+    // Serve until a signal, or (`--until-stdin-closes`) until the parent
+    // closes our standard input.
+    let stdin = args.until_stdin_closes.then(crate::peer::stdin_closed);
+    let stop = move || {
+        signals::caught().is_some() || stdin.as_ref().is_some_and(|c| c.load(Ordering::Acquire))
+    };
+    let announce = || {
+        println!("LISTEN {addr}");
+        if let Some(bound) = metrics {
+            println!("METRICS {bound}");
+        }
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+    };
+    prefill::serve(listener, cfg, stop, announce).map_err(|e| CliError::Failed(e.to_string()))
 }
 
 /// `kvpoll connect`: one decode rank reading from two prefill ranks.
@@ -1176,8 +1222,10 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     if let Ok(mut a) = registry.addrs.lock() {
         a.extend(addrs.into_iter().map(|x| (x, 0)));
     }
+    s.answer_timeout = Duration::from_millis(args.answer_timeout_ms);
     let cfg = decode_config(&s, mode, Policy::Safe);
-    let r = decode::run(&cfg, &registry, &AtomicU64::new(0), &AtomicBool::new(false))
+    let stop = || signals::caught().is_some();
+    let r = decode::run(&cfg, &registry, &AtomicU64::new(0), &stop)
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let report = ModeReport {
         seconds: r.seconds,
@@ -1196,10 +1244,23 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
             t.corrupted, t.leaked
         )));
     }
+    if let Some(sig) = signals::caught() {
+        return Err(CliError::Signal(sig));
+    }
     if let Some(why) = gave_up(&report) {
         return Err(CliError::Failed(format!(
             "transferred {} of {} requests: {why}",
             t.finished, t.requests
+        )));
+    }
+    if t.finished < t.requests && !args.allow_failures {
+        let first = report.decode[0]
+            .first_bad_answer
+            .as_ref()
+            .map_or(String::new(), |w| format!("; the first wrong answer: {w}"));
+        return Err(CliError::Failed(format!(
+            "transferred {} of {} requests: {} failed, {} expired, {} refused{first}",
+            t.finished, t.requests, t.failed, t.expired, t.refused
         )));
     }
     Ok(())

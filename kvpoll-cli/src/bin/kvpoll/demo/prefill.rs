@@ -3,9 +3,7 @@
 //! writes them into decode blocks (push).
 
 use std::collections::HashMap;
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +13,7 @@ use kvpoll::{
     BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
 };
 
-use super::link::{self, Incoming};
+use super::door::{self, ToEngine};
 use super::pool::{seed, Pool};
 use super::proto::{Layout, Msg};
 
@@ -32,6 +30,8 @@ pub struct ServeConfig {
     /// Fault injection over the control port (`STALL`) is taken only when
     /// set (`serve --testing`).
     pub testing: bool,
+    /// The control port's bounds.
+    pub limits: door::Limits,
     /// Where to publish the engine's metrics (`serve --metrics`), about
     /// every 100 ms.
     pub metrics: Option<Arc<Mutex<MetricsSnapshot>>>,
@@ -40,15 +40,6 @@ pub struct ServeConfig {
 /// How often a serving rank refreshes its published metrics.
 const METRICS_EVERY: Duration = Duration::from_millis(100);
 
-struct Conn {
-    stream: TcpStream,
-    peer: Option<PeerId>,
-    /// Whether the client said a hello that matched our layout.
-    greeted: bool,
-}
-
-/// How long a client connection may stay silent before it is closed.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The longest stall a `--testing` server accepts.
 const MAX_STALL: Duration = Duration::from_secs(60);
 
@@ -60,11 +51,13 @@ struct Held {
     since: Instant,
 }
 
-/// Serves decode ranks on `listener` until `stop` is set.
+/// Serves decode ranks on `listener` until `stop` says so; `ready` runs
+/// once the engine is up and the control port is served.
 pub fn serve(
     listener: TcpListener,
     cfg: ServeConfig,
-    stop: Arc<AtomicBool>,
+    stop: impl Fn() -> bool,
+    ready: impl FnOnce(),
 ) -> Result<(), EngineError> {
     let mut engine = Engine::builder()
         .block_size(cfg.block_size)
@@ -85,29 +78,12 @@ pub fn serve(
             "engine metadata does not fit in a control frame: fewer layers",
         ));
     }
-    let (tx, rx) = mpsc::channel::<Incoming>();
-    listener
-        .set_nonblocking(false)
-        .map_err(|_| EngineError::Config("control listener cannot block"))?;
-    std::thread::spawn(move || {
-        for (tag, stream) in listener.incoming().enumerate() {
-            let Ok(stream) = stream else { continue };
-            let _ = stream.set_nodelay(true);
-            let _ = stream.set_write_timeout(Some(link::WRITE_TIMEOUT));
-            // Opened goes first on the same channel as the lines, so the
-            // connection is known before its first line is handled.
-            let Ok(writer) = stream.try_clone() else {
-                continue;
-            };
-            if tx.send(Incoming::Opened(tag, writer)).is_err() {
-                return;
-            }
-            let _ = link::spawn_reader(&stream, tag, tx.clone(), Some(IDLE_TIMEOUT), None);
-        }
-    });
+    let door = door::start(listener, ours, meta, cfg.testing, cfg.limits, cfg.rank)
+        .map_err(|_| EngineError::Config("the control port cannot be served"))?;
 
     let mut pool = Pool::new(cfg.blocks);
-    let mut conns: HashMap<usize, Conn> = HashMap::new();
+    // The peer of each connection that sent its metadata.
+    let mut peers: HashMap<usize, PeerId> = HashMap::new();
     let mut held: HashMap<u64, Held> = HashMap::new();
     let mut out = Outcomes::default();
     let mut buf = vec![0u8; cfg.block_size as usize];
@@ -116,81 +92,44 @@ pub fn serve(
     // at each refresh.
     let mut tally = MetricsSnapshot::default();
     let mut published: Option<Instant> = None;
-    while !stop.load(Ordering::Acquire) {
+    let mut stats_at: Option<Instant> = None;
+    ready();
+    while !stop() {
         if let Some(m) = &cfg.metrics {
             if published.is_none_or(|t| t.elapsed() >= METRICS_EVERY) {
                 publish(&engine, &tally, m);
                 published = Some(Instant::now());
             }
         }
+        if stats_at.is_none_or(|t| t.elapsed() >= STATS_EVERY) {
+            door.publish(stats(&engine, &pool));
+            stats_at = Some(Instant::now());
+        }
         // Everything that arrived, then the engine; wait a little only when
         // there was nothing.
-        let mut first = rx.recv_timeout(Duration::from_micros(500)).ok();
-        while let Some(inc) = first.take().or_else(|| rx.try_recv().ok()) {
+        let mut first = door.rx.recv_timeout(Duration::from_micros(500)).ok();
+        while let Some(inc) = first.take().or_else(|| door.rx.try_recv().ok()) {
             match inc {
-                Incoming::Opened(tag, stream) => {
-                    // Nothing is said before the client's hello.
-                    conns.insert(
-                        tag,
-                        Conn {
-                            stream,
-                            peer: None,
-                            greeted: false,
-                        },
-                    );
+                ToEngine::Closed(tag) => {
+                    if let Some(p) = peers.remove(&tag) {
+                        let _ = engine.remove_peer(p);
+                    }
                 }
-                Incoming::Closed(tag) => close(&mut engine, &mut conns, tag, None),
-                Incoming::Bad(tag, why) => {
-                    tracing::warn!(rank = cfg.rank, conn = tag, "control link refused: {why}");
-                    close(&mut engine, &mut conns, tag, Some(why));
-                }
-                Incoming::Line(tag, m) if !conns.get(&tag).is_some_and(|c| c.greeted) => {
-                    // The handshake: a hello with our layout, or nothing.
-                    let Some(c) = conns.get_mut(&tag) else {
-                        continue;
+                ToEngine::Msg(tag, m) => {
+                    let mut at = Rank {
+                        engine: &mut engine,
+                        cfg: &cfg,
+                        pool: &mut pool,
+                        peers: &mut peers,
+                        held: &mut held,
+                        buf: &mut buf,
+                        alloc: &mut alloc,
                     };
-                    match m {
-                        Msg::Hello(theirs) if theirs == ours => {
-                            c.greeted = true;
-                            let ok = link::send(&mut c.stream, &Msg::Hello(ours))
-                                && link::send(&mut c.stream, &Msg::Meta(meta.clone()));
-                            if !ok {
-                                close(&mut engine, &mut conns, tag, None);
-                            }
-                        }
-                        Msg::Hello(theirs) => {
-                            // Our hello lets the client name the mismatch.
-                            link::send(&mut c.stream, &Msg::Hello(ours));
-                            let why = format!("layout mismatch: ours is {ours}, yours is {theirs}");
-                            tracing::warn!(rank = cfg.rank, conn = tag, "{why}");
-                            close(&mut engine, &mut conns, tag, Some(why));
-                        }
-                        _ => {
-                            let why = "the handshake (HELLO) must come first".to_owned();
-                            tracing::warn!(
-                                rank = cfg.rank,
-                                conn = tag,
-                                "control link refused: {why}"
-                            );
-                            close(&mut engine, &mut conns, tag, Some(why));
-                        }
+                    if let Some(r) = at.handle(tag, m) {
+                        door.reply(tag, r);
                     }
-                }
-                Incoming::Line(tag, m) => {
-                    let reply = handle(
-                        &mut engine,
-                        &cfg,
-                        &mut pool,
-                        &mut conns,
-                        &mut held,
-                        tag,
-                        m,
-                        &mut buf,
-                        &mut alloc,
-                    );
-                    if let (Some(r), Some(c)) = (reply, conns.get_mut(&tag)) {
-                        link::send(&mut c.stream, &r);
-                    }
+                    // The pool moved: STATS sees it now.
+                    door.publish(stats(&engine, &pool));
                 }
             }
         }
@@ -207,8 +146,10 @@ pub fn serve(
             .copied()
             .chain(failed)
             .map(|id| (id, false));
+        let mut moved = false;
         for (id, done) in done.chain(not_done) {
             if let Some(h) = held.remove(&id.0) {
+                moved = true;
                 let ns = u64::try_from(h.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 match h.push_conn {
                     Some(_) => tally.latency.write.record(ns),
@@ -216,28 +157,34 @@ pub fn serve(
                 }
                 pool.release(&h.blocks);
                 if let Some(tag) = h.push_conn {
-                    if let Some(c) = conns.get_mut(&tag) {
-                        link::send(&mut c.stream, &Msg::Pushed { req: id.0, done });
-                    }
+                    door.reply(tag, Msg::Pushed { req: id.0, done });
                 }
             }
         }
+        if moved {
+            door.publish(stats(&engine, &pool));
+        }
     }
+    drop(door);
     engine.shutdown();
     Ok(())
 }
 
-/// Closes connection `tag`, telling the client why first if there is a
-/// reason, and forgets its peer.
-fn close(engine: &mut Engine, conns: &mut HashMap<usize, Conn>, tag: usize, why: Option<String>) {
-    if let Some(mut c) = conns.remove(&tag) {
-        if let Some(why) = why {
-            link::send(&mut c.stream, &Msg::Refused(why));
-        }
-        let _ = c.stream.shutdown(std::net::Shutdown::Both);
-        if let Some(p) = c.peer {
-            let _ = engine.remove_peer(p);
-        }
+/// How often the figures STATS answers with are refreshed when nothing
+/// moved the pool.
+const STATS_EVERY: Duration = Duration::from_millis(50);
+
+/// What STATS answers: the pool and the engine's counters.
+fn stats(engine: &Engine, pool: &Pool) -> door::Stats {
+    let s = engine.poller_stats();
+    let m = engine.metrics();
+    door::Stats {
+        total: u64::from(pool.total()),
+        free: u64::from(pool.free()),
+        busy: s.busy_ns,
+        idle: s.idle_ns,
+        transfer_errors: m.handle_failures.transfer,
+        release_failures: m.release_failures,
     }
 }
 
@@ -251,123 +198,118 @@ fn publish(engine: &Engine, tally: &MetricsSnapshot, to: &Mutex<MetricsSnapshot>
     *to.lock().unwrap_or_else(|p| p.into_inner()) = snap;
 }
 
-#[allow(clippy::too_many_arguments)]
-fn handle(
-    engine: &mut Engine,
-    cfg: &ServeConfig,
-    pool: &mut Pool,
-    conns: &mut HashMap<usize, Conn>,
-    held: &mut HashMap<u64, Held>,
-    tag: usize,
-    m: Msg,
-    buf: &mut [u8],
-    alloc: &mut Vec<BlockId>,
-) -> Option<Msg> {
-    match m {
-        Msg::Meta(bytes) => match engine.add_peer(&bytes) {
-            Ok(peer) => {
-                if let Some(c) = conns.get_mut(&tag) {
-                    c.peer = Some(peer);
-                }
-                None
-            }
-            Err(e) => {
-                tracing::warn!(rank = cfg.rank, conn = tag, "peer metadata refused: {e}");
-                Some(Msg::Refused(format!("metadata refused: {e}")))
-            }
-        },
-        Msg::Prepare { req, n } => {
-            alloc.clear();
-            if held.contains_key(&req) || !pool.alloc(n as usize, alloc) {
-                return Some(Msg::Busy { req });
-            }
-            fill(engine, cfg, req, alloc, buf);
-            match engine.lend(RequestId(req), alloc, LendTo::Readers(1), cfg.lease) {
-                Ok(lend) => {
-                    held.insert(
-                        req,
-                        Held {
-                            blocks: alloc.clone(),
-                            push_conn: None,
-                            since: Instant::now(),
-                        },
-                    );
-                    Some(Msg::Ready {
-                        req,
-                        lease_ms: u32::try_from(cfg.lease.as_millis()).unwrap_or(u32::MAX),
-                        lend: lend.0,
-                        blocks: alloc.iter().map(|b| b.0).collect(),
-                    })
-                }
-                Err(_) => {
-                    pool.release(alloc);
-                    Some(Msg::Busy { req })
-                }
-            }
-        }
-        Msg::Push { req, lend, blocks } => {
-            let peer = conns.get(&tag).and_then(|c| c.peer);
-            alloc.clear();
-            let Some(peer) =
-                peer.filter(|_| !held.contains_key(&req) && pool.alloc(blocks.len(), alloc))
-            else {
-                return Some(Msg::Pushed { req, done: false });
-            };
-            fill(engine, cfg, req, alloc, buf);
-            let remote: Vec<BlockId> = blocks.iter().map(|&b| BlockId(b)).collect();
-            let t = Transfer {
-                peer,
-                local: alloc,
-                remote: &remote,
-                lend: kvpoll::Incarnation(lend),
-            };
-            match engine.write(RequestId(req), &[t], 1, cfg.lease) {
-                Ok(()) => {
-                    held.insert(
-                        req,
-                        Held {
-                            blocks: alloc.clone(),
-                            push_conn: Some(tag),
-                            since: Instant::now(),
-                        },
-                    );
+/// What the engine thread holds while it handles one message.
+struct Rank<'a> {
+    engine: &'a mut Engine,
+    cfg: &'a ServeConfig,
+    pool: &'a mut Pool,
+    peers: &'a mut HashMap<usize, PeerId>,
+    held: &'a mut HashMap<u64, Held>,
+    buf: &'a mut [u8],
+    alloc: &'a mut Vec<BlockId>,
+}
+
+impl Rank<'_> {
+    /// Handles a message of connection `tag` that needs the engine; the
+    /// reply, if one is due now.
+    fn handle(&mut self, tag: usize, m: Msg) -> Option<Msg> {
+        let Rank {
+            engine,
+            cfg,
+            pool,
+            peers,
+            held,
+            buf,
+            alloc,
+        } = self;
+        match m {
+            Msg::Meta(bytes) => match engine.add_peer(&bytes) {
+                Ok(peer) => {
+                    // The same metadata again is the same peer; another
+                    // engine on this connection replaces the old one.
+                    if let Some(old) = peers.insert(tag, peer).filter(|&old| old != peer) {
+                        let _ = engine.remove_peer(old);
+                    }
                     None
                 }
-                Err(_) => {
-                    pool.release(alloc);
-                    Some(Msg::Pushed { req, done: false })
+                Err(e) => {
+                    tracing::warn!(rank = cfg.rank, conn = tag, "peer metadata refused: {e}");
+                    Some(Msg::Refused(format!("metadata refused: {e}")))
+                }
+            },
+            Msg::Prepare { req, n } => {
+                alloc.clear();
+                if !peers.contains_key(&tag)
+                    || held.contains_key(&req)
+                    || !pool.alloc(n as usize, alloc)
+                {
+                    return Some(Msg::Busy { req });
+                }
+                fill(engine, cfg, req, alloc, buf);
+                match engine.lend(RequestId(req), alloc, LendTo::Readers(1), cfg.lease) {
+                    Ok(lend) => {
+                        held.insert(
+                            req,
+                            Held {
+                                blocks: alloc.clone(),
+                                push_conn: None,
+                                since: Instant::now(),
+                            },
+                        );
+                        Some(Msg::Ready {
+                            req,
+                            lease_ms: u32::try_from(cfg.lease.as_millis()).unwrap_or(u32::MAX),
+                            lend: lend.0,
+                            blocks: alloc.iter().map(|b| b.0).collect(),
+                        })
+                    }
+                    Err(_) => {
+                        pool.release(alloc);
+                        Some(Msg::Busy { req })
+                    }
                 }
             }
+            Msg::Push { req, lend, blocks } => {
+                let peer = peers.get(&tag).copied();
+                alloc.clear();
+                let Some(peer) =
+                    peer.filter(|_| !held.contains_key(&req) && pool.alloc(blocks.len(), alloc))
+                else {
+                    return Some(Msg::Pushed { req, done: false });
+                };
+                fill(engine, cfg, req, alloc, buf);
+                let remote: Vec<BlockId> = blocks.iter().map(|&b| BlockId(b)).collect();
+                let t = Transfer {
+                    peer,
+                    local: alloc,
+                    remote: &remote,
+                    lend: kvpoll::Incarnation(lend),
+                };
+                match engine.write(RequestId(req), &[t], 1, cfg.lease) {
+                    Ok(()) => {
+                        held.insert(
+                            req,
+                            Held {
+                                blocks: alloc.clone(),
+                                push_conn: Some(tag),
+                                since: Instant::now(),
+                            },
+                        );
+                        None
+                    }
+                    Err(_) => {
+                        pool.release(alloc);
+                        Some(Msg::Pushed { req, done: false })
+                    }
+                }
+            }
+            // Only a `--testing` server's control port passes it on.
+            Msg::Stall { ms } => {
+                let _ = engine.stall(Duration::from_millis(ms).min(MAX_STALL));
+                None
+            }
+            _ => None,
         }
-        Msg::Stall { ms } if cfg.testing => {
-            let _ = engine.stall(Duration::from_millis(ms).min(MAX_STALL));
-            None
-        }
-        Msg::Stall { .. } => {
-            tracing::warn!(rank = cfg.rank, conn = tag, "STALL refused (not --testing)");
-            Some(Msg::Refused(
-                "STALL refused: this server was not started with --testing".into(),
-            ))
-        }
-        Msg::Stats => {
-            let s = engine.poller_stats();
-            let m = engine.metrics();
-            Some(Msg::StatsReply {
-                total: u64::from(pool.total()),
-                free: u64::from(pool.free()),
-                busy: s.busy_ns,
-                idle: s.idle_ns,
-                transfer_errors: m.handle_failures.transfer,
-                release_failures: m.release_failures,
-            })
-        }
-        // Messages a prefill rank does not take are ignored.
-        Msg::Hello(_)
-        | Msg::Ready { .. }
-        | Msg::Busy { .. }
-        | Msg::Pushed { .. }
-        | Msg::StatsReply { .. }
-        | Msg::Refused(_) => None,
     }
 }
 

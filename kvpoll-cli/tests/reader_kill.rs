@@ -1,0 +1,220 @@
+//! A reader's death must never take its lender down: a decode rank
+//! (`kvpoll connect`) is killed (SIGKILL) mid-transfer again and again while
+//! two prefill ranks (`kvpoll serve`) lend to it; after every kill both
+//! lenders must still run, get every block of the dead reader back, and
+//! serve the next reader.
+//!
+//! Over tcp in pull mode this fails on UCX 1.13 (and 1.22): a get's target
+//! answers a get request with an active message sent from inside
+//! `ucp_get_req_handler` (`ucp_progress_get_reply`, `src/ucp/rma/rma_sw.c`);
+//! when the reader's connection is already reset, `uct_ep_am_bcopy` returns
+//! `UCS_ERR_ENDPOINT_TIMEOUT`, which `ucp_request_try_send`
+//! (`src/ucp/core/ucp_request.inl`) turns into `ucs_fatal` — an abort of the
+//! lender's process that no endpoint option or error-handling mode reaches
+//! (see docs/design.md, UCX facts). That case is `#[ignore]`d with this
+//! reason; `cargo test --test reader_kill -- --ignored` runs it.
+//!
+//! Time bounds here are guards against a hang, not measurements.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvpoll_cli::control::{FrameReader, Layout, Msg};
+
+mod procs;
+
+const LEASE_MS: u64 = 400;
+const LAYOUT: Layout = Layout {
+    block_size: 65536,
+    layers: 2,
+    blocks: 256,
+};
+
+struct Lender {
+    child: Child,
+    addr: String,
+    /// Where its standard error goes (UCX's last words if it dies).
+    log: std::path::PathBuf,
+}
+
+impl Lender {
+    /// What UCX said of its error, with the UCX frames of its backtrace.
+    fn last_words(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let said: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                ["Fatal", "Assert", "ucp_", "uct_", "panicked"]
+                    .iter()
+                    .any(|w| l.contains(w))
+            })
+            .take(12)
+            .collect();
+        said.join("\n")
+    }
+}
+
+impl Drop for Lender {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+fn sizes() -> Vec<String> {
+    [
+        "--blocks",
+        &LAYOUT.blocks.to_string(),
+        "--block-size",
+        &LAYOUT.block_size.to_string(),
+        "--layers",
+        &LAYOUT.layers.to_string(),
+        "--lease-ms",
+        &LEASE_MS.to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+fn lender(rank: u32, tls: &str) -> Lender {
+    let log = std::env::temp_dir().join(format!(
+        "kvpoll-reader-kill-{}-{tls}-{rank}.err",
+        std::process::id()
+    ));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["serve", "--rank", &rank.to_string(), "--tls", tls])
+        .arg("--until-stdin-closes")
+        .args(sizes())
+        .env("UCX_NET_DEVICES", "lo")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("lender log"))
+        .spawn()
+        .expect("spawn kvpoll serve");
+    let addr = procs::listen_addr(&mut child);
+    Lender { child, addr, log }
+}
+
+fn reader(lenders: &[Lender; 2], tls: &str, mode: &str, requests: u64) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["connect", "--mode", mode, "--tls", tls])
+        .args(["--to", &format!("{},{}", lenders[0].addr, lenders[1].addr)])
+        .args(sizes())
+        .args(["--blocks-per-handle", "8", "--window", "8"])
+        .args(["--requests", &requests.to_string(), "--json"])
+        .env("UCX_NET_DEVICES", "lo")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvpoll connect")
+}
+
+/// Blocks free and in the pool of the lender at `addr` (its STATS).
+fn free_blocks(addr: &str) -> Option<(u64, u64)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(200))).ok()?;
+    let mut r = FrameReader::new(
+        s.try_clone().ok()?,
+        Duration::from_secs(5),
+        Some(Duration::from_secs(5)),
+    );
+    s.write_all(&Msg::Hello(LAYOUT).encode().ok()?).ok()?;
+    r.read_msg().ok()?;
+    r.read_msg().ok()?;
+    s.write_all(&Msg::Stats.encode().ok()?).ok()?;
+    match r.read_msg().ok()? {
+        Msg::StatsReply { total, free, .. } => Some((free, total)),
+        _ => None,
+    }
+}
+
+fn kill_readers(tls: &str, mode: &str, kills: u32) {
+    let lenders = [lender(0, tls), lender(1, tls)];
+    let mut rng = u64::from(std::process::id()) | 1;
+    let mut deaths = Vec::new();
+    for k in 0..kills {
+        let mut r = reader(&lenders, tls, mode, 1_000_000_000);
+        // Mid-read: 200 to 700 ms into the run.
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::thread::sleep(Duration::from_millis(200 + rng % 500));
+        let _ = r.kill();
+        let _ = r.wait();
+        // Every lender lives and gets the dead reader's blocks back (its
+        // lends end at their lease at the latest).
+        let t = Instant::now();
+        for (i, l) in lenders.iter().enumerate() {
+            loop {
+                if let Some(st) = exited(&l.child) {
+                    deaths.push(format!(
+                        "kill {k}: lender {i} died ({st}); its last words:\n{}",
+                        l.last_words()
+                    ));
+                    break;
+                }
+                match free_blocks(&l.addr) {
+                    Some((free, total)) if free == total => break,
+                    _ if t.elapsed() > Duration::from_secs(20) => {
+                        deaths.push(format!(
+                            "kill {k}: lender {i} kept the dead reader's blocks"
+                        ));
+                        break;
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        }
+        assert!(deaths.is_empty(), "{tls} {mode}: {deaths:?}");
+    }
+    // The next reader is served in full.
+    let mut r = reader(&lenders, tls, mode, 200);
+    let t = Instant::now();
+    let st = loop {
+        if let Some(st) = r.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the last reader hung"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        st.success(),
+        "{tls} {mode}: the reader after {kills} kills: {st}"
+    );
+}
+
+/// Whether `child` exited (it is a zombie: /proc tells without reaping it).
+fn exited(child: &Child) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).ok()?;
+    let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+    state.starts_with('Z').then(|| "it exited".to_owned())
+}
+
+#[test]
+#[ignore = "UCX 1.13 aborts a get's target over tcp when the reader dies mid-read \
+            (ucp_get_req_handler -> ucp_request_try_send: ucs_fatal on Endpoint timeout); \
+            see the module docs and docs/design.md"]
+fn over_tcp_in_pull_mode_fifty_killed_readers_leave_every_lender_serving() {
+    kill_readers("tcp", "pull", 50);
+}
+
+#[test]
+fn over_shared_memory_in_pull_mode_killed_readers_leave_every_lender_serving() {
+    kill_readers("posix,sysv,cma", "pull", 10);
+}
+
+#[test]
+fn over_tcp_in_push_mode_killed_destinations_leave_every_writer_serving() {
+    kill_readers("tcp", "push", 10);
+}
+
+#[test]
+fn over_shared_memory_in_push_mode_killed_destinations_leave_every_writer_serving() {
+    kill_readers("posix,sysv,cma", "push", 10);
+}
