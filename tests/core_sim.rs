@@ -4,6 +4,12 @@
 //! batches, `report`) played by the harness. Named tests for the docs/design.md §2
 //! rules and the defects of issue 10, then a proptest over whole runs.
 //!
+//! The whole-run proptest uses request ids again once their requests were
+//! reported, lets producers fill the blocks of ended lends again, reads
+//! before lends and reads of ended lends, injects late notes naming ended
+//! incarnations, and removes peers; a finished read must hold the bytes of
+//! the lend it named (each fill of a block is another pattern).
+//!
 //! Soak: `KVPOLL_SIM_CASES=200000 cargo test --release --test core_sim`
 
 use std::collections::{BTreeMap, HashMap};
@@ -49,6 +55,9 @@ struct Req {
     token: Incarnation,
     /// Unique in the run: which of the requests that used this id it is.
     serial: u64,
+    /// For a read: the fill of each `expect` source block it must find
+    /// (the one its lend lent).
+    epochs: Vec<u8>,
 }
 
 struct NodeState {
@@ -80,6 +89,10 @@ struct Harness {
     reqs: BTreeMap<(usize, u64), Req>,
     /// Requests whose id was used again after their report.
     past: Vec<((usize, u64), Req)>,
+    /// How often each (node, block) was filled.
+    epochs: HashMap<(usize, u32), u8>,
+    /// (node, other) where `node` removed its peer `other`.
+    removed: std::collections::HashSet<(usize, usize)>,
     serials: u64,
     tokens: u64,
     owners: HashMap<(usize, u32), BlockOwner>,
@@ -95,8 +108,15 @@ fn instance_of(node: usize, life: u64) -> u64 {
     0x1000 * (life + 1) + node as u64 + 1
 }
 
-fn pattern(node: usize, block: BlockId, region: usize, i: usize) -> u8 {
-    (node as u32 * 131 + block.0 * 31 + region as u32 * 7 + i as u32 * 13 + 1) as u8
+/// Byte `i` of `node`'s block `block` in `region` after its `epoch`-th
+/// fill (a block the harness reuses holds other bytes each time).
+fn pattern(node: usize, block: BlockId, region: usize, i: usize, epoch: u8) -> u8 {
+    (node as u32 * 131
+        + block.0 * 31
+        + region as u32 * 7
+        + i as u32 * 13
+        + 1
+        + u32::from(epoch) * 97) as u8
 }
 
 fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core {
@@ -133,6 +153,8 @@ impl Harness {
             now: Nanos(0),
             reqs: BTreeMap::new(),
             past: Vec::new(),
+            epochs: HashMap::new(),
+            removed: Default::default(),
             serials: 0,
             tokens: cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
             owners: HashMap::new(),
@@ -191,14 +213,22 @@ impl Harness {
         (start..start + n as u32).map(BlockId).collect()
     }
 
+    /// Writes a fresh fill into `blocks` of `node` (the next epoch of each).
     fn fill(&mut self, node: usize, blocks: &[BlockId]) {
         for &b in blocks {
+            let e = self.epochs.entry((node, b.0)).or_insert(0);
+            *e = e.wrapping_add(1);
+            let e = *e;
             for r in 0..self.net.config().regions {
                 for (i, byte) in self.net.block_mut(node, r, b).iter_mut().enumerate() {
-                    *byte = pattern(node, b, r, i);
+                    *byte = pattern(node, b, r, i, e);
                 }
             }
         }
+    }
+
+    fn epoch(&self, node: usize, block: BlockId) -> u8 {
+        self.epochs.get(&(node, block.0)).copied().unwrap_or(0)
     }
 
     /// A fresh incarnation token (distinct within the run, never 0).
@@ -239,6 +269,7 @@ impl Harness {
                 handle_failures: Vec::new(),
                 token,
                 serial,
+                epochs: Vec::new(),
             },
         );
         if let Some(prev) = prev {
@@ -299,11 +330,14 @@ impl Harness {
             .flat_map(|(_, _, p)| p.iter().map(|x| x.0))
             .collect();
         let token = self.track(node, id, kind, blocks);
-        let expect = handles
+        let expect: Vec<_> = handles
             .iter()
             .flat_map(|(n, _, p)| p.iter().map(move |&(l, r)| (l, *n, r)))
             .collect();
-        self.reqs.get_mut(&(node, id)).unwrap().expect = expect;
+        let epochs = expect.iter().map(|&(_, n, b)| self.epoch(n, b)).collect();
+        let req = self.reqs.get_mut(&(node, id)).unwrap();
+        req.expect = expect;
+        req.epochs = epochs;
         let cmds = self.transfer_batch(node, id, kind, token, handles, deadline);
         self.feed(node, cmds);
     }
@@ -484,6 +518,7 @@ impl Harness {
     fn remove_peer(&mut self, node: usize, other: usize) {
         let peer = self.peer(node, other);
         assert!(self.nodes[node].core.remove_peer(peer));
+        self.removed.insert((node, other));
         self.execute(node);
         self.pump(node);
     }
@@ -651,10 +686,15 @@ impl Harness {
         }
         if r == Report::FinishedRecving {
             // A finished read or receive holds exactly the source's bytes.
-            for &(local, src, sb) in &req.expect {
+            for (k, &(local, src, sb)) in req.expect.iter().enumerate() {
+                let epoch = req
+                    .epochs
+                    .get(k)
+                    .copied()
+                    .unwrap_or_else(|| self.epochs.get(&(src, sb.0)).copied().unwrap_or(0));
                 for region in 0..self.net.config().regions {
                     let want: Vec<u8> = (0..self.net.config().block_size)
-                        .map(|i| pattern(src, sb, region, i))
+                        .map(|i| pattern(src, sb, region, i, epoch))
                         .collect();
                     assert_eq!(
                         self.net.block(node, region, local),
@@ -1490,9 +1530,19 @@ fn whole_run(seed: u64) -> Harness {
         0 => 20_000 + rng.below(200_000),
         _ => 200_000 + rng.below(5 * MS),
     };
+    // Blocks of pull sources whose lend was reported: the producer's engine
+    // may fill them again for a later lend (reuse), and a late read of the
+    // old lend must then never finish with the new bytes.
+    let mut released: Vec<Vec<BlockId>> = vec![Vec::new(); nodes];
+    let mut moved = std::collections::HashSet::new();
     for i in 0..requests {
         let until = Nanos(h.now.0 + rng.below(100_000));
         h.run_until(until);
+        for ((n, _), r) in h.reqs.iter().chain(h.past.iter().map(|(k, r)| (k, r))) {
+            if matches!(r.kind, Kind::Lend { .. }) && r.report.is_some() && moved.insert(r.serial) {
+                released[*n].extend_from_slice(&r.blocks);
+            }
+        }
         if kill_after.is_some_and(|(k, _)| k == i) {
             h.net.kill(kill_after.unwrap().1);
         }
@@ -1505,26 +1555,85 @@ fn whole_run(seed: u64) -> Harness {
         }
         let a = live[rng.below(live.len() as u64) as usize];
         let others: Vec<usize> = live.iter().copied().filter(|&n| n != a).collect();
-        id += 1;
-        match rng.below(10) {
+        // An id is used again once every request that had it was reported.
+        let reusable: Vec<u64> = (1..=id)
+            .filter(|&x| (0..nodes).all(|n| h.reqs.get(&(n, x)).is_none_or(|r| r.report.is_some())))
+            .collect();
+        let this = if !reusable.is_empty() && rng.below(4) == 0 {
+            reusable[rng.below(reusable.len() as u64) as usize]
+        } else {
+            id += 1;
+            id
+        };
+        let op = rng.below(12);
+        if std::env::var_os("KVPOLL_SIM_TRACE").is_some() {
+            eprintln!("t={:?} op {op} node {a} id {this} others {others:?}", h.now);
+        }
+        match op {
             0..=4 => {
-                // Pull: `a` reads from 1–2 producers, 1–2 handles each.
+                // Pull: `a` reads from 1–2 producers, 1–2 handles each; the
+                // producer may fill blocks of an ended lend again; the read
+                // may reach the producer before its lend, or name an
+                // earlier lend of the same id.
                 let np = 1 + rng.below(others.len().min(2) as u64) as usize;
+                let early = rng.below(4) == 0;
                 let mut handles = Vec::new();
+                let mut lends = Vec::new();
                 for &p in &others[..np] {
                     let k = 1 + rng.below(3) as usize;
-                    let src = lend_filled(&mut h, p, id, k, 1, time(&mut rng));
+                    let src = if released[p].len() >= k && rng.below(3) == 0 {
+                        let at = released[p].len() - k;
+                        released[p].split_off(at)
+                    } else {
+                        h.alloc(p, k)
+                    };
+                    h.fill(p, &src);
+                    let lease = time(&mut rng);
+                    let inc = if early {
+                        h.token()
+                    } else {
+                        h.lend(p, this, &src, Kind::Lend { notifications: 1 }, lease);
+                        // An earlier lend of the same id, now over.
+                        let stale = h
+                            .past
+                            .iter()
+                            .rfind(|((n, x), r)| {
+                                *n == p && *x == this && matches!(r.kind, Kind::Lend { .. })
+                            })
+                            .map(|(_, r)| r.token);
+                        match stale {
+                            Some(old) if rng.below(6) == 0 => old,
+                            _ => h.token_of(p, this),
+                        }
+                    };
+                    lends.push((p, inc, src.clone(), lease));
                     let dst = h.alloc(a, k);
                     let split = if k > 1 && rng.below(2) == 0 { 1 } else { k };
-                    handles.push((p, pairs(&dst[..split], &src[..split])));
+                    handles.push((p, inc, pairs(&dst[..split], &src[..split])));
                     if split < k {
-                        handles.push((p, pairs(&dst[split..], &src[split..])));
+                        handles.push((p, inc, pairs(&dst[split..], &src[split..])));
                     }
                 }
                 let deadline = time(&mut rng);
-                h.read(a, id, &handles, deadline);
+                h.read_named(a, this, &handles, deadline);
+                if early {
+                    let until = Nanos(h.now.0 + rng.below(2 * MS));
+                    h.run_until(until);
+                    for (p, inc, src, lease) in lends {
+                        if h.reqs.get(&(p, this)).is_none_or(|r| r.report.is_some()) {
+                            h.lend_as(p, this, &src, Kind::Lend { notifications: 1 }, lease, inc);
+                        }
+                    }
+                }
             }
-            5..=7 => {
+            // (An engine cannot fence a writer it removed: it neither
+            // names it nor lends to writers it no longer knows.)
+            5..=7
+                if h.reqs
+                    .get(&(others[0], this))
+                    .is_none_or(|r| r.report.is_some())
+                    && !h.removed.contains(&(others[0], a)) =>
+            {
                 // Push: `a` writes into blocks `d` lent to one writer.
                 let d = others[0];
                 let k = 1 + rng.below(3) as usize;
@@ -1532,13 +1641,13 @@ fn whole_run(seed: u64) -> Harness {
                 let lease = time(&mut rng);
                 // Named or not, the destination's lease is a fence.
                 if rng.below(2) == 0 {
-                    h.receive_from(d, id, &dst, &[a], lease);
+                    h.receive_from(d, this, &dst, &[a], lease);
                 } else {
-                    h.lend(d, id, &dst, Kind::Receive { writers: 1 }, lease);
+                    h.lend(d, this, &dst, Kind::Receive { writers: 1 }, lease);
                 }
                 let src = h.alloc(a, k);
                 h.fill(a, &src);
-                h.reqs.get_mut(&(d, id)).unwrap().expect =
+                h.reqs.get_mut(&(d, this)).unwrap().expect =
                     dst.iter().zip(&src).map(|(&x, &s)| (x, a, s)).collect();
                 let mut handles = vec![(
                     d,
@@ -1552,7 +1661,57 @@ fn whole_run(seed: u64) -> Harness {
                     handles.push((d, second));
                 }
                 let lease = time(&mut rng);
-                h.write(a, id, &handles, 1, lease);
+                h.write(a, this, &handles, 1, lease);
+            }
+            10 => {
+                // A late note: a real request id, and incarnations of
+                // requests that were reported (over), of any kind, from a
+                // real engine. (A live incarnation with its own sender is
+                // the word of the party that holds it, not a late note.)
+                let all: Vec<(u64, Incarnation)> = h
+                    .reqs
+                    .iter()
+                    .chain(h.past.iter().map(|(k, r)| (k, r)))
+                    .filter(|(_, r)| r.report.is_some())
+                    .map(|(&(_, x), r)| (x, r.token))
+                    .collect();
+                if !all.is_empty() {
+                    let pick = |rng: &mut Rng| all[rng.below(all.len() as u64) as usize];
+                    let (x, inc) = pick(&mut rng);
+                    let (_, nonce) = pick(&mut rng);
+                    let kinds = [
+                        NoteKind::ReadDone,
+                        NoteKind::WriteDone,
+                        NoteKind::Ack,
+                        NoteKind::ReadConfirmed,
+                        NoteKind::ReadRefused,
+                        NoteKind::GaveUp,
+                        NoteKind::WriteAbandoned,
+                        NoteKind::Heartbeat,
+                        NoteKind::WriteQuery,
+                        NoteKind::WriteQuiet,
+                        NoteKind::ReadPending,
+                    ];
+                    let kind = kinds[rng.below(kinds.len() as u64) as usize];
+                    let sender = h.nodes[others[0]].instance;
+                    if h.live(a) {
+                        h.inject(
+                            a,
+                            Notification {
+                                kind,
+                                id: RequestId(x),
+                                incarnation: inc,
+                                nonce,
+                                sender,
+                            },
+                        );
+                    }
+                }
+            }
+            11 if rng.below(4) == 0 && h.live(a) && !h.nodes[a].shut => {
+                // An engine forgets a peer (maybe a writer one of its
+                // destinations waits for): no fence may drop.
+                h.remove_peer(a, others[0]);
             }
             8 => {
                 // Abort something still tracked on a live, running node.
@@ -1567,18 +1726,23 @@ fn whole_run(seed: u64) -> Harness {
                     h.abort(n, x);
                 }
             }
-            _ => {
+            9 | 11 => {
                 if rng.below(2) == 0 {
                     let until = Nanos(h.now.0 + 50_000 + rng.below(3 * MS));
                     if h.live(a) {
                         h.pause(a, until);
                     }
-                } else {
+                } else if h
+                    .reqs
+                    .get(&(others[0], this))
+                    .is_none_or(|r| r.report.is_some())
+                {
                     let p = others[0];
-                    lend_filled(&mut h, p, id, 1, 1, time(&mut rng));
-                    h.notify_only(a, id, &[p]);
+                    lend_filled(&mut h, p, this, 1, 1, time(&mut rng));
+                    h.notify_only(a, this, &[p]);
                 }
             }
+            _ => {}
         }
     }
     if shutdown_after.is_some() {
@@ -2214,4 +2378,17 @@ fn a_read_whose_lend_never_begins_fails_after_the_grace_period() {
     }
     assert!(h.now.0 >= GRACE);
     h.check_end();
+}
+
+/// Replays one whole run by its seed (from a proptest failure), printing
+/// each step with `KVPOLL_SIM_TRACE=1`:
+/// `KVPOLL_SIM_SEED=n KVPOLL_SIM_TRACE=1 cargo test --release --test core_sim replay_one_run -- --ignored --nocapture`.
+#[test]
+#[ignore = "a debugging aid: needs KVPOLL_SIM_SEED"]
+fn replay_one_run() {
+    let seed = std::env::var("KVPOLL_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .expect("KVPOLL_SIM_SEED=<seed of the run to replay>");
+    whole_run(seed);
 }
