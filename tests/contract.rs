@@ -1,8 +1,8 @@
-//! Issue 10's contract breaks, pinned over real UCX with today's public API.
+//! Contract breaks found in an earlier poller, pinned over real UCX with the
+//! public API.
 //!
-//! Each test is named for the behaviour the contract promises and fails on
-//! the poller as it was when issue 10 was filed (see the note on each test
-//! for how). In-process engines (each with its own poller thread, adaptive
+//! Each test is named for the behaviour the contract promises and failed on
+//! that poller (see the note on each test for how). In-process engines (each with its own poller thread, adaptive
 //! idle policy, tcp transport), as in `tests/engine.rs`. Every wait is a
 //! polling loop under a guard, so a broken engine fails a test instead of
 //! hanging it. Run with `--test-threads=1`: the engines' pollers share a

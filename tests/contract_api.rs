@@ -1,4 +1,4 @@
-//! Issue 10: the API the fix adds, pinned over real UCX.
+//! API that closed contract breaks of an earlier poller, pinned over real UCX.
 //!
 //! This file names what does not exist before the fix —
 //! `Engine::read_with_deadline`, `Engine::notify_only`,

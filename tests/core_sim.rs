@@ -2,7 +2,7 @@
 //! one [`Core`] per node, driven single-threaded and deterministically the
 //! way `Poller::execute` drives one, with the engine's side (command
 //! batches, `report`) played by the harness. Named tests for the docs/design.md §2
-//! rules and the defects of issue 10, then a proptest over whole runs.
+//! rules and for defects found before, then a proptest over whole runs.
 //!
 //! The whole-run proptest uses request ids again once their requests were
 //! reported, lets producers fill the blocks of ended lends again, reads
@@ -675,7 +675,7 @@ impl Harness {
         };
         if let Report::FailedRecving(_, ref invalid) = r {
             // A failed read or receive names every block it may have
-            // written (issue 10, defect 3).
+            // written.
             let (mut got, mut want) = (invalid.clone(), req.blocks.clone());
             got.sort();
             want.sort();
@@ -1816,7 +1816,7 @@ fn whole_runs_cover_failures_and_successes() {
     assert!(quarantined > 10, "quarantined {quarantined}");
 }
 
-// -- issue 11: a read finishes only if its lend was live ----------------------
+// -- a read finishes only if its lend was live ---------------------------------
 
 /// A read of a lend that had already expired (and been reported, so its
 /// blocks may hold another request now) is refused by the lender: the read
@@ -1924,7 +1924,7 @@ fn a_reads_heartbeats_keep_its_lend_alive_past_the_lease() {
     }
 }
 
-// -- issue 11: a push destination's lease is a fence ---------------------------
+// -- a push destination's lease is a fence ---------------------------------------
 
 /// The writer stops (a paused process) right after posting its puts; the
 /// destination's lease runs out meanwhile. Its blocks are not reported (so

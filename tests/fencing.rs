@@ -1,4 +1,4 @@
-//! Issue 11 over real UCX (tcp, one process): a read finishes only if its
+//! Lend confirmation and push fences over real UCX (tcp, one process): a read finishes only if its
 //! lend was live for the whole read. The lender answers each reader's
 //! question; a lend that expired (and whose blocks the lender's engine got
 //! back and reused) is refused, and the read fails naming its blocks — it
