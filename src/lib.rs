@@ -16,6 +16,10 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod core;
+/// The driver step shared by the poller and the simulator: internal,
+/// public for the simulator's tests.
+#[doc(hidden)]
+pub mod drive;
 pub mod engine;
 #[cfg(feature = "cuda")]
 pub mod gpu;

@@ -622,7 +622,7 @@ impl Poller {
     /// Executes the core's actions on the transport, feeding back results
     /// (`now` dates release retries).
     fn execute(&mut self, now: Nanos) {
-        self.core.execute(&mut self.wire, now, |_, _| {});
+        crate::drive::execute(&mut self.core, &mut self.wire, now, |_, _| {});
     }
 
     fn publish(&mut self) -> usize {

@@ -26,6 +26,10 @@ use kvpoll::transport::{Direction, Transport};
 use proptest::prelude::*;
 
 const RELEASE_RETRY: u64 = 50_000;
+
+/// One handle as the harness submits it: the remote node, the incarnation
+/// of the lend (or destination) it names, and its block pairs.
+type NamedHandle = (usize, Incarnation, Vec<(BlockId, BlockId)>);
 const T_KIND: u64 = T_TRANSPORT; // both kind bits
 const T_NOTE: u64 = 2 << 30;
 
@@ -313,13 +317,7 @@ impl Harness {
 
     /// A read whose handles name the incarnation they read (the token the
     /// producer's lend returned, or any other).
-    fn read_named(
-        &mut self,
-        node: usize,
-        id: u64,
-        handles: &[(usize, Incarnation, Vec<(BlockId, BlockId)>)],
-        deadline: u64,
-    ) {
+    fn read_named(&mut self, node: usize, id: u64, handles: &[NamedHandle], deadline: u64) {
         let kind = if handles.is_empty() {
             Kind::PrefixHit
         } else {
@@ -370,7 +368,7 @@ impl Harness {
         &mut self,
         node: usize,
         id: u64,
-        handles: &[(usize, Incarnation, Vec<(BlockId, BlockId)>)],
+        handles: &[NamedHandle],
         acks: u32,
         lease: u64,
     ) {
@@ -390,7 +388,7 @@ impl Harness {
         id: u64,
         kind: Kind,
         token: Incarnation,
-        handles: &[(usize, Incarnation, Vec<(BlockId, BlockId)>)],
+        handles: &[NamedHandle],
         expires_in: u64,
     ) -> Vec<Command> {
         let mut cmds = vec![Command::Begin {
@@ -563,7 +561,7 @@ impl Harness {
         let me = &mut self.nodes[node];
         let mut wire = self.net.node(node);
         let (actions, sent, peers) = (&mut me.actions, &mut me.sent, &me.peers);
-        me.core.execute(&mut wire, now, |action, core| {
+        kvpoll::drive::execute(&mut me.core, &mut wire, now, |action, core| {
             actions.push(*action);
             let (notes, to) = match *action {
                 Action::Send { ep, notes, .. } => {
@@ -2251,7 +2249,7 @@ fn a_flood_of_questions_from_one_engine_does_not_push_out_anothers_quiet_promise
         let note = Notification {
             kind: NoteKind::WriteQuery,
             id: RequestId(1_000_000 + i),
-            incarnation: Incarnation(0xf100d_0000 + i),
+            incarnation: Incarnation(0x000f_100d_0000 + i),
             nonce: Incarnation::NONE,
             sender: flooder,
         };

@@ -1,1 +1,250 @@
-//! Unit tests of the core: see tests/core_*.rs for whole-protocol runs.
+//! Unit tests of the core and its sub-states, fed by hand (no transport):
+//! see `tests/core_sim.rs` for whole protocol runs over the simulator.
+
+use super::pull::Ended;
+use super::push::Quiet;
+use super::*;
+use crate::ledger::LedgerConfig;
+
+fn core(instance: u64) -> Core {
+    let ledger = Ledger::new(LedgerConfig {
+        slots: 8,
+        max_blocks: 8,
+    })
+    .expect("ledger");
+    let mut c = Core::new(
+        CoreConfig {
+            instance,
+            release_retry: Nanos(1_000),
+            confirm_reads: true,
+            fence_push_leases: true,
+            heartbeat: Nanos(u64::MAX),
+            lend_grace: Nanos(1_000_000),
+        },
+        ledger,
+    );
+    c.set_local_layout(1, 8);
+    c
+}
+
+fn lend(c: &mut Core, id: u64, token: u64, now: Nanos) {
+    let mut plan = vec![Command::Block(BlockId(1))].into_iter();
+    c.on_command(
+        Command::Begin {
+            id: RequestId(id),
+            kind: Kind::Lend { notifications: 1 },
+            handles: 0,
+            blocks: 1,
+            expires_in: 1_000_000_000,
+            token: Incarnation(token),
+        },
+        &mut || plan.next(),
+        now,
+    );
+}
+
+fn note(kind: NoteKind, id: u64, incarnation: u64, nonce: u64, sender: u64) -> Notification {
+    Notification {
+        kind,
+        id: RequestId(id),
+        incarnation: Incarnation(incarnation),
+        nonce: Incarnation(nonce),
+        sender,
+    }
+}
+
+/// Feeds `n` as a message with a reply handle; returns what was answered.
+fn ask(c: &mut Core, n: Notification, now: Nanos) -> Vec<NoteKind> {
+    c.on_transport(
+        TransportEvent::Message {
+            payload: &n.encode(),
+            reply: Some(0),
+        },
+        now,
+    );
+    let mut answers = Vec::new();
+    while let Some(a) = c.next_action() {
+        if let Action::Reply { notes, .. } = a {
+            for b in c.notes(notes).chunks_exact(NOTE_LEN) {
+                answers.push(Notification::decode(b).expect("encoded").kind);
+            }
+        }
+    }
+    answers
+}
+
+#[test]
+fn a_question_naming_another_incarnation_of_a_live_id_is_refused_and_counted_stale() {
+    let mut c = core(1);
+    lend(&mut c, 10, 0xaaaa, Nanos(0));
+    // Request 10 is lent (0xaaaa); a question names 10 with an ended or
+    // unknown incarnation: it does not touch the live lend.
+    let a = ask(
+        &mut c,
+        note(NoteKind::ReadDone, 10, 0xbbbb, 5, 77),
+        Nanos(1),
+    );
+    assert_eq!(a, vec![NoteKind::ReadPending]);
+    assert_eq!(c.ledger_stats().in_use, 1);
+    // Another id's live incarnation: refused as stale.
+    lend(&mut c, 11, 0xcccc, Nanos(1));
+    let before = c.stats().stale_notifications;
+    let a = ask(
+        &mut c,
+        note(NoteKind::ReadDone, 10, 0xcccc, 5, 77),
+        Nanos(2),
+    );
+    assert!(a.is_empty(), "{a:?}");
+    assert_eq!(c.stats().stale_notifications, before + 1);
+    // The right one is confirmed.
+    let a = ask(
+        &mut c,
+        note(NoteKind::ReadDone, 10, 0xaaaa, 5, 77),
+        Nanos(3),
+    );
+    assert_eq!(a, vec![NoteKind::ReadConfirmed]);
+}
+
+#[test]
+fn a_question_that_overtakes_its_lend_is_pending_then_confirmed_and_one_about_an_ended_lend_refused(
+) {
+    let mut c = core(1);
+    let a = ask(
+        &mut c,
+        note(NoteKind::ReadDone, 20, 0x2020, 9, 77),
+        Nanos(0),
+    );
+    assert_eq!(a, vec![NoteKind::ReadPending]);
+    assert_eq!(c.stats().early_notes, 1);
+    lend(&mut c, 20, 0x2020, Nanos(10));
+    let a = ask(
+        &mut c,
+        note(NoteKind::ReadDone, 20, 0x2020, 9, 77),
+        Nanos(20),
+    );
+    assert_eq!(a, vec![NoteKind::ReadConfirmed]);
+    let mut reported = Vec::new();
+    c.drain_events(|e| reported.push(e.outcome));
+    assert_eq!(reported, vec![Outcome::LendReleased]);
+    // Ended: a late question is refused at once, not pending.
+    let a = ask(
+        &mut c,
+        note(NoteKind::ReadDone, 20, 0x2020, 9, 88),
+        Nanos(30),
+    );
+    assert_eq!(a, vec![NoteKind::ReadRefused]);
+}
+
+#[test]
+fn a_give_up_that_overtakes_its_lend_is_held_and_releases_it_when_it_begins() {
+    let mut c = core(1);
+    ask(&mut c, note(NoteKind::GaveUp, 30, 0x3030, 4, 77), Nanos(0));
+    lend(&mut c, 30, 0x3030, Nanos(10));
+    let mut reported = Vec::new();
+    c.drain_events(|e| reported.push(e.outcome));
+    assert_eq!(reported, vec![Outcome::LendReleased]);
+}
+
+#[test]
+fn a_held_give_up_past_the_grace_period_is_dropped() {
+    let mut c = core(1);
+    ask(&mut c, note(NoteKind::GaveUp, 31, 0x3131, 4, 77), Nanos(0));
+    lend(&mut c, 31, 0x3131, Nanos(2_000_000)); // grace: 1 ms
+    let mut reported = Vec::new();
+    c.drain_events(|e| reported.push(e.outcome));
+    assert!(reported.is_empty(), "{reported:?}");
+}
+
+#[test]
+fn quiet_promises_are_per_engine_and_an_engine_fills_only_its_own() {
+    let mut q = Quiet::default();
+    q.promise(1, Incarnation(7), |_| true);
+    for i in 0..(QUIET_PER_ENGINE as u64 + 10) {
+        q.promise(2, Incarnation(1_000 + i), |_| true);
+    }
+    assert!(
+        q.promised(1, Incarnation(7)),
+        "engine 2's flood pushed out engine 1's promise"
+    );
+    assert!(
+        !q.promised(2, Incarnation(1_000)),
+        "engine 2's oldest was kept past its bound"
+    );
+    assert!(q.promised(2, Incarnation(1_000 + QUIET_PER_ENGINE as u64 + 9)));
+    assert!(!q.promised(1, Incarnation(8)));
+}
+
+#[test]
+fn quiet_promises_forget_an_engine_that_is_not_a_peer_first() {
+    let mut q = Quiet::default();
+    q.promise(1, Incarnation(7), |_| true);
+    for e in 0..QUIET_ENGINES as u64 {
+        q.promise(100 + e, Incarnation(1), |e| e == 1);
+    }
+    assert!(
+        q.promised(1, Incarnation(7)),
+        "a peer's promise went before a stranger's"
+    );
+}
+
+#[test]
+fn ended_incarnations_are_remembered_up_to_their_bound() {
+    let mut e = Ended::default();
+    for i in 1..=(ENDED_REMEMBERED as u64 + 1) {
+        e.record(Incarnation(i));
+    }
+    assert!(!e.contains(Incarnation(1)));
+    assert!(e.contains(Incarnation(2)));
+    assert!(e.contains(Incarnation(ENDED_REMEMBERED as u64 + 1)));
+    e.record(Incarnation::NONE);
+    assert!(!e.contains(Incarnation::NONE));
+}
+
+#[test]
+fn a_metadata_refresh_of_a_peer_in_use_is_refused_and_one_at_rest_replaces_it() {
+    let mut c = core(1);
+    let first = c.add_peer(42, 1, 8).expect("new");
+    // At rest, the same engine's metadata again replaces the entry.
+    let p = c.add_peer(42, 1, 8).expect("a refresh at rest");
+    assert_ne!(p, first);
+    assert_eq!(c.peer_of(42), Some(p));
+    // A push destination that names it waits for its word.
+    let mut plan = vec![
+        Command::Handle {
+            peer: p,
+            pairs: 0,
+            lend: Incarnation::NONE,
+        },
+        Command::Block(BlockId(2)),
+    ]
+    .into_iter();
+    c.on_command(
+        Command::Begin {
+            id: RequestId(5),
+            kind: Kind::Receive { writers: 1 },
+            handles: 1,
+            blocks: 1,
+            expires_in: 1_000_000,
+            token: Incarnation(0x55),
+        },
+        &mut || plan.next(),
+        Nanos(0),
+    );
+    while c.next_action().is_some() {}
+    assert_eq!(c.add_peer(42, 1, 8), Err(p));
+    // Removal waits too: the peer stays until it spoke.
+    assert!(c.remove_peer(p));
+    assert_eq!(c.peer_of(42), Some(p));
+    c.on_transport(
+        TransportEvent::Message {
+            payload: &note(NoteKind::WriteAbandoned, 5, 0x55, 3, 42).encode(),
+            reply: None,
+        },
+        Nanos(1),
+    );
+    assert_eq!(
+        c.peer_of(42),
+        None,
+        "forgotten once its destination heard from it"
+    );
+}

@@ -1,0 +1,272 @@
+//! Pull: lends to readers and the reads of them. A lend answers a
+//! reader's question about the incarnation it names; a read asks once its
+//! handles landed, asks again while its lend is not there yet, and
+//! heartbeats its lenders while in flight.
+
+use super::*;
+
+/// Incarnations that ended, the newest [`ENDED_REMEMBERED`].
+#[derive(Default)]
+pub(super) struct Ended {
+    pub(super) order: VecDeque<Incarnation>,
+    pub(super) set: HashSet<Incarnation>,
+}
+
+impl Ended {
+    pub(super) fn record(&mut self, inc: Incarnation) {
+        if inc.is_none() || !self.set.insert(inc) {
+            return;
+        }
+        if self.order.len() == ENDED_REMEMBERED {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        self.order.push_back(inc);
+    }
+
+    pub(super) fn contains(&self, inc: Incarnation) -> bool {
+        self.set.contains(&inc)
+    }
+}
+
+/// A read asking a lender again whether its lend is live (the lender did
+/// not know it yet).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ask {
+    pub(super) key: RequestKey,
+    pub(super) peer: PeerId,
+    /// When to ask again (`u64::MAX`: asked, waiting for the answer).
+    pub(super) due: Nanos,
+    /// The grace period's end: a pending answer after it fails the read.
+    pub(super) until: Nanos,
+    pub(super) wait: Nanos,
+}
+
+impl Core {
+    /// Once every handle of read `key` landed without error, asks each of
+    /// its lender engines (once) whether its lend was live: the read
+    /// finishes only on their confirmations.
+    pub(super) fn maybe_query(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        if info.queried || info.generation != key.generation() {
+            return;
+        }
+        if !self.ledger.all_stopped_clean(key) {
+            return;
+        }
+        self.info[slot].queried = true;
+        self.each_peer_once(key, NoteKind::ReadDone, true);
+    }
+
+    /// A note for a lend or push destination this engine does not hold
+    /// under that incarnation. One that ended: refused. One not begun yet
+    /// (the note overtook the lend on its way to this poller): a read's
+    /// question is answered pending (the reader asks again); a give-up or a
+    /// writer's word is held until the lend begins or the grace period
+    /// ends.
+    pub(super) fn early(&mut self, note: &Notification, reply: Option<u32>, now: Nanos) {
+        let ended = self.ended.contains(note.incarnation);
+        match note.kind {
+            NoteKind::ReadDone if ended => self.answer(reply, NoteKind::ReadRefused, note),
+            NoteKind::ReadDone => {
+                self.stats.early_notes += 1;
+                self.answer(reply, NoteKind::ReadPending, note);
+            }
+            NoteKind::GaveUp | NoteKind::WriteDone | NoteKind::WriteAbandoned if !ended => {
+                self.stats.early_notes += 1;
+                while self.early.front().is_some_and(|&(t, _)| t <= now) {
+                    self.early.pop_front();
+                }
+                if self.early.len() == EARLY_HELD {
+                    self.early.pop_front();
+                }
+                self.early
+                    .push_back((now.saturating_add(self.cfg.lend_grace), *note));
+            }
+            // A reader that gave up on a lend that ended, a heartbeat for
+            // one: nothing to do.
+            NoteKind::GaveUp => {}
+            _ => self.stale(),
+        }
+    }
+
+    /// The notes held for incarnation `token`, which just began, are taken
+    /// as if they arrived now.
+    pub(super) fn take_early(&mut self, token: Incarnation, now: Nanos) {
+        if self.early.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.early.len() {
+            let (until, note) = self.early[i];
+            if note.incarnation == token && until > now {
+                self.early.remove(i);
+                self.accept(note, None, now);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// A reader's note about lend `key` (the incarnation it names).
+    pub(super) fn lend_note(
+        &mut self,
+        key: RequestKey,
+        note: &Notification,
+        reply: Option<u32>,
+        now: Nanos,
+    ) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let (seen, n) = (self.seen(slot, note.sender), usize::from(info.notified));
+        match note.kind {
+            NoteKind::ReadDone => {
+                // The read happened before this question, and after the
+                // engine lent the blocks (the reader holds the lend's
+                // token, which the engine drew then): the lend was live
+                // for it if it is live now and this engine has not been
+                // counted (a second read of a consumed lend is refused).
+                let confirmed = if seen || n == MAX_CONSUMERS {
+                    self.reject();
+                    false
+                } else if self.ledger_notify(note.id) {
+                    true
+                } else {
+                    // Not live any more: the ledger counted the refusal.
+                    self.stats.rejected_notifications += 1;
+                    false
+                };
+                if confirmed {
+                    self.counted(slot, note.sender);
+                    self.answer(reply, NoteKind::ReadConfirmed, note);
+                } else {
+                    self.answer(reply, NoteKind::ReadRefused, note);
+                }
+            }
+            NoteKind::Heartbeat => {
+                // A reader is still at it: keep the lend as long again.
+                let until = now.saturating_add(Nanos(info.lease));
+                self.ledger.heartbeat(note.id, until);
+            }
+            _ => {
+                // That engine will not read (its read stopped): stop waiting.
+                if !seen && n < MAX_CONSUMERS && self.ledger_notify(note.id) {
+                    self.counted(slot, note.sender);
+                }
+            }
+        }
+    }
+
+    /// A lender's answer to read `key`'s question.
+    pub(super) fn read_answer(&mut self, key: RequestKey, note: &Notification, now: Nanos) {
+        let slot = key.slot() as usize;
+        if self.seen(slot, note.sender) {
+            return self.reject();
+        }
+        let Some(&peer) = self.by_instance.get(&note.sender) else {
+            return self.reject();
+        };
+        match note.kind {
+            NoteKind::ReadConfirmed => {
+                self.counted(slot, note.sender);
+                self.asking.retain(|a| a.key != key || a.peer != peer);
+                self.ledger_confirm(note.id, key);
+            }
+            NoteKind::ReadRefused => {
+                self.counted(slot, note.sender);
+                self.ledger_fail(key, Cause::LeaseLost);
+            }
+            _ => {
+                // The lender does not know the lend yet: ask again, later,
+                // until the grace period ends.
+                let grace = self.cfg.lend_grace;
+                let i = match self
+                    .asking
+                    .iter()
+                    .position(|a| a.key == key && a.peer == peer)
+                {
+                    Some(i) => i,
+                    None => {
+                        self.asking.push(Ask {
+                            key,
+                            peer,
+                            due: Nanos(u64::MAX),
+                            until: now.saturating_add(grace),
+                            wait: Nanos(ASK_FIRST.0 / 2),
+                        });
+                        self.asking.len() - 1
+                    }
+                };
+                let a = &mut self.asking[i];
+                if now >= a.until {
+                    self.asking.swap_remove(i);
+                    self.counted(slot, note.sender);
+                    self.ledger_fail(key, Cause::LeaseLost);
+                } else {
+                    a.wait = Nanos((a.wait.0 * 2).min(ASK_MAX.0));
+                    a.due = now.saturating_add(a.wait);
+                }
+            }
+        }
+    }
+
+    /// Reads told their lend is not known yet ask again when due.
+    pub(super) fn ask_again(&mut self, now: Nanos) {
+        let mut i = 0;
+        while i < self.asking.len() {
+            let a = self.asking[i];
+            if !self.ledger.is_live(a.key)
+                || self.info[a.key.slot() as usize].generation != a.key.generation()
+            {
+                self.asking.swap_remove(i);
+                continue;
+            }
+            if a.due <= now {
+                self.asking[i].due = Nanos(u64::MAX);
+                let slot = a.key.slot() as usize;
+                let info = self.info[slot];
+                let base = slot * MAX_HANDLES;
+                let lend = (0..info.handles as usize)
+                    .map(|h| self.progress[base + h])
+                    .find(|p| p.peer == a.peer)
+                    .map_or(Incarnation::NONE, |p| p.lend);
+                self.send_note(
+                    a.peer,
+                    None,
+                    NoteKind::ReadDone,
+                    info.id,
+                    lend,
+                    info.token,
+                    true,
+                );
+            }
+            i += 1;
+        }
+    }
+
+    /// Reads still in flight whose heartbeat is due tell their lenders.
+    pub(super) fn beat(&mut self, now: Nanos) {
+        // Due entries are at the front; one that beats goes to the back
+        // (due a period from now: no earlier than any entry there).
+        let mut due_now = 0;
+        for &(_, due) in &self.beating {
+            if due > now {
+                break;
+            }
+            due_now += 1;
+        }
+        for _ in 0..due_now {
+            let Some((key, _)) = self.beating.pop_front() else {
+                break;
+            };
+            if !self.ledger.is_live(key) {
+                continue;
+            }
+            self.each_peer_once(key, NoteKind::Heartbeat, false);
+            self.beating
+                .push_back((key, now.saturating_add(self.cfg.heartbeat)));
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Push: writes and the destinations they write into. A write's word
+//! follows its puts on their endpoint; a destination counts each writer
+//! once and acknowledges what counted; a writer answers a destination's
+//! question and keeps its quiet promises per incarnation.
+
+use super::*;
+
+/// The [`NoteKind::WriteQuiet`] promises this engine made, per asking
+/// engine: push destinations (by incarnation) it will not write into.
+#[derive(Default)]
+pub(super) struct Quiet {
+    pub(super) engines: HashMap<u64, (VecDeque<Incarnation>, HashSet<Incarnation>)>,
+}
+
+impl Quiet {
+    pub(super) fn promised(&self, to: u64, lend: Incarnation) -> bool {
+        self.engines
+            .get(&to)
+            .is_some_and(|(_, set)| set.contains(&lend))
+    }
+
+    /// Remembers a promise; `known` says whether an engine is a peer (one
+    /// that is not is forgotten first when too many engines asked).
+    pub(super) fn promise(&mut self, to: u64, lend: Incarnation, known: impl Fn(u64) -> bool) {
+        if !self.engines.contains_key(&to) && self.engines.len() >= QUIET_ENGINES {
+            let stranger = self.engines.keys().copied().find(|&e| !known(e));
+            let gone = stranger.or_else(|| self.engines.keys().copied().next());
+            if let Some(e) = gone {
+                self.engines.remove(&e);
+            }
+        }
+        let (order, set) = self.engines.entry(to).or_default();
+        if !set.insert(lend) {
+            return;
+        }
+        if order.len() == QUIET_PER_ENGINE {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+        order.push_back(lend);
+    }
+}
+
+impl Core {
+    /// A write handle ended well: once every handle of the request to the
+    /// same destination engine did, that engine hears (once) that its
+    /// blocks hold the data.
+    pub(super) fn write_landed(&mut self, hk: HandleKey) {
+        let key = hk.key();
+        let info = self.info[key.slot() as usize];
+        let peer = self.progress[Self::index(hk)].peer;
+        let base = key.slot() as usize * MAX_HANDLES;
+        let all = (0..info.handles as usize).all(|h| {
+            let p = &self.progress[base + h];
+            p.peer != peer || (p.ok && !p.releasing && p.remaining == 0)
+        });
+        if all {
+            let p = self.progress[Self::index(hk)];
+            let on = Some(p.ep_generation);
+            self.send_note(
+                peer,
+                on,
+                NoteKind::WriteDone,
+                info.id,
+                p.lend,
+                info.token,
+                false,
+            );
+        }
+    }
+
+    /// A write ended without success: each destination engine not already
+    /// told that its blocks hold the data hears that the write gave up, on
+    /// the endpoint its puts travelled (after their flush), so that the
+    /// word cannot overtake them.
+    pub(super) fn abandon_write(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let base = slot * MAX_HANDLES;
+        for h in 0..info.handles as usize {
+            let p = self.progress[base + h];
+            if (0..h).any(|g| self.progress[base + g].peer == p.peer) {
+                continue;
+            }
+            let done = (0..info.handles as usize).all(|g| {
+                let q = &self.progress[base + g];
+                q.peer != p.peer || q.ok
+            });
+            if !done {
+                self.send_note(
+                    p.peer,
+                    // Never posted: nothing of it is on any endpoint.
+                    Some(p.ep_generation).filter(|&g| g != 0),
+                    NoteKind::WriteAbandoned,
+                    info.id,
+                    p.lend,
+                    info.token,
+                    false,
+                );
+            }
+        }
+    }
+
+    /// Acknowledges writer engine `done.sender`'s push, through its
+    /// endpoint, naming the write's nonce.
+    pub(super) fn acknowledge(&mut self, done: &Notification) {
+        if let Some(&peer) = self.by_instance.get(&done.sender) {
+            let (id, inc, nonce) = (done.id, done.incarnation, done.nonce);
+            self.send_note(peer, None, NoteKind::Ack, id, inc, nonce, false);
+        }
+    }
+
+    /// A writer's note about push destination `key`.
+    pub(super) fn receive_note(&mut self, key: RequestKey, note: &Notification, now: Nanos) {
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        let Kind::Receive { writers } = info.kind else {
+            return;
+        };
+        let (seen, n) = (self.seen(slot, note.sender), usize::from(info.notified));
+        let sender = self.by_instance.get(&note.sender).copied();
+        match note.kind {
+            NoteKind::WriteDone | NoteKind::WriteAbandoned => {
+                let named = !info.unnamed;
+                if seen || n == MAX_CONSUMERS || (named && !self.is_party(slot, note.sender)) {
+                    return self.reject();
+                }
+                self.counted(slot, note.sender);
+                self.answered(key, sender);
+                let words = info.words.saturating_add(1);
+                self.info[slot].words = words;
+                let abandoned = info.abandoned || note.kind == NoteKind::WriteAbandoned;
+                self.info[slot].abandoned = abandoned;
+                let counted = if abandoned && u32::from(words) >= writers {
+                    // Every writer has spoken and one gave up: nothing more
+                    // lands; the blocks hold partial data.
+                    self.ledger_fail(key, Cause::LeaseLost);
+                    false
+                } else {
+                    self.ledger_notify(note.id)
+                };
+                // Acknowledged only if its data counted: a destination that
+                // failed (or whose lease ran out) does not hold it.
+                if note.kind == NoteKind::WriteDone && counted {
+                    self.acknowledge(note);
+                }
+                self.lift_fence(key);
+            }
+            NoteKind::WriteQuiet => {
+                // A writer this destination asked: nothing of it will land.
+                let asked = info.unnamed
+                    && sender
+                        .is_some_and(|p| self.fence_of(key).is_some_and(|f| f.asked.contains(&p)));
+                if !asked && (seen || n == MAX_CONSUMERS || !self.is_party(slot, note.sender)) {
+                    return self.reject();
+                }
+                if !info.unnamed {
+                    self.counted(slot, note.sender);
+                }
+                self.answered(key, sender);
+                self.lift_fence(key);
+            }
+            _ => {
+                // A writer still at it: keep the lease as long again.
+                let until = now.saturating_add(Nanos(info.lease));
+                if !info.quarantined {
+                    for f in self.fences.iter_mut().filter(|f| f.key == key) {
+                        f.due = f.due.max(until);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A push destination asks whether anything of ours will still land in
+    /// it (the incarnation it names): quiet unless a write of ours has puts
+    /// in flight to the asking engine for that incarnation — then its word
+    /// follows them. A quiet answer is a promise: no write into that
+    /// incarnation is posted from now on.
+    pub(super) fn write_query(
+        &mut self,
+        live: Option<RequestKey>,
+        note: &Notification,
+        reply: Option<u32>,
+    ) {
+        let asker = self.by_instance.get(&note.sender).copied();
+        if let (Some(key), Some(peer)) = (live, asker) {
+            let slot = key.slot() as usize;
+            let info = self.info[slot];
+            let base = slot * MAX_HANDLES;
+            let in_flight = matches!(info.kind, Kind::Write { .. })
+                && (0..info.handles as usize).any(|h| {
+                    let p = &self.progress[base + h];
+                    p.peer == peer && p.lend == note.incarnation && p.remaining > 0
+                });
+            if in_flight {
+                return;
+            }
+        }
+        let by_instance = &self.by_instance;
+        self.quiet.promise(note.sender, note.incarnation, |e| {
+            by_instance.contains_key(&e)
+        });
+        self.answer(reply, NoteKind::WriteQuiet, note);
+    }
+}
