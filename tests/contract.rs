@@ -21,7 +21,7 @@ use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
-use common::pattern;
+use common::{pattern, try_wait};
 
 const BS: u64 = 4096;
 const BLOCKS: u64 = 64;
@@ -102,26 +102,6 @@ fn wait_for(
             t.elapsed() < guard,
             "timed out after {guard:?} waiting for {what}: {out:?}"
         );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// Like `wait_for`, but says whether `done` came true within `guard`.
-fn try_wait(
-    e: &mut Engine,
-    out: &mut Outcomes,
-    guard: Duration,
-    done: impl Fn(&Outcomes) -> bool,
-) -> bool {
-    let t = Instant::now();
-    loop {
-        e.poll(out);
-        if done(out) {
-            return true;
-        }
-        if t.elapsed() >= guard {
-            return false;
-        }
         std::thread::sleep(Duration::from_millis(1));
     }
 }

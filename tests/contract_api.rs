@@ -15,7 +15,7 @@ use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
-use common::pattern;
+use common::{pattern, reported};
 
 const BS: u64 = 4096;
 const BLOCKS: u64 = 64;
@@ -88,14 +88,6 @@ fn warm(d: &mut Engine, peer: PeerId, id: RequestId) {
     let mut out = Outcomes::default();
     wait_for(d, &mut out, "the warm-up read", |o| reported(o, id));
     assert_eq!(out.finished_recving, vec![id], "{out:?}");
-}
-
-fn reported(o: &Outcomes, id: RequestId) -> bool {
-    o.finished_recving.contains(&id)
-        || o.failed_recving.iter().any(|f| f.id == id)
-        || o.finished_sending.contains(&id)
-        || o.failed_sending.iter().any(|f| f.id == id)
-        || o.expired.contains(&id)
 }
 
 /// A full prefix hit on the consumer: nothing to read, but the producer's

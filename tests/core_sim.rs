@@ -416,17 +416,8 @@ impl Harness {
 
     /// `Engine::lend`: `Kind::Lend` (readers) or `Kind::Receive` (writers).
     fn lend(&mut self, node: usize, id: u64, blocks: &[BlockId], kind: Kind, lease: u64) {
-        let token = self.track(node, id, kind, blocks.to_vec());
-        let mut cmds = vec![Command::Begin {
-            id: RequestId(id),
-            kind,
-            handles: 0,
-            blocks: blocks.len() as u32,
-            expires_in: lease,
-            token,
-        }];
-        cmds.extend(blocks.iter().map(|&b| Command::Block(b)));
-        self.feed(node, cmds);
+        let token = self.token();
+        self.lend_as(node, id, blocks, kind, lease, token);
     }
 
     /// `Engine::lend_to_writers`: a push destination with named writers.
@@ -919,11 +910,29 @@ fn three_handles_to_one_producer_send_one_read_done() {
         "one consumer engine released a Readers(2) lend"
     );
     // The second consumer engine reads: now it is released.
-    let l2 = h.alloc(2, 6);
-    h.read(2, 9, &[(1, pairs(&l2, &src))], 10 * MS);
+    a_read_finishes_and_releases_its_lend(&mut h, 2, 1, 9, &src);
+}
+
+/// `reader` reads `src` of `lender`'s lend `id`: it finishes, the lend is
+/// released, and the run ends clean.
+fn a_read_finishes_and_releases_its_lend(
+    h: &mut Harness,
+    reader: usize,
+    lender: usize,
+    id: u64,
+    src: &[BlockId],
+) {
+    let l = h.alloc(reader, src.len());
+    h.read(reader, id, &[(lender, pairs(&l, src))], 10 * MS);
+    run_ends_with_both_finished(h, reader, lender, id);
+}
+
+/// Runs to the end: `receiver` finished receiving `id`, `sender` sending
+/// it, and the run ends clean.
+fn run_ends_with_both_finished(h: &mut Harness, receiver: usize, sender: usize, id: u64) {
     h.settle();
-    assert_eq!(h.report_of(2, 9), Some(&Report::FinishedRecving));
-    assert_eq!(h.report_of(1, 9), Some(&Report::FinishedSending));
+    assert_eq!(h.report_of(receiver, id), Some(&Report::FinishedRecving));
+    assert_eq!(h.report_of(sender, id), Some(&Report::FinishedSending));
     h.check_end();
 }
 
@@ -959,14 +968,19 @@ fn wrong_kind_notification_is_rejected_and_changes_nothing() {
     );
     h.settle();
     // Its lease expired: failed, naming its blocks.
-    match h.report_of(1, 4) {
-        Some(Report::FailedRecving(r, blocks)) => {
-            assert_eq!(r.cause, Cause::LeaseExpired);
-            assert_eq!(blocks, &dst);
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_failed_recving(&h, 1, 4, Cause::LeaseExpired, &dst);
     h.check_end();
+}
+
+/// `node` reported `id` in `failed_recving` with `cause`, naming `blocks`.
+fn assert_failed_recving(h: &Harness, node: usize, id: u64, cause: Cause, blocks: &[BlockId]) {
+    match h.report_of(node, id) {
+        Some(Report::FailedRecving(r, b)) => {
+            assert_eq!(r.cause, cause);
+            assert_eq!(b, blocks);
+        }
+        other => panic!("node {node} request {id}: {other:?}"),
+    }
 }
 
 #[test]
@@ -2008,28 +2022,48 @@ fn a_lost_named_writer_releases_the_quarantine() {
     }
 }
 
+/// Node 1 lends `n` blocks for `id` to its named writer node 0, which
+/// writes them and stops (its puts posted) until `until`; `then` does what
+/// the destination's engine does meanwhile. The destination must not be
+/// reported while its writer is stopped (checked up to `held`), and must be
+/// once it spoke — with its bytes, nothing landing after.
+fn a_destination_waits_for_its_stopped_writer(
+    seed: u64,
+    id: u64,
+    n: usize,
+    lease: u64,
+    until: u64,
+    held: u64,
+    then: impl FnOnce(&mut Harness),
+) {
+    let mut h = Harness::new(cfg(seed, 2));
+    let dst = h.alloc(1, n);
+    h.receive_from(1, id, &dst, &[0], lease);
+    let src = h.alloc(0, n);
+    h.fill(0, &src);
+    h.reqs.get_mut(&(1, id)).unwrap().expect =
+        dst.iter().zip(&src).map(|(&x, &s)| (x, 0, s)).collect();
+    h.write(0, id, &[(1, pairs(&src, &dst))], 1, 50 * MS);
+    h.pause(0, Nanos(until));
+    then(&mut h);
+    h.run_until(Nanos(held));
+    assert_eq!(
+        h.report_of(1, id),
+        None,
+        "released while its writer could write"
+    );
+    h.settle();
+    assert!(h.report_of(1, id).is_some());
+    h.check_end();
+}
+
 /// An abort of a push destination with named writers waits for them too:
 /// a writer with puts in flight is not answered for until its word.
 #[test]
 fn an_aborted_named_destination_waits_for_its_writers() {
-    let mut h = Harness::new(cfg(27, 2));
-    let dst = h.alloc(1, 1);
-    h.receive_from(1, 14, &dst, &[0], 100 * MS);
-    let src = h.alloc(0, 1);
-    h.fill(0, &src);
-    h.write(0, 14, &[(1, pairs(&src, &dst))], 1, 50 * MS);
-    // The writer stops with its puts posted; the destination aborts.
-    h.pause(0, Nanos(20 * MS));
-    h.abort(1, 14);
-    h.run_until(Nanos(10 * MS));
-    assert_eq!(
-        h.report_of(1, 14),
-        None,
-        "released while its writer might write"
-    );
-    h.settle();
-    assert!(h.report_of(1, 14).is_some());
-    h.check_end();
+    a_destination_waits_for_its_stopped_writer(27, 14, 1, 100 * MS, 20 * MS, 10 * MS, |h| {
+        h.abort(1, 14)
+    });
 }
 
 /// A destination aborted before its writer wrote asks the writer, which
@@ -2195,12 +2229,7 @@ fn a_late_note_about_an_earlier_lend_never_touches_a_later_lend_of_the_same_id()
         "a note of the first lend ended the second"
     );
     // The reader of the second lend is served and releases it.
-    let l = h.alloc(0, 1);
-    h.read(0, 7, &[(1, pairs(&l, &src))], 10 * MS);
-    h.settle();
-    assert_eq!(h.report_of(0, 7), Some(&Report::FinishedRecving));
-    assert_eq!(h.report_of(1, 7), Some(&Report::FinishedSending));
-    h.check_end();
+    a_read_finishes_and_releases_its_lend(&mut h, 0, 1, 7, &src);
 }
 
 /// A writer answered quiet for a destination that gave up on it; the
@@ -2225,10 +2254,7 @@ fn a_quiet_promise_about_one_destination_does_not_refuse_the_next_of_the_same_id
     h.reqs.get_mut(&(1, 15)).unwrap().expect =
         d2.iter().zip(&src).map(|(&x, &s)| (x, 0, s)).collect();
     h.write(0, 15, &[(1, pairs(&src, &d2))], 1, 50 * MS);
-    h.settle();
-    assert_eq!(h.report_of(0, 15), Some(&Report::FinishedSending));
-    assert_eq!(h.report_of(1, 15), Some(&Report::FinishedRecving));
-    h.check_end();
+    run_ends_with_both_finished(&mut h, 1, 0, 15);
 }
 
 /// A third engine floods a writer with questions about destinations that
@@ -2306,25 +2332,9 @@ fn an_unnamed_destination_asks_every_peer_past_64_and_waits_for_the_last() {
 /// fence: nothing is reported until its word, whose puts land first.
 #[test]
 fn removing_a_named_writer_keeps_its_destinations_fence_until_it_speaks() {
-    let mut h = Harness::new(cfg(45, 2));
-    let dst = h.alloc(1, 2);
-    h.receive_from(1, 18, &dst, &[0], MS);
-    let src = h.alloc(0, 2);
-    h.fill(0, &src);
-    h.reqs.get_mut(&(1, 18)).unwrap().expect =
-        dst.iter().zip(&src).map(|(&x, &s)| (x, 0, s)).collect();
-    h.write(0, 18, &[(1, pairs(&src, &dst))], 1, 50 * MS);
-    h.pause(0, Nanos(10 * MS));
-    h.remove_peer(1, 0);
-    h.run_until(Nanos(9 * MS));
-    assert_eq!(
-        h.report_of(1, 18),
-        None,
-        "reported while its removed writer could write"
-    );
-    h.settle();
-    assert!(h.report_of(1, 18).is_some());
-    h.check_end();
+    a_destination_waits_for_its_stopped_writer(45, 18, 2, MS, 10 * MS, 9 * MS, |h| {
+        h.remove_peer(1, 0)
+    });
 }
 
 /// A read's question that overtakes its lend (the block ids and the
@@ -2345,10 +2355,7 @@ fn a_read_question_that_overtakes_its_lend_is_confirmed_once_the_lend_begins() {
         "no question reached the lender first"
     );
     h.lend_as(1, 19, &src, Kind::Lend { notifications: 1 }, 100 * MS, inc);
-    h.settle();
-    assert_eq!(h.report_of(0, 19), Some(&Report::FinishedRecving));
-    assert_eq!(h.report_of(1, 19), Some(&Report::FinishedSending));
-    h.check_end();
+    run_ends_with_both_finished(&mut h, 0, 1, 19);
 }
 
 /// ...and a read whose lend never begins fails once the grace period ran
@@ -2367,13 +2374,7 @@ fn a_read_whose_lend_never_begins_fails_after_the_grace_period() {
         "refused before the grace period ended"
     );
     h.settle();
-    match h.report_of(0, 20) {
-        Some(Report::FailedRecving(r, b)) => {
-            assert_eq!(r.cause, Cause::LeaseLost);
-            assert_eq!(b, &l);
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_failed_recving(&h, 0, 20, Cause::LeaseLost, &l);
     assert!(h.now.0 >= GRACE);
     h.check_end();
 }

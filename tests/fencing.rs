@@ -12,8 +12,6 @@ use kvpoll::engine::{Engine, LendTo, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
-use common::pattern;
-
 const BS: u64 = 4096;
 const BLOCKS: u64 = 16;
 const GUARD: Duration = Duration::from_secs(10);
@@ -32,17 +30,7 @@ fn engine_over(tls: &str) -> Engine {
     e
 }
 
-fn fill(e: &Engine, seed: u64, block: u32) {
-    let mut buf = vec![0u8; BS as usize];
-    pattern::fill(seed, u64::from(block), &mut buf);
-    e.write_block(0, BlockId(block), &buf).unwrap();
-}
-
-fn holds(e: &Engine, block: u32, seed: u64, remote: u32) -> bool {
-    let mut buf = vec![0u8; BS as usize];
-    e.read_block(0, BlockId(block), &mut buf).unwrap();
-    pattern::check(seed, u64::from(remote), &buf)
-}
+use common::{fill_block as fill, holds_block as holds};
 
 fn wait(e: &mut Engine, out: &mut Outcomes, what: &str, done: impl Fn(&Outcomes) -> bool) {
     let t = Instant::now();

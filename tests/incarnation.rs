@@ -12,7 +12,7 @@ use kvpoll::engine::{Engine, LendTo, Outcomes};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
-use common::{one, pattern};
+use common::{one, reported};
 
 const BS: u64 = 4096;
 const BLOCKS: u64 = 16;
@@ -33,44 +33,23 @@ fn engine() -> Engine {
     engine_over("tcp", Duration::from_secs(5))
 }
 
-fn fill(e: &Engine, seed: u64, block: u32) {
-    let mut buf = vec![0u8; BS as usize];
-    pattern::fill(seed, u64::from(block), &mut buf);
-    e.write_block(0, BlockId(block), &buf).unwrap();
+/// A lender, a reader, and the reader's peer id for the lender.
+fn lender_and_reader() -> (Engine, Engine, kvpoll::PeerId) {
+    let p = engine();
+    let mut d = engine();
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    (p, d, peer)
 }
 
-fn holds(e: &Engine, block: u32, seed: u64, remote: u32) -> bool {
-    let mut buf = vec![0u8; BS as usize];
-    e.read_block(0, BlockId(block), &mut buf).unwrap();
-    pattern::check(seed, u64::from(remote), &buf)
-}
+use common::{fill_block as fill, holds_block as holds};
 
-fn reported(o: &Outcomes, id: RequestId) -> bool {
-    o.finished_recving.contains(&id)
-        || o.failed_recving.iter().any(|f| f.id == id)
-        || o.finished_sending.contains(&id)
-        || o.failed_sending.iter().any(|f| f.id == id)
-        || o.expired.contains(&id)
-}
-
-/// Polls `e` into `out` until `done`, at most `within`; whether it came.
 fn wait(
     e: &mut Engine,
     out: &mut Outcomes,
     within: Duration,
     done: impl Fn(&Outcomes) -> bool,
 ) -> bool {
-    let t = Instant::now();
-    loop {
-        e.poll(out);
-        if done(out) {
-            return true;
-        }
-        if t.elapsed() >= within {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::try_wait(e, out, within, done)
 }
 
 /// A read of the first lend of request 10, held up on the reader (before
@@ -80,9 +59,7 @@ fn wait(
 /// request 11's bytes although a lend named 10 is live.
 #[test]
 fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with_reused_bytes() {
-    let mut p = engine();
-    let mut d = engine();
-    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    let (mut p, mut d, peer) = lender_and_reader();
     // Wire the endpoint up.
     fill(&p, 1, 0);
     let warm = p
@@ -96,13 +73,9 @@ fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with
 
     let id = RequestId(10);
     fill(&p, 10, 4);
+    let short = Duration::from_millis(200);
     let first = p
-        .lend(
-            id,
-            &[BlockId(4)],
-            LendTo::Readers(1),
-            Duration::from_millis(200),
-        )
+        .lend(id, &[BlockId(4)], LendTo::Readers(1), short)
         .unwrap();
     // The reader's poller is held up before it posts the read: its get
     // reads the block after the lender reused it.
@@ -151,9 +124,7 @@ fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with
 /// a 900 ms stall, then a 500 ms lease, then a read — confirmed.
 #[test]
 fn a_lend_taken_after_a_long_poller_stall_gets_its_whole_lease() {
-    let mut p = engine();
-    let mut d = engine();
-    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    let (mut p, mut d, peer) = lender_and_reader();
     fill(&p, 3, 2);
     let id = RequestId(30);
     p.stall(Duration::from_millis(900)).unwrap();
@@ -186,9 +157,7 @@ fn a_lend_taken_after_a_long_poller_stall_gets_its_whole_lease() {
 /// again, and finishes once the lend arrives — with the lender's bytes.
 #[test]
 fn a_read_that_reaches_its_lender_before_the_lend_finishes_once_the_lend_arrives() {
-    let mut p = engine();
-    let mut d = engine();
-    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    let (mut p, mut d, peer) = lender_and_reader();
     fill(&p, 7, 9);
     let id = RequestId(40);
     let inc = Incarnation::draw();

@@ -175,3 +175,47 @@ pub fn one<'a>(
         lend,
     }]
 }
+
+/// Whether `o` reports request `id`, in any list.
+pub fn reported(o: &kvpoll::Outcomes, id: RequestId) -> bool {
+    o.finished_recving.contains(&id)
+        || o.failed_recving.iter().any(|f| f.id == id)
+        || o.finished_sending.contains(&id)
+        || o.failed_sending.iter().any(|f| f.id == id)
+        || o.expired.contains(&id)
+}
+
+/// Polls `e` (appending to `out`) until `done(out)`; whether that came
+/// within `guard`.
+pub fn try_wait(
+    e: &mut kvpoll::Engine,
+    out: &mut kvpoll::Outcomes,
+    guard: std::time::Duration,
+    done: impl Fn(&kvpoll::Outcomes) -> bool,
+) -> bool {
+    let t = std::time::Instant::now();
+    loop {
+        e.poll(out);
+        if done(out) {
+            return true;
+        }
+        if t.elapsed() >= guard {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Fills block `block` of region 0 of `e` with `seed`'s pattern.
+pub fn fill_block(e: &kvpoll::Engine, seed: u64, block: u32) {
+    let mut buf = vec![0u8; e.block_size() as usize];
+    pattern::fill(seed, u64::from(block), &mut buf);
+    e.write_block(0, BlockId(block), &buf).unwrap();
+}
+
+/// Whether block `block` of region 0 of `e` holds `seed`'s block `remote`.
+pub fn holds_block(e: &kvpoll::Engine, block: u32, seed: u64, remote: u32) -> bool {
+    let mut buf = vec![0u8; e.block_size() as usize];
+    e.read_block(0, BlockId(block), &mut buf).unwrap();
+    pattern::check(seed, u64::from(remote), &buf)
+}
