@@ -167,6 +167,10 @@ impl PeerMetadata {
         if !r.0.is_empty() {
             return Err(MetadataError::TrailingBytes(r.0.len()));
         }
+        // Regions pair by id, not by the order a peer lists them in: our
+        // region i moves to or from the peer's region of the i-th smallest
+        // id (a kvpoll engine numbers its regions 0..n, one per layer).
+        regions.sort_by_key(|r| r.id);
         Ok(Self {
             instance,
             layout: BlockLayout { block_size },

@@ -47,6 +47,16 @@ fn metadata_round_trips_with_address_rkeys_and_layout() {
         .unwrap();
 }
 
+/// A peer that lists its regions in another order: they pair by id, so
+/// layer 0 still moves to or from the peer's layer 0.
+#[test]
+fn regions_listed_out_of_order_are_taken_in_id_order() {
+    let m = real_metadata(&[(1, 16), (0, 8)]);
+    let decoded = PeerMetadata::decode(&m.encode()).unwrap();
+    let ids: Vec<(u32, u64)> = decoded.regions.iter().map(|r| (r.id, r.blocks)).collect();
+    assert_eq!(ids, vec![(0, 8), (1, 16)]);
+}
+
 #[test]
 fn truncated_metadata_is_refused_at_every_length() {
     let bytes = real_metadata(&[(0, 16)]).encode();

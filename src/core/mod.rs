@@ -1003,6 +1003,19 @@ impl Core {
                 self.by_token.remove(&info.token);
                 self.ended.record(info.token);
             }
+            // Reported means quiescent: nothing of it is due any more, so
+            // its timers go now rather than when they fall due (they would
+            // wake the poller, and `next_deadline` looks at each).
+            let key = ev.key;
+            if !self.fences.is_empty() {
+                self.fences.retain(|f| f.key != key);
+            }
+            if !self.aborted.is_empty() {
+                self.aborted.retain(|&(k, _)| k != key);
+            }
+            if !self.asking.is_empty() {
+                self.asking.retain(|a| a.key != key);
+            }
             if ev.outcome == Outcome::Finished {
                 if info.kind == Kind::Read && !self.cfg.confirm_reads {
                     // Unconfirmed reads tell their lenders afterwards.

@@ -248,3 +248,109 @@ fn a_metadata_refresh_of_a_peer_in_use_is_refused_and_one_at_rest_replaces_it() 
         "forgotten once its destination heard from it"
     );
 }
+
+/// Begins a push destination `id` (incarnation `token`) awaiting
+/// `writers` writer engines, named by peer `names` (empty: unnamed).
+fn receive(c: &mut Core, id: u64, token: u64, writers: u32, names: &[PeerId], lease: u64) {
+    let mut plan: Vec<Command> = names
+        .iter()
+        .map(|&peer| Command::Handle {
+            peer,
+            pairs: 0,
+            lend: Incarnation::NONE,
+        })
+        .collect();
+    plan.push(Command::Block(BlockId(3)));
+    let mut plan = plan.into_iter();
+    c.on_command(
+        Command::Begin {
+            id: RequestId(id),
+            kind: Kind::Receive { writers },
+            handles: names.len() as u8,
+            blocks: 1,
+            expires_in: lease,
+            token: Incarnation(token),
+        },
+        &mut || plan.next(),
+        Nanos(0),
+    );
+}
+
+/// The notes the core sends (not replies), in order.
+fn sent(c: &mut Core) -> Vec<NoteKind> {
+    let mut kinds = Vec::new();
+    while let Some(a) = c.next_action() {
+        if let Action::Send { notes, .. } = a {
+            for b in c.notes(notes).chunks_exact(NOTE_LEN) {
+                kinds.push(Notification::decode(b).expect("encoded").kind);
+            }
+        }
+    }
+    kinds
+}
+
+fn hear(c: &mut Core, n: Notification, now: Nanos) {
+    c.on_transport(
+        TransportEvent::Message {
+            payload: &n.encode(),
+            reply: None,
+        },
+        now,
+    );
+}
+
+#[test]
+fn a_destination_that_failed_does_not_acknowledge_a_later_write_done() {
+    let mut c = core(1);
+    let (a, b) = (c.add_peer(41, 1, 8).unwrap(), c.add_peer(42, 1, 8).unwrap());
+    receive(&mut c, 6, 0x66, 2, &[a, b], 1_000_000_000);
+    sent(&mut c);
+    // One writer gave up, the other says done: every writer spoke and one
+    // gave up, so the destination fails — and the done is not acknowledged.
+    hear(
+        &mut c,
+        note(NoteKind::WriteAbandoned, 6, 0x66, 1, 41),
+        Nanos(1),
+    );
+    hear(&mut c, note(NoteKind::WriteDone, 6, 0x66, 2, 42), Nanos(2));
+    let mut reported = Vec::new();
+    c.drain_events(|e| reported.push(e.outcome));
+    assert!(
+        matches!(reported[..], [Outcome::Failed(r)] if r.cause == Cause::LeaseLost),
+        "{reported:?}"
+    );
+    assert!(
+        !sent(&mut c).contains(&NoteKind::Ack),
+        "acknowledged a write into a failed destination"
+    );
+}
+
+#[test]
+fn aborting_a_destination_already_reported_leaves_nothing_quarantined() {
+    let mut c = core(1);
+    c.add_peer(41, 1, 8).unwrap();
+    c.add_peer(42, 1, 8).unwrap();
+    // Lent to one writer it did not name; 41 wrote it: finished.
+    receive(&mut c, 7, 0x77, 1, &[], 1_000_000_000);
+    hear(&mut c, note(NoteKind::WriteDone, 7, 0x77, 1, 41), Nanos(1));
+    sent(&mut c);
+    // Reported (not yet polled and retired): an abort changes nothing —
+    // no quarantine, no question to the peer that never wrote.
+    c.on_command(Command::Abort(RequestId(7)), &mut || None, Nanos(2));
+    assert_eq!(c.quarantined(), 0);
+    assert!(!sent(&mut c).contains(&NoteKind::WriteQuery));
+}
+
+#[test]
+fn a_reported_destination_leaves_no_timer_behind() {
+    let mut c = core(1);
+    let a = c.add_peer(41, 1, 8).unwrap();
+    receive(&mut c, 8, 0x88, 1, &[a], 1_000_000_000);
+    assert!(c.next_deadline().is_some());
+    hear(&mut c, note(NoteKind::WriteDone, 8, 0x88, 1, 41), Nanos(1));
+    assert_eq!(
+        c.next_deadline(),
+        None,
+        "the finished destination's lease still wakes the poller"
+    );
+}
