@@ -94,7 +94,8 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
         .unwrap();
     p.register(BLOCKS).unwrap();
     let id = RequestId(5);
-    p.lend(id, &[BlockId(1)], LendTo::Readers(1), GUARD)
+    let lend = p
+        .lend(id, &[BlockId(1)], LendTo::Readers(1), GUARD)
         .unwrap();
     let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
 
@@ -105,7 +106,7 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
     let note = Notification {
         kind: NoteKind::ReadDone,
         id,
-        incarnation: kvpoll::Incarnation(5),
+        incarnation: lend,
         nonce: kvpoll::Incarnation(6),
         sender: 99,
     }
