@@ -2157,7 +2157,11 @@ fn an_unnamed_destination_nobody_wrote_is_released_when_every_peer_is_quiet() {
 /// finish on it — only on its own answer.
 #[test]
 fn a_late_confirmation_of_a_first_read_attempt_never_finishes_its_retry() {
-    let mut h = Harness::new(cfg(40, 2));
+    let mut h = Harness::new(SimNetConfig {
+        // Shared memory: the retry's gets land while the lender is paused.
+        shm: true,
+        ..cfg(40, 2)
+    });
     let src = lend_filled(&mut h, 1, 5, 2, 1, 100 * MS);
     let lend = h.token_of(1, 5);
     h.pause(1, Nanos(10 * MS));
