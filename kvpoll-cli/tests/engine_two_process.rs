@@ -216,3 +216,46 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
     let p2 = d.add_peer(&again.metadata).unwrap();
     read_and_verify(&mut d, p2, 4, 5);
 }
+
+/// A peer whose process dies is reported to the engine once, in
+/// `Outcomes::peers_lost`, with the endpoint's status.
+#[test]
+fn a_killed_peer_is_reported_in_peers_lost_with_its_status() {
+    let mut peer = spawn(6);
+    let mut d = decode_engine(GUARD);
+    let p = d.add_peer(&peer.metadata).unwrap();
+    read_and_verify(&mut d, p, 1, 6);
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    // UCX notices a dead tcp peer when it next talks to it.
+    d.read(
+        RequestId(2),
+        &[Transfer {
+            peer: p,
+            local: &ids(&[3]),
+            remote: &ids(&[3]),
+            lend: kvpoll::Incarnation::NONE,
+        }],
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    let t = std::time::Instant::now();
+    while out.peers_lost.is_empty() {
+        assert!(
+            t.elapsed() < GUARD,
+            "the lost peer was never reported: {out:?}"
+        );
+        d.poll(&mut out);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(out.peers_lost.len(), 1, "{out:?}");
+    let (lost, reason) = out.peers_lost[0];
+    assert_eq!(lost, p);
+    assert_eq!(reason.cause, Cause::PeerLost);
+    assert!(reason.status < 0, "no endpoint status: {reason:?}");
+    // Once: later polls do not report it again.
+    std::thread::sleep(Duration::from_millis(100));
+    out.clear();
+    d.poll(&mut out);
+    assert!(out.peers_lost.is_empty(), "{out:?}");
+}
