@@ -192,6 +192,38 @@ pub enum EngineError {
     /// No memory is registered yet.
     #[error("no region is registered: call Engine::register first")]
     NoRegions,
+    /// A region index past the registered regions.
+    #[error("region {region} does not exist: {regions} region(s) are registered")]
+    NoSuchRegion {
+        /// The index given.
+        region: usize,
+        /// Regions registered (valid indices are below this).
+        regions: usize,
+    },
+    /// More bytes given for one block (or asked of it) than a block holds.
+    #[error("{given} bytes given for one block; the block size is {block_size} bytes")]
+    TooManyBytes {
+        /// Bytes given.
+        given: usize,
+        /// Bytes per block.
+        block_size: u64,
+    },
+    /// Caller memory that is not a whole number of blocks.
+    #[error("caller memory of {len} bytes is not a whole number of {block_size}-byte blocks")]
+    NotWholeBlocks {
+        /// Bytes given.
+        len: usize,
+        /// Bytes per block.
+        block_size: u64,
+    },
+    /// A poller CPU that this machine does not have.
+    #[error("poller CPU {core} does not exist on this machine (CPUs: {cpus})")]
+    NoSuchCpu {
+        /// The CPU asked for.
+        core: usize,
+        /// The machine's CPUs, as a CPU list (`0-3,8`).
+        cpus: String,
+    },
     /// Every ledger slot is in use: poll and retire, or build a larger ledger.
     #[error("all {0} request slots are in use")]
     Full(u32),
@@ -343,9 +375,12 @@ impl EngineBuilder {
         self
     }
 
-    /// Pin the poller to this CPU core (default: not pinned). A failure to
-    /// pin is an error for a `Busy` poller and a warning (on stderr) for an
-    /// `Adaptive` one. Take the core from a [`crate::placement::CoreMap`].
+    /// Pin the poller to this CPU core (default: not pinned). A CPU the
+    /// machine does not have is refused ([`EngineError::NoSuchCpu`]). A
+    /// failure to pin is an error for a `Busy` poller; an `Adaptive` one
+    /// runs unpinned, with a `tracing` warning, and
+    /// [`Engine::poller_core`] says `None`. Take the core from a
+    /// [`crate::placement::CoreMap`].
     pub fn core(mut self, core: Option<usize>) -> Self {
         self.core = core;
         self
@@ -446,6 +481,14 @@ impl EngineBuilder {
         }
         if self.command_ring < 2 || self.event_ring < 1 {
             return Err(EngineError::Config("rings need room"));
+        }
+        if let Some(core) = self.core {
+            if let Some(cpus) = crate::placement::machine_cpus().filter(|c| !c.contains(&core)) {
+                return Err(EngineError::NoSuchCpu {
+                    core,
+                    cpus: crate::placement::format_cpu_list(&cpus),
+                });
+            }
         }
         let ledger = crate::ledger::Ledger::new(self.ledger)?;
         let slots = ledger.slots().clone();
@@ -785,10 +828,16 @@ impl Engine {
         base: *mut u8,
         len: usize,
     ) -> Result<usize, EngineError> {
-        if base.is_null() || len as u64 % self.block_size != 0 {
+        if base.is_null() {
             return Err(EngineError::BadRegion {
                 blocks: len as u64 / self.block_size,
-                why: "caller memory must be non-null and a whole number of blocks",
+                why: "caller memory is a null pointer",
+            });
+        }
+        if len as u64 % self.block_size != 0 {
+            return Err(EngineError::NotWholeBlocks {
+                len,
+                block_size: self.block_size,
             });
         }
         self.register_region(len as u64 / self.block_size, Some(base as usize))
@@ -856,12 +905,18 @@ impl Engine {
     }
 
     fn block_ptr(&self, region: usize, block: BlockId, len: usize) -> Result<*mut u8, EngineError> {
-        let r = self.regions.get(region).ok_or(EngineError::BadRegion {
-            blocks: region as u64,
-            why: "no such region",
+        let r = self.regions.get(region).ok_or(EngineError::NoSuchRegion {
+            region,
+            regions: self.regions.len(),
         })?;
+        if len as u64 > self.block_size {
+            return Err(EngineError::TooManyBytes {
+                given: len,
+                block_size: self.block_size,
+            });
+        }
         let off = u64::from(block.0) * self.block_size;
-        if len as u64 > self.block_size || off + self.block_size > r.len as u64 {
+        if off + self.block_size > r.len as u64 {
             return Err(EngineError::BlockOutOfRange {
                 block,
                 blocks: self.region_blocks.unwrap_or(0),

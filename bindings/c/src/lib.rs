@@ -175,13 +175,17 @@ fn status_of(e: &EngineError) -> i32 {
         | EngineError::BadPairing { .. }
         | EngineError::TooManyBlocks { .. }
         | EngineError::BlockOutOfRange { .. }
+        | EngineError::TooManyBytes { .. }
         | EngineError::NothingToAwait
         | EngineError::UnknownRequest(_) => KVPOLL_ERR_REQUEST,
         EngineError::UnknownPeer(_) | EngineError::Metadata(_) => KVPOLL_ERR_PEER,
         EngineError::Full(_) | EngineError::RingFull(_) => KVPOLL_ERR_BUSY,
         EngineError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-        EngineError::BadRegion { .. } | EngineError::NoRegions => KVPOLL_ERR_REGION,
-        EngineError::Config(_) => KVPOLL_ERR_CONFIG,
+        EngineError::BadRegion { .. }
+        | EngineError::NoRegions
+        | EngineError::NoSuchRegion { .. }
+        | EngineError::NotWholeBlocks { .. } => KVPOLL_ERR_REGION,
+        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => KVPOLL_ERR_CONFIG,
         EngineError::Shutdown => KVPOLL_ERR_SHUTDOWN,
         other => {
             let debug = format!("{other:?}");
