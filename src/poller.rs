@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 use crate::wake::Wake;
 
 use crate::core::{Command, Core, CoreConfig};
-use crate::engine::{EngineError, IdlePolicy};
+use crate::error::EngineError;
 use crate::ledger::{Cause, Event, Ledger, Nanos, PeerId, RequestKey};
 use crate::metadata::PeerMetadata;
+use crate::placement::IdlePolicy;
 use crate::ring::{CommandReceiver, EventPublisher};
 use crate::transport::ucx::{ContextOptions, UcxTransport};
 use crate::transport::Transport;
