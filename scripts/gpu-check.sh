@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check for issue 5, for a machine with an NVIDIA GPU: builds kvpoll
+# The GPU check, for a machine with an NVIDIA GPU: builds kvpoll
 # with the `cuda` feature, allocates a device region, registers it with UCX
 # as CUDA memory, moves one block host->GPU (UCX get) and GPU->host (UCX put),
 # and prints the result.

@@ -22,19 +22,17 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use thiserror::Error;
-
 use crate::core::{Command, MAX_CONSUMERS};
 use crate::ledger::{
-    BlockId, Cause, ConfigError, Event, Incarnation, Kind, LedgerConfig, Outcome, PeerId, Reason,
-    RequestId, RequestKey, Slots, MAX_HANDLES,
+    BlockId, Cause, Event, Incarnation, Kind, LedgerConfig, Outcome, PeerId, Reason, RequestId,
+    RequestKey, Slots, MAX_HANDLES,
 };
-use crate::metadata::MetadataError;
-use crate::placement::PlacementError;
+use crate::metrics::{MetricsSnapshot, PollerMetrics, RejectedInputs, RingMetrics, SlotUse};
 use crate::poller::{self, Control, Shared};
 use crate::ring::{self, CommandSender, EventReceiver};
-use crate::transport::ucx::{ContextOptions, UcxError};
+use crate::transport::ucx::ContextOptions;
 
+pub use crate::error::EngineError;
 pub use crate::placement::IdlePolicy;
 /// Faults the poller can inject (the `fault-injection` feature).
 #[cfg(feature = "fault-injection")]
@@ -154,126 +152,6 @@ impl Outcomes {
     }
 }
 
-/// Every way an engine call can fail. A failed call changes nothing.
-#[derive(Debug, Error)]
-pub enum EngineError {
-    /// A request with this id is in flight or not yet reported.
-    #[error("request {0:?} is already in flight")]
-    Duplicate(RequestId),
-    /// More handles than a request can hold.
-    #[error("{0} handles given; at most {MAX_HANDLES} fit in one request")]
-    TooManyHandles(usize),
-    /// A handle's local and remote lists differ in length, or are empty.
-    #[error("handle {handle}: {local} local blocks paired with {remote} remote blocks")]
-    BadPairing {
-        /// The handle's index.
-        handle: usize,
-        /// Local blocks given.
-        local: usize,
-        /// Remote blocks given.
-        remote: usize,
-    },
-    /// More local blocks than a request may name.
-    #[error("{given} local blocks in one request; at most {max}")]
-    TooManyBlocks {
-        /// Blocks given.
-        given: usize,
-        /// The limit.
-        max: u32,
-    },
-    /// A local block id outside the registered regions.
-    #[error("local block {block:?} is out of range: regions hold {blocks} blocks")]
-    BlockOutOfRange {
-        /// The block.
-        block: BlockId,
-        /// Blocks per region.
-        blocks: u64,
-    },
-    /// No memory is registered yet.
-    #[error("no region is registered: call Engine::register first")]
-    NoRegions,
-    /// Every ledger slot is in use: poll and retire, or build a larger ledger.
-    #[error("all {0} request slots are in use")]
-    Full(u32),
-    /// The command ring is full: the poller is behind. Retry after a poll.
-    #[error("command ring full ({0} entries needed): retry after polling")]
-    RingFull(usize),
-    /// The request needs more command-ring entries than the ring holds: it
-    /// can never be sent. Split it, or build the engine with a larger ring.
-    #[error("request needs {entries} command-ring entries; the ring holds {capacity}")]
-    RequestTooLarge {
-        /// Entries the request needs (1 + handles + block pairs).
-        entries: usize,
-        /// The ring's capacity.
-        capacity: usize,
-    },
-    /// A lend or write that awaits no notification.
-    #[error("a lend must await at least one notification")]
-    NothingToAwait,
-    /// More remote engines to await than one request can count.
-    #[error("{0} remote engines to await; at most {MAX_CONSUMERS} per request")]
-    TooManyConsumers(u32),
-    /// The request is not in flight.
-    #[error("request {0:?} is not in flight")]
-    UnknownRequest(RequestId),
-    /// The peer is not known.
-    #[error("peer {0:?} is not known")]
-    UnknownPeer(PeerId),
-    /// The peer's metadata was given again (the same engine instance)
-    /// with different contents while transfers of ours are in flight on
-    /// it or a push destination waits for its word: replacing its
-    /// endpoint now could cut puts in flight or drop that fence. Retry
-    /// once they ended; identical metadata returns the same peer at once.
-    #[error("peer {0:?} is in use (transfers in flight, or a push destination awaits its word): its metadata can be replaced once they ended")]
-    PeerBusy(PeerId),
-    /// A handle names no incarnation, or handles to one peer name
-    /// different ones.
-    #[error("handle {handle}: {why}")]
-    BadIncarnation {
-        /// The handle's index.
-        handle: usize,
-        /// What is wrong.
-        why: &'static str,
-    },
-    /// Peer metadata was refused.
-    #[error(transparent)]
-    Metadata(#[from] MetadataError),
-    /// A UCX call failed.
-    #[error(transparent)]
-    Ucx(#[from] UcxError),
-    /// A region's size does not fit the layout.
-    #[error("region of {blocks} blocks: {why}")]
-    BadRegion {
-        /// Blocks asked for.
-        blocks: u64,
-        /// What is wrong.
-        why: &'static str,
-    },
-    /// Memory registered after a peer was added: that peer holds metadata
-    /// without the new region, and every later transfer with it would fail.
-    #[error("register every region before adding peers (peers hold the metadata sent them)")]
-    RegionsFrozen,
-    /// The ledger sizes are invalid.
-    #[error(transparent)]
-    Ledger(#[from] ConfigError),
-    /// Placing the poller failed.
-    #[error(transparent)]
-    Placement(#[from] PlacementError),
-    /// The builder's settings are invalid.
-    #[error("invalid engine configuration: {0}")]
-    Config(&'static str),
-    /// The poller thread could not be started.
-    #[error("starting the poller thread: {0}")]
-    Spawn(String),
-    /// The engine was shut down.
-    #[error("the engine is shut down")]
-    Shutdown,
-    /// The poller thread died (a bug): requests in flight were reported
-    /// failed (`Cause::PollerDied`); the engine accepts nothing more.
-    #[error("the poller thread died; requests in flight were reported failed")]
-    PollerDied,
-}
-
 /// Builds an [`Engine`].
 #[derive(Debug, Clone)]
 pub struct EngineBuilder {
@@ -343,9 +221,12 @@ impl EngineBuilder {
         self
     }
 
-    /// Pin the poller to this CPU core (default: not pinned). A failure to
-    /// pin is an error for a `Busy` poller and a warning (on stderr) for an
-    /// `Adaptive` one. Take the core from a [`crate::placement::CoreMap`].
+    /// Pin the poller to this CPU core (default: not pinned). A CPU the
+    /// machine does not have is refused ([`EngineError::NoSuchCpu`]). A
+    /// failure to pin is an error for a `Busy` poller; an `Adaptive` one
+    /// runs unpinned, with a `tracing` warning, and
+    /// [`Engine::poller_core`] says `None`. Take the core from a
+    /// [`crate::placement::CoreMap`].
     pub fn core(mut self, core: Option<usize>) -> Self {
         self.core = core;
         self
@@ -446,6 +327,14 @@ impl EngineBuilder {
         }
         if self.command_ring < 2 || self.event_ring < 1 {
             return Err(EngineError::Config("rings need room"));
+        }
+        if let Some(core) = self.core {
+            if let Some(cpus) = crate::placement::machine_cpus().filter(|c| !c.contains(&core)) {
+                return Err(EngineError::NoSuchCpu {
+                    core,
+                    cpus: crate::placement::format_cpu_list(&cpus),
+                });
+            }
         }
         let ledger = crate::ledger::Ledger::new(self.ledger)?;
         let slots = ledger.slots().clone();
@@ -785,10 +674,16 @@ impl Engine {
         base: *mut u8,
         len: usize,
     ) -> Result<usize, EngineError> {
-        if base.is_null() || len as u64 % self.block_size != 0 {
+        if base.is_null() {
             return Err(EngineError::BadRegion {
                 blocks: len as u64 / self.block_size,
-                why: "caller memory must be non-null and a whole number of blocks",
+                why: "caller memory is a null pointer",
+            });
+        }
+        if len as u64 % self.block_size != 0 {
+            return Err(EngineError::NotWholeBlocks {
+                len,
+                block_size: self.block_size,
             });
         }
         self.register_region(len as u64 / self.block_size, Some(base as usize))
@@ -856,12 +751,18 @@ impl Engine {
     }
 
     fn block_ptr(&self, region: usize, block: BlockId, len: usize) -> Result<*mut u8, EngineError> {
-        let r = self.regions.get(region).ok_or(EngineError::BadRegion {
-            blocks: region as u64,
-            why: "no such region",
+        let r = self.regions.get(region).ok_or(EngineError::NoSuchRegion {
+            region,
+            regions: self.regions.len(),
         })?;
+        if len as u64 > self.block_size {
+            return Err(EngineError::TooManyBytes {
+                given: len,
+                block_size: self.block_size,
+            });
+        }
         let off = u64::from(block.0) * self.block_size;
-        if len as u64 > self.block_size || off + self.block_size > r.len as u64 {
+        if off + self.block_size > r.len as u64 {
             return Err(EngineError::BlockOutOfRange {
                 block,
                 blocks: self.region_blocks.unwrap_or(0),
@@ -1582,6 +1483,81 @@ impl Engine {
         }
         let _ = thread.join();
         self.regions.clear();
+    }
+}
+
+// The engine's side of its metrics: `metrics` knows nothing of the engine.
+
+impl Engine {
+    /// A snapshot of this engine's counters: the poller's (iterations,
+    /// operations, bytes, refused inputs), the ledger's (slots), and what
+    /// this engine reported (requests by outcome, handle failures by cause,
+    /// submit → report latency by kind).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let p = self.poller_stats();
+        let l = self.ledger_stats();
+        MetricsSnapshot {
+            pollers: vec![PollerMetrics {
+                busy_ns: p.busy_ns,
+                idle_ns: p.idle_ns,
+                busy_iterations: p.busy_iterations,
+                idle_iterations: p.idle_iterations,
+                ops_posted: p.ops_posted,
+                ops_completed: p.ops_completed,
+                bytes: p.bytes_moved,
+                notifications_sent: p.notifications_sent,
+                notification_messages: p.notification_messages,
+            }],
+            requests: self.tally.requests,
+            handle_failures: self.tally.handle_failures,
+            latency: self.tally.latency,
+            rejected: RejectedInputs {
+                handle_inputs: l.rejected_inputs,
+                malformed_notifications: p.malformed_notifications,
+                notifications: l.rejected_notifications,
+                heartbeats: l.ignored_heartbeats,
+                retires: l.rejected_retires,
+                release_retries: l.failed_release_retries,
+            },
+            release_failures: l.release_failures,
+            slots: SlotUse {
+                capacity: u64::from(l.capacity),
+                in_use: u64::from(l.in_use),
+                quarantined: self.shared.quarantined.load(Ordering::Relaxed),
+            },
+            rings: vec![
+                RingMetrics {
+                    ring: "commands".into(),
+                    poller: 0,
+                    capacity: self.commands.capacity() as u64,
+                    occupancy: self.commands.occupancy() as u64,
+                    overflowed: 0,
+                },
+                RingMetrics {
+                    ring: "events".into(),
+                    poller: 0,
+                    capacity: self.events.capacity() as u64,
+                    occupancy: self.events.occupancy() as u64,
+                    overflowed: self.shared.events_overflowed.load(Ordering::Relaxed),
+                },
+            ],
+        }
+    }
+}
+
+impl MetricsSnapshot {
+    /// Adds what one [`Engine::poll`] reported: requests by outcome and
+    /// handle failures by cause.
+    pub fn count(&mut self, out: &Outcomes) {
+        let r = &mut self.requests;
+        r.finished_recving += out.finished_recving.len() as u64;
+        r.failed_recving += out.failed_recving.len() as u64;
+        r.finished_sending += out.finished_sending.len() as u64;
+        r.failed_sending += out.failed_sending.len() as u64;
+        r.expired += out.expired.len() as u64;
+        for (_, _, reason) in &out.handle_failures {
+            *self.handle_failures.of(reason.cause) += 1;
+        }
     }
 }
 

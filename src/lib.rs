@@ -21,6 +21,7 @@ pub mod core;
 #[doc(hidden)]
 pub mod drive;
 pub mod engine;
+mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod ledger;

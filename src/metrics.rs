@@ -5,17 +5,17 @@
 //! name their `_total` series, which that format and `promtool check
 //! metrics` expect). A server picks one by the scraper's `Accept` header.
 //!
-//! A snapshot is a copy: taking one ([`Engine::metrics`]) reads the
+//! A snapshot is a copy: taking one ([`Engine::metrics`](crate::Engine::metrics)) reads the
 //! engine's counters and allocates; nothing here runs on the hot path.
 //! Latency histograms have fixed log2 buckets ([`LatencyHistogram`]), so a
 //! recorder can keep them as arrays of counters without allocating or
 //! locking, and two snapshots can be subtracted bucket by bucket.
 //!
 //! Some figures are not measured by the poller yet and read 0 in
-//! [`Engine::metrics`] (busy/idle time, operations, bytes, rings, latency);
+//! [`Engine::metrics`](crate::Engine::metrics) (busy/idle time, operations, bytes, rings, latency);
 //! the fields and the exposition are in place for them. Requests by
 //! outcome and handle failures by cause are counted by whoever consumes
-//! [`Outcomes`]: [`MetricsSnapshot::count`].
+//! [`Outcomes`](crate::Outcomes): [`MetricsSnapshot::count`].
 //!
 //! ```
 //! use kvpoll::metrics::{render, MetricsSnapshot, PollerMetrics};
@@ -33,8 +33,6 @@ use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::engine::{Engine, Outcomes};
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::ledger::{Cause, Kind, Outcome};
@@ -125,7 +123,7 @@ pub struct PollerMetrics {
     pub notification_messages: u64,
 }
 
-/// Requests reported, by outcome (the lists of [`Outcomes`]).
+/// Requests reported, by outcome (the lists of [`Outcomes`](crate::Outcomes)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RequestOutcomes {
     /// Reads and push destinations whose data all arrived.
@@ -275,22 +273,6 @@ pub struct MetricsSnapshot {
     pub release_failures: u64,
 }
 
-impl MetricsSnapshot {
-    /// Adds what one [`Engine::poll`] reported: requests by outcome and
-    /// handle failures by cause.
-    pub fn count(&mut self, out: &Outcomes) {
-        let r = &mut self.requests;
-        r.finished_recving += out.finished_recving.len() as u64;
-        r.failed_recving += out.failed_recving.len() as u64;
-        r.finished_sending += out.finished_sending.len() as u64;
-        r.failed_sending += out.failed_sending.len() as u64;
-        r.expired += out.expired.len() as u64;
-        for (_, _, reason) in &out.handle_failures {
-            *self.handle_failures.of(reason.cause) += 1;
-        }
-    }
-}
-
 /// What the engine thread counts as it reports: requests by outcome,
 /// handle failures by cause, submit → report latency by kind. Plain
 /// integers on the engine thread: no lock, no allocation.
@@ -319,63 +301,6 @@ impl Tally {
             Kind::Write { .. } => self.latency.write.record(ns),
             Kind::Lend { .. } => self.latency.lend.record(ns),
             _ => self.latency.read.record(ns),
-        }
-    }
-}
-
-impl Engine {
-    /// A snapshot of this engine's counters: the poller's (iterations,
-    /// operations, bytes, refused inputs), the ledger's (slots), and what
-    /// this engine reported (requests by outcome, handle failures by cause,
-    /// submit → report latency by kind).
-    pub fn metrics(&self) -> MetricsSnapshot {
-        let p = self.poller_stats();
-        let l = self.ledger_stats();
-        MetricsSnapshot {
-            pollers: vec![PollerMetrics {
-                busy_ns: p.busy_ns,
-                idle_ns: p.idle_ns,
-                busy_iterations: p.busy_iterations,
-                idle_iterations: p.idle_iterations,
-                ops_posted: p.ops_posted,
-                ops_completed: p.ops_completed,
-                bytes: p.bytes_moved,
-                notifications_sent: p.notifications_sent,
-                notification_messages: p.notification_messages,
-            }],
-            requests: self.tally.requests,
-            handle_failures: self.tally.handle_failures,
-            latency: self.tally.latency,
-            rejected: RejectedInputs {
-                handle_inputs: l.rejected_inputs,
-                malformed_notifications: p.malformed_notifications,
-                notifications: l.rejected_notifications,
-                heartbeats: l.ignored_heartbeats,
-                retires: l.rejected_retires,
-                release_retries: l.failed_release_retries,
-            },
-            release_failures: l.release_failures,
-            slots: SlotUse {
-                capacity: u64::from(l.capacity),
-                in_use: u64::from(l.in_use),
-                quarantined: self.shared.quarantined.load(Ordering::Relaxed),
-            },
-            rings: vec![
-                RingMetrics {
-                    ring: "commands".into(),
-                    poller: 0,
-                    capacity: self.commands.capacity() as u64,
-                    occupancy: self.commands.occupancy() as u64,
-                    overflowed: 0,
-                },
-                RingMetrics {
-                    ring: "events".into(),
-                    poller: 0,
-                    capacity: self.events.capacity() as u64,
-                    occupancy: self.events.occupancy() as u64,
-                    overflowed: self.shared.events_overflowed.load(Ordering::Relaxed),
-                },
-            ],
         }
     }
 }
@@ -664,6 +589,7 @@ pub fn render_text(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Outcomes;
 
     #[test]
     fn bucket_bounds_are_powers_of_two_from_256_ns_and_the_last_is_open() {

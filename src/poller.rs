@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 use crate::wake::Wake;
 
 use crate::core::{Command, Core, CoreConfig};
-use crate::engine::{EngineError, IdlePolicy};
+use crate::error::EngineError;
 use crate::ledger::{Cause, Event, Ledger, Nanos, PeerId, RequestKey};
 use crate::metadata::PeerMetadata;
+use crate::placement::IdlePolicy;
 use crate::ring::{CommandReceiver, EventPublisher};
 use crate::transport::ucx::{ContextOptions, UcxTransport};
 use crate::transport::Transport;
@@ -706,7 +707,7 @@ impl Poller {
 /// Idle iterations spent spinning, then yielding, before blocking. Short:
 /// blocking is cheap to wake from (an eventfd write, a UCX fd), while a
 /// thread that spun long before it slept has used up its fair share and
-/// is woken behind whatever runs (measured on a loaded 2-core VM: a
+/// is woken behind whatever runs (measured on a loaded 2-vCPU machine: a
 /// submit wake-up of ~4 ms after 2000 spins and 2000 yields).
 const SPIN: u32 = 256;
 const YIELD_FROM: u32 = SPIN + 1;

@@ -199,7 +199,7 @@ fn unstarve(saved: Option<libc::cpu_set_t>) {
     }
 }
 
-/// Defect 1. `shutdown()` stores `stop` and the poller checks it before
+/// The defect this guards against: `shutdown()` stores `stop` and the poller checks it before
 /// `drain_commands`, then cancels only what it had begun: a request still in
 /// the command ring is never begun and never reported, and `in_flight()`
 /// stays above 0 forever.
@@ -207,7 +207,7 @@ fn unstarve(saved: Option<libc::cpu_set_t>) {
 /// The loss needs the requests to be in the ring when the poller sees
 /// `stop`. Rounds 0–2 force that: the poller is moved to this thread's CPU
 /// under `SCHED_IDLE`, so it cannot run between the submissions and the
-/// `stop` store (on the old poller every request of those rounds is lost).
+/// `stop` store (without the fix every request of those rounds is lost).
 /// Rounds 3–4 leave it to the scheduler.
 #[test]
 fn shutdown_reports_every_request_still_in_the_command_ring() {
@@ -276,7 +276,7 @@ fn shutdown_reports_every_request_still_in_the_command_ring() {
     check_no_problems(&problems);
 }
 
-/// Defect 2. The consumer notifies once per *handle*: a read with 3 handles
+/// The defect this guards against: the consumer notifies once per *handle*: a read with 3 handles
 /// to one producer sends it 3 read-done notifications, so a lend that waits
 /// for 2 consumer ranks is released after one rank read, and its blocks are
 /// freed before the second rank read them.
@@ -316,7 +316,7 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
     let all_local = range(0, 6);
     match c1.read(id, &three) {
         Ok(()) => {}
-        // The issue allows refusing several handles to one rank with a typed
+        // The contract allows refusing several handles to one rank with a typed
         // error instead; then read the same blocks in one handle, and the
         // rest of the contract (one consumer rank counts once) still holds.
         Err(e @ (EngineError::RingFull(_) | EngineError::Shutdown)) => {
@@ -361,7 +361,7 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
     assert_eq!(p.in_flight(), 0);
 }
 
-/// Defect 3. A push destination (`LendTo::Writers`) that is aborted lands in
+/// The defect this guards against: a push destination (`LendTo::Writers`) that is aborted lands in
 /// `failed_recving` with an empty block range (`blocks_to_invalidate` fills
 /// only reads); one whose lease expires lands in `expired` and names no
 /// blocks at all. Both may hold partly written KV: the blocks must be named.
@@ -520,7 +520,7 @@ fn rejected(e: &Engine) -> u64 {
     e.ledger_stats().rejected_notifications + e.poller_stats().malformed_notifications
 }
 
-/// Defect 4. The poller hands every notification to `ledger.notify` whatever
+/// The defect this guards against: the poller hands every notification to `ledger.notify` whatever
 /// its kind: a `ReadDone` or an `Ack` completes a push destination as
 /// `Finished` with no data written, a `WriteDone` or `Ack` releases a lend to
 /// readers, and one consumer instance that sends `ReadDone` twice counts as
@@ -629,11 +629,11 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     check_no_problems(&problems);
 }
 
-/// Defect 5, abort half. `abort` force-closes the peer's only endpoint
+/// The defect this guards against: `abort` force-closes the peer's only endpoint
 /// (`apply_cancels`), so every sibling read in flight to that producer
 /// completes with `UCS_ERR_CANCELED` and fails. Round 0 stalls the producer
 /// so that every read is in flight when the aborts land (deterministic on
-/// the old poller); rounds 1 and 2 run unstalled.
+/// a poller without the fix); rounds 1 and 2 run unstalled.
 #[test]
 fn an_abort_affects_only_its_own_request() {
     const READS: u32 = 40;
@@ -729,13 +729,13 @@ fn an_abort_affects_only_its_own_request() {
     check_no_problems(&problems);
 }
 
-/// Defect 5, deadline half, and recovery. A read that hits its deadline
+/// Deadline, and recovery: a read that hits its deadline
 /// fails `Deadline` and its peer's endpoint is force-closed; a sibling read
 /// in flight on that endpoint (whose own deadline is later) fails too, and
 /// must say why: the peer is stalled, not a bare transfer error. After the
 /// producer resumes, a new read to it gets a fresh endpoint and finishes.
 ///
-/// On the old poller the `Deadline` and the recovery parts hold; the
+/// Without the fix the `Deadline` and the recovery parts hold; the
 /// sibling fails as `Transfer` with `UCS_ERR_CANCELED` (-16), which is what
 /// fails this test.
 #[test]
@@ -851,13 +851,13 @@ fn overflowing_metadata(e: &Engine) -> Vec<u8> {
     wire::encode(Kind::PeerMetadata, &inner)
 }
 
-/// Defect 9. Peer metadata whose rkey has `base + len` past u64::MAX passes
+/// The defect this guards against: peer metadata whose rkey has `base + len` past u64::MAX passes
 /// validation; the first read through it computes `base + offset` and panics
 /// the poller thread (debug build; in release it wraps to a wild address).
 /// Nobody notices: `read()` returns Ok, nothing is ever reported, and the
 /// control channel is gone, so `add_peer` then says `Shutdown`.
 ///
-/// Remote block 1 (not 0) is read, so that on the old poller the panic
+/// Remote block 1 (not 0) is read, so that without the fix the panic
 /// comes before any UCX operation is posted to a wild address.
 #[test]
 fn a_poller_that_dies_is_visible() {
@@ -917,7 +917,7 @@ fn a_poller_that_dies_is_visible() {
 }
 
 /// Removing a peer twice is not an error (the second removal finds nothing
-/// to do). The old poller answers `UnknownPeer` the second time.
+/// to do). Without the fix the poller answers `UnknownPeer` the second time.
 #[test]
 fn remove_peer_is_idempotent() {
     let p = engine();

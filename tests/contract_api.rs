@@ -285,7 +285,7 @@ fn fill_one(e: &Engine) {
     }
 }
 
-/// Defect 9, the second half: a poller that dies (here: a panic injected at
+/// A poller that dies (here: a panic injected at
 /// its second post) is visible. Its requests in flight are reported failed
 /// with `Cause::PollerDied`, exactly once, and every later call says
 /// `EngineError::PollerDied` instead of returning `Ok` into the void.

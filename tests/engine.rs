@@ -765,7 +765,7 @@ fn reads_land_in_caller_registered_memory() {
     // SAFETY: as above; a length that is not whole blocks is refused.
     assert!(matches!(
         unsafe { d.register_memory(layers[0].as_mut_ptr(), 100) },
-        Err(EngineError::BadRegion { .. })
+        Err(EngineError::NotWholeBlocks { len: 100, .. })
     ));
     let peer = connect(&mut d, &p);
     let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation

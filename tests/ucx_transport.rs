@@ -23,7 +23,7 @@ fn transport() -> (UcxTransport, PeerMetadata) {
     (t, meta)
 }
 
-/// Defect 7: remote keys must outlive every operation that uses them. A
+/// Remote keys must outlive every operation that uses them. A
 /// forced close keeps the connection (its rkeys and endpoint) until UCX
 /// completed the close; only then are they released. Here the target is
 /// never progressed, so over tcp the gets stay outstanding until the forced
@@ -81,7 +81,7 @@ fn a_force_closed_connection_keeps_its_rkeys_until_the_close_completed() {
     );
 }
 
-/// Defect 8: a rendezvous active message is UCX's to release. A foreign peer
+/// A rendezvous active message is UCX's to release. A foreign peer
 /// sending the notification id large (rendezvous) messages — here with a
 /// well-formed read-done inside — neither crashes the poller (a double
 /// release) nor counts as a notification; the engine goes on working.

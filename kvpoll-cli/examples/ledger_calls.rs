@@ -1,7 +1,7 @@
 //! What each ledger call on a completion's path costs, on one thread with
 //! warm caches: ns a call, the clock's own cost taken off (it is printed
 //! too). Used to split the completion → visible figure
-//! (`docs/latency.md`, fifth pass).
+//! (`docs/latency.md`, "Completion → visible").
 //!
 //! `cargo run --release -p kvpoll-cli --example ledger_calls -- 2000000`
 

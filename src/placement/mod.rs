@@ -44,5 +44,5 @@ pub use core_map::{CoreMap, CoreMapFile, IdlePolicy, PollerSpec, AUTO, MAX_CORE_
 pub use cpulist::{format_cpu_list, parse_cpu_list};
 pub use error::PlacementError;
 pub use isolation::{interrupts_per_cpu, BootOptions, Isolation};
-pub use pin::{current_affinity, current_cpu, pin_current_thread, PinOutcome};
+pub use pin::{current_affinity, current_cpu, machine_cpus, pin_current_thread, PinOutcome};
 pub use topology::{Cpu, Device, DeviceKind, NumaNode, Topology, TreeNode, ALL_DEVICES};

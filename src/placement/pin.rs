@@ -52,6 +52,13 @@ pub fn current_affinity() -> Result<Vec<usize>, String> {
         .collect())
 }
 
+/// Every CPU this machine has, online or not (`/sys/devices/system/cpu/possible`);
+/// `None` where that cannot be read.
+pub fn machine_cpus() -> Option<Vec<usize>> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/possible").ok()?;
+    super::parse_cpu_list(text.trim()).ok()
+}
+
 /// The CPU the calling thread is running on now.
 pub fn current_cpu() -> Option<usize> {
     // SAFETY: no arguments; returns -1 on error.

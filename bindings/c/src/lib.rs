@@ -1,16 +1,34 @@
-//! The C ABI of kvpoll (`kvpoll.h`, generated from this file by cbindgen).
+//! The C ABI of kvpoll, declared in `kvpoll.h` (cbindgen writes it from
+//! `bindings/c/src/lib.rs`, whose module docs are these paragraphs).
 //!
-//! - An engine is an opaque `kvpoll_engine *`, made by `kvpoll_engine_new`
-//!   and freed by `kvpoll_engine_free`. One thread at a time may call into
-//!   one engine (it is the engine thread of the Rust API).
-//! - Every call returns a status (`KVPOLL_OK` or a `KVPOLL_ERR_*` code) and,
-//!   on error, writes a NUL-terminated message into the caller's buffer
-//!   `err` of `err_len` bytes (truncated to fit; `err` may be NULL).
-//! - No Rust panic crosses the boundary: each call runs under
-//!   `catch_unwind`, and a panic becomes `KVPOLL_ERR_PANIC`.
-//! - Durations are nanoseconds; block ids are `uint32_t`; request ids are
-//!   `uint64_t` (the Python binding maps its string ids with
-//!   `kvpoll.request_id`).
+//! Threads. An engine is an opaque `kvpoll_engine *`, made by
+//! `kvpoll_engine_new` and freed by `kvpoll_engine_free`. One thread at a
+//! time may call into one engine: it is the engine thread of the Rust API.
+//! Different engines may be used from different threads at once. Each
+//! engine runs a poller thread of its own, which never calls back into
+//! the caller.
+//!
+//! Ownership. Every pointer the caller passes stays the caller's: kvpoll
+//! copies what it keeps (metadata, block lists, the transport list) before
+//! the call returns. What `kvpoll_poll` hands back (reports, block ids) is
+//! the engine's and stays valid until the next `kvpoll_poll` or
+//! `kvpoll_engine_free`. Memory given to `kvpoll_register_memory` must stay
+//! allocated, in place, until the engine is freed.
+//!
+//! Errors. Every call returns a status (`KVPOLL_OK` or a `KVPOLL_ERR_*`
+//! code) and, on error, writes a NUL-terminated message into the caller's
+//! buffer `err` of `err_len` bytes: truncated to `err_len - 1` bytes on a
+//! UTF-8 character boundary, nothing written when `err` is NULL or
+//! `err_len` is 0. No Rust panic crosses the boundary: a panic becomes
+//! `KVPOLL_ERR_PANIC`.
+//!
+//! Units. Durations are nanoseconds (`*_ns`), sizes bytes; block ids are
+//! `uint32_t`, request ids `uint64_t` (the Python binding maps its string
+//! ids with `kvpoll.request_id`), peer ids `uint32_t`; a lend's
+//! incarnation is a `uint64_t` token, carried with its block ids.
+//!
+//! Versions. `KVPOLL_VERSION` is the header's version (major * 10000 +
+//! minor * 100 + patch), `kvpoll_version()` the linked library's.
 #![allow(non_camel_case_types)]
 
 use std::ffi::{c_char, CStr};
@@ -18,8 +36,68 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use kvpoll::engine::{Engine, EngineError, IdlePolicy, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, Incarnation, PeerId, RequestId};
+use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
+
+/// This header's major version.
+pub const KVPOLL_VERSION_MAJOR: u32 = 0;
+/// This header's minor version.
+pub const KVPOLL_VERSION_MINOR: u32 = 1;
+/// This header's patch version.
+pub const KVPOLL_VERSION_PATCH: u32 = 0;
+/// This header's version: major * 10000 + minor * 100 + patch.
+pub const KVPOLL_VERSION: u32 = 100;
+
+/// Why a request or a handle failed: `kvpoll_report.cause`. Later versions
+/// may add causes; treat an unknown one as a failure.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvpoll_cause {
+    /// Not a failure.
+    KVPOLL_CAUSE_NONE = 0,
+    /// A posted transfer completed with an error (`status` says which; a
+    /// forced endpoint close gives `UCS_ERR_CANCELED`).
+    KVPOLL_CAUSE_TRANSFER = 1,
+    /// The handle failed before any operation was posted.
+    KVPOLL_CAUSE_SETUP = 2,
+    /// The handle's peer was lost (endpoint error).
+    KVPOLL_CAUSE_PEER_LOST = 3,
+    /// The request's deadline passed before it stopped.
+    KVPOLL_CAUSE_DEADLINE = 4,
+    /// The request's lease expired.
+    KVPOLL_CAUSE_LEASE_EXPIRED = 5,
+    /// The request was aborted.
+    KVPOLL_CAUSE_ABORTED = 6,
+    /// The peer was judged stalled: another request on its endpoint passed
+    /// its deadline or lease, and the endpoint was force-closed.
+    KVPOLL_CAUSE_PEER_STALLED = 7,
+    /// The engine was shut down while the request was in flight.
+    KVPOLL_CAUSE_SHUTDOWN = 8,
+    /// The poller thread died.
+    KVPOLL_CAUSE_POLLER_DIED = 9,
+    /// A lender answered that its lend was not live when the data was read
+    /// (the bytes may be another request's), or a push destination's
+    /// writer gave up.
+    KVPOLL_CAUSE_LEASE_LOST = 10,
+}
+
+/// The C cause of a kvpoll cause (exhaustive: a new cause must be added
+/// to `kvpoll_cause` first).
+fn cause_code(cause: Cause) -> u8 {
+    use kvpoll_cause::*;
+    (match cause {
+        Cause::Transfer => KVPOLL_CAUSE_TRANSFER,
+        Cause::Setup => KVPOLL_CAUSE_SETUP,
+        Cause::PeerLost => KVPOLL_CAUSE_PEER_LOST,
+        Cause::Deadline => KVPOLL_CAUSE_DEADLINE,
+        Cause::LeaseExpired => KVPOLL_CAUSE_LEASE_EXPIRED,
+        Cause::Aborted => KVPOLL_CAUSE_ABORTED,
+        Cause::PeerStalled => KVPOLL_CAUSE_PEER_STALLED,
+        Cause::Shutdown => KVPOLL_CAUSE_SHUTDOWN,
+        Cause::PollerDied => KVPOLL_CAUSE_POLLER_DIED,
+        Cause::LeaseLost => KVPOLL_CAUSE_LEASE_LOST,
+    }) as u8
+}
 
 /// Success.
 pub const KVPOLL_OK: i32 = 0;
@@ -126,9 +204,7 @@ pub struct kvpoll_report {
     pub id: u64,
     /// `KVPOLL_FINISHED_RECVING`, `KVPOLL_FAILED_RECVING`, ...
     pub kind: u32,
-    /// For failures: the cause (1 transfer, 2 setup, 3 peer lost,
-    /// 4 deadline, 5 lease expired, 6 aborted, 7 peer stalled, 8 shutdown,
-    /// 9 poller died, 10 lease lost; later versions may add more); else 0.
+    /// For failures: a `kvpoll_cause`; else `KVPOLL_CAUSE_NONE`.
     pub cause: u8,
     /// For failures: the transport's status code (0 when none).
     pub status: i8,
@@ -175,13 +251,17 @@ fn status_of(e: &EngineError) -> i32 {
         | EngineError::BadPairing { .. }
         | EngineError::TooManyBlocks { .. }
         | EngineError::BlockOutOfRange { .. }
+        | EngineError::TooManyBytes { .. }
         | EngineError::NothingToAwait
         | EngineError::UnknownRequest(_) => KVPOLL_ERR_REQUEST,
         EngineError::UnknownPeer(_) | EngineError::Metadata(_) => KVPOLL_ERR_PEER,
         EngineError::Full(_) | EngineError::RingFull(_) => KVPOLL_ERR_BUSY,
         EngineError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-        EngineError::BadRegion { .. } | EngineError::NoRegions => KVPOLL_ERR_REGION,
-        EngineError::Config(_) => KVPOLL_ERR_CONFIG,
+        EngineError::BadRegion { .. }
+        | EngineError::NoRegions
+        | EngineError::NoSuchRegion { .. }
+        | EngineError::NotWholeBlocks { .. } => KVPOLL_ERR_REGION,
+        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => KVPOLL_ERR_CONFIG,
         EngineError::Shutdown => KVPOLL_ERR_SHUTDOWN,
         other => {
             let debug = format!("{other:?}");
@@ -687,7 +767,7 @@ pub unsafe extern "C" fn kvpoll_heartbeat(
     }
 }
 
-/// Aborts a request in flight: reported failed (cause 6) once its
+/// Aborts a request in flight: reported failed (`KVPOLL_CAUSE_ABORTED`) once its
 /// operations were cancelled.
 ///
 /// # Safety
@@ -745,7 +825,7 @@ pub unsafe extern "C" fn kvpoll_poll(
             };
             for &(id, handle, reason) in &e.out.handle_failures {
                 e.reports.push(kvpoll_report {
-                    cause: reason.cause as u8,
+                    cause: cause_code(reason.cause),
                     status: reason.status,
                     handle,
                     ..plain(id, KVPOLL_HANDLE_FAILURE)
@@ -762,7 +842,7 @@ pub unsafe extern "C" fn kvpoll_poll(
             }
             for f in &e.out.failed_sending {
                 e.reports.push(kvpoll_report {
-                    cause: f.reason.cause as u8,
+                    cause: cause_code(f.reason.cause),
                     status: f.reason.status,
                     ..plain(f.id, KVPOLL_FAILED_SENDING)
                 });
@@ -771,7 +851,7 @@ pub unsafe extern "C" fn kvpoll_poll(
                 let start = e.blocks.len();
                 e.blocks.extend(e.out.blocks_of(f).iter().map(|b| b.0));
                 e.reports.push(kvpoll_report {
-                    cause: f.reason.cause as u8,
+                    cause: cause_code(f.reason.cause),
                     status: f.reason.status,
                     blocks_offset: start,
                     n_blocks: e.blocks.len() - start,
@@ -907,4 +987,46 @@ pub extern "C" fn kvpoll_status_name(status: i32) -> *const c_char {
         _ => c"unknown status",
     };
     s.as_ptr()
+}
+
+/// The linked library's version, as `KVPOLL_VERSION` gives the header's:
+/// a program can check that the two agree.
+#[no_mangle]
+pub extern "C" fn kvpoll_version() -> u32 {
+    KVPOLL_VERSION
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_version_macros_are_the_crate_version() {
+        let v = |s: &str| s.parse::<u32>().unwrap();
+        assert_eq!(KVPOLL_VERSION_MAJOR, v(env!("CARGO_PKG_VERSION_MAJOR")));
+        assert_eq!(KVPOLL_VERSION_MINOR, v(env!("CARGO_PKG_VERSION_MINOR")));
+        assert_eq!(KVPOLL_VERSION_PATCH, v(env!("CARGO_PKG_VERSION_PATCH")));
+        assert_eq!(
+            KVPOLL_VERSION,
+            KVPOLL_VERSION_MAJOR * 10_000 + KVPOLL_VERSION_MINOR * 100 + KVPOLL_VERSION_PATCH
+        );
+    }
+
+    #[test]
+    fn every_c_cause_is_the_engines_cause_number() {
+        for c in [
+            Cause::Transfer,
+            Cause::Setup,
+            Cause::PeerLost,
+            Cause::Deadline,
+            Cause::LeaseExpired,
+            Cause::Aborted,
+            Cause::PeerStalled,
+            Cause::Shutdown,
+            Cause::PollerDied,
+            Cause::LeaseLost,
+        ] {
+            assert_eq!(cause_code(c), c as u8, "{c:?}");
+        }
+    }
 }

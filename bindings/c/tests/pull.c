@@ -97,6 +97,8 @@ static kvpoll_engine *engine(void) {
 }
 
 int main(void) {
+    CHECK(kvpoll_version() == KVPOLL_VERSION, "the library is the header's version (%u)",
+          (unsigned)KVPOLL_VERSION);
     kvpoll_engine *producer = engine(), *consumer = engine();
     unsigned char buf[BS];
 
@@ -146,7 +148,8 @@ int main(void) {
     kvpoll_transfer bad = {peer + 40, l2, r2, 2, lend};
     MUST(kvpoll_read(consumer, 8, &bad, 1, err, sizeof err));
     int got = wait_report(consumer, 8, KVPOLL_FAILED_RECVING, &rep, bad_blocks, &nb);
-    CHECK(got && rep.cause == 2 && nb == 2 && bad_blocks[0] == 5 && bad_blocks[1] == 6,
+    CHECK(got && rep.cause == KVPOLL_CAUSE_SETUP && nb == 2 && bad_blocks[0] == 5 &&
+              bad_blocks[1] == 6,
           "a read from an unknown peer fails (cause setup) with blocks 5 and 6");
 
     /* Errors: status codes and messages. */

@@ -148,6 +148,7 @@ fn kind_of(e: &EngineError) -> Option<Kind> {
         | EngineError::BadPairing { .. }
         | EngineError::TooManyBlocks { .. }
         | EngineError::BlockOutOfRange { .. }
+        | EngineError::TooManyBytes { .. }
         | EngineError::NothingToAwait
         | EngineError::BadIncarnation { .. }
         | EngineError::UnknownRequest(_) => Some(Kind::Request),
@@ -156,8 +157,11 @@ fn kind_of(e: &EngineError) -> Option<Kind> {
         }
         EngineError::Full(_) | EngineError::RingFull(_) => Some(Kind::Busy),
         EngineError::Ucx(_) => Some(Kind::Transport),
-        EngineError::BadRegion { .. } | EngineError::NoRegions => Some(Kind::Region),
-        EngineError::Config(_) => Some(Kind::Config),
+        EngineError::BadRegion { .. }
+        | EngineError::NoRegions
+        | EngineError::NoSuchRegion { .. }
+        | EngineError::NotWholeBlocks { .. } => Some(Kind::Region),
+        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => Some(Kind::Config),
         EngineError::Shutdown => Some(Kind::Shutdown),
         other => kind_by_name(other),
     }
@@ -179,6 +183,20 @@ fn kind_by_name(e: &EngineError) -> Option<Kind> {
 
 fn engine_err(py: Python<'_>, e: EngineError) -> PyErr {
     error(py, kind_of(&e), e.to_string())
+}
+
+/// An engine error of a call about `req_id`: the request is named by the
+/// caller's id (`'req-B'`), not by its 64-bit kvpoll id.
+fn request_err(py: Python<'_>, req_id: &Bound<'_, PyAny>, e: EngineError) -> PyErr {
+    let state = match e {
+        EngineError::Duplicate(_) => "already in flight",
+        EngineError::UnknownRequest(_) => "not in flight",
+        _ => return engine_err(py, e),
+    };
+    match req_id.repr() {
+        Ok(repr) => error(py, kind_of(&e), format!("request {repr} is {state}")),
+        Err(_) => engine_err(py, e),
+    }
 }
 
 // ------------------------------------------------------------- arguments
@@ -982,7 +1000,7 @@ impl Engine {
             Some(d) => engine.read_with_deadline(RequestId(key), &t, d),
             None => engine.read(RequestId(key), &t),
         }
-        .map_err(|e| engine_err(py, e))?;
+        .map_err(|e| request_err(py, req_id, e))?;
         self.ids.insert(key, req_id.clone().unbind());
         Ok(())
     }
@@ -1010,7 +1028,7 @@ impl Engine {
         self.inner
             .get()
             .write(RequestId(key), &t, acks, lease)
-            .map_err(|e| engine_err(py, e))?;
+            .map_err(|e| request_err(py, req_id, e))?;
         self.ids.insert(key, req_id.clone().unbind());
         Ok(())
     }
@@ -1064,7 +1082,7 @@ impl Engine {
         self.inner
             .get()
             .lend_with(RequestId(key), &self.locals, to, lease, inc)
-            .map_err(|e| engine_err(py, e))?;
+            .map_err(|e| request_err(py, req_id, e))?;
         self.ids.insert(key, req_id.clone().unbind());
         Ok(inc.0)
     }
@@ -1101,7 +1119,7 @@ impl Engine {
         self.inner
             .get()
             .notify_only(RequestId(key), &peers)
-            .map_err(|e| engine_err(py, e))
+            .map_err(|e| request_err(py, req_id, e))
     }
 
     /// Extends the leases of these writes or lends to ``extend_s`` from now
@@ -1141,7 +1159,7 @@ impl Engine {
         self.inner
             .get()
             .abort(RequestId(key))
-            .map_err(|e| engine_err(py, e))
+            .map_err(|e| request_err(py, req_id, e))
     }
 
     /// Collects what happened since the last poll (see ``PollResult``).

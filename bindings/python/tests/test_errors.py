@@ -73,6 +73,38 @@ def test_bad_engine_settings_raise(kwargs, exc, words):
     assert words in str(info.value)
 
 
+def test_refusals_name_the_callers_values():
+    with kvpoll.Engine(block_size=BS, tls="tcp") as e:
+        e.register(8)
+        with pytest.raises(kvpoll.RegionError) as info:
+            e.register_buffer(np.zeros(100))  # 800 bytes: not whole blocks
+        assert "800 bytes" in str(info.value) and f"{BS}-byte" in str(info.value)
+        with pytest.raises(kvpoll.RequestError) as info:
+            e.write_block(0, 0, b"x" * 5000)
+        assert "5000 bytes" in str(info.value) and f"{BS} bytes" in str(info.value)
+        with pytest.raises(kvpoll.RegionError) as info:
+            e.read_block(7, 0)
+        assert "region 7" in str(info.value) and "1 region" in str(info.value)
+        e.lend("req-B", [0], readers=1)
+        with pytest.raises(kvpoll.RequestError) as info:
+            e.lend("req-B", [1], readers=1)
+        assert "'req-B'" in str(info.value) and "0x" not in str(info.value)
+        with pytest.raises(kvpoll.RequestError, match="request 'never' is not in flight"):
+            e.abort("never")
+        assert e.in_flight == 1
+
+
+def test_a_transport_list_ucx_cannot_use_names_what_ucx_offers():
+    with pytest.raises(kvpoll.TransportError) as info:
+        kvpoll.Engine(block_size=BS, tls="nonsense_tl")
+    assert "nonsense_tl" in str(info.value) and "tcp" in str(info.value)
+
+
+def test_a_poller_cpu_the_machine_does_not_have_is_refused():
+    with pytest.raises(kvpoll.ConfigError, match="CPU 999999 does not exist"):
+        kvpoll.Engine(block_size=BS, core=999999)
+
+
 def test_engine_refusals_are_kvpoll_errors_of_their_kind_with_the_engine_message():
     with kvpoll.Engine(block_size=BS, tls="tcp", slots=2) as e, kvpoll.Engine(
         block_size=2 * BS, tls="tcp"

@@ -431,7 +431,7 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
             // Yield, as the park/unpark baseline does: the woken thread is
             // often placed on the waiter's CPU, and a spinning waiter holds
             // it for a whole slice (~4 ms measured with perf sched on a
-            // loaded 2-core VM).
+            // loaded 2-vCPU machine).
             std::thread::yield_now();
             if t.elapsed() > Duration::from_secs(10) {
                 engine.shutdown();

@@ -155,6 +155,28 @@ impl Drop for Config {
 }
 
 impl Config {
+    /// The defaults plus the `UCX_*` environment variables.
+    fn read() -> Result<Self, UcxError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: NULL env prefix and filename mean "the defaults plus UCX_*
+        // environment variables"; raw receives the new config.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw)
+        })?;
+        Ok(Config(raw))
+    }
+
+    /// `ucp_init` with this config; the caller owns the context.
+    fn init(&self, params: &sys::ucp_params_t) -> Result<sys::ucp_context_h, UcxError> {
+        let mut handle = ptr::null_mut();
+        // SAFETY: params and the config are valid for the call; handle
+        // receives the context on success.
+        check("ucp_init", unsafe {
+            sys::ucp_init(params, self.0, &mut handle)
+        })?;
+        Ok(handle)
+    }
+
     fn set(&mut self, name: &str, value: &str) -> Result<(), UcxError> {
         let n = CString::new(name).map_err(|_| UcxError::NulInOption(name.to_owned()))?;
         let v = CString::new(value).map_err(|_| UcxError::NulInOption(value.to_owned()))?;
@@ -173,6 +195,58 @@ impl Config {
     }
 }
 
+/// The transports this UCX can use on this machine (`tcp`, `posix`...),
+/// from the resources `ucp_context_print_info` lists for a context with
+/// every transport; empty where even that fails.
+fn offered_transports() -> Vec<String> {
+    let Ok(mut cfg) = Config::read() else {
+        return Vec::new();
+    };
+    let params = sys::ucp_params_t {
+        field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
+        features: features(false),
+        ..Default::default()
+    };
+    let Ok(handle) = cfg.set("TLS", "all").and_then(|()| cfg.init(&params)) else {
+        return Vec::new();
+    };
+    let context = ContextInner { handle };
+    let mut buf: *mut std::ffi::c_char = ptr::null_mut();
+    let mut len = 0;
+    // SAFETY: buf and len are valid out-parameters; the stream owns buf
+    // until fclose, which sets them to the text written.
+    let stream = unsafe { libc::open_memstream(&mut buf, &mut len) };
+    if stream.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: the context is live and the stream open; fclose flushes it
+    // into buf (NUL-terminated), which is ours to free after.
+    let text = unsafe {
+        sys::ucp_context_print_info(context.handle, stream.cast());
+        libc::fclose(stream);
+        let text = std::ffi::CStr::from_ptr(buf).to_string_lossy().into_owned();
+        libc::free(buf.cast());
+        text
+    };
+    transports_of(&text)
+}
+
+/// The transport names of `ucp_context_print_info`'s resource lines
+/// (`#      resource 1  :  md 1  dev 1  flags -- tcp/eth0`), once each.
+fn transports_of(info: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in info.lines().filter(|l| l.contains("resource")) {
+        let Some((_, tail)) = line.split_once("-- ") else {
+            continue;
+        };
+        let tl = tail.split('/').next().unwrap_or("").trim();
+        if !tl.is_empty() && !out.iter().any(|t| t == tl) {
+            out.push(tl.to_owned());
+        }
+    }
+    out
+}
+
 fn features(wakeup: bool) -> u64 {
     let base = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM;
     u64::from(if wakeup {
@@ -185,13 +259,7 @@ fn features(wakeup: bool) -> u64 {
 impl Context {
     /// Creates a context with the given options.
     pub fn new(options: &ContextOptions) -> Result<Self, UcxError> {
-        let mut raw_cfg = ptr::null_mut();
-        // SAFETY: NULL env prefix and filename mean "the defaults plus UCX_*
-        // environment variables"; raw_cfg receives the new config.
-        check("ucp_config_read", unsafe {
-            sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw_cfg)
-        })?;
-        let mut cfg = Config(raw_cfg);
+        let mut cfg = Config::read()?;
         if let Some(tls) = &options.transports {
             cfg.set("TLS", tls)?;
         }
@@ -218,12 +286,21 @@ impl Context {
             request_init: Some(request::request_init),
             ..Default::default()
         };
-        let mut handle = ptr::null_mut();
-        // SAFETY: params and cfg are valid for the call; handle receives the
-        // context on success.
-        check("ucp_init", unsafe {
-            sys::ucp_init(&params, cfg.0, &mut handle)
-        })?;
+        let handle = match cfg.init(&params) {
+            // No transport of the list is usable here: say which exist.
+            Err(UcxError::Call { status, .. })
+                if status.0 == sys::ucs_status_t::UCS_ERR_NO_DEVICE =>
+            {
+                return Err(UcxError::NoUsableTransport {
+                    asked: options
+                        .transports
+                        .clone()
+                        .unwrap_or_else(|| "(UCX's default)".into()),
+                    offered: offered_transports().join(", "),
+                })
+            }
+            other => other?,
+        };
         Ok(Self {
             inner: Rc::new(ContextInner { handle }),
             wakeup: options.wakeup,
@@ -261,6 +338,16 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::ContextOptions;
+
+    #[test]
+    fn the_transports_offered_are_read_from_the_resource_lines_once_each() {
+        let info = "#            md 1  :  component 1  tcp \n\
+                    #      resource 0  :  md 0  dev 0  flags -- self/memory0\n\
+                    #      resource 1  :  md 1  dev 1  flags -- tcp/eth0\n\
+                    #      resource 2  :  md 1  dev 2  flags -- tcp/lo\n\
+                    #      resource 3  :  md 2  dev 3  flags -- posix/memory\n";
+        assert_eq!(super::transports_of(info), ["self", "tcp", "posix"]);
+    }
 
     #[test]
     fn adaptive_progress_is_off_for_shared_memory_lists_and_left_to_ucx_otherwise() {

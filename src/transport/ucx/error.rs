@@ -57,6 +57,15 @@ pub enum UcxError {
         /// The status it returned.
         status: UcxStatus,
     },
+    /// `ucp_init` found no usable device for the transport list asked for
+    /// (`UCS_ERR_NO_DEVICE`): a misspelt or absent transport.
+    #[error("no UCX transport in {asked:?} is usable on this machine; this UCX offers: {offered}")]
+    NoUsableTransport {
+        /// The transport list given (`UCX_TLS`).
+        asked: String,
+        /// The transports UCX can use here, comma separated.
+        offered: String,
+    },
     /// Worker address bytes from a peer did not check out.
     #[error("invalid worker address: {0}")]
     BadWorkerAddress(FrameError),
