@@ -124,6 +124,7 @@ impl Core {
 
     /// The result of an [`Action::Post`].
     pub fn on_posted(&mut self, hk: HandleKey, result: Result<u32, PostFailure>) {
+        self.touched();
         let idx = Self::index(hk);
         let (n, failure) = match result {
             Ok(n) => (n, None),
@@ -151,6 +152,7 @@ impl Core {
 
     /// An [`Action::Flush`] could not be posted.
     pub fn on_flush_failed(&mut self, hk: HandleKey, status: i8) {
+        self.touched();
         let idx = Self::index(hk);
         let p = &mut self.progress[idx];
         if p.generation != hk.key().generation() || !p.flushing {
@@ -168,11 +170,13 @@ impl Core {
     /// An [`Action::Send`] or [`Action::Reply`] of `count` notifications
     /// could not be posted (they are lost; the other side's lease decides).
     pub fn on_send_failed(&mut self, count: u32) {
+        self.touched();
         self.notes_in_flight = self.notes_in_flight.saturating_sub(u64::from(count));
     }
 
     /// The result of an [`Action::Release`].
     pub fn on_released(&mut self, hk: HandleKey, released: bool, now: Nanos) {
+        self.touched();
         let idx = Self::index(hk);
         let p = self.progress[idx];
         if p.generation != hk.key().generation() || !p.releasing {

@@ -341,6 +341,8 @@ pub struct Core {
     leaving: Vec<PeerId>,
     /// Peers lost or removed since the last [`Core::drain_lost_peers`].
     lost: Vec<(PeerId, Reason)>,
+    /// `next_deadline`'s answer, until an input may have changed it.
+    deadline: std::cell::Cell<Option<Option<Nanos>>>,
     /// Handles whose release failed, and when to retry.
     held: Vec<(HandleKey, Nanos)>,
     ops_in_flight: u64,
@@ -409,6 +411,7 @@ impl Core {
             asking: Vec::with_capacity(64),
             leaving: Vec::new(),
             lost: Vec::new(),
+            deadline: std::cell::Cell::new(None),
             held: Vec::new(),
             ops_in_flight: 0,
             notes_in_flight: 0,
@@ -472,6 +475,7 @@ impl Core {
         next: &mut dyn FnMut() -> Option<Command>,
         now: Nanos,
     ) {
+        self.touched();
         match cmd {
             Command::Begin {
                 id,
@@ -540,6 +544,7 @@ impl Core {
 
     /// Frees the slot of a request the engine consumed.
     pub fn retire(&mut self, key: RequestKey) {
+        self.touched();
         let _ = self.ledger.retire(key);
     }
 
@@ -690,6 +695,7 @@ impl Core {
 
     /// Something the transport saw.
     pub fn on_transport(&mut self, ev: TransportEvent<'_>, now: Nanos) {
+        self.touched();
         match ev {
             TransportEvent::Completion { token, status } => self.on_completion(token, status),
             TransportEvent::Message { payload, reply } => self.on_message(payload, reply, now),
@@ -898,6 +904,7 @@ impl Core {
     /// Time is now `now`: retries that are due, deadlines and leases that
     /// passed.
     pub fn advance(&mut self, now: Nanos) {
+        self.touched();
         let mut i = 0;
         while i < self.held.len() {
             if self.held[i].1 <= now {
@@ -937,8 +944,31 @@ impl Core {
     }
 
     /// When the core next needs [`Core::advance`] (`None`: only when
-    /// something happens).
+    /// something happens). Cheap: the driver asks every iteration, and the
+    /// answer is worked out once after each input that could change it.
     pub fn next_deadline(&self) -> Option<Nanos> {
+        match self.deadline.get() {
+            Some(t) => {
+                debug_assert_eq!(t, self.earliest(), "a stale next deadline");
+                t
+            }
+            None => {
+                let t = self.earliest();
+                self.deadline.set(Some(t));
+                t
+            }
+        }
+    }
+
+    /// An input may have moved a deadline: the next `next_deadline` looks
+    /// again.
+    fn touched(&self) {
+        self.deadline.set(None);
+    }
+
+    /// The earliest of the retries, aborts, heartbeats, fences, questions
+    /// and the ledger's expiries.
+    fn earliest(&self) -> Option<Nanos> {
         let mut t = self.ledger.next_expiry();
         for &(_, due) in &self.held {
             t = t.min(due);
@@ -1052,6 +1082,7 @@ impl Core {
     /// until [`Core::quarantined`] and [`Core::outstanding`] are 0, within
     /// its bound.
     pub fn shutdown(&mut self) {
+        self.touched();
         if self.shutting_down {
             return;
         }
@@ -1084,6 +1115,7 @@ impl Core {
     /// The driver can go on no more (its thread died, or shutdown timed
     /// out): every request still tracked is reported failed with `cause`.
     pub fn abandon(&mut self, cause: Cause) {
+        self.touched();
         let events = &mut self.events;
         self.ledger
             .fail_all(Reason::of(cause), &mut |e| events.push(e));

@@ -46,6 +46,7 @@ impl Peer {
 impl Core {
     /// Local memory now holds `regions` regions of `blocks` blocks each.
     pub fn set_local_layout(&mut self, regions: usize, blocks: u64) {
+        self.touched();
         self.local_regions = regions;
         self.local_blocks = blocks;
     }
@@ -74,6 +75,7 @@ impl Core {
         regions: usize,
         blocks: u64,
     ) -> Result<PeerId, PeerId> {
+        self.touched();
         let replaced = self.by_instance.get(&instance).copied();
         if let Some(old) = replaced {
             if self.in_use(old) {
@@ -103,6 +105,7 @@ impl Core {
     /// drop the fence — and forgotten once neither holds. Returns whether
     /// the id was ever issued (a second removal is fine).
     pub fn remove_peer(&mut self, peer: PeerId) -> bool {
+        self.touched();
         let Some(entry) = self.peers.get(peer.0 as usize) else {
             return false;
         };
@@ -297,6 +300,7 @@ impl Core {
     /// completed (or failed): a cancelled put may still land, after any
     /// word of ours on another endpoint.
     pub fn close_all(&mut self, cause: Cause) {
+        self.touched();
         for i in 0..self.peers.len() {
             if let Some(p) = self.peers[i] {
                 let peer = PeerId(i as u32);
