@@ -167,6 +167,8 @@ class KvConnectorWorker:
         #: The incarnation of each lend this worker made, for its readers.
         self._incarnations: Dict[RequestId, int] = {}
         self._load_errors: Set[int] = set()
+        #: The loads among the last ``get_finished``'s ``recving`` that failed.
+        self.failed: Set[RequestId] = set()
         self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
         # Submissions refused with BusyError, retried each step in order.
         self._backlog: List[Tuple[str, RequestId, Any]] = []
@@ -290,12 +292,14 @@ class KvConnectorWorker:
 
         Every request id appears once over the worker's life."""
         self._retry_backlog()
+        self.failed = set()
         r = self.engine.poll()
         if r:
             recving = r.finished_recving
             failed = r.failed_recving
             if failed:
                 recving |= failed.keys()
+                self.failed |= failed.keys()
                 for blocks in failed.values():
                     self._load_errors.update(blocks)
             freed = r.finished_sending
@@ -307,6 +311,7 @@ class KvConnectorWorker:
                     freed.add(req_id)
                 else:  # a push that never completed: a failed load
                     recving.add(req_id)
+                    self.failed.add(req_id)
                     self._load_errors.update(blocks)
             if self._push_dest:
                 for req_id in recving:
