@@ -162,24 +162,35 @@ def fill_pattern(req_id: str, index: int, nbytes: int) -> bytes:
 # ---------------------------------------------------------------- workers
 
 
-def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float, rank_offset: int) -> None:
+def worker_connector(model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> Tuple[Any, Dict[str, Any]]:
+    """A KvpollConnector worker with its KV caches (the CPU backend's
+    layout: [num_blocks, kv_heads, block_size, 2 * head]) registered."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.outputs import KVConnectorOutput
 
     from kvpoll.vllm import KvpollConnector
 
     config = vllm_config(model, port, policy, lease_s)
-    conn_ = KvpollConnector(config, KVConnectorRole.WORKER, kv_cache_config())
-    # The CPU backend's layout: [num_blocks, kv_heads, block_size, 2 * head].
+    conn = KvpollConnector(config, KVConnectorRole.WORKER, kv_cache_config())
     caches = {layer_name(i): torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+    conn.register_kv_caches(caches)
+    return conn, caches
+
+
+BLOCK_BYTES = KV_HEADS * BLOCK * 2 * HEAD * 4
+
+
+def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) -> None:
+    import torch
+    from vllm.v1.outputs import KVConnectorOutput
+
     try:
-        conn_.register_kv_caches(caches)
+        conn_, caches = worker_connector(model, port, policy, lease_s)
     except Exception as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    block_bytes = KV_HEADS * BLOCK * 2 * HEAD * 4
+    block_bytes = BLOCK_BYTES
     while True:
         try:
             msg = conn.recv()
@@ -219,7 +230,7 @@ class Worker:
     def __init__(self, model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, model, port, policy, lease_s, 0), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, model, port, policy, lease_s), daemon=True)
         self.proc.start()
         child.close()
         self._answer(180)

@@ -145,6 +145,14 @@ class KvpollWorker:
             except KvpollError as e:
                 logger.warning("kvpoll: release of %s at %s not sent: %s", remote.request_id, remote.engine_id, e)
             return None
+        loading = self._loads.get(remote.request_id)
+        if loading is not None:
+            if loading[0] == req_id:
+                # The same load again: its one report covers it.
+                logger.warning("kvpoll: %s is loading already; the second load is dropped", req_id)
+            else:
+                self._fail(req_id, spec.local_block_ids, f"{remote.request_id} is being loaded by {loading[0]}")
+            return None
         local = list(spec.local_block_ids)
         remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(local):])
         self._loads[remote.request_id] = (req_id, remote.engine_id, local)
