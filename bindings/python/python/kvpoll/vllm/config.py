@@ -17,6 +17,9 @@ class KvpollConfig:
     lease_s: float = 30.0
     #: UCX transports (UCX_TLS), e.g. "tcp"; None lets UCX choose.
     ucx_tls: Optional[str] = None
+    #: How long a read may take before its prefill is judged stalled and
+    #: the load fails (seconds).
+    read_deadline_s: float = 30.0
     #: How long a decode waits for a prefill's handshake (seconds).
     handshake_timeout_s: float = 5.0
     #: The engine's poller: "adaptive" (sleeps when idle) or "busy".
@@ -32,8 +35,8 @@ class KvpollConfig:
         cfg = cls(**extra)
         if not 0 < cfg.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {cfg.side_channel_port}")
-        if cfg.lease_s <= 0 or cfg.handshake_timeout_s <= 0:
-            raise ValueError("lease_s and handshake_timeout_s must be positive")
+        if min(cfg.lease_s, cfg.handshake_timeout_s, cfg.read_deadline_s) <= 0:
+            raise ValueError("lease_s, read_deadline_s and handshake_timeout_s must be positive")
         if cfg.idle not in ("adaptive", "busy"):
             raise ValueError(f"idle must be 'adaptive' or 'busy', not {cfg.idle!r}")
         return cfg

@@ -77,7 +77,7 @@ class KvpollWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         regions, self.block_bytes = kv_cache_regions(kv_caches, self.num_blocks)
         self.num_regions = sum(len(r) for r in regions.values())
-        kwargs: Dict[str, Any] = {"idle": self.config.idle}
+        kwargs: Dict[str, Any] = {"idle": self.config.idle, "read_deadline_s": self.config.read_deadline_s}
         if self.config.ucx_tls:
             kwargs["tls"] = self.config.ucx_tls
         core = KvConnectorWorker(block_size=self.block_bytes, lease_s=self.config.lease_s, **kwargs)
