@@ -4,9 +4,9 @@
 worker API (``KVConnectorBase_V1``): ``register_kv_caches``,
 ``start_load_kv``, ``wait_for_save``, ``get_finished`` and
 ``get_block_ids_with_load_errors``. It takes plain arguments and imports
-nothing from vLLM, so a ``KVConnectorBase_V1`` subclass is a thin adapter
-that unpacks its connector metadata into these calls (see
-``bindings/python/README.md``).
+nothing from vLLM; ``kvpoll.vllm.KvpollConnector`` is the
+``KVConnectorBase_V1`` subclass that unpacks its connector metadata into
+these calls.
 
 What it keeps is only what vLLM's scheduler contract needs on top of the
 engine's reports: which finished sends the scheduler has already released
