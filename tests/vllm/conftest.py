@@ -8,6 +8,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The process-over-a-pipe helper the bindings' suite uses.
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "..", "bindings", "python", "tests"))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

@@ -5,9 +5,10 @@ real CPU KV tensors (the CPU backend's layout), stepped over a pipe."""
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import socket
 from typing import Any, Dict, List, Optional, Set, Tuple
+
+from kvpoll_remote import Child, messages
 
 BLOCK = 16  # tokens per block
 NUM_BLOCKS = 64
@@ -187,15 +188,11 @@ def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) 
     try:
         conn_, caches = worker_connector(model, port, policy, lease_s)
     except Exception as e:
-        conn.send(("err", f"{type(e).__name__}: {e}"))
+        conn.send(("err", type(e).__name__, str(e)))
         return
-    conn.send(("ready", None))
+    conn.send(("ok", None))
     block_bytes = BLOCK_BYTES
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
+    for msg in messages(conn):
         op = msg[0]
         if op == "step":
             _, meta, finished, fills = msg
@@ -224,44 +221,18 @@ def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) 
             break
 
 
-class Worker:
-    """A connector worker in its own process (spawned: no fork of UCX)."""
+class Worker(Child):
+    """A connector worker in its own process."""
 
     def __init__(self, model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, model, port, policy, lease_s), daemon=True)
-        self.proc.start()
-        child.close()
-        self._answer(180)
-
-    def _answer(self, timeout: float = 120.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"connector worker {self.proc.pid} did not answer")
-        kind, value = self.conn.recv()
-        if kind == "err":
-            raise RuntimeError(value)
-        return value
+        super().__init__(_worker_main, model, port, policy, lease_s)
+        self.answer(180)
 
     def step(self, meta: Any, finished: Set[str], fills: Dict[str, List[Tuple[int, int]]]) -> Any:
-        self.conn.send(("step", meta, set(finished), fills))
-        return self._answer()
+        return self._ask("step", meta, set(finished), fills)
 
     def dump(self, blocks: List[int]) -> List[bytes]:
-        self.conn.send(("dump", list(blocks)))
-        return self._answer()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-                self._answer(30)
-            except (OSError, EOFError, TimeoutError):
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
+        return self._ask("dump", list(blocks))
 
 
 def step(sched: Any, worker: Optional[Worker], sample: int = 7, fill: bool = False) -> Tuple[Any, Any, List[Any]]:

@@ -5,10 +5,11 @@ drives ``vllm serve``: token-id prompts in, token ids and
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from typing import Any, Dict, List, Optional
+
+from kvpoll_remote import Child, messages
 
 
 def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]]) -> None:
@@ -28,15 +29,12 @@ def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]]) -> None:
             kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         )
     except Exception as e:
-        conn.send(("err", f"{type(e).__name__}: {e}"))
+        conn.send(("err", type(e).__name__, str(e)))
         return
     conn.send(("ok", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
+    for msg in messages(conn):
         if msg[0] != "generate":
+            conn.send(("ok", None))
             break
         _, prompts, max_tokens, params = msg
         sps = [
@@ -69,53 +67,47 @@ def kv_config(port: int, policy: str = "fail", **extra: Any) -> Dict[str, Any]:
     }
 
 
-class Instance:
+class Instance(Child):
+    """A vLLM instance in its own process; ``ready()`` waits until it
+    serves."""
+
     def __init__(self, model: str, kv: Optional[Dict[str, Any]] = None) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, model, kv))
-        self.proc.start()
-        child.close()
+        # Not a daemon: vLLM starts its engine core as a child process.
+        super().__init__(_main, model, kv, daemon=False)
 
     def ready(self, timeout: float = 300.0) -> "Instance":
-        self._answer(timeout)
+        self.answer(timeout)
         return self
 
-    def _answer(self, timeout: float) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"vLLM instance {self.proc.pid} did not answer")
-        kind, value = self.conn.recv()
-        if kind == "err":
-            raise RuntimeError(value)
-        return value
-
     def generate(self, prompts: List[List[int]], max_tokens: int, params=None, timeout: float = 300.0) -> List[Dict[str, Any]]:
-        self.conn.send(("generate", prompts, max_tokens, params or [None] * len(prompts)))
-        return self._answer(timeout)
+        return self._ask("generate", prompts, max_tokens, params or [None] * len(prompts), timeout=timeout)
 
     def processes(self) -> List[Any]:
         """This instance's processes: the front end, its engine core and
-        workers (the worker holds the kvpoll engine)."""
+        workers (the worker holds the kvpoll engine); none once it exited."""
         import psutil
 
-        me = psutil.Process(self.proc.pid)
-        return [me] + me.children(recursive=True)
+        try:
+            me = psutil.Process(self.proc.pid)
+            return [me] + me.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
 
     def signal(self, sig: int) -> None:
+        import psutil
+
         for p in self.processes():
             try:
                 p.send_signal(sig)
-            except Exception:
+            except psutil.NoSuchProcess:
                 pass
 
     def close(self) -> None:
-        if self.proc.is_alive():
+        procs = self.processes()
+        self.signal(signal.SIGCONT)  # a test may leave it stopped
+        super().close()
+        for p in procs:  # what outlived the front end
             try:
-                self.signal(signal.SIGCONT)
-                self.conn.send(("exit",))
-            except OSError:
+                p.kill()
+            except Exception:
                 pass
-            self.proc.join(60)
-        if self.proc.is_alive():
-            self.signal(signal.SIGKILL)
-            self.proc.join(10)

@@ -92,19 +92,23 @@ def run_decode(conn: KvpollConnector, meta: KvpollConnectorMetadata, want: Set[s
 # ------------------------------------------------------------ scheduler only
 
 
-def test_basic_interface_a_remote_prefill_loads_into_the_blocks_the_scheduler_allocated(model_dir):
-    s = scheduler(vllm_config(model_dir, free_port()))
-    params = {
+def remote_params(req_id: str, blocks, tp_size: int = 1, inc: str = "1f"):
+    """The kv_transfer_params of a prefill's response, as a proxy passes them."""
+    return {
         "do_remote_prefill": True,
         "remote_engine_id": "e",
-        "remote_request_id": "p-1",
-        "remote_block_ids": [0, 1, 2],
+        "remote_request_id": req_id,
+        "remote_block_ids": list(blocks),
         "remote_host": "127.0.0.1",
         "remote_port": 1234,
-        "tp_size": 1,
-        INCARNATION_KEY: "1f",
+        "tp_size": tp_size,
+        INCARNATION_KEY: inc,
     }
-    r = request("id-1", list(range(3, 3 + int(BLOCK * 2.5))), 4, params)
+
+
+def test_basic_interface_a_remote_prefill_loads_into_the_blocks_the_scheduler_allocated(model_dir):
+    s = scheduler(vllm_config(model_dir, free_port()))
+    r = request("id-1", list(range(3, 3 + int(BLOCK * 2.5))), 4, remote_params("p-1", [0, 1, 2]))
     s.add_request(r)
     so = s.schedule()
     meta = so.kv_connector_metadata
@@ -119,17 +123,7 @@ def test_basic_interface_a_remote_prefill_loads_into_the_blocks_the_scheduler_al
 
 def test_prompt_less_than_block_size_is_still_loaded_asynchronously(model_dir):
     s = scheduler(vllm_config(model_dir, free_port()))
-    params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "e",
-        "remote_request_id": "p-2",
-        "remote_block_ids": [5],
-        "remote_host": "127.0.0.1",
-        "remote_port": 1234,
-        "tp_size": 1,
-        INCARNATION_KEY: "2f",
-    }
-    s.add_request(request("id-2", list(range(3, 3 + BLOCK // 2)), 4, params))
+    s.add_request(request("id-2", list(range(3, 3 + BLOCK // 2)), 4, remote_params("p-2", [5])))
     so = s.schedule()
     assert list(so.kv_connector_metadata.reqs_to_recv) == ["id-2"]
     assert len(so.kv_connector_metadata.reqs_to_recv["id-2"].local_block_ids) == 1
@@ -194,17 +188,7 @@ def test_async_load_kv_heterogeneous_tp_is_refused_as_a_failed_load(model_dir, d
     cfg = vllm_config(model_dir, free_port())
     cfg.parallel_config.tensor_parallel_size = decode_tp
     s = scheduler(cfg)
-    params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "e",
-        "remote_request_id": "p-h",
-        "remote_block_ids": [0, 1],
-        "remote_host": "127.0.0.1",
-        "remote_port": 1234,
-        "tp_size": prefill_tp,
-        INCARNATION_KEY: "3f",
-    }
-    s.add_request(request("id-h", list(range(3, 3 + BLOCK * 2)), 4, params))
+    s.add_request(request("id-h", list(range(3, 3 + BLOCK * 2)), 4, remote_params("p-h", [0, 1], prefill_tp)))
     spec = s.schedule().kv_connector_metadata.reqs_to_recv["id-h"]
     assert spec.error is not None and "tp_size" in spec.error
 
