@@ -144,6 +144,16 @@ def test_aborted_prefill_lends_nothing_and_frees_its_blocks_at_once(model_dir, p
     assert_scheduler_empty(p)
 
 
+def test_a_lend_the_engine_refuses_frees_its_blocks_in_the_same_step(prefill):
+    # Blocks beyond the cache: the engine refuses the lend; vLLM must
+    # still hear the request in finished_sending, or its blocks leak.
+    pw, _ = prefill
+    bad = KvpollConnectorMetadata(reqs_to_send={"unlendable": ([NUM_BLOCKS + 5], draw_incarnation())})
+    out = pw.step(bad, {"unlendable"}, {})
+    assert out.finished_sending == {"unlendable"}
+    assert pw.step(KvpollConnectorMetadata(), set(), {}).finished_sending is None
+
+
 def test_abort_timeout_on_prefiller_frees_blocks_when_the_lease_ends(model_dir):
     # The prefill's response never reaches a decode: its lent blocks are
     # freed by the lease (2 s here), never before.

@@ -105,3 +105,22 @@ def test_decode_kv_equals_prefill_kv_byte_for_byte_and_both_schedulers_end_empty
     assert all(len(tokens[f"d-{r}"]) == 3 for r in prompts), tokens
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
+
+
+def test_decode_requests_aborted_before_and_while_loading_release_the_prefill_and_end_empty(pd):
+    # Lease longer than the test's guard: the prefill's blocks can only
+    # come back through the decode's release or its read.
+    from vllm.v1.request import RequestStatus
+
+    p, pw, d, dw = pd(lease_s=600.0)
+    prompts = {f"a{n}": [(5 * n + i) % 500 + 3 for i in range(40 + 9 * n)] for n in range(4)}
+    params = prefill_all(p, pw, prompts)
+    decode_requests(d, params, prompts)
+    # Two aborted before the decode scheduled them (nothing read: the
+    # prefill is told to release), two right after they started loading.
+    d.finish_requests(["d-a0", "d-a1"], RequestStatus.FINISHED_ABORTED)
+    step(d, dw)
+    d.finish_requests(["d-a2", "d-a3"], RequestStatus.FINISHED_ABORTED)
+    run_until_empty(p, pw, d, dw)
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)

@@ -70,6 +70,8 @@ class KvpollWorker:
         # Loads that failed before the engine saw them: reported next step.
         self._failed_now: Set[str] = set()
         self._failed_blocks: Set[int] = set()
+        # Lends the engine refused: free at once.
+        self._unlent: Set[str] = set()
         self._stats = _Stats()
 
     # ------------------------------------------------------------ setup
@@ -115,11 +117,15 @@ class KvpollWorker:
             handles = self._handles(req_id, spec)
             if handles is not None:
                 reads[spec.remote.request_id] = handles
-        try:
-            self.core.start_load_kv(reqs_to_send=sends)
-        except KvpollError as e:
-            # A lend refused (not busy): its blocks free when reported.
-            logger.error("kvpoll: lend refused: %s", e)
+        for req_id, send in sends.items():
+            try:
+                self.core.start_load_kv(reqs_to_send={req_id: send})
+            except KvpollError as e:
+                # Refused (not busy): nothing lent, so nothing holds the
+                # blocks. Its release is this step's (vLLM lends only
+                # requests it finished), so it is reported this step.
+                logger.error("kvpoll: lend of %s refused, its blocks are freed: %s", req_id, e)
+                self._unlent.add(req_id)
         for remote_id, handles in reads.items():
             try:
                 self.core.start_load_kv(reqs_to_recv={remote_id: handles})
@@ -183,6 +189,9 @@ class KvpollWorker:
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self.core is not None
         sending, recving = self.core.get_finished(finished_req_ids)
+        if self._unlent:
+            sending = (sending or set()) | self._unlent
+            self._unlent = set()
         done: Set[str] = set(self._failed_now)
         self._failed_now.clear()
         for remote_id in recving or ():
