@@ -270,3 +270,25 @@ def test_a_read_submitted_before_its_lend_finishes_once_the_lend_arrives(make_pr
         assert w.get_block_ids_with_load_errors() == set()
         assert w.engine.read_block(0, 4) == pattern(17, 0, 9)
         assert w.engine.read_block(1, 4) == pattern(17, 1, 9)
+
+
+def test_a_backlogged_lend_refused_later_is_reported_not_raised_from_a_later_step(make_producer):
+    # The engine refuses the third lend as busy first; when it is retried
+    # the engine refuses it for good (a block beyond the regions). That
+    # step must not raise: the request is reported in sending once (its
+    # blocks were never lent), the others as usual.
+    d = make_producer(seed=18)
+    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive", slots=2) as w:
+        for _ in range(REGIONS):
+            w.engine.register(BLOCKS)
+        peer = d.call("add_peer", w.metadata())
+        incs = {i: draw_incarnation() for i in ("ok-0", "ok-1", "bad")}
+        w.start_load_kv(
+            reqs_to_send={"ok-0": ([0], 1, incs["ok-0"]), "ok-1": ([1], 1, incs["ok-1"]), "bad": ([BLOCKS * 100], 1, incs["bad"])}
+        )
+        assert w.pending == 1
+        for n in range(2):
+            d.call("read", f"ok-{n}", [(peer, [n], [n], incs[f"ok-{n}"])])
+        sent = _drain_sends(w, d, ["ok-0", "ok-1", "bad"], first_release=["ok-0", "ok-1", "bad"])
+        assert w.pending == 0
+    assert sent == Counter({"ok-0": 1, "ok-1": 1, "bad": 1})

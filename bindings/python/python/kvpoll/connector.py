@@ -28,6 +28,7 @@ Modes:
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import (
     Any,
@@ -43,7 +44,7 @@ from typing import (
     Union,
 )
 
-from ._kvpoll import BusyError, Engine
+from ._kvpoll import BusyError, Engine, KvpollError
 
 RequestId = Union[str, int]
 #: One handle of a load: (remote, local block ids, remote block ids, lend
@@ -57,6 +58,8 @@ LoadHandle = Tuple[Hashable, Sequence[int], Sequence[int], int]
 SendSpec = Union[Sequence[int], Tuple[Sequence[int], int], Tuple[Sequence[int], int, int]]
 
 __all__ = ["KvConnectorWorker", "LoadHandle", "SendSpec", "region_of"]
+
+logger = logging.getLogger(__name__)
 
 
 def region_of(layer: Any) -> Union[Any, Tuple[int, int]]:
@@ -169,6 +172,8 @@ class KvConnectorWorker:
         self._load_errors: Set[int] = set()
         #: The loads among the last ``get_finished``'s ``recving`` that failed.
         self.failed: Set[RequestId] = set()
+        # Loads failed outside the engine's reports, for the next ``failed``.
+        self._failed_next: Set[RequestId] = set()
         self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
         # Submissions refused with BusyError, retried each step in order.
         self._backlog: List[Tuple[str, RequestId, Any]] = []
@@ -251,7 +256,9 @@ class KvConnectorWorker:
 
         A submission the engine refuses as busy is retried next step (in
         order); any other refusal raises at once: that request and the
-        ones after it in this call are not submitted."""
+        ones after it in this call are not submitted. One refused for
+        good when retried is reported instead (logged): a read as a failed
+        load, a lend or write as sent (nothing holds its blocks)."""
         self._retry_backlog()
         for req_id, spec in (reqs_to_send or {}).items():
             self._submit("lend_readers", req_id, spec)
@@ -292,7 +299,7 @@ class KvConnectorWorker:
 
         Every request id appears once over the worker's life."""
         self._retry_backlog()
-        self.failed = set()
+        self.failed, self._failed_next = self._failed_next, set()
         r = self.engine.poll()
         if r:
             recving = r.finished_recving
@@ -390,8 +397,14 @@ class KvConnectorWorker:
     def _retry_backlog(self) -> None:
         while self._backlog:
             what, req_id, spec = self._backlog[0]
-            if not self._try(what, req_id, spec, queue=False):
+            try:
+                self._do(what, req_id, spec)
+            except BusyError:
                 return  # still full: next step
+            except (KvpollError, TypeError, ValueError) as e:
+                # Refused for good, steps after it was submitted: nobody
+                # is there to catch it, so it is reported like any end.
+                self._refused(what, req_id, spec, e)
             self._backlog.pop(0)
 
     def _try(self, what: str, req_id: RequestId, spec: Any, queue: bool) -> bool:
@@ -406,11 +419,27 @@ class KvConnectorWorker:
                 self._backlog.append((what, req_id, spec))
             return False
         except Exception:
-            if not queue:
-                self._backlog.pop(0)
             self._sending.discard(req_id)
             self._released.discard(req_id)
             raise
+
+    def _refused(self, what: str, req_id: RequestId, spec: Any, error: Exception) -> None:
+        """A backlogged submission the engine refused when retried: a read
+        or push destination is a failed load (its blocks invalid), a lend
+        or write is a send whose blocks are free (nothing holds them)."""
+        logger.error("kvpoll: %s of %r refused after waiting for room: %s", what, req_id, error)
+        if what == "read":
+            self._recved.add(req_id)
+            self._failed_next.add(req_id)
+            for h in spec:
+                self._load_errors.update(h[1])
+        elif what == "lend_writers":
+            self._recved.add(req_id)
+            self._failed_next.add(req_id)
+            self._load_errors.update(spec[0])
+        else:
+            self._sending.discard(req_id)
+            self._sent.add(req_id)
 
     def _do(self, what: str, req_id: RequestId, spec: Any) -> None:
         e = self.engine
