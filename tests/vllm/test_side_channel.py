@@ -48,6 +48,7 @@ def test_a_handshake_round_trips():
         (frame(HS.encode()[HEADER.size :].replace(b'"block_bytes": 4096', b'"block_bytes": 0')), "must be positive"),
         (frame(HS.encode()[HEADER.size :].replace(b'"tp_size": 1', b'"tp_size": true')), "'tp_size' missing"),
     ],
+    ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_a_malformed_answer_is_refused_with_what_was_wrong(data, says):
     with pytest.raises(HandshakeError, match=says):

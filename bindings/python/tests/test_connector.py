@@ -3,6 +3,7 @@ KV connector's worker side: one get_finished per engine step."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 
@@ -156,6 +157,17 @@ def test_register_kv_caches_names_the_layer_it_refuses():
             w.register_kv_caches({"layer.0": np.zeros((8, BS), np.uint8), "layer.1": np.zeros((8, BS), np.uint8)[::-1]})
 
 
+@contextlib.contextmanager
+def lender(make_producer, seed, **engine_kwargs):
+    """A worker that lends (its regions registered) and a remote reader
+    that knows it: (worker, remote, the worker's peer id there)."""
+    d = make_producer(seed=seed)
+    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive", **engine_kwargs) as w:
+        for _ in range(REGIONS):
+            w.engine.register(BLOCKS)
+        yield w, d, d.call("add_peer", w.metadata())
+
+
 def _drain_sends(w, remote, ids, first_release=(), timeout=30.0):
     """Steps the worker (get_finished every step, the first step releasing
     ``first_release``) while ``remote`` reads each of ``ids``; returns how
@@ -179,11 +191,7 @@ def test_lends_refused_as_busy_keep_the_schedulers_release_and_are_each_sent_onc
     # step (vLLM passes finished_req_ids with the step that lends): the two
     # lends the engine refuses as busy wait in the backlog, and the release
     # must wait with them.
-    d = make_producer(seed=15)
-    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive", slots=2) as w:
-        for _ in range(REGIONS):
-            w.engine.register(BLOCKS)
-        peer = d.call("add_peer", w.metadata())
+    with lender(make_producer, 15, slots=2) as (w, d, peer):
         ids = [f"busy-{n}" for n in range(4)]
         incs = {i: draw_incarnation() for i in ids}
         w.start_load_kv(reqs_to_send={i: ([n], 1, incs[i]) for n, i in enumerate(ids)})
@@ -195,11 +203,7 @@ def test_lends_refused_as_busy_keep_the_schedulers_release_and_are_each_sent_onc
 
 
 def test_a_release_that_arrives_before_its_lend_is_kept_for_the_lend(make_producer):
-    d = make_producer(seed=16)
-    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive") as w:
-        for _ in range(REGIONS):
-            w.engine.register(BLOCKS)
-        peer = d.call("add_peer", w.metadata())
+    with lender(make_producer, 16) as (w, d, peer):
         inc = draw_incarnation()
         assert w.get_finished({"early"}) == (None, None)
         w.start_load_kv(reqs_to_send={"early": ([3], 1, inc)})
@@ -277,11 +281,7 @@ def test_a_backlogged_lend_refused_later_is_reported_not_raised_from_a_later_ste
     # the engine refuses it for good (a block beyond the regions). That
     # step must not raise: the request is reported in sending once (its
     # blocks were never lent), the others as usual.
-    d = make_producer(seed=18)
-    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive", slots=2) as w:
-        for _ in range(REGIONS):
-            w.engine.register(BLOCKS)
-        peer = d.call("add_peer", w.metadata())
+    with lender(make_producer, 18, slots=2) as (w, d, peer):
         incs = {i: draw_incarnation() for i in ("ok-0", "ok-1", "bad")}
         w.start_load_kv(
             reqs_to_send={"ok-0": ([0], 1, incs["ok-0"]), "ok-1": ([1], 1, incs["ok-1"]), "bad": ([BLOCKS * 100], 1, incs["bad"])}
