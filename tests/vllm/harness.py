@@ -1,0 +1,260 @@
+"""vLLM's own scheduler driving KvpollConnector: configs for a tiny local
+model, requests, and connector workers in their own processes holding
+real CPU KV tensors (the CPU backend's layout), stepped over a pipe."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from kvpoll_remote import Child, messages
+
+BLOCK = 16  # tokens per block
+NUM_BLOCKS = 64
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 64
+EOS = 2
+
+
+def tiny_model(path: str) -> str:
+    """A random-weight Llama (vocab 512, hidden 256, 4 heads, 2 KV heads,
+    2 layers, head size 64) written to ``path`` with transformers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD,
+        num_hidden_layers=LAYERS,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=EOS,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_config(model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> Any:
+    """The config of one instance; its engine id is fixed by its port, so a
+    worker process building its own config is the same engine."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=2048,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvpollConnector",
+            kv_connector_module_path="kvpoll.vllm",
+            kv_role="kv_both",
+            engine_id=f"engine-{port}",
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={
+                "side_channel_port": port,
+                "ucx_tls": "tcp",
+                "lease_s": lease_s,
+                "handshake_timeout_s": 2.0,
+            },
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                [layer_name(i) for i in range(LAYERS)],
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32),
+            )
+        ],
+    )
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def scheduler(config: Any) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+_hash_ready = False
+
+
+def request(req_id: str, prompt: List[int], max_tokens: int, params: Optional[Dict[str, Any]]) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sp.update_from_generation_config({}, EOS)
+    r = Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    r.kv_transfer_params = params
+    return r
+
+
+def assert_scheduler_empty(s: Any) -> None:
+    """No request left anywhere, every block free again."""
+    assert not s.requests, list(s.requests)
+    assert not s.waiting and not s.running
+    assert not s.finished_req_ids
+    assert not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids
+    mgr = s.kv_cache_manager.coordinator.single_type_managers[0]
+    assert not mgr.req_to_blocks
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert all(b.ref_cnt == 0 for b in pool.blocks if not b.is_null)
+
+
+def fill_pattern(req_id: str, index: int, nbytes: int) -> bytes:
+    """What the simulated forward pass writes into block ``index`` of a
+    request, in every layer."""
+    d = hashlib.blake2b(f"{req_id}:{index}".encode(), digest_size=64).digest()
+    return (d * (nbytes // len(d) + 1))[:nbytes]
+
+
+# ---------------------------------------------------------------- workers
+
+
+def worker_connector(model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> Tuple[Any, Dict[str, Any]]:
+    """A KvpollConnector worker with its KV caches (the CPU backend's
+    layout: [num_blocks, kv_heads, block_size, 2 * head]) registered."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpoll.vllm import KvpollConnector
+
+    config = vllm_config(model, port, policy, lease_s)
+    conn = KvpollConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    caches = {layer_name(i): torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+    conn.register_kv_caches(caches)
+    return conn, caches
+
+
+BLOCK_BYTES = KV_HEADS * BLOCK * 2 * HEAD * 4
+
+
+def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) -> None:
+    import torch
+    from vllm.v1.outputs import KVConnectorOutput
+
+    try:
+        conn_, caches = worker_connector(model, port, policy, lease_s)
+    except Exception as e:
+        conn.send(("err", type(e).__name__, str(e)))
+        return
+    conn.send(("ok", None))
+    block_bytes = BLOCK_BYTES
+    for msg in messages(conn):
+        op = msg[0]
+        if op == "step":
+            _, meta, finished, fills = msg
+            for req_id, blocks in fills.items():
+                for index, b in blocks:
+                    data = torch.frombuffer(bytearray(fill_pattern(req_id, index, block_bytes)), dtype=torch.float32)
+                    for t in caches.values():
+                        t[b].view(-1).copy_(data)
+            conn_.bind_connector_metadata(meta)
+            conn_.start_load_kv(None)
+            conn_.wait_for_save()
+            res = conn_.get_transfer_results(finished)
+            out = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                invalid_block_ids=conn_.get_block_ids_with_load_errors(),
+                kv_connector_stats=conn_.get_kv_connector_stats(),
+            )
+            conn_.clear_connector_metadata()
+            conn.send(("ok", out))
+        elif op == "dump":
+            conn.send(("ok", [b"".join(t[b].numpy().tobytes() for t in caches.values()) for b in msg[1]]))
+        elif op == "exit":
+            conn_.shutdown()
+            conn.send(("ok", None))
+            break
+
+
+class Worker(Child):
+    """A connector worker in its own process."""
+
+    def __init__(self, model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> None:
+        super().__init__(_worker_main, model, port, policy, lease_s)
+        self.answer(180)
+
+    def step(self, meta: Any, finished: Set[str], fills: Dict[str, List[Tuple[int, int]]]) -> Any:
+        return self._ask("step", meta, set(finished), fills)
+
+    def dump(self, blocks: List[int]) -> List[bytes]:
+        return self._ask("dump", list(blocks))
+
+
+def step(sched: Any, worker: Optional[Worker], sample: int = 7, fill: bool = False) -> Tuple[Any, Any, List[Any]]:
+    """One engine step: schedule, the worker's connector step (with the
+    simulated forward's KV writes if ``fill``), then update_from_output
+    with one sampled token per scheduled request. Returns the scheduler
+    output, the connector output and the engine-core outputs."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    so = sched.schedule()
+    fills: Dict[str, List[Tuple[int, int]]] = {}
+    if fill:
+        for new in so.scheduled_new_reqs:
+            fills[new.req_id] = list(enumerate(new.block_ids[0]))
+    kv_out = worker.step(so.kv_connector_metadata, so.finished_req_ids, fills) if worker else KVConnectorOutput()
+    ids = list(so.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[sample] for _ in ids],
+        kv_connector_output=kv_out,
+    )
+    outs = sched.update_from_output(so, mro)
+    core_outs = [o for eco in outs.values() for o in eco.outputs]
+    return so, kv_out, core_outs

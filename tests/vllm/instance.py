@@ -1,0 +1,113 @@
+"""A vLLM instance (``vllm.LLM`` on the CPU backend, the tiny local model)
+in its own process, driven over a pipe as a disaggregated-serving proxy
+drives ``vllm serve``: token-id prompts in, token ids and
+``kv_transfer_params`` out."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Dict, List, Optional
+
+from kvpoll_remote import Child, messages
+
+
+def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]]) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    try:
+        llm = LLM(
+            model=model,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            seed=0,
+            kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+        )
+    except Exception as e:
+        conn.send(("err", type(e).__name__, str(e)))
+        return
+    conn.send(("ok", None))
+    for msg in messages(conn):
+        if msg[0] != "generate":
+            conn.send(("ok", None))
+            break
+        _, prompts, max_tokens, params = msg
+        sps = [
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": p} if p else None)
+            for p in params
+        ]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        conn.send(
+            (
+                "ok",
+                [
+                    {
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "kv_transfer_params": o.kv_transfer_params,
+                    }
+                    for o in outs
+                ],
+            )
+        )
+
+
+def kv_config(port: int, policy: str = "fail", **extra: Any) -> Dict[str, Any]:
+    return {
+        "kv_connector": "KvpollConnector",
+        "kv_connector_module_path": "kvpoll.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"side_channel_port": port, "ucx_tls": "tcp", **extra},
+    }
+
+
+class Instance(Child):
+    """A vLLM instance in its own process; ``ready()`` waits until it
+    serves."""
+
+    def __init__(self, model: str, kv: Optional[Dict[str, Any]] = None) -> None:
+        # Not a daemon: vLLM starts its engine core as a child process.
+        super().__init__(_main, model, kv, daemon=False)
+
+    def ready(self, timeout: float = 300.0) -> "Instance":
+        self.answer(timeout)
+        return self
+
+    def generate(self, prompts: List[List[int]], max_tokens: int, params=None, timeout: float = 300.0) -> List[Dict[str, Any]]:
+        return self._ask("generate", prompts, max_tokens, params or [None] * len(prompts), timeout=timeout)
+
+    def processes(self) -> List[Any]:
+        """This instance's processes: the front end, its engine core and
+        workers (the worker holds the kvpoll engine); none once it exited."""
+        import psutil
+
+        try:
+            me = psutil.Process(self.proc.pid)
+            return [me] + me.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal(self, sig: int) -> None:
+        import psutil
+
+        for p in self.processes():
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    def close(self) -> None:
+        procs = self.processes()
+        self.signal(signal.SIGCONT)  # a test may leave it stopped
+        super().close()
+        for p in procs:  # what outlived the front end
+            try:
+                p.kill()
+            except Exception:
+                pass

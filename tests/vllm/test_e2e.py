@@ -1,0 +1,102 @@
+"""End to end on real vLLM engines (CPU backend): a prefill instance and a
+decode instance with KvpollConnector, driven as vLLM's disaggregated
+proxy drives them (the prefill's kv_transfer_params passed to the
+decode), against one aggregated instance. Greedy sampling on a
+deterministic model: the disaggregated output must be token for token
+the aggregated one's; under faults, each response is either that or an
+error (per the failure policy), never other tokens."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from harness import free_port
+from instance import Instance, kv_config
+
+N = 24
+MAX_TOKENS = 8
+
+
+def prompts():
+    return [[(11 * n + 3 * i) % 500 + 3 for i in range(9 + 7 * n)] for n in range(N)]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    agg = Instance(model_dir).ready()
+    try:
+        return [o["token_ids"] for o in agg.generate(prompts(), MAX_TOKENS)]
+    finally:
+        agg.close()
+
+
+@pytest.fixture(scope="module")
+def instances(model_dir, reference):
+    """(prefill, decode with policy fail, decode with policy recompute)."""
+    p = Instance(model_dir, kv_config(free_port(), lease_s=8.0))
+    d_fail = Instance(model_dir, kv_config(free_port(), "fail", read_deadline_s=3.0, handshake_timeout_s=2.0))
+    d_rec = Instance(model_dir, kv_config(free_port(), "recompute", read_deadline_s=3.0, handshake_timeout_s=2.0))
+    made = [p, d_fail, d_rec]
+    try:
+        for i in made:
+            i.ready()
+        yield p, d_fail, d_rec
+    finally:
+        for i in made:
+            i.close()
+
+
+def prefill(p: Instance, ps):
+    outs = p.generate(ps, 1, [{"do_remote_decode": True} for _ in ps])
+    params = [o["kv_transfer_params"] for o in outs]
+    assert all(x and x["do_remote_prefill"] and x["remote_block_ids"] for x in params), params[:2]
+    return params
+
+
+def test_disaggregated_output_is_token_for_token_the_aggregated_output(instances, reference):
+    p, d_fail, _ = instances
+    ps = prompts()
+    params = prefill(p, ps)
+    # Policy "fail": a load that did not happen would be an error here,
+    # so identical tokens mean the KV came over kvpoll.
+    outs = d_fail.generate(ps, MAX_TOKENS, params)
+    assert [o["finish_reason"] for o in outs] == ["length"] * N
+    assert [o["token_ids"] for o in outs] == reference
+
+
+def test_a_prefill_paused_past_its_lease_gives_recomputed_or_failed_responses_never_other_tokens(instances, reference):
+    p, d_fail, d_rec = instances
+    ps = prompts()
+    params = prefill(p, ps)
+    half = N // 2
+    p.signal(signal.SIGSTOP)
+    try:
+        rec = d_rec.generate(ps[:half], MAX_TOKENS, params[:half])
+        failed = d_fail.generate(ps[half:], MAX_TOKENS, params[half:])
+        time.sleep(9.0)  # past the prefill's 8 s lease
+    finally:
+        p.signal(signal.SIGCONT)
+    assert [o["token_ids"] for o in rec] == reference[:half]
+    for o, ref in zip(failed, reference[half:]):
+        assert o["token_ids"] == ref or o["finish_reason"] == "error", o
+    assert any(o["finish_reason"] == "error" for o in failed)
+    # The prefill serves again after it resumed.
+    again = prefill(p, ps[:2])
+    assert [o["token_ids"] for o in d_fail.generate(ps[:2], MAX_TOKENS, again)] == reference[:2]
+
+
+def test_a_killed_prefill_gives_recomputed_or_failed_responses_never_other_tokens(instances, reference):
+    p, d_fail, d_rec = instances
+    ps = prompts()
+    params = prefill(p, ps)
+    p.signal(signal.SIGKILL)
+    half = N // 2
+    rec = d_rec.generate(ps[:half], MAX_TOKENS, params[:half])
+    failed = d_fail.generate(ps[half:], MAX_TOKENS, params[half:])
+    assert [o["token_ids"] for o in rec] == reference[:half]
+    for o, ref in zip(failed, reference[half:]):
+        assert o["token_ids"] == ref or o["finish_reason"] == "error", o
+    assert all(o["finish_reason"] == "error" for o in failed)

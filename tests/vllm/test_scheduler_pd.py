@@ -1,0 +1,126 @@
+"""A prefill and a decode vLLM Scheduler stepping, each with its
+KvpollConnector worker in its own process moving real CPU KV tensors over
+kvpoll (UCX, tcp on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from harness import (
+    Worker,
+    assert_scheduler_empty,
+    free_port,
+    request,
+    scheduler,
+    step,
+    vllm_config,
+)
+
+GUARD_S = 120.0
+
+
+@pytest.fixture
+def pd(model_dir: str):
+    """(prefill scheduler, its worker, decode scheduler, its worker)."""
+    made: List[Worker] = []
+
+    def make(policy: str = "recompute", lease_s: float = 30.0, p_port: int = 0):
+        p_port = p_port or free_port()
+        d_port = free_port()
+        p = scheduler(vllm_config(model_dir, p_port, policy, lease_s))
+        d = scheduler(vllm_config(model_dir, d_port, policy, lease_s))
+        pw, dw = Worker(model_dir, p_port, policy, lease_s), Worker(model_dir, d_port, policy, lease_s)
+        made.extend([pw, dw])
+        return p, pw, d, dw
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def prefill_all(p: Any, pw: Worker, prompts: Dict[str, List[int]]) -> Dict[str, Dict[str, Any]]:
+    """Runs each prompt as a prefill for a remote decode; returns the
+    kv_transfer_params of each finished prefill."""
+    for rid, prompt in prompts.items():
+        p.add_request(request(rid, prompt, 1, {"do_remote_decode": True}))
+    params: Dict[str, Dict[str, Any]] = {}
+    end = time.monotonic() + GUARD_S
+    while len(params) < len(prompts) and time.monotonic() < end:
+        _, _, outs = step(p, pw, fill=True)
+        for o in outs:
+            if o.kv_transfer_params:
+                params[o.request_id] = o.kv_transfer_params
+    assert set(params) == set(prompts)
+    return params
+
+
+def run_until_empty(p: Any, pw: Worker, d: Any, dw: Worker, on_recv=None) -> Dict[str, List[int]]:
+    """Steps both until neither holds a request; returns each decode
+    request's sampled tokens."""
+    tokens: Dict[str, List[int]] = {}
+    end = time.monotonic() + GUARD_S
+    while (p.requests or d.requests) and time.monotonic() < end:
+        so, kv_out, outs = step(d, dw)
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if on_recv is not None:
+            on_recv(so, kv_out)
+        step(p, pw)
+        time.sleep(0.005)
+    # One more step each: the last finished ids reach the workers.
+    step(d, dw)
+    step(p, pw)
+    return tokens
+
+
+def decode_requests(d: Any, params: Dict[str, Dict[str, Any]], prompts: Dict[str, List[int]], max_tokens: int = 3):
+    for rid, prm in params.items():
+        d.add_request(request(f"d-{rid}", prompts[rid], max_tokens, dict(prm)))
+
+
+def test_decode_kv_equals_prefill_kv_byte_for_byte_and_both_schedulers_end_empty(pd):
+    p, pw, d, dw = pd()
+    prompts = {f"r{n}": [(7 * n + i) % 500 + 3 for i in range(17 + 13 * n)] for n in range(6)}
+    params = prefill_all(p, pw, prompts)
+    # The prefill holds every finished request's blocks for its decode.
+    assert set(p.requests) == set(prompts)
+    decode_requests(d, params, prompts)
+    local: Dict[str, List[int]] = {}
+    compared: List[str] = []
+
+    def on_recv(so, kv_out):
+        for rid, spec in so.kv_connector_metadata.reqs_to_recv.items():
+            local[rid] = spec.local_block_ids
+        for rid in kv_out.finished_recving or ():
+            remote = params[rid[2:]]["remote_block_ids"]
+            assert len(local[rid]) == len(remote)
+            assert dw.dump(local[rid]) == pw.dump(remote), f"{rid}: decode KV differs from prefill KV"
+            compared.append(rid)
+
+    tokens = run_until_empty(p, pw, d, dw, on_recv)
+    assert sorted(compared) == sorted(f"d-{r}" for r in prompts)
+    assert all(len(tokens[f"d-{r}"]) == 3 for r in prompts), tokens
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
+
+
+def test_decode_requests_aborted_before_and_while_loading_release_the_prefill_and_end_empty(pd):
+    # Lease longer than the test's guard: the prefill's blocks can only
+    # come back through the decode's release or its read.
+    from vllm.v1.request import RequestStatus
+
+    p, pw, d, dw = pd(lease_s=600.0)
+    prompts = {f"a{n}": [(5 * n + i) % 500 + 3 for i in range(40 + 9 * n)] for n in range(4)}
+    params = prefill_all(p, pw, prompts)
+    decode_requests(d, params, prompts)
+    # Two aborted before the decode scheduled them (nothing read: the
+    # prefill is told to release), two right after they started loading.
+    d.finish_requests(["d-a0", "d-a1"], RequestStatus.FINISHED_ABORTED)
+    step(d, dw)
+    d.finish_requests(["d-a2", "d-a3"], RequestStatus.FINISHED_ABORTED)
+    run_until_empty(p, pw, d, dw)
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
