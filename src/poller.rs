@@ -678,22 +678,6 @@ impl Poller {
         // Whatever did not stop within the bound is reported all the same.
         self.core.abandon(Cause::Shutdown);
         self.publish();
-        // UCX's own traffic still in flight (a wire-up reply to a peer that
-        // just connected or went away) ends before the worker does: UCX
-        // 1.13 asserts (`ucp_request.c`, "got REP message") when it has to
-        // purge a pending wire-up reply in `ucp_worker_destroy`. Progress
-        // until the worker has been quiet for 20 ms, at most 500 ms.
-        let (start, mut quiet) = (Instant::now(), Instant::now());
-        while quiet.elapsed() < Duration::from_millis(20)
-            && start.elapsed() < Duration::from_millis(500)
-        {
-            if self.wire.progress() > 0 {
-                quiet = Instant::now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            self.drain_transport(&mut None);
-        }
         // The engine drains the ring while it waits for this thread.
         while self.events.flush() > 0 {
             std::thread::yield_now();
