@@ -502,6 +502,17 @@ impl Tokens {
     }
 }
 
+/// A lend's incarnation must name one: [`Incarnation::NONE`] is refused.
+fn lendable(token: Incarnation) -> Result<(), EngineError> {
+    if token.is_none() {
+        return Err(EngineError::BadIncarnation {
+            handle: 0,
+            why: "a lend needs an incarnation (Incarnation::draw)",
+        });
+    }
+    Ok(())
+}
+
 fn instance_id() -> u64 {
     // Unique per engine start: time, process and a counter, mixed.
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -1059,12 +1070,7 @@ impl Engine {
         lease: Duration,
         token: Incarnation,
     ) -> Result<(), EngineError> {
-        if token.is_none() {
-            return Err(EngineError::BadIncarnation {
-                handle: 0,
-                why: "a lend needs an incarnation (Incarnation::draw)",
-            });
-        }
+        lendable(token)?;
         self.admit(id)?;
         let (n, kind) = match to {
             LendTo::Readers(n) => (n, Kind::Lend { notifications: n }),
@@ -1132,12 +1138,7 @@ impl Engine {
         lease: Duration,
         token: Incarnation,
     ) -> Result<(), EngineError> {
-        if token.is_none() {
-            return Err(EngineError::BadIncarnation {
-                handle: 0,
-                why: "a lend needs an incarnation (Incarnation::draw)",
-            });
-        }
+        lendable(token)?;
         self.admit(id)?;
         let mut distinct: arrayvec::ArrayVec<PeerId, MAX_HANDLES> = arrayvec::ArrayVec::new();
         for &w in writers {

@@ -81,18 +81,30 @@ fn wait_report(e: &mut Engine, out: &mut Outcomes) {
     }
 }
 
-fn read_and_verify(d: &mut Engine, peer: kvpoll::ledger::PeerId, id: u64, seed: u64) {
-    let (local, remote) = (ids(&[0, 1, 2]), ids(&[7, 8, 9]));
+/// Submits read `id` of `remote` into `local` from `peer`, which serves
+/// its blocks without lending them (an unconfirmed read).
+fn unguarded_read(
+    d: &mut Engine,
+    peer: kvpoll::ledger::PeerId,
+    id: RequestId,
+    local: &[BlockId],
+    remote: &[BlockId],
+) {
     d.read(
-        RequestId(id),
+        id,
         &[Transfer {
             peer,
-            local: &local,
-            remote: &remote,
+            local,
+            remote,
             lend: kvpoll::Incarnation::NONE,
         }],
     )
     .unwrap();
+}
+
+fn read_and_verify(d: &mut Engine, peer: kvpoll::ledger::PeerId, id: u64, seed: u64) {
+    let (local, remote) = (ids(&[0, 1, 2]), ids(&[7, 8, 9]));
+    unguarded_read(d, peer, RequestId(id), &local, &remote);
     let mut out = Outcomes::default();
     wait_report(d, &mut out);
     assert_eq!(out.finished_recving, vec![RequestId(id)], "{out:?}");
@@ -119,16 +131,7 @@ fn a_stopped_peer_process_fails_reads_at_the_deadline_through_forced_close() {
 
     procs::stop(peer.child.id());
     let t = Instant::now();
-    d.read(
-        RequestId(2),
-        &[Transfer {
-            peer: p,
-            local: &ids(&[4]),
-            remote: &ids(&[4]),
-            lend: kvpoll::Incarnation::NONE,
-        }],
-    )
-    .unwrap();
+    unguarded_read(&mut d, p, RequestId(2), &ids(&[4]), &ids(&[4]));
     // A sibling on the same endpoint with a long deadline of its own.
     d.read_with_deadline(
         RequestId(3),
@@ -198,16 +201,7 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
 
     // The dead peer's state is gone: reads to it are setup failures now.
     out.clear();
-    d.read(
-        RequestId(3),
-        &[Transfer {
-            peer: p,
-            local: &ids(&[5]),
-            remote: &ids(&[5]),
-            lend: kvpoll::Incarnation::NONE,
-        }],
-    )
-    .unwrap();
+    unguarded_read(&mut d, p, RequestId(3), &ids(&[5]), &ids(&[5]));
     wait_report(&mut d, &mut out);
     assert_eq!(out.failed_recving[0].reason.cause, Cause::Setup);
 
@@ -228,16 +222,7 @@ fn a_killed_peer_is_reported_in_peers_lost_with_its_status() {
     peer.child.kill().unwrap();
     peer.child.wait().unwrap();
     // UCX notices a dead tcp peer when it next talks to it.
-    d.read(
-        RequestId(2),
-        &[Transfer {
-            peer: p,
-            local: &ids(&[3]),
-            remote: &ids(&[3]),
-            lend: kvpoll::Incarnation::NONE,
-        }],
-    )
-    .unwrap();
+    unguarded_read(&mut d, p, RequestId(2), &ids(&[3]), &ids(&[3]));
     let mut out = Outcomes::default();
     let t = std::time::Instant::now();
     while out.peers_lost.is_empty() {

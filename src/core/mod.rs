@@ -1036,14 +1036,15 @@ impl Core {
             // Reported means quiescent: nothing of it is due any more, so
             // its timers go now rather than when they fall due (they would
             // wake the poller, and `next_deadline` looks at each).
+            // Only push destinations have fences, only reads ask again.
             let key = ev.key;
-            if !self.fences.is_empty() {
+            if matches!(info.kind, Kind::Receive { .. }) && !self.fences.is_empty() {
                 self.fences.retain(|f| f.key != key);
             }
             if !self.aborted.is_empty() {
                 self.aborted.retain(|&(k, _)| k != key);
             }
-            if !self.asking.is_empty() {
+            if info.kind == Kind::Read && !self.asking.is_empty() {
                 self.asking.retain(|a| a.key != key);
             }
             if ev.outcome == Outcome::Finished {

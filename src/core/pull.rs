@@ -9,7 +9,7 @@ use super::*;
 #[derive(Default)]
 pub(super) struct Ended {
     pub(super) order: VecDeque<Incarnation>,
-    pub(super) set: HashSet<Incarnation>,
+    pub(super) set: HashSet<Incarnation, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
 }
 
 impl Ended {

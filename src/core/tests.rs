@@ -55,13 +55,7 @@ fn note(kind: NoteKind, id: u64, incarnation: u64, nonce: u64, sender: u64) -> N
 
 /// Feeds `n` as a message with a reply handle; returns what was answered.
 fn ask(c: &mut Core, n: Notification, now: Nanos) -> Vec<NoteKind> {
-    c.on_transport(
-        TransportEvent::Message {
-            payload: &n.encode(),
-            reply: Some(0),
-        },
-        now,
-    );
+    feed(c, n, Some(0), now);
     let mut answers = Vec::new();
     while let Some(a) = c.next_action() {
         if let Action::Reply { notes, .. } = a {
@@ -235,11 +229,9 @@ fn a_metadata_refresh_of_a_peer_in_use_is_refused_and_one_at_rest_replaces_it() 
     // Removal waits too: the peer stays until it spoke.
     assert!(c.remove_peer(p));
     assert_eq!(c.peer_of(42), Some(p));
-    c.on_transport(
-        TransportEvent::Message {
-            payload: &note(NoteKind::WriteAbandoned, 5, 0x55, 3, 42).encode(),
-            reply: None,
-        },
+    hear(
+        &mut c,
+        note(NoteKind::WriteAbandoned, 5, 0x55, 3, 42),
         Nanos(1),
     );
     assert_eq!(
@@ -290,10 +282,15 @@ fn sent(c: &mut Core) -> Vec<NoteKind> {
 }
 
 fn hear(c: &mut Core, n: Notification, now: Nanos) {
+    feed(c, n, None, now);
+}
+
+/// Hands `n` to the core as a received message (`reply`: its reply handle).
+fn feed(c: &mut Core, n: Notification, reply: Option<u32>, now: Nanos) {
     c.on_transport(
         TransportEvent::Message {
             payload: &n.encode(),
-            reply: None,
+            reply,
         },
         now,
     );
