@@ -23,12 +23,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::core::{Command, MAX_CONSUMERS};
+use crate::driver::{self, Control, Shared};
 use crate::ledger::{
     BlockId, Cause, Event, Incarnation, Kind, LedgerConfig, Outcome, PeerId, Reason, RequestId,
     RequestKey, Slots, MAX_HANDLES,
 };
 use crate::metrics::{MetricsSnapshot, PollerMetrics, RejectedInputs, RingMetrics, SlotUse};
-use crate::poller::{self, Control, Shared};
 use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::ContextOptions;
 
@@ -348,7 +348,7 @@ impl EngineBuilder {
             Shared::new().map_err(|e| EngineError::Spawn(format!("wake-up eventfd: {e}")))?,
         );
         let (ready_tx, ready_rx) = mpsc::channel();
-        let config = poller::Config {
+        let config = driver::Config {
             block_size: self.block_size,
             core: self.core,
             idle: self.idle,
@@ -369,10 +369,10 @@ impl EngineBuilder {
                 let tid = unsafe { libc::gettid() };
                 // Relaxed: read for metrics only.
                 thread_shared.tid.store(tid, Ordering::Relaxed);
-                poller::run(
+                driver::run(
                     config,
                     ledger,
-                    poller::Channels {
+                    driver::Channels {
                         commands: command_rx,
                         retire: retire_rx,
                         events: event_tx,
@@ -1321,7 +1321,7 @@ impl Engine {
                     wake.state.woke();
                     return n;
                 }
-                self.reports_signalled = poller::wait_readable(wake.efd.fd(), None, left);
+                self.reports_signalled = crate::wake::wait_readable(wake.efd.fd(), None, left);
                 let notified = wake.state.woke();
                 let n = self.poll(out);
                 if n > 0 || notified || self.reports_signalled {

@@ -16,10 +16,10 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod core;
-/// The driver step shared by the poller and the simulator: internal,
-/// public for the simulator's tests.
+/// The poller thread's body. Internal; its `execute` step is public for
+/// the simulator's tests.
 #[doc(hidden)]
-pub mod drive;
+pub mod driver;
 pub mod engine;
 mod error;
 #[cfg(feature = "cuda")]
@@ -32,7 +32,6 @@ pub mod metrics;
 #[doc(hidden)]
 pub mod notification;
 pub mod placement;
-pub(crate) mod poller;
 /// The SPSC rings between the engine thread and the poller: internal,
 /// public for the ledger benches and tests that drive the ledger directly.
 #[doc(hidden)]

@@ -18,42 +18,12 @@
 
 use thiserror::Error;
 
+pub use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
 use crate::transport::ucx::{PackedRkey, UcxError, WorkerAddress};
 use crate::wire::{self, FrameError, Kind};
 
 /// Most regions one peer may announce.
 pub const MAX_REGIONS: usize = 1024;
-
-/// How blocks are laid out in every region of an engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockLayout {
-    /// Bytes per block.
-    pub block_size: u64,
-}
-
-/// One registered region as a peer sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RegionDescriptor {
-    /// The region id used in block descriptors.
-    pub id: u32,
-    /// Number of blocks in the region.
-    pub blocks: u64,
-    /// The packed remote key.
-    pub rkey: PackedRkey,
-}
-
-/// Everything a peer needs to move blocks to or from this engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerMetadata {
-    /// Random per engine start.
-    pub instance: u64,
-    /// Block layout.
-    pub layout: BlockLayout,
-    /// The worker to connect to.
-    pub worker: WorkerAddress,
-    /// The regions blocks live in.
-    pub regions: Vec<RegionDescriptor>,
-}
 
 /// Why peer metadata was refused. Nothing is changed by refused metadata.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

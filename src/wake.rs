@@ -33,6 +33,8 @@
 //! The loom model at the bottom checks exactly this, with the OS wait as a
 //! loom park/unpark: a lost wake-up there is a deadlock, which loom reports.
 
+use std::time::Duration;
+
 use crate::sync::{AtomicU32, Ordering};
 
 const EMPTY: u32 = 0;
@@ -168,6 +170,36 @@ impl Wake {
             self.efd.signal();
         }
     }
+}
+
+/// Waits until `efd` or `other` is readable or `timeout` passed (`ppoll`,
+/// nanosecond timeout). Returns whether `efd` was readable.
+pub(crate) fn wait_readable(
+    efd: libc::c_int,
+    other: Option<libc::c_int>,
+    timeout: Duration,
+) -> bool {
+    let mut fds = [
+        libc::pollfd {
+            fd: efd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: other.unwrap_or(-1),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    let n: libc::nfds_t = if other.is_some() { 2 } else { 1 };
+    // SAFETY: fds holds `n` initialised pollfd entries and ts a valid
+    // timespec, both alive for the call; a null sigmask keeps the mask.
+    let r = unsafe { libc::ppoll(fds.as_mut_ptr(), n, &ts, std::ptr::null()) };
+    r > 0 && fds[0].revents & libc::POLLIN != 0
 }
 
 #[cfg(all(test, loom))]

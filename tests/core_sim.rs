@@ -545,33 +545,37 @@ impl Harness {
 
     // -- the poller ---------------------------------------------------------
 
-    /// `Poller::execute`, on the node's simulated transport: the core's
-    /// own `execute`, recording each action and notification sent.
+    /// The driver's `execute`, on the node's simulated transport, one
+    /// action at a time: each action and notification sent is recorded
+    /// before it is performed.
     fn execute(&mut self, node: usize) {
         let now = self.now;
         let me = &mut self.nodes[node];
         let mut wire = self.net.node(node);
         let (actions, sent, peers) = (&mut me.actions, &mut me.sent, &me.peers);
-        kvpoll::drive::execute(&mut me.core, &mut wire, now, |action, core| {
-            actions.push(*action);
-            let (notes, to) = match *action {
+        while let Some(action) = me.core.next_action() {
+            actions.push(action);
+            let sent_to = match action {
                 Action::Send { ep, notes, .. } => {
                     let to = peers.iter().find(|(_, &p)| p == ep.peer).map(|(&n, _)| n);
-                    (notes, to.unwrap_or(usize::MAX))
+                    Some((notes, to.unwrap_or(usize::MAX)))
                 }
-                Action::Reply { to, notes, .. } => (notes, to as usize),
-                _ => return,
+                Action::Reply { to, notes, .. } => Some((notes, to as usize)),
+                _ => None,
             };
-            let bytes = core.notes(notes);
-            assert_eq!(
-                bytes.len(),
-                notes.count as usize * kvpoll::notification::LEN
-            );
-            for b in bytes.chunks_exact(kvpoll::notification::LEN) {
-                let n = Notification::decode(b).expect("the core encodes what it sends");
-                sent.push((n.kind, n.id, to));
+            if let Some((notes, to)) = sent_to {
+                let bytes = me.core.notes(notes);
+                assert_eq!(
+                    bytes.len(),
+                    notes.count as usize * kvpoll::notification::LEN
+                );
+                for b in bytes.chunks_exact(kvpoll::notification::LEN) {
+                    let n = Notification::decode(b).expect("the core encodes what it sends");
+                    sent.push((n.kind, n.id, to));
+                }
             }
-        });
+            kvpoll::driver::execute::perform(&mut me.core, &mut wire, action, now);
+        }
     }
 
     fn live(&self, node: usize) -> bool {

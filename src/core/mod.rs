@@ -9,7 +9,7 @@
 //!
 //! It never reads a clock, never calls UCX, never spawns a thread: it is fed
 //! commands, transport events and `now`, and asked for [`Action`]s (which
-//! the driver, `crate::drive::execute`, performs on a transport, feeding
+//! the driver, `crate::driver::execute`, performs on a transport, feeding
 //! the synchronous results back) and [`Event`]s (which the driver
 //! publishes to the engine thread). [`Core::next_deadline`] says when it
 //! next needs `advance`. So the simulator, proptest and unit tests reach
@@ -45,6 +45,7 @@ use crate::ledger::{
     PeerId, Reason, Request, RequestId, RequestKey, Slots, MAX_HANDLES,
 };
 use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
+pub use crate::transport::T_TRANSPORT;
 use crate::transport::{Direction, Ep, PostFailure, TransportEvent, CANCELED};
 use batching::Batch;
 use fences::Fence;
@@ -57,9 +58,6 @@ const KIND_MASK: u64 = 3 << 30;
 const T_DATA: u64 = 0;
 const T_FLUSH: u64 = 1 << 30;
 const T_NOTE: u64 = 2 << 30;
-/// The token kind a transport uses for operations of its own (closes); the
-/// core never sees their completions.
-pub const T_TRANSPORT: u64 = 3 << 30;
 
 /// Most remote engines one request may await notifications from.
 pub const MAX_CONSUMERS: usize = 64;

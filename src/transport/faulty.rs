@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::ledger::{BlockId, HandleKey, PeerId};
-use crate::metadata::PeerMetadata;
+use crate::transport::peer::PeerMetadata;
 use crate::transport::{Direction, Ep, PostFailure, Transport, TransportEvent, IO_ERROR};
 
 /// Faults to inject. The default injects none.
@@ -117,7 +117,7 @@ impl<T: Transport> Transport for Faulty<T> {
         let (count, seen) = (&mut self.completions, &mut self.seen);
         self.inner.drain(&mut |ev| match ev {
             TransportEvent::Completion { token, status }
-                if every != 0 && token & crate::core::T_TRANSPORT == 0 =>
+                if every != 0 && token & crate::transport::T_TRANSPORT == 0 =>
             {
                 // The first completion of a handle's data operations counts
                 // the handle; every n-th handle fails there.

@@ -15,12 +15,18 @@
 
 #[cfg(feature = "fault-injection")]
 pub mod faulty;
+pub mod peer;
 pub mod sim;
 pub mod simnet;
 pub mod ucx;
 
 use crate::ledger::{BlockId, HandleKey, PeerId};
-use crate::metadata::PeerMetadata;
+use peer::PeerMetadata;
+
+/// The token kind a transport uses for operations of its own (closes):
+/// the top two bits of the 32-bit kind field set. Tokens the core posts
+/// never carry it, and the core never sees these completions.
+pub const T_TRANSPORT: u64 = 3 << 30;
 
 /// `UCS_ERR_IO_ERROR`.
 pub const IO_ERROR: i8 = -3;

@@ -31,7 +31,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::ledger::{BlockId, Nanos, PeerId};
-use crate::metadata::PeerMetadata;
+use crate::transport::peer::PeerMetadata;
 use crate::transport::sim::Rng;
 use crate::transport::{
     Direction, Ep, PostFailure, Transport, TransportEvent, CANCELED, ENDPOINT_TIMEOUT, IO_ERROR,

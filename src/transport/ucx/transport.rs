@@ -9,9 +9,9 @@
 //! keys unpacked on it — is kept until UCX completed the close, so no rkey
 //! is destroyed while an operation that uses it is outstanding.
 
-use crate::core::T_TRANSPORT;
 use crate::ledger::{BlockId, PeerId};
-use crate::metadata::{BlockLayout, PeerMetadata, RegionDescriptor};
+use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
+use crate::transport::T_TRANSPORT;
 use crate::transport::{
     Direction, Ep, PostFailure, Transport, TransportEvent, CANCELED, INVALID_PARAM,
 };

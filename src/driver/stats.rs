@@ -1,0 +1,106 @@
+//! Statistics: busy and idle turns and the time spent in busy and idle
+//! runs, counted on the driver thread without atomics and published into
+//! [`super::Shared`] (with the core's own counters) every 1024 turns, before
+//! blocking and at the end.
+
+use std::sync::atomic::Ordering;
+
+use super::Driver;
+use crate::ledger::Nanos;
+
+impl Driver {
+    pub(super) fn publish_counters(&self, c: &mut Counters) {
+        c.close_run(self.now());
+        // Relaxed: monotonic metrics, read for display only.
+        let s = &self.shared;
+        s.busy_iterations
+            .fetch_add(std::mem::take(&mut c.busy), Ordering::Relaxed);
+        s.idle_iterations
+            .fetch_add(std::mem::take(&mut c.idle), Ordering::Relaxed);
+        s.busy_ns
+            .fetch_add(std::mem::take(&mut c.busy_ns), Ordering::Relaxed);
+        s.idle_ns
+            .fetch_add(std::mem::take(&mut c.idle_ns), Ordering::Relaxed);
+        let stats = self.core.stats();
+        s.malformed_notes
+            .store(stats.malformed_notifications, Ordering::Relaxed);
+        s.rejected_notes
+            .store(stats.rejected_notifications, Ordering::Relaxed);
+        self.shared
+            .ops_posted
+            .store(stats.ops_posted, Ordering::Relaxed);
+        self.shared
+            .ops_completed
+            .store(stats.ops_completed, Ordering::Relaxed);
+        s.notes_sent
+            .store(stats.notifications_sent, Ordering::Relaxed);
+        s.note_messages
+            .store(stats.notification_messages, Ordering::Relaxed);
+        self.shared.bytes_moved.store(
+            stats.blocks_moved.saturating_mul(self.cfg.block_size),
+            Ordering::Relaxed,
+        );
+        s.events_overflowed
+            .store(self.events.overflowed(), Ordering::Relaxed);
+        s.quarantined
+            .store(stats.quarantined_now, Ordering::Relaxed);
+    }
+}
+
+/// Busy and idle iterations and nanoseconds since the last publication,
+/// and the run in progress (busy or idle) with the time it started.
+pub(super) struct Counters {
+    pub(super) busy: u64,
+    pub(super) idle: u64,
+    busy_ns: u64,
+    idle_ns: u64,
+    pub(super) busy_run: bool,
+    run_start: Nanos,
+}
+
+impl Counters {
+    pub(super) fn new(now: Nanos) -> Self {
+        Counters {
+            busy: 0,
+            idle: 0,
+            busy_ns: 0,
+            idle_ns: 0,
+            busy_run: false,
+            run_start: now,
+        }
+    }
+
+    /// Counts the run in progress up to `now`; it goes on from there.
+    fn close_run(&mut self, now: Nanos) {
+        let ns = now.0.saturating_sub(self.run_start.0);
+        if self.busy_run {
+            self.busy_ns += ns;
+        } else {
+            self.idle_ns += ns;
+        }
+        self.run_start = now;
+    }
+
+    /// Closes the run in progress at `now` and starts the other kind.
+    pub(super) fn switch(&mut self, now: Nanos) {
+        self.close_run(now);
+        self.busy_run = !self.busy_run;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_split_time_between_busy_and_idle_runs_at_each_switch() {
+        let mut c = Counters::new(Nanos(100));
+        // Idle from 100 to 250, busy from 250 to 300, idle until 1000.
+        c.switch(Nanos(250));
+        assert!(c.busy_run);
+        c.switch(Nanos(300));
+        c.close_run(Nanos(1000));
+        assert_eq!((c.idle_ns, c.busy_ns), (150 + 700, 50));
+        assert!(!c.busy_run, "closing a run keeps its kind");
+    }
+}

@@ -1,0 +1,37 @@
+//! What a transport must know of a peer to reach its blocks: its worker
+//! address, its regions' packed rkeys and its block layout. The types live
+//! here, below [`crate::metadata`], which encodes and checks them as the
+//! byte string engines exchange; transports take them already checked.
+
+use crate::transport::ucx::{PackedRkey, WorkerAddress};
+
+/// How blocks are laid out in every region of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLayout {
+    /// Bytes per block.
+    pub block_size: u64,
+}
+
+/// One registered region as a peer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionDescriptor {
+    /// The region id used in block descriptors.
+    pub id: u32,
+    /// Number of blocks in the region.
+    pub blocks: u64,
+    /// The packed remote key.
+    pub rkey: PackedRkey,
+}
+
+/// Everything a peer needs to move blocks to or from this engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerMetadata {
+    /// Random per engine start.
+    pub instance: u64,
+    /// Block layout.
+    pub layout: BlockLayout,
+    /// The worker to connect to.
+    pub worker: WorkerAddress,
+    /// The regions blocks live in.
+    pub regions: Vec<RegionDescriptor>,
+}
