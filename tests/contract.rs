@@ -12,6 +12,7 @@
 //! fails once at the end with all of them, so one run shows the whole
 //! picture.
 
+#[cfg(feature = "fault-injection")]
 use std::collections::HashMap;
 mod common;
 
@@ -629,6 +630,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     check_no_problems(&problems);
 }
 
+#[cfg(feature = "fault-injection")]
 /// The defect this guards against: `abort` force-closes the peer's only endpoint
 /// (`apply_cancels`), so every sibling read in flight to that producer
 /// completes with `UCS_ERR_CANCELED` and fails. Round 0 stalls the producer
@@ -729,6 +731,7 @@ fn an_abort_affects_only_its_own_request() {
     check_no_problems(&problems);
 }
 
+#[cfg(feature = "fault-injection")]
 /// Deadline, and recovery: a read that hits its deadline
 /// fails `Deadline` and its peer's endpoint is force-closed; a sibling read
 /// in flight on that endpoint (whose own deadline is later) fails too, and

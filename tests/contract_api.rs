@@ -12,7 +12,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
+#[cfg(feature = "fault-injection")]
+use kvpoll::ledger::Cause;
+use kvpoll::ledger::{BlockId, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
 use common::{pattern, reported};
@@ -37,6 +39,7 @@ fn engine() -> Engine {
     e
 }
 
+#[cfg(feature = "fault-injection")]
 fn fill(e: &Engine, rank: u64) {
     let mut buf = vec![0u8; BS as usize];
     for r in 0..REGIONS {
@@ -47,6 +50,7 @@ fn fill(e: &Engine, rank: u64) {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 fn holds(e: &Engine, local: u32, rank: u64, remote: u32) -> bool {
     let mut buf = vec![0u8; BS as usize];
     (0..REGIONS).all(|r| {
@@ -80,6 +84,7 @@ fn wait_for(e: &mut Engine, out: &mut Outcomes, what: &str, done: impl Fn(&Outco
     }
 }
 
+#[cfg(feature = "fault-injection")]
 /// A first read from `peer`, so that the endpoint is wired up before a test
 /// stalls anyone (an engine dropped while UCX's wire-up is still in flight
 /// can make the peer's `ucp_worker_destroy` abort the process).
@@ -114,6 +119,7 @@ fn notify_only_releases_each_producers_lend_and_reports_nothing_on_the_consumer(
     assert_eq!(d.in_flight(), 0);
 }
 
+#[cfg(feature = "fault-injection")]
 /// An aborted write keeps its reason, in `failed_sending`, not `expired`.
 #[test]
 fn an_aborted_write_is_reported_in_failed_sending_with_its_reason() {
@@ -141,6 +147,7 @@ fn an_aborted_write_is_reported_in_failed_sending_with_its_reason() {
     );
 }
 
+#[cfg(feature = "fault-injection")]
 /// One read hits its own (short) deadline: `Deadline`. Its sibling on the
 /// same stalled producer, whose deadline is long, fails because the
 /// endpoint was force-closed: `PeerStalled`. A new read after the producer
@@ -196,6 +203,7 @@ fn per_request_deadlines_fail_the_sibling_as_peer_stalled() {
     assert!(holds(&d, 2, 3, 12));
 }
 
+#[cfg(feature = "fault-injection")]
 /// A read in flight when the engine shuts down fails with `Shutdown`.
 #[test]
 fn requests_cancelled_by_shutdown_fail_with_cause_shutdown() {
@@ -285,6 +293,7 @@ fn fill_one(e: &Engine) {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 /// A poller that dies (here: a panic injected at
 /// its second post) is visible. Its requests in flight are reported failed
 /// with `Cause::PollerDied`, exactly once, and every later call says

@@ -52,6 +52,7 @@ fn holds(e: &Engine, local: u32, rank: u64, remote: u32) -> bool {
     })
 }
 
+#[cfg(feature = "fault-injection")]
 fn snapshot(e: &Engine, blocks: &[BlockId]) -> Vec<u8> {
     let mut all = Vec::new();
     let mut buf = vec![0u8; BS as usize];
@@ -155,6 +156,7 @@ fn decode_at_tp2_reads_two_handles_from_two_prefill_ranks_and_every_block_matche
     assert_eq!(d.in_flight(), 0);
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_failed_handle_is_reported_only_after_its_stalled_sibling_stopped_and_no_byte_changes_after() {
     let deadline = Duration::from_millis(1500);
@@ -434,6 +436,7 @@ fn a_heartbeat_keeps_a_lend_alive_past_the_lease_of_its_twin() {
     assert_eq!(out.finished_sending, vec![kept]);
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn abort_fails_the_request_only_after_its_operations_were_cancelled() {
     let mut p = engine("tcp", GUARD);
@@ -541,6 +544,7 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
     assert_eq!(out.failed_recving[0].reason.cause, Cause::Setup);
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn shutdown_reports_requests_in_flight_and_is_idempotent() {
     let mut p = engine("tcp", GUARD);
@@ -572,6 +576,7 @@ fn shutdown_reports_requests_in_flight_and_is_idempotent() {
     ));
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_failed_release_holds_the_request_until_the_retry_releases_it() {
     let p = engine("tcp", GUARD);
@@ -833,6 +838,7 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
     assert_eq!(p.metrics().requests.finished_sending, 1);
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_one_back() {
     let tls = "posix,sysv,cma";
@@ -962,6 +968,7 @@ fn wait_with_nothing_to_report_returns_at_its_timeout_or_when_woken() {
     assert!(out.is_empty());
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_read_answered_before_the_lenders_poller_took_the_lend_is_confirmed_not_refused() {
     // The lender's poller is slow between draining its commands and

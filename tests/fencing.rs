@@ -77,6 +77,7 @@ fn a_read_of_a_live_lend_is_confirmed_and_finishes_with_the_lenders_bytes() {
     assert_eq!(pout.finished_sending, vec![id]);
 }
 
+#[cfg(feature = "fault-injection")]
 /// The reader's poller stalls right after posting its read (as a paused
 /// decode process would); the lease runs out meanwhile, the lender's engine
 /// gets its block back and fills it with another request's KV. When the
@@ -199,6 +200,7 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
     assert_eq!(aout.finished_sending, vec![id]);
 }
 
+#[cfg(feature = "fault-injection")]
 /// Push: the writer's poller stops right after posting its puts (a paused
 /// prefill process); the destination's lease runs out meanwhile, and so
 /// does the writer's own. The destination reports nothing — its blocks stay
@@ -267,11 +269,13 @@ fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64, tls: &s
     );
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_push_destination_waits_for_its_stalled_named_writer_before_releasing_its_blocks() {
     push_destination_waits_for_its_stalled_writer(true, 30, "tcp");
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_push_destination_waits_for_its_stalled_unnamed_writer_before_releasing_its_blocks() {
     push_destination_waits_for_its_stalled_writer(false, 40, "tcp");
@@ -280,6 +284,7 @@ fn a_push_destination_waits_for_its_stalled_unnamed_writer_before_releasing_its_
 /// The same over shared memory (cma puts, posix/sysv active messages): the
 /// writer's puts are copies it makes itself, so its own word after they
 /// completed is the fence.
+#[cfg(feature = "fault-injection")]
 #[test]
 fn over_shared_memory_a_push_destination_waits_for_its_stalled_writer() {
     push_destination_waits_for_its_stalled_writer(true, 60, "posix,sysv,cma");

@@ -52,6 +52,7 @@ fn wait(
     common::try_wait(e, out, within, done)
 }
 
+#[cfg(feature = "fault-injection")]
 /// A read of the first lend of request 10, held up on the reader (before
 /// it is posted) while the lend expires, the lender reuses its block for request 11 and lends
 /// request 10 again (other blocks): the late question names the first
@@ -119,6 +120,7 @@ fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with
     assert_eq!(p.in_flight(), 2, "request 11 and the second lend of 10");
 }
 
+#[cfg(feature = "fault-injection")]
 /// A lend submitted while the lender's poller is held up (a long batch, a
 /// descheduled thread) gets its whole lease from when the poller takes it:
 /// a 900 ms stall, then a 500 ms lease, then a read — confirmed.
@@ -215,6 +217,7 @@ fn a_read_whose_lend_never_arrives_fails_after_the_grace_period() {
     assert_eq!(out.blocks_of(&out.failed_recving[0]), &[BlockId(2)]);
 }
 
+#[cfg(feature = "fault-injection")]
 /// Over shared memory a writer copies its puts itself: removing it as a
 /// peer cannot cut them. A push destination that named it keeps its fence
 /// — nothing is reported, the blocks are not reused — until the writer

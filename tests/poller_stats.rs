@@ -43,6 +43,7 @@ fn an_idle_poller_counts_idle_time_and_a_submit_after_it_blocked_is_reported_and
     e.shutdown();
 }
 
+#[cfg(feature = "fault-injection")]
 /// A peer that stops draining its messages (its poller hung, its process
 /// stopped) leaves this poller's sends to it queued inside UCX, and UCX
 /// then refuses to arm the worker's event fd (`UCS_ERR_BUSY`: progress is
