@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, LendTo, Outcomes, Transfer};
+use kvpoll::engine::{Engine, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -105,12 +105,7 @@ fn main() {
                 .iter()
                 .map(|&p| {
                     producers[p]
-                        .lend(
-                            id,
-                            &[BlockId(0)],
-                            LendTo::Readers(1),
-                            Duration::from_secs(60),
-                        )
+                        .lend(id, &[BlockId(0)], 1, Duration::from_secs(60))
                         .expect("lend")
                 })
                 .collect();

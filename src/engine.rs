@@ -37,20 +37,10 @@ pub use crate::placement::IdlePolicy;
 /// Faults the poller can inject (the `fault-injection` feature).
 #[cfg(feature = "fault-injection")]
 pub use crate::transport::faulty::Faults;
-/// The active-message id notifications travel on.
+/// The active-message id notifications travel on (internal: for tests
+/// that send a peer's bytes).
+#[doc(hidden)]
 pub use crate::transport::ucx::NOTIFY_AM_ID;
-
-/// Whom lent blocks are exposed to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LendTo {
-    /// Pull: remote readers read the blocks and notify; when `n` notified,
-    /// the blocks are free (reported in `finished_sending`).
-    Readers(u32),
-    /// Push destination: `n` remote writers write the blocks and notify;
-    /// when all did, the data is here (reported in `finished_recving`) and
-    /// each writer is acknowledged.
-    Writers(u32),
-}
 
 /// One handle of a read or write: the blocks moved with one remote rank.
 /// `local[i]` pairs with `remote[i]`.
@@ -62,7 +52,7 @@ pub struct Transfer<'a> {
     pub local: &'a [BlockId],
     /// Remote block ids, same length.
     pub remote: &'a [BlockId],
-    /// The incarnation of the remote lend (a read) or push destination (a
+    /// The incarnation of the remote lend (a read) or receive (a
     /// write) these blocks belong to: what the remote engine's
     /// [`Engine::lend`] returned, carried here with the block ids. Every
     /// notification about the transfer names it, so a late answer about an
@@ -99,7 +89,7 @@ pub struct FailedRecv {
 /// does not allocate.
 #[derive(Debug, Default, Clone)]
 pub struct Outcomes {
-    /// Reads (and push destinations) whose data is all here.
+    /// Reads (and receives) whose data is all here.
     pub finished_recving: Vec<RequestId>,
     /// Reads that failed, after quiescence.
     pub failed_recving: Vec<FailedRecv>,
@@ -275,7 +265,7 @@ impl EngineBuilder {
         self
     }
 
-    /// Whether a push destination's lease is a fence (default: yes): when it
+    /// Whether a receive's lease is a fence (default: yes): when it
     /// runs out, the blocks are held — quarantined, not reported — until
     /// every writer that could still write into them has said it is done or
     /// will write nothing more, or was lost. Off, the lease is a plain
@@ -292,7 +282,7 @@ impl EngineBuilder {
     /// lends (default 250 ms): each heartbeat extends a lend by its own
     /// lease length from then. A reader that stops (a paused process, a
     /// cut link) stops sending them, and its lenders' leases run out.
-    /// Writes in flight do the same for their push destinations.
+    /// Writes in flight do the same for their receives.
     /// `Duration::MAX`: never.
     pub fn read_heartbeat(mut self, every: Duration) -> Self {
         self.read_heartbeat = every;
@@ -306,7 +296,7 @@ impl EngineBuilder {
     /// the lender answers "pending", and the reader asks again — after
     /// 100 µs, doubling to 20 ms — until the lend is there or this much
     /// time passed, then fails `Cause::LeaseLost`. The lender holds a
-    /// reader's give-up (or a writer's word, for a push destination) that
+    /// reader's give-up (or a writer's word, for a receive) that
     /// arrives first as long.
     pub fn lend_grace(mut self, grace: Duration) -> Self {
         self.lend_grace = grace;
@@ -997,8 +987,8 @@ impl Engine {
         self.send(id, Kind::NotifyOnly)
     }
 
-    /// Push: writes `handles` into remote blocks the consumers lent with
-    /// [`LendTo::Writers`]. Done (`finished_sending`) only after every write
+    /// Push: writes `handles` into remote blocks the consumers opened with
+    /// [`Engine::receive`] or [`Engine::receive_from`]. Done (`finished_sending`) only after every write
     /// completed and was flushed on the endpoint it travelled on and
     /// `expected_acks` consumer engines acknowledged (one each, whatever
     /// their handle count); never after a failure: a failed or aborted write
@@ -1031,16 +1021,14 @@ impl Engine {
         )
     }
 
-    /// Lends `blocks` to remote readers or writers until `to`'s count of
-    /// remote engines notified (each engine counts once, however many
-    /// handles it used), or `lease` ends. Readers: `finished_sending`, or
-    /// `expired`. Writers (a push destination): `finished_recving`, or
-    /// `failed_recving` naming the blocks, which may hold partial data.
+    /// Pull: lends `blocks` to `readers` remote engines until each of them
+    /// notified (each engine counts once, however many handles it used;
+    /// then `finished_sending`) or `lease` ends (`expired`).
     ///
-    /// Returns the lend's incarnation: hand it to the readers (or writers)
-    /// with the block ids, as [`Transfer::lend`]. It is drawn now, so a
-    /// reader holding it reads blocks this engine has already committed,
-    /// even if its read reaches the poller before this lend does (see
+    /// Returns the lend's incarnation: hand it to the readers with the
+    /// block ids, as [`Transfer::lend`]. It is drawn now, so a reader
+    /// holding it reads blocks this engine has already committed, even if
+    /// its read reaches the poller before this lend does (see
     /// [`EngineBuilder::lend_grace`]); the lease starts when the poller
     /// takes the lend. The request id may be reused once this lend is
     /// reported: notes about this incarnation never touch the next one.
@@ -1048,11 +1036,11 @@ impl Engine {
         &mut self,
         id: RequestId,
         blocks: &[BlockId],
-        to: LendTo,
+        readers: u32,
         lease: Duration,
     ) -> Result<Incarnation, EngineError> {
         let token = Incarnation::draw();
-        self.lend_with(id, blocks, to, lease, token)?;
+        self.lend_with(id, blocks, readers, lease, token)?;
         Ok(token)
     }
 
@@ -1066,16 +1054,63 @@ impl Engine {
         &mut self,
         id: RequestId,
         blocks: &[BlockId],
-        to: LendTo,
+        readers: u32,
+        lease: Duration,
+        token: Incarnation,
+    ) -> Result<(), EngineError> {
+        let kind = Kind::Lend {
+            notifications: readers,
+        };
+        self.expose(id, blocks, readers, kind, lease, token)
+    }
+
+    /// Push: opens a receive, local `blocks` that `writers` remote engines
+    /// write into and notify; when all did, the data is here
+    /// (`finished_recving`) and each writer is acknowledged; otherwise
+    /// `failed_recving` names the blocks, which may hold partial data. The
+    /// writers are unnamed: at the lease's end every peer this engine
+    /// knows is asked (see [`Engine::receive_from`]).
+    ///
+    /// Returns the receive's incarnation: hand it to the writers with the
+    /// block ids, as [`Transfer::lend`].
+    pub fn receive(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        writers: u32,
+        lease: Duration,
+    ) -> Result<Incarnation, EngineError> {
+        let token = Incarnation::draw();
+        self.receive_with(id, blocks, writers, lease, token)?;
+        Ok(token)
+    }
+
+    /// [`Engine::receive`] under an incarnation the caller drew (see
+    /// [`Engine::lend_with`]).
+    pub fn receive_with(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        writers: u32,
+        lease: Duration,
+        token: Incarnation,
+    ) -> Result<(), EngineError> {
+        let kind = Kind::Receive { writers };
+        self.expose(id, blocks, writers, kind, lease, token)
+    }
+
+    /// Lends or opens a receive for `n` remote engines.
+    fn expose(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        n: u32,
+        kind: Kind,
         lease: Duration,
         token: Incarnation,
     ) -> Result<(), EngineError> {
         lendable(token)?;
         self.admit(id)?;
-        let (n, kind) = match to {
-            LendTo::Readers(n) => (n, Kind::Lend { notifications: n }),
-            LendTo::Writers(n) => (n, Kind::Receive { writers: n }),
-        };
         if n == 0 {
             return Err(EngineError::NothingToAwait);
         }
@@ -1104,19 +1139,18 @@ impl Engine {
         self.send(id, kind)
     }
 
-    /// A push destination whose writers are named: `blocks` wait for each
-    /// writer engine of `writers` to say its write landed (or that it gave
-    /// up). Its lease is a fence, not a timer: when it ends (or on
+    /// A receive whose writers are named: `blocks` wait for each writer
+    /// engine of `writers` to say its write landed (or that it gave up).
+    /// Its lease is a fence, not a timer: when it ends (or on
     /// [`Engine::abort`]) with a writer still silent, the blocks stay
     /// quarantined — not reported, so not reused — until that writer speaks
     /// (a stalled writer does, once it resumes and its own lease ends) or
     /// its peer is lost (its endpoint fails, or [`Engine::remove_peer`]).
     /// Reported in `finished_recving`, or in `failed_recving` naming the
-    /// blocks. (With [`LendTo::Writers`] the writers are unnamed: at the
-    /// lease's end every peer this engine knows is asked instead.)
+    /// blocks.
     ///
-    /// Returns the destination's incarnation, for the writers' handles.
-    pub fn lend_to_writers(
+    /// Returns the receive's incarnation, for the writers' handles.
+    pub fn receive_from(
         &mut self,
         id: RequestId,
         blocks: &[BlockId],
@@ -1124,13 +1158,13 @@ impl Engine {
         lease: Duration,
     ) -> Result<Incarnation, EngineError> {
         let token = Incarnation::draw();
-        self.lend_to_writers_with(id, blocks, writers, lease, token)?;
+        self.receive_from_with(id, blocks, writers, lease, token)?;
         Ok(token)
     }
 
-    /// [`Engine::lend_to_writers`] under an incarnation the caller drew
-    /// (see [`Engine::lend_with`]).
-    pub fn lend_to_writers_with(
+    /// [`Engine::receive_from`] under an incarnation the caller drew (see
+    /// [`Engine::lend_with`]).
+    pub fn receive_from_with(
         &mut self,
         id: RequestId,
         blocks: &[BlockId],

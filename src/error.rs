@@ -110,10 +110,10 @@ pub enum EngineError {
     UnknownPeer(PeerId),
     /// The peer's metadata was given again (the same engine instance)
     /// with different contents while transfers of ours are in flight on
-    /// it or a push destination waits for its word: replacing its
+    /// it or a receive waits for its word: replacing its
     /// endpoint now could cut puts in flight or drop that fence. Retry
     /// once they ended; identical metadata returns the same peer at once.
-    #[error("peer {0:?} is in use (transfers in flight, or a push destination awaits its word): its metadata can be replaced once they ended")]
+    #[error("peer {0:?} is in use (transfers in flight, or a receive awaits its word): its metadata can be replaced once they ended")]
     PeerBusy(PeerId),
     /// A handle names no incarnation, or handles to one peer name
     /// different ones.

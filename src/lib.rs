@@ -3,18 +3,20 @@
 //! failed.
 //!
 //! The everyday types are at the crate root: build an [`Engine`] with
-//! [`Engine::builder`], submit [`Transfer`]s with [`Engine::read`],
-//! [`Engine::write`] and [`Engine::lend`], and collect [`Outcomes`] with
-//! [`Engine::poll`]. The modules hold the rest: [`engine`] (fault injection,
-//! the API's details), [`ledger`] (the sans-IO request ledger the engine is
-//! built on), [`placement`] (core maps, topology, pinning), [`metadata`]
-//! (what peers exchange), [`metrics`] (a snapshot and its Prometheus
-//! exposition), [`transport`] (the safe UCX layer and a seeded
-//! simulator).
+//! [`Engine::builder`] ([`EngineBuilder`]), submit [`Transfer`]s, and collect
+//! [`Outcomes`] with [`Engine::poll`]; requests, blocks, peers and lends are
+//! named by [`RequestId`], [`BlockId`], [`PeerId`] and [`Incarnation`]. By
+//! surface: [`pull`] (lend and read) and [`push`] (receive and write) open
+//! with their guarantees and an example; [`engine`] holds the API's
+//! details, [`placement`] core maps, topology and pinning, [`metadata`]
+//! what peers exchange, [`metrics`] a snapshot and its Prometheus
+//! exposition, [`transport`] the safe UCX layer. The protocol core, the
+//! ledger, the rings, the wire formats and the simulator are internal.
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+#[doc(hidden)]
 pub mod core;
 /// The poller thread's body. Internal; its `execute` step is public for
 /// the simulator's tests.
@@ -24,6 +26,9 @@ pub mod engine;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+/// The request ledger the engine is built on. Internal; public for the
+/// benches and the tests that drive it directly.
+#[doc(hidden)]
 pub mod ledger;
 pub mod metadata;
 pub mod metrics;
@@ -32,6 +37,8 @@ pub mod metrics;
 #[doc(hidden)]
 pub mod notification;
 pub mod placement;
+pub mod pull;
+pub mod push;
 /// The SPSC rings between the engine thread and the poller: internal,
 /// public for the ledger benches and tests that drive the ledger directly.
 #[doc(hidden)]
@@ -39,13 +46,16 @@ pub mod ring;
 pub(crate) mod sync;
 pub mod transport;
 pub(crate) mod wake;
+/// Framing of everything peers exchange: internal, public for the fuzz
+/// targets.
+#[doc(hidden)]
 pub mod wire;
 
 pub use engine::{
-    Engine, EngineBuilder, EngineError, EngineWaker, FailedRecv, IdlePolicy, LendTo, Outcomes,
-    PollerStats, Transfer,
+    Engine, EngineBuilder, EngineError, EngineWaker, FailedRecv, IdlePolicy, Outcomes, PollerStats,
+    Transfer,
 };
-pub use ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId};
+pub use ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId, Status};
 pub use placement::CoreMap;
 pub use transport::ucx::ContextOptions;
 

@@ -126,7 +126,7 @@ pub struct PollerMetrics {
 /// Requests reported, by outcome (the lists of [`Outcomes`](crate::Outcomes)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RequestOutcomes {
-    /// Reads and push destinations whose data all arrived.
+    /// Reads and receives whose data all arrived.
     pub finished_recving: u64,
     /// Reads that failed.
     pub failed_recving: u64,
@@ -235,7 +235,7 @@ pub struct SlotUse {
     pub capacity: u64,
     /// Slots holding a live or not yet retired request.
     pub in_use: u64,
-    /// Of those, push destinations whose lease ran out while a named writer
+    /// Of those, receives whose lease ran out while a named writer
     /// had not spoken: quarantined, their blocks held until it does or is
     /// lost.
     pub quarantined: u64,
@@ -244,7 +244,7 @@ pub struct SlotUse {
 /// Submit → report latency, per request kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RequestLatency {
-    /// Reads (and push destinations).
+    /// Reads (and receives).
     pub read: LatencyHistogram,
     /// Writes (push).
     pub write: LatencyHistogram,

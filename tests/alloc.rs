@@ -94,7 +94,7 @@ fn one_request(
         let result = if id % 3 == 0 && h == 1 {
             Err(kvpoll::ledger::Reason {
                 cause: kvpoll::ledger::Cause::Transfer,
-                status: -3,
+                status: kvpoll::Status::new(-3),
             })
         } else {
             Ok(())

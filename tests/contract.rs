@@ -18,7 +18,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
+use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -233,7 +233,7 @@ fn shutdown_reports_every_request_still_in_the_command_ring() {
         let all: Vec<RequestId> = (0..n).map(|i| RequestId(round * 1000 + i)).collect();
         for (i, &id) in all.iter().enumerate() {
             let block = [BlockId((i as u64 % BLOCKS) as u32)];
-            e.lend(id, &block, LendTo::Readers(1), GUARD).unwrap();
+            e.lend(id, &block, 1, GUARD).unwrap();
         }
         e.shutdown();
         unstarve(saved);
@@ -289,7 +289,7 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
     let (a, b) = (connect(&mut c1, &p), connect(&mut c2, &p));
     let id = RequestId(21);
     let lent = range(10, 6);
-    let lend = p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
+    let lend = p.lend(id, &lent, 2, GUARD).unwrap();
 
     // C1 reads the request in 3 handles, all to P (different blocks).
     let (l0, l1, l2) = (range(0, 2), range(2, 2), range(4, 2));
@@ -362,7 +362,7 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
     assert_eq!(p.in_flight(), 0);
 }
 
-/// The defect this guards against: a push destination (`LendTo::Writers`) that is aborted lands in
+/// The defect this guards against: a receive (`Engine::receive`) that is aborted lands in
 /// `failed_recving` with an empty block range (`blocks_to_invalidate` fills
 /// only reads); one whose lease expires lands in `expired` and names no
 /// blocks at all. Both may hold partly written KV: the blocks must be named.
@@ -374,36 +374,32 @@ fn a_failed_or_aborted_push_destination_names_its_blocks() {
     // Aborted.
     let aborted = RequestId(1);
     let dst = ids(&[30, 31, 32]);
-    c.lend(aborted, &dst, LendTo::Writers(1), GUARD).unwrap();
+    c.receive(aborted, &dst, 1, GUARD).unwrap();
     c.abort(aborted).unwrap();
     let mut out = Outcomes::default();
-    wait_for(
-        &mut c,
-        &mut out,
-        GUARD,
-        "the aborted push destination",
-        |o| reported(o, aborted),
-    );
+    wait_for(&mut c, &mut out, GUARD, "the aborted receive", |o| {
+        reported(o, aborted)
+    });
     match out.failed_recving.iter().find(|f| f.id == aborted).cloned() {
         None => problems.push(format!(
-            "an aborted push destination was not reported in failed_recving: {out:?}"
+            "an aborted receive was not reported in failed_recving: {out:?}"
         )),
         Some(f) => {
             if f.reason.cause != Cause::Aborted {
-                problems.push(format!("aborted push destination: reason {:?}", f.reason));
+                problems.push(format!("aborted receive: reason {:?}", f.reason));
             }
             let mut named = out.blocks_of(&f).to_vec();
             named.sort();
             if named != dst {
                 problems.push(format!(
-                    "an aborted push destination names blocks {named:?}, not its lent blocks {dst:?}"
+                    "an aborted receive names blocks {named:?}, not its lent blocks {dst:?}"
                 ));
             }
         }
     }
     if reports_of(&out, aborted) != 1 {
         problems.push(format!(
-            "aborted push destination reported {} times",
+            "aborted receive reported {} times",
             reports_of(&out, aborted)
         ));
     }
@@ -411,36 +407,27 @@ fn a_failed_or_aborted_push_destination_names_its_blocks() {
     // Lease expired: nobody wrote.
     let lapsed = RequestId(2);
     let dst2 = ids(&[40, 41]);
-    c.lend(
-        lapsed,
-        &dst2,
-        LendTo::Writers(1),
-        Duration::from_millis(200),
-    )
-    .unwrap();
+    c.receive(lapsed, &dst2, 1, Duration::from_millis(200))
+        .unwrap();
     let mut out = Outcomes::default();
-    wait_for(
-        &mut c,
-        &mut out,
-        GUARD,
-        "the lapsed push destination",
-        |o| reported(o, lapsed),
-    );
+    wait_for(&mut c, &mut out, GUARD, "the lapsed receive", |o| {
+        reported(o, lapsed)
+    });
     watch(&mut c, &mut out, Duration::from_millis(50));
     match out.failed_recving.iter().find(|f| f.id == lapsed).cloned() {
         None => problems.push(format!(
-            "a push destination whose lease expired is not in failed_recving (so names no \
+            "a receive whose lease expired is not in failed_recving (so names no \
              blocks); reported as {out:?}"
         )),
         Some(f) => {
             if f.reason.cause != Cause::LeaseExpired {
-                problems.push(format!("lapsed push destination: reason {:?}", f.reason));
+                problems.push(format!("lapsed receive: reason {:?}", f.reason));
             }
             let mut named = out.blocks_of(&f).to_vec();
             named.sort();
             if named != dst2 {
                 problems.push(format!(
-                    "a lapsed push destination names blocks {named:?}, not its lent blocks {dst2:?}"
+                    "a lapsed receive names blocks {named:?}, not its lent blocks {dst2:?}"
                 ));
             }
         }
@@ -522,7 +509,7 @@ fn rejected(e: &Engine) -> u64 {
 }
 
 /// The defect this guards against: the poller hands every notification to `ledger.notify` whatever
-/// its kind: a `ReadDone` or an `Ack` completes a push destination as
+/// its kind: a `ReadDone` or an `Ack` completes a receive as
 /// `Finished` with no data written, a `WriteDone` or `Ack` releases a lend to
 /// readers, and one consumer instance that sends `ReadDone` twice counts as
 /// two readers.
@@ -533,14 +520,12 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     // Each case on its own producer, so that a late notification of one
     // case cannot move another case's counters.
 
-    // A push destination: ReadDone and Ack must change nothing.
+    // A receive: ReadDone and Ack must change nothing.
     let mut p = engine();
     let mut peer = RawPeer::to(&p);
     let mut out = Outcomes::default();
     let push = RequestId(101);
-    let lend = p
-        .lend(push, &ids(&[1, 2]), LendTo::Writers(1), GUARD)
-        .unwrap();
+    let lend = p.receive(push, &ids(&[1, 2]), 1, GUARD).unwrap();
     let base = rejected(&p);
     peer.send(NoteKind::ReadDone, push, lend, 7);
     peer.send(NoteKind::Ack, push, lend, 7);
@@ -548,17 +533,15 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
         rejected(e) >= base + 2 || reported(o, push)
     });
     if !settled {
-        problems.push(
-            "push destination: wrong-kind notifications neither rejected nor reported".into(),
-        );
+        problems.push("receive: wrong-kind notifications neither rejected nor reported".into());
     }
     if reported(&out, push) {
         problems.push(format!(
-            "a ReadDone/Ack completed a push destination (LendTo::Writers) with no data written: {out:?}"
+            "a ReadDone/Ack completed a receive with no data written: {out:?}"
         ));
     } else if rejected(&p) < base + 2 {
         problems.push(format!(
-            "push destination: {} of 2 wrong-kind notifications counted as rejected",
+            "receive: {} of 2 wrong-kind notifications counted as rejected",
             rejected(&p) - base
         ));
     }
@@ -567,7 +550,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, push));
     if !out.finished_recving.contains(&push) || reports_of(&out, push) != 1 {
         problems.push(format!(
-            "push destination after WriteDone: want finished_recving once, got {out:?}"
+            "receive after WriteDone: want finished_recving once, got {out:?}"
         ));
     }
 
@@ -576,7 +559,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut peer = RawPeer::to(&p);
     let pull = RequestId(102);
     let mut out = Outcomes::default();
-    let lend = p.lend(pull, &ids(&[3]), LendTo::Readers(1), GUARD).unwrap();
+    let lend = p.lend(pull, &ids(&[3]), 1, GUARD).unwrap();
     let base = rejected(&p);
     peer.send(NoteKind::WriteDone, pull, lend, 7);
     peer.send(NoteKind::Ack, pull, lend, 7);
@@ -585,7 +568,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     });
     if reported(&out, pull) {
         problems.push(format!(
-            "a WriteDone/Ack released a lend to readers (LendTo::Readers): {out:?}"
+            "a WriteDone/Ack released a lend to readers: {out:?}"
         ));
     } else if rejected(&p) < base + 2 {
         problems.push(format!(
@@ -606,7 +589,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut peer = RawPeer::to(&p);
     let two = RequestId(103);
     let mut out = Outcomes::default();
-    let lend = p.lend(two, &ids(&[4]), LendTo::Readers(2), GUARD).unwrap();
+    let lend = p.lend(two, &ids(&[4]), 2, GUARD).unwrap();
     let base = rejected(&p);
     peer.send(NoteKind::ReadDone, two, lend, 7);
     peer.send(NoteKind::ReadDone, two, lend, 7);

@@ -11,7 +11,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
+use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
 #[cfg(feature = "fault-injection")]
 use kvpoll::ledger::Cause;
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, RequestId};
@@ -103,10 +103,8 @@ fn notify_only_releases_each_producers_lend_and_reports_nothing_on_the_consumer(
     let mut d = engine();
     let (a, b) = (connect(&mut d, &p0), connect(&mut d, &p1));
     let id = RequestId(1);
-    let l0 = p0
-        .lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
-        .unwrap();
-    let l1 = p1.lend(id, &ids(&[3]), LendTo::Readers(1), GUARD).unwrap();
+    let l0 = p0.lend(id, &ids(&[1, 2]), 1, GUARD).unwrap();
+    let l1 = p1.lend(id, &ids(&[3]), 1, GUARD).unwrap();
     d.notify_only(id, &[(a, l0), (b, l1)]).unwrap();
     for p in [&mut p0, &mut p1] {
         let mut o = Outcomes::default();
@@ -129,7 +127,7 @@ fn an_aborted_write_is_reported_in_failed_sending_with_its_reason() {
     let id = RequestId(2);
     let dst = ids(&[30, 31]);
     warm(&mut p, to_c, RequestId(100));
-    let lend = c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
+    let lend = c.receive(id, &dst, 1, GUARD).unwrap();
     // No ack can come while the consumer is stalled.
     c.stall(Duration::from_millis(1500)).unwrap();
     std::thread::sleep(Duration::from_millis(50));

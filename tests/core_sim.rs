@@ -244,7 +244,7 @@ impl Harness {
         Incarnation(self.tokens | 1)
     }
 
-    /// The incarnation of `node`'s newest lend or push destination `id`
+    /// The incarnation of `node`'s newest lend or receive `id`
     /// (a token nobody holds if there is none: a read of a lend that was
     /// never made).
     fn lend_token(&mut self, node: usize, id: u64) -> Incarnation {
@@ -420,7 +420,7 @@ impl Harness {
         self.lend_as(node, id, blocks, kind, lease, token);
     }
 
-    /// `Engine::lend_to_writers`: a push destination with named writers.
+    /// `Engine::receive_from`: a receive with named writers.
     fn receive_from(
         &mut self,
         node: usize,
@@ -478,7 +478,7 @@ impl Harness {
         self.feed(node, vec![Command::Abort(RequestId(id))]);
     }
 
-    /// `Engine::lend_with`: a lend (or push destination) under an
+    /// `Engine::lend_with`: a lend (or receive) under an
     /// incarnation drawn beforehand (and perhaps handed out already).
     fn lend_as(
         &mut self,
@@ -1230,7 +1230,7 @@ fn shutdown_reports_every_tracked_request_once() {
         }
         other => panic!("{other:?}"),
     }
-    // The push destination lent to an unnamed writer waits for every peer
+    // The receive lent to an unnamed writer waits for every peer
     // that could be writing into it: the stopped one answers once it
     // resumes (a driver reports it at its shutdown bound regardless).
     assert_eq!(h.report_of(0, 3), None, "released while a peer was stopped");
@@ -1796,7 +1796,7 @@ proptest! {
 }
 
 /// The proptest's runs really exercise faults: over a fixed set of seeds,
-/// some requests fail and some finish, and push destinations are
+/// some requests fail and some finish, and receives are
 /// quarantined (their lease ran out with a writer silent). Late copies of
 /// puts cut by a forced close are rare now (writes are never force-closed
 /// at their lease's end; only a sibling read's deadline or a lost peer cuts
@@ -1940,7 +1940,7 @@ fn a_reads_heartbeats_keep_its_lend_alive_past_the_lease() {
     }
 }
 
-// -- a push destination's lease is a fence ---------------------------------------
+// -- a receive's lease is a fence ---------------------------------------
 
 /// The writer stops (a paused process) right after posting its puts; the
 /// destination's lease runs out meanwhile. Its blocks are not reported (so
@@ -2061,7 +2061,7 @@ fn a_destination_waits_for_its_stopped_writer(
     h.check_end();
 }
 
-/// An abort of a push destination with named writers waits for them too:
+/// An abort of a receive with named writers waits for them too:
 /// a writer with puts in flight is not answered for until its word.
 #[test]
 fn an_aborted_named_destination_waits_for_its_writers() {

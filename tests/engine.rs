@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, LendTo, Outcomes, Transfer};
+use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -88,7 +88,7 @@ fn lend_and_read(
     local: &[BlockId],
     remote: &[BlockId],
 ) {
-    let lend = p.lend(id, remote, LendTo::Readers(1), GUARD).unwrap();
+    let lend = p.lend(id, remote, 1, GUARD).unwrap();
     d.read(
         id,
         &[Transfer {
@@ -114,8 +114,8 @@ fn decode_at_tp2_reads_two_handles_from_two_prefill_ranks_and_every_block_matche
     let (a, b) = (connect(&mut d, &p0), connect(&mut d, &p1));
     let id = RequestId(7);
     let (r0, r1) = (ids(&[10, 11, 12, 13]), ids(&[20, 21, 22, 23]));
-    let lend0 = p0.lend(id, &r0, LendTo::Readers(1), GUARD).unwrap();
-    let lend1 = p1.lend(id, &r1, LendTo::Readers(1), GUARD).unwrap();
+    let lend0 = p0.lend(id, &r0, 1, GUARD).unwrap();
+    let lend1 = p1.lend(id, &r1, 1, GUARD).unwrap();
     let (l0, l1) = (ids(&[0, 1, 2, 3]), ids(&[4, 5, 6, 7]));
     d.read(
         id,
@@ -273,7 +273,7 @@ fn push_is_done_only_after_the_consumer_acknowledged_and_the_data_is_there() {
     let _to_p = connect(&mut c, &p); // the consumer acks through its own endpoint
     let id = RequestId(11);
     let dst = ids(&[30, 31, 32]);
-    let lend = c.lend(id, &dst, LendTo::Writers(1), GUARD).unwrap();
+    let lend = c.receive(id, &dst, 1, GUARD).unwrap();
     let src = ids(&[1, 2, 3]);
     p.write(
         id,
@@ -351,7 +351,7 @@ fn a_lend_is_released_only_after_both_consumer_ranks_notified() {
     let (a, b) = (connect(&mut d1, &p), connect(&mut d2, &p));
     let id = RequestId(21);
     let lent = ids(&[40, 41, 42, 43]);
-    let lend = p.lend(id, &lent, LendTo::Readers(2), GUARD).unwrap();
+    let lend = p.lend(id, &lent, 2, GUARD).unwrap();
     let (first, second) = (ids(&[40, 41]), ids(&[42, 43]));
     let local = ids(&[0, 1]);
     d1.read(
@@ -404,9 +404,8 @@ fn a_heartbeat_keeps_a_lend_alive_past_the_lease_of_its_twin() {
     let mut p = engine("tcp", GUARD);
     let lease = Duration::from_millis(400);
     let (kept, dropped) = (RequestId(31), RequestId(32));
-    let lend = p.lend(kept, &ids(&[1]), LendTo::Readers(1), lease).unwrap();
-    p.lend(dropped, &ids(&[2]), LendTo::Readers(1), lease)
-        .unwrap();
+    let lend = p.lend(kept, &ids(&[1]), 1, lease).unwrap();
+    p.lend(dropped, &ids(&[2]), 1, lease).unwrap();
     p.heartbeat(&[kept, RequestId(999)], Duration::from_secs(60))
         .unwrap();
     let mut out = Outcomes::default();
@@ -627,7 +626,7 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
 
     let mut p = engine("tcp", GUARD);
     let id = RequestId(71);
-    let lend = p.lend(id, &ids(&[1]), LendTo::Readers(1), GUARD).unwrap();
+    let lend = p.lend(id, &ids(&[1]), 1, GUARD).unwrap();
     let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
 
     // A raw UCX worker plays a misbehaving peer.
@@ -803,9 +802,7 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
     fill(&p, 4);
     let peer = connect(&mut d, &p);
     let id = RequestId(120);
-    let lend = p
-        .lend(id, &ids(&[1, 2]), LendTo::Readers(1), GUARD)
-        .unwrap();
+    let lend = p.lend(id, &ids(&[1, 2]), 1, GUARD).unwrap();
     d.read(
         id,
         &[Transfer {
@@ -849,13 +846,8 @@ fn reads_that_finish_together_share_one_message_to_their_lender_and_its_answers_
     let n = 16u32;
     let lends: Vec<Incarnation> = (0..n)
         .map(|i| {
-            p.lend(
-                RequestId(100 + u64::from(i)),
-                &ids(&[i]),
-                LendTo::Readers(1),
-                GUARD,
-            )
-            .unwrap()
+            p.lend(RequestId(100 + u64::from(i)), &ids(&[i]), 1, GUARD)
+                .unwrap()
         })
         .collect();
     // The reader's poller sleeps while the reads are queued behind the

@@ -85,3 +85,33 @@ fn a_poller_cpu_the_machine_does_not_have_is_refused() {
     let msg = build_error(Engine::builder().block_size(4096).core(Some(999_999)));
     assert!(msg.contains("999999"), "{msg}");
 }
+
+/// A failure's transport status is typed: UCX's name and number, the
+/// names as UCX's own headers give the numbers.
+#[test]
+fn a_failure_status_shows_the_name_ucx_gives_its_number() {
+    use kvpoll::{Cause, Reason, Status};
+    use ucx_sys::ucs_status_t as st;
+    for (code, name) in [
+        (st::UCS_OK, "UCS_OK"),
+        (st::UCS_ERR_IO_ERROR, "UCS_ERR_IO_ERROR"),
+        (st::UCS_ERR_INVALID_PARAM, "UCS_ERR_INVALID_PARAM"),
+        (st::UCS_ERR_UNREACHABLE, "UCS_ERR_UNREACHABLE"),
+        (st::UCS_ERR_NO_DEVICE, "UCS_ERR_NO_DEVICE"),
+        (st::UCS_ERR_BUSY, "UCS_ERR_BUSY"),
+        (st::UCS_ERR_CANCELED, "UCS_ERR_CANCELED"),
+        (st::UCS_ERR_TIMED_OUT, "UCS_ERR_TIMED_OUT"),
+        (st::UCS_ERR_REJECTED, "UCS_ERR_REJECTED"),
+        (st::UCS_ERR_NOT_CONNECTED, "UCS_ERR_NOT_CONNECTED"),
+        (st::UCS_ERR_CONNECTION_RESET, "UCS_ERR_CONNECTION_RESET"),
+        (st::UCS_ERR_ENDPOINT_TIMEOUT, "UCS_ERR_ENDPOINT_TIMEOUT"),
+    ] {
+        let code = code as i8;
+        let r = Reason::new(Cause::Transfer, code);
+        assert_eq!((r.status.name(), r.status.code()), (name, code));
+        assert_eq!(format!("{:?}", r.status), format!("{name} ({code})"));
+    }
+    assert_eq!(Reason::of(Cause::Deadline).status, Status::OK);
+    assert_eq!(Status::new(-70).name(), "a UCX endpoint failure");
+    assert_eq!(Status::new(-120).name(), "unknown");
+}

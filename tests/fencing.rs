@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, LendTo, Outcomes, Transfer};
+use kvpoll::engine::{Engine, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -51,9 +51,7 @@ fn a_read_of_a_live_lend_is_confirmed_and_finishes_with_the_lenders_bytes() {
     let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
     fill(&p, 1, 3);
     let id = RequestId(1);
-    let lend = p
-        .lend(id, &[BlockId(3)], LendTo::Readers(1), GUARD)
-        .unwrap();
+    let lend = p.lend(id, &[BlockId(3)], 1, GUARD).unwrap();
     d.read(
         id,
         &[Transfer {
@@ -91,9 +89,7 @@ fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
     let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
     // Wire the endpoint up first (a read of a live lend).
     fill(&p, 1, 0);
-    let lend = p
-        .lend(RequestId(9), &[BlockId(0)], LendTo::Readers(1), GUARD)
-        .unwrap();
+    let lend = p.lend(RequestId(9), &[BlockId(0)], 1, GUARD).unwrap();
     d.read(
         RequestId(9),
         &[Transfer {
@@ -112,12 +108,7 @@ fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
     let id = RequestId(10);
     fill(&p, 10, 4);
     let lend = p
-        .lend(
-            id,
-            &[BlockId(4)],
-            LendTo::Readers(1),
-            Duration::from_millis(200),
-        )
+        .lend(id, &[BlockId(4)], 1, Duration::from_millis(200))
         .unwrap();
     d.read(
         id,
@@ -164,12 +155,7 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
     d.remove_peer(gone).unwrap();
     let id = RequestId(20);
     let lend = a
-        .lend(
-            id,
-            &[BlockId(1)],
-            LendTo::Readers(1),
-            Duration::from_secs(600),
-        )
+        .lend(id, &[BlockId(1)], 1, Duration::from_secs(600))
         .unwrap();
     d.read(
         id,
@@ -208,7 +194,7 @@ fn a_failed_read_releases_its_lenders_blocks_at_once() {
 /// ended (a write is never force-closed at its lease's end: its puts could
 /// land after any word on a fresh endpoint). Then the blocks are reported
 /// (named), and once reused, no late put overwrites them. Named writers
-/// (`lend_to_writers`) and unnamed ones (`LendTo::Writers`) alike.
+/// (`receive_from`) and unnamed ones (`receive`) alike.
 fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64, tls: &str) {
     let mut w = engine_over(tls);
     let mut c = engine_over(tls);
@@ -218,11 +204,9 @@ fn push_destination_waits_for_its_stalled_writer(named: bool, seed: u64, tls: &s
     let id = RequestId(seed);
     let lease = Duration::from_millis(200);
     let lend = if named {
-        c.lend_to_writers(id, &[BlockId(7)], &[to_w], lease)
-            .unwrap()
+        c.receive_from(id, &[BlockId(7)], &[to_w], lease).unwrap()
     } else {
-        c.lend(id, &[BlockId(7)], LendTo::Writers(1), lease)
-            .unwrap()
+        c.receive(id, &[BlockId(7)], 1, lease).unwrap()
     };
     w.write(
         id,
@@ -304,7 +288,7 @@ fn a_named_writer_that_never_wrote_is_asked_and_a_later_write_of_it_is_refused()
     let to_w = c.add_peer(&w.local_metadata().unwrap()).unwrap();
     let id = RequestId(50);
     let lend = c
-        .lend_to_writers(id, &[BlockId(9)], &[to_w], Duration::from_millis(100))
+        .receive_from(id, &[BlockId(9)], &[to_w], Duration::from_millis(100))
         .unwrap();
     let mut out = Outcomes::default();
     let mut wout = Outcomes::default();

@@ -2,13 +2,13 @@
 //! incarnation it is about, so a late answer about an earlier lend of the
 //! same id never completes a later one; leases start when the poller takes
 //! the lend; a read may reach its lender before the lend does; removing a
-//! writer that a push destination still waits for never drops the fence.
+//! writer that a receive still waits for never drops the fence.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, LendTo, Outcomes};
+use kvpoll::engine::{Engine, Outcomes};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -63,9 +63,7 @@ fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with
     let (mut p, mut d, peer) = lender_and_reader();
     // Wire the endpoint up.
     fill(&p, 1, 0);
-    let warm = p
-        .lend(RequestId(1), &[BlockId(0)], LendTo::Readers(1), GUARD)
-        .unwrap();
+    let warm = p.lend(RequestId(1), &[BlockId(0)], 1, GUARD).unwrap();
     d.read(RequestId(1), &one(peer, &[BlockId(0)], &[BlockId(0)], warm))
         .unwrap();
     let mut out = Outcomes::default();
@@ -75,9 +73,7 @@ fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with
     let id = RequestId(10);
     fill(&p, 10, 4);
     let short = Duration::from_millis(200);
-    let first = p
-        .lend(id, &[BlockId(4)], LendTo::Readers(1), short)
-        .unwrap();
+    let first = p.lend(id, &[BlockId(4)], 1, short).unwrap();
     // The reader's poller is held up before it posts the read: its get
     // reads the block after the lender reused it.
     d.stall(Duration::from_millis(1_000)).unwrap();
@@ -90,12 +86,9 @@ fn a_late_read_of_an_earlier_lend_of_the_same_id_fails_instead_of_finishing_with
     );
     // Block 4 now holds request 11; request 10 is lent again, elsewhere.
     fill(&p, 11, 4);
-    p.lend(RequestId(11), &[BlockId(4)], LendTo::Readers(1), GUARD)
-        .unwrap();
+    p.lend(RequestId(11), &[BlockId(4)], 1, GUARD).unwrap();
     fill(&p, 10, 5);
-    let second = p
-        .lend(id, &[BlockId(5)], LendTo::Readers(1), GUARD)
-        .unwrap();
+    let second = p.lend(id, &[BlockId(5)], 1, GUARD).unwrap();
     assert_ne!(first, second);
     let mut out = Outcomes::default();
     assert!(
@@ -131,12 +124,7 @@ fn a_lend_taken_after_a_long_poller_stall_gets_its_whole_lease() {
     let id = RequestId(30);
     p.stall(Duration::from_millis(900)).unwrap();
     let lend = p
-        .lend(
-            id,
-            &[BlockId(2)],
-            LendTo::Readers(1),
-            Duration::from_millis(500),
-        )
+        .lend(id, &[BlockId(2)], 1, Duration::from_millis(500))
         .unwrap();
     d.read(id, &one(peer, &[BlockId(3)], &[BlockId(2)], lend))
         .unwrap();
@@ -172,8 +160,7 @@ fn a_read_that_reaches_its_lender_before_the_lend_finishes_once_the_lend_arrives
         !reported(&out, id),
         "the read ended before its lend existed: {out:?}"
     );
-    p.lend_with(id, &[BlockId(9)], LendTo::Readers(1), GUARD, inc)
-        .unwrap();
+    p.lend_with(id, &[BlockId(9)], 1, GUARD, inc).unwrap();
     assert!(
         wait(&mut d, &mut out, GUARD, |o| reported(o, id)),
         "{out:?}"
@@ -219,7 +206,7 @@ fn a_read_whose_lend_never_arrives_fails_after_the_grace_period() {
 
 #[cfg(feature = "fault-injection")]
 /// Over shared memory a writer copies its puts itself: removing it as a
-/// peer cannot cut them. A push destination that named it keeps its fence
+/// peer cannot cut them. A receive that named it keeps its fence
 /// — nothing is reported, the blocks are not reused — until the writer
 /// spoke; only then is the peer forgotten. Nothing lands after the report.
 #[test]
@@ -232,7 +219,7 @@ fn removing_a_writer_its_destination_waits_for_keeps_the_fence_until_it_spoke() 
     fill(&w, 60, 2);
     let id = RequestId(60);
     let dest = c
-        .lend_to_writers(id, &[BlockId(7)], &[to_w], Duration::from_millis(200))
+        .receive_from(id, &[BlockId(7)], &[to_w], Duration::from_millis(200))
         .unwrap();
     // The writer's poller stops before it takes the write: its puts are
     // posted (and copied, by the writer) once it resumes.

@@ -10,7 +10,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use kvpoll::{BlockId, ContextOptions, Engine, LendTo, RequestId, Transfer};
+use kvpoll::{BlockId, ContextOptions, Engine, RequestId, Transfer};
 
 const CHILD: &str = "KVPOLL_TEARDOWN_CHILD";
 const BS: u64 = 64 * 1024;
@@ -36,9 +36,7 @@ fn remove_peer_mid_read_then_drop(tls: Option<&str>) {
         // test is about.
         wire_up(&mut prefill, &mut decode, peer, 1000 + round);
         let id = RequestId(round);
-        let lend = prefill
-            .lend(id, &ids, LendTo::Readers(1), Duration::from_secs(30))
-            .unwrap();
+        let lend = prefill.lend(id, &ids, 1, Duration::from_secs(30)).unwrap();
         decode
             .read(
                 id,
@@ -61,9 +59,7 @@ fn remove_peer_mid_read_then_drop(tls: Option<&str>) {
 fn wire_up(prefill: &mut Engine, decode: &mut Engine, peer: kvpoll::PeerId, id: u64) {
     let id = RequestId(id);
     let b = [BlockId(0)];
-    let lend = prefill
-        .lend(id, &b, LendTo::Readers(1), Duration::from_secs(30))
-        .unwrap();
+    let lend = prefill.lend(id, &b, 1, Duration::from_secs(30)).unwrap();
     let t = [Transfer {
         peer,
         local: &b,

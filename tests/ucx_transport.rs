@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, LendTo, Outcomes};
+use kvpoll::engine::{Engine, Outcomes};
 use kvpoll::ledger::{BlockId, PeerId, RequestId};
 use kvpoll::metadata::PeerMetadata;
 use kvpoll::notification::{NoteKind, Notification};
@@ -94,9 +94,7 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
         .unwrap();
     p.register(BLOCKS).unwrap();
     let id = RequestId(5);
-    let lend = p
-        .lend(id, &[BlockId(1)], LendTo::Readers(1), GUARD)
-        .unwrap();
+    let lend = p.lend(id, &[BlockId(1)], 1, GUARD).unwrap();
     let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
 
     let ctx =

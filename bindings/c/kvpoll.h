@@ -140,17 +140,7 @@
 #define KVPOLL_NO_CORE -1
 
 /**
- * `kvpoll_lend`: lend to remote readers (pull).
- */
-#define KVPOLL_LEND_READERS 0
-
-/**
- * `kvpoll_lend`: lend to remote writers (push destination).
- */
-#define KVPOLL_LEND_WRITERS 1
-
-/**
- * Report kind: a read (or push destination) has all its data.
+ * Report kind: a read (or receive) has all its data.
  */
 #define KVPOLL_FINISHED_RECVING 1
 
@@ -237,7 +227,7 @@ enum kvpoll_cause
   KVPOLL_CAUSE_POLLER_DIED = 9,
   /**
    * A lender answered that its lend was not live when the data was read
-   * (the bytes may be another request's), or a push destination's
+   * (the bytes may be another request's), or a receive's
    * writer gave up.
    */
   KVPOLL_CAUSE_LEASE_LOST = 10,
@@ -311,8 +301,8 @@ typedef struct kvpoll_transfer {
    */
   size_t n_blocks;
   /**
-   * The incarnation of the remote lend (a read) or push destination (a
-   * write): what the remote engine's `kvpoll_lend` gave back, carried
+   * The incarnation of the remote lend (a read) or receive (a
+   * write): what the remote engine's `kvpoll_lend` or `kvpoll_receive` gave back, carried
    * with the block ids. 0 only for a read with confirmation off.
    */
   uint64_t lend;
@@ -490,11 +480,10 @@ int32_t kvpoll_write(struct kvpoll_engine *e,
                      size_t err_len);
 
 /**
- * Lends `n` local blocks to `count` remote readers
- * (`KVPOLL_LEND_READERS`) or writers (`KVPOLL_LEND_WRITERS`) until they
- * all notified, or `lease_ns` ends. Writes the lend's incarnation to
- * `*incarnation` (if not NULL): hand it to the readers or writers with
- * the block ids (`kvpoll_transfer.lend`).
+ * Pull: lends `n` local blocks to `readers` remote engines until each of
+ * them read and notified, or `lease_ns` ends. Writes the lend's
+ * incarnation to `*incarnation` (if not NULL): hand it to the readers
+ * with the block ids (`kvpoll_transfer.lend`).
  *
  * # Safety
  * `e` from `kvpoll_engine_new`; `blocks` valid for `n` items;
@@ -505,12 +494,30 @@ int32_t kvpoll_lend(struct kvpoll_engine *e,
                     uint64_t id,
                     const uint32_t *blocks,
                     size_t n,
-                    uint32_t to,
-                    uint32_t count,
+                    uint32_t readers,
                     uint64_t lease_ns,
                     uint64_t *incarnation,
                     char *err,
                     size_t err_len);
+
+/**
+ * Push: opens a receive, `n` local blocks that `writers` remote engines
+ * write into and notify, until all did or `lease_ns` ends. Writes the
+ * receive's incarnation to `*incarnation` (if not NULL): hand it to the
+ * writers with the block ids (`kvpoll_transfer.lend`).
+ *
+ * # Safety
+ * As for `kvpoll_lend`.
+ */
+int32_t kvpoll_receive(struct kvpoll_engine *e,
+                       uint64_t id,
+                       const uint32_t *blocks,
+                       size_t n,
+                       uint32_t writers,
+                       uint64_t lease_ns,
+                       uint64_t *incarnation,
+                       char *err,
+                       size_t err_len);
 
 /**
  * Extends the leases of these writes or lends to `extend_ns` from now.

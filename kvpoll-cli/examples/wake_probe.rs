@@ -68,12 +68,7 @@ fn pair_idle_cpu(tls: &str) {
     let mut out = Outcomes::default();
     let id = RequestId(1);
     let lend = p
-        .lend(
-            id,
-            &[kvpoll::BlockId(0)],
-            kvpoll::LendTo::Readers(1),
-            Duration::from_secs(10),
-        )
+        .lend(id, &[kvpoll::BlockId(0)], 1, Duration::from_secs(10))
         .unwrap();
     c.notify_only(id, &[(peer, lend)]).unwrap();
     while !out.finished_sending.contains(&id) {
@@ -81,13 +76,8 @@ fn pair_idle_cpu(tls: &str) {
         std::thread::yield_now();
     }
     let p2 = RequestId(2);
-    p.lend(
-        p2,
-        &[kvpoll::BlockId(0)],
-        kvpoll::LendTo::Readers(1),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    p.lend(p2, &[kvpoll::BlockId(0)], 1, Duration::from_secs(10))
+        .unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let (a0, b0, t0) = (
         p.poller_cpu_time().unwrap(),

@@ -104,7 +104,7 @@ pub enum Msg {
     Push {
         /// The request.
         req: u64,
-        /// The push destination's incarnation: the write names it.
+        /// The receive's incarnation: the write names it.
         lend: u64,
         /// The destination blocks.
         blocks: Vec<u32>,

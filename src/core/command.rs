@@ -19,8 +19,8 @@ pub enum Command {
         blocks: u32,
         /// Deadline (reads) or lease (writes, lends, receives) from now, ns.
         expires_in: u64,
-        /// The incarnation the engine drew for it: a lend's or a push
-        /// destination's token, or a read's or write's own nonce.
+        /// The incarnation the engine drew for it: a lend's or a receive
+        /// 's token, or a read's or write's own nonce.
         token: Incarnation,
     },
     /// One handle of the request begun last: its peer, and how many
@@ -30,8 +30,8 @@ pub enum Command {
         peer: PeerId,
         /// Pairs that follow.
         pairs: u32,
-        /// The incarnation of the remote lend or push destination the
-        /// handle reads or writes (none for a push destination's writers).
+        /// The incarnation of the remote lend or receive the
+        /// handle reads or writes (none for a receive's writers).
         lend: Incarnation,
     },
     /// A local block and the remote block it moves to or from.

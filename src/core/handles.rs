@@ -23,7 +23,7 @@ pub(super) struct Progress {
     pub(super) held: bool,
     /// Whether it ended without error (puts flushed, gets landed).
     pub(super) ok: bool,
-    /// The remote lend or push destination it reads or writes.
+    /// The remote lend or receive it reads or writes.
     pub(super) lend: Incarnation,
 }
 

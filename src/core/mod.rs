@@ -62,7 +62,7 @@ const T_NOTE: u64 = 2 << 30;
 /// Most remote engines one request may await notifications from.
 pub const MAX_CONSUMERS: usize = 64;
 
-/// Push destinations answered [`NoteKind::WriteQuiet`] that are remembered
+/// Receives answered [`NoteKind::WriteQuiet`] that are remembered
 /// per asking engine (its oldest is forgotten first): a write submitted
 /// that long after its destination gave up on it is not refused locally
 /// any more. Per engine, so that one engine's questions never push out
@@ -72,7 +72,7 @@ const QUIET_PER_ENGINE: usize = 16_384;
 /// a peer is forgotten first.
 const QUIET_ENGINES: usize = 1024;
 
-/// Incarnations of lends and push destinations that ended and are
+/// Incarnations of lends and receives that ended and are
 /// remembered (the oldest is forgotten first): a read's question for one
 /// of them is refused at once; for an older one, only once the reader's
 /// grace period ran out.
@@ -88,7 +88,7 @@ const EARLY_HELD: usize = 1024;
 const ASK_FIRST: Nanos = Nanos(100_000);
 const ASK_MAX: Nanos = Nanos(20_000_000);
 
-/// How often a quarantined push destination asks its silent writers
+/// How often a quarantined receive asks its silent writers
 /// again, at most (an answer can be lost with a closed endpoint).
 const REQUERY_MIN: Nanos = Nanos(50_000_000);
 
@@ -104,7 +104,7 @@ pub struct CoreConfig {
     /// finishes when its data landed and then tells its lenders, as for
     /// reads of memory that no lend guards.
     pub confirm_reads: bool,
-    /// Whether a push destination's lease is a fence (the safe default):
+    /// Whether a receive's lease is a fence (the safe default):
     /// at its end the blocks are quarantined until every writer that could
     /// still write into them has spoken, answered quiet or been lost. Off,
     /// it is a timer (unsafe; for comparisons only).
@@ -213,7 +213,7 @@ pub enum Action {
 struct Info {
     generation: u32,
     id: RequestId,
-    /// Its incarnation: a lend's or push destination's token, a read's or
+    /// Its incarnation: a lend's or receive's token, a read's or
     /// write's nonce.
     token: Incarnation,
     kind: Kind,
@@ -223,22 +223,22 @@ struct Info {
     /// A read whose handles all landed asked its lenders whether their
     /// lends were live.
     queried: bool,
-    /// A push destination one of whose writers gave up.
+    /// A receive one of whose writers gave up.
     abandoned: bool,
     /// A lend's lease length, ns: a reader's heartbeat extends the lend by
     /// as much from now.
     lease: u64,
-    /// A push destination with named writers whose lease ran out while one
+    /// A receive with named writers whose lease ran out while one
     /// of them had not spoken: its blocks wait, quarantined, for that
     /// writer's word or its loss.
     quarantined: bool,
-    /// The engine aborted it (a push destination waits for its writers all
+    /// The engine aborted it (a receive waits for its writers all
     /// the same).
     aborted: bool,
-    /// A push destination lent to writers it did not name: at its lease's
+    /// A receive lent to writers it did not name: at its lease's
     /// end every peer is asked (and its handles name them from then on).
     unnamed: bool,
-    /// Writers of a push destination that said done or abandoned.
+    /// Writers of a receive that said done or abandoned.
     words: u8,
 }
 
@@ -270,7 +270,7 @@ pub struct CoreStats {
     /// Messages they travelled in (the notifications the core emits to one
     /// endpoint in one go travel together).
     pub notification_messages: u64,
-    /// Push destinations whose lease ran out while a named writer had not
+    /// Receives whose lease ran out while a named writer had not
     /// spoken: quarantined until it does or is lost (a counter).
     pub quarantined_receives: u64,
     /// Of those, still quarantined now (a gauge).
@@ -315,19 +315,19 @@ pub struct Core {
     /// used to keep every read for a whole heartbeat period, and
     /// `next_deadline` scanned them all).
     beating: VecDeque<(RequestKey, Nanos)>,
-    /// Push destinations, and their lease ends (kept here, not in the
+    /// Receives, and their lease ends (kept here, not in the
     /// ledger: expiry starts a fence, it frees nothing); once quarantined,
     /// when to ask their silent writers again.
     fences: Vec<Fence>,
-    /// Push destinations this engine answered [`NoteKind::WriteQuiet`]
+    /// Receives this engine answered [`NoteKind::WriteQuiet`]
     /// for: a write into one of them is refused before anything is posted
     /// (its blocks may be reused).
     quiet: Quiet,
-    /// Live lends and push destinations, by incarnation: a note finds the
+    /// Live lends and receives, by incarnation: a note finds the
     /// one it names by its token, never by its request id alone.
     by_token:
         HashMap<Incarnation, RequestKey, std::hash::BuildHasherDefault<crate::ledger::IdHasher>>,
-    /// Lends and push destinations that ended, by incarnation.
+    /// Lends and receives that ended, by incarnation.
     ended: Ended,
     /// Notes naming an incarnation not begun yet, and until when they are
     /// held (in order of that time).
@@ -561,7 +561,7 @@ impl Core {
             }
             return;
         }
-        // A push destination's lease is the core's (a fence, not a timer);
+        // A receive's lease is the core's (a fence, not a timer);
         // its handles, if any, name its writers: nothing is posted for them.
         let receive = matches!(kind, Kind::Receive { .. });
         if receive && !self.cfg.fence_push_leases {
@@ -646,8 +646,8 @@ impl Core {
         if matches!(kind, Kind::Lend { .. }) {
             self.take_early(token, now);
         }
-        // Reads and writes in flight tell their lenders (producers, push
-        // destinations) that they are still at it.
+        // Reads and writes in flight tell their lenders (producers, receives
+        // ) that they are still at it.
         if matches!(kind, Kind::Read | Kind::Write { .. }) && self.cfg.heartbeat != Nanos(u64::MAX)
         {
             // Reads that ended leave from the front as new ones come in;
@@ -777,7 +777,7 @@ impl Core {
         }
     }
 
-    /// Whether `key` is the live lend or push destination (`kind`) that
+    /// Whether `key` is the live lend or receive (`kind`) that
     /// `note` names by its incarnation.
     fn owns(&self, key: Option<RequestKey>, note: &Notification, kind: fn(Kind) -> bool) -> bool {
         key.is_some_and(|k| {
@@ -786,7 +786,7 @@ impl Core {
         })
     }
 
-    /// Whether `note` names a live lend or push destination of another
+    /// Whether `note` names a live lend or receive of another
     /// request id (a note that mixes one request's id with another's
     /// incarnation).
     fn names_another(&self, note: &Notification) -> bool {
@@ -1034,7 +1034,7 @@ impl Core {
             // Reported means quiescent: nothing of it is due any more, so
             // its timers go now rather than when they fall due (they would
             // wake the poller, and `next_deadline` looks at each).
-            // Only push destinations have fences, only reads ask again.
+            // Only receives have fences, only reads ask again.
             let key = ev.key;
             if matches!(info.kind, Kind::Receive { .. }) && !self.fences.is_empty() {
                 self.fences.retain(|f| f.key != key);
@@ -1074,7 +1074,7 @@ impl Core {
     /// `Shutdown`) and every endpoint force-closed. The driver then
     /// progresses until [`Core::outstanding`] is 0 and publishes the reports.
     ///
-    /// Push destinations are fences to the end: each is quarantined (its
+    /// Receives are fences to the end: each is quarantined (its
     /// silent writers asked) and reported once they answered or were lost;
     /// writes are not force-closed under their puts (they complete or
     /// fail on their own, and their word follows them). The driver goes on

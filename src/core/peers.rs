@@ -64,11 +64,11 @@ impl Core {
 
     /// Adds a peer. An engine re-added under the same instance (its
     /// metadata refreshed) replaces its old entry — but only while nothing
-    /// uses that entry: with operations of ours in flight on it, or a push
-    /// destination waiting for its word, closing it could cut puts in
+    /// uses that entry: with operations of ours in flight on it, or a receive
+    ///  waiting for its word, closing it could cut puts in
     /// flight or drop a fence, so the refresh is refused (`Err` names the
-    /// entry in use). The engine is alive (same instance), so push
-    /// destinations that named it keep waiting, and name the new entry.
+    /// entry in use). The engine is alive (same instance), so receives
+    ///  that named it keep waiting, and name the new entry.
     pub fn add_peer(
         &mut self,
         instance: u64,
@@ -99,7 +99,7 @@ impl Core {
     }
 
     /// Removes a peer: its handles in flight fail (deferred, as always),
-    /// and nothing new is posted to it. While a push destination still
+    /// and nothing new is posted to it. While a receive still
     /// waits for its word, or puts of ours to it are in flight, it is only
     /// marked as leaving — closing its endpoint could cut those puts or
     /// drop the fence — and forgotten once neither holds. Returns whether
@@ -128,8 +128,8 @@ impl Core {
         }
     }
 
-    /// Whether anything of ours is in flight on `peer`'s entry, or a push
-    /// destination waits for its word.
+    /// Whether anything of ours is in flight on `peer`'s entry, or a receive
+    ///  waits for its word.
     pub(super) fn in_use(&self, peer: PeerId) -> bool {
         self.fence_needs(peer)
             || self.progress.iter().enumerate().any(|(i, p)| {
@@ -142,7 +142,7 @@ impl Core {
             })
     }
 
-    /// Whether a live push destination could still hear from `peer` (a
+    /// Whether a live receive could still hear from `peer` (a
     /// writer it named that has not spoken, a peer it asked that has not
     /// answered, or any peer while one lent to unnamed writers is not
     /// quarantined yet: any of them could be writing).
@@ -181,7 +181,7 @@ impl Core {
         }
     }
 
-    /// Push destinations that name writer `old` name `new` instead.
+    /// Receives that name writer `old` name `new` instead.
     pub(super) fn rename_writer(&mut self, old: PeerId, new: PeerId) {
         for slot in 0..self.info.len() {
             let info = self.info[slot];

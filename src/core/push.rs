@@ -6,7 +6,7 @@
 use super::*;
 
 /// The [`NoteKind::WriteQuiet`] promises this engine made, per asking
-/// engine: push destinations (by incarnation) it will not write into.
+/// engine: receives (by incarnation) it will not write into.
 #[derive(Default)]
 pub(super) struct Quiet {
     pub(super) engines: HashMap<u64, (VecDeque<Incarnation>, HashSet<Incarnation>)>,
@@ -111,7 +111,7 @@ impl Core {
         }
     }
 
-    /// A writer's note about push destination `key`.
+    /// A writer's note about receive `key`.
     pub(super) fn receive_note(&mut self, key: RequestKey, note: &Notification, now: Nanos) {
         let slot = key.slot() as usize;
         let info = self.info[slot];
@@ -173,7 +173,7 @@ impl Core {
         }
     }
 
-    /// A push destination asks whether anything of ours will still land in
+    /// A receive asks whether anything of ours will still land in
     /// it (the incarnation it names): quiet unless a write of ours has puts
     /// in flight to the asking engine for that incarnation — then its word
     /// follows them. A quiet answer is a promise: no write into that

@@ -202,7 +202,7 @@ fn a_metadata_refresh_of_a_peer_in_use_is_refused_and_one_at_rest_replaces_it() 
     let p = c.add_peer(42, 1, 8).expect("a refresh at rest");
     assert_ne!(p, first);
     assert_eq!(c.peer_of(42), Some(p));
-    // A push destination that names it waits for its word.
+    // A receive that names it waits for its word.
     let mut plan = vec![
         Command::Handle {
             peer: p,
@@ -241,7 +241,7 @@ fn a_metadata_refresh_of_a_peer_in_use_is_refused_and_one_at_rest_replaces_it() 
     );
 }
 
-/// Begins a push destination `id` (incarnation `token`) awaiting
+/// Begins a receive `id` (incarnation `token`) awaiting
 /// `writers` writer engines, named by peer `names` (empty: unnamed).
 fn receive(c: &mut Core, id: u64, token: u64, writers: u32, names: &[PeerId], lease: u64) {
     let mut plan: Vec<Command> = names

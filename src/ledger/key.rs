@@ -12,7 +12,7 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
 
-/// One incarnation of a lend or a push destination: a token its owner's
+/// One incarnation of a lend or a receive: a token its owner's
 /// engine draws (64 bits from the operating system's CSPRNG) when
 /// [`crate::Engine::lend`] is called, carried to the other side with the
 /// block ids, and named by every notification about it. A note naming an

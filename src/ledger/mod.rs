@@ -112,7 +112,7 @@ use std::collections::VecDeque;
 use arrayvec::ArrayVec;
 
 pub use error::{AbortError, BeginError, ConfigError, InputError, NotifyError, RetireError};
-pub use event::{Cancel, Cause, Event, Outcome, Reason};
+pub use event::{Cancel, Cause, Event, Outcome, Reason, Status};
 pub use key::{
     BlockId, HandleKey, Incarnation, Nanos, PeerId, RequestId, RequestKey, MAX_HANDLES, MAX_SLOTS,
 };

@@ -31,7 +31,7 @@ pub enum Kind {
         /// Reader notifications to wait for (at least 1).
         notifications: u32,
     },
-    /// Push destination: blocks lent to remote writers; no local handles.
+    /// Receive: blocks lent to remote writers; no local handles.
     /// Reported `Finished` when `writers` notified that their writes landed,
     /// `Failed` (its blocks to invalidate: they may hold partial data) at
     /// lease expiry, abort or shutdown.

@@ -764,7 +764,7 @@ impl Slots {
     // -- engine side ------------------------------------------------------
 
     /// The local blocks to invalidate of a reported request: for a failed
-    /// read or push destination ([`Kind::Receive`]), appends its block ids to
+    /// read or receive ([`Kind::Receive`]), appends its block ids to
     /// `invalid`; for any other report, adds nothing. The engine thread calls it on a terminal event, *before*
     /// handing the key back for [`crate::ledger::Ledger::retire`]: until then
     /// the slot cannot be reused, so the blocks read are the request's.

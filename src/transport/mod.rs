@@ -14,9 +14,12 @@
 //! flush is kept on the endpoint its puts travelled on.
 
 #[cfg(feature = "fault-injection")]
+#[doc(hidden)]
 pub mod faulty;
 pub mod peer;
+#[doc(hidden)]
 pub mod sim;
+#[doc(hidden)]
 pub mod simnet;
 pub mod ucx;
 

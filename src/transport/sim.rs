@@ -388,7 +388,7 @@ mod tests {
         assert_eq!(sim.step(), Some(SimEvent::PeerLost(PeerId(2))));
         assert!(matches!(
             sim.step(),
-            Some(SimEvent::Completed { result: Err(r), .. }) if r.status == ENDPOINT_TIMEOUT
+            Some(SimEvent::Completed { result: Err(r), .. }) if r.status.code() == ENDPOINT_TIMEOUT
         ));
     }
 }

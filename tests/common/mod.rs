@@ -160,7 +160,7 @@ impl Harness {
 }
 
 /// One handle of a read or write: `local` paired with `remote` of `peer`,
-/// in the lend (or push destination) of incarnation `lend`
+/// in the lend (or receive) of incarnation `lend`
 /// (`Incarnation::NONE`: memory no lend guards, for unconfirmed reads).
 pub fn one<'a>(
     peer: PeerId,

@@ -35,7 +35,7 @@ use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-use kvpoll::engine::{Engine, EngineError, IdlePolicy, LendTo, Outcomes, Transfer};
+use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -76,7 +76,7 @@ pub enum kvpoll_cause {
     /// The poller thread died.
     KVPOLL_CAUSE_POLLER_DIED = 9,
     /// A lender answered that its lend was not live when the data was read
-    /// (the bytes may be another request's), or a push destination's
+    /// (the bytes may be another request's), or a receive's
     /// writer gave up.
     KVPOLL_CAUSE_LEASE_LOST = 10,
 }
@@ -134,12 +134,7 @@ pub const KVPOLL_IDLE_BUSY: u32 = 1;
 /// `kvpoll_config.core`: do not pin the poller.
 pub const KVPOLL_NO_CORE: i64 = -1;
 
-/// `kvpoll_lend`: lend to remote readers (pull).
-pub const KVPOLL_LEND_READERS: u32 = 0;
-/// `kvpoll_lend`: lend to remote writers (push destination).
-pub const KVPOLL_LEND_WRITERS: u32 = 1;
-
-/// Report kind: a read (or push destination) has all its data.
+/// Report kind: a read (or receive) has all its data.
 pub const KVPOLL_FINISHED_RECVING: u32 = 1;
 /// Report kind: a read failed, after every handle stopped; its blocks
 /// (`blocks_offset`, `n_blocks`) must be invalidated.
@@ -190,8 +185,8 @@ pub struct kvpoll_transfer {
     pub remote: *const u32,
     /// Blocks in this handle.
     pub n_blocks: usize,
-    /// The incarnation of the remote lend (a read) or push destination (a
-    /// write): what the remote engine's `kvpoll_lend` gave back, carried
+    /// The incarnation of the remote lend (a read) or receive (a
+    /// write): what the remote engine's `kvpoll_lend` or `kvpoll_receive` gave back, carried
     /// with the block ids. 0 only for a read with confirmation off.
     pub lend: u64,
 }
@@ -691,11 +686,10 @@ pub unsafe extern "C" fn kvpoll_write(
     }
 }
 
-/// Lends `n` local blocks to `count` remote readers
-/// (`KVPOLL_LEND_READERS`) or writers (`KVPOLL_LEND_WRITERS`) until they
-/// all notified, or `lease_ns` ends. Writes the lend's incarnation to
-/// `*incarnation` (if not NULL): hand it to the readers or writers with
-/// the block ids (`kvpoll_transfer.lend`).
+/// Pull: lends `n` local blocks to `readers` remote engines until each of
+/// them read and notified, or `lease_ns` ends. Writes the lend's
+/// incarnation to `*incarnation` (if not NULL): hand it to the readers
+/// with the block ids (`kvpoll_transfer.lend`).
 ///
 /// # Safety
 /// `e` from `kvpoll_engine_new`; `blocks` valid for `n` items;
@@ -707,8 +701,77 @@ pub unsafe extern "C" fn kvpoll_lend(
     id: u64,
     blocks: *const u32,
     n: usize,
-    to: u32,
+    readers: u32,
+    lease_ns: u64,
+    incarnation: *mut u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> i32 {
+    // SAFETY: caller's contract.
+    unsafe {
+        expose(
+            e,
+            id,
+            blocks,
+            n,
+            readers,
+            false,
+            lease_ns,
+            incarnation,
+            err,
+            err_len,
+        )
+    }
+}
+
+/// Push: opens a receive, `n` local blocks that `writers` remote engines
+/// write into and notify, until all did or `lease_ns` ends. Writes the
+/// receive's incarnation to `*incarnation` (if not NULL): hand it to the
+/// writers with the block ids (`kvpoll_transfer.lend`).
+///
+/// # Safety
+/// As for `kvpoll_lend`.
+#[no_mangle]
+pub unsafe extern "C" fn kvpoll_receive(
+    e: *mut kvpoll_engine,
+    id: u64,
+    blocks: *const u32,
+    n: usize,
+    writers: u32,
+    lease_ns: u64,
+    incarnation: *mut u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> i32 {
+    // SAFETY: caller's contract.
+    unsafe {
+        expose(
+            e,
+            id,
+            blocks,
+            n,
+            writers,
+            true,
+            lease_ns,
+            incarnation,
+            err,
+            err_len,
+        )
+    }
+}
+
+/// `kvpoll_lend` (`receive` false) and `kvpoll_receive`.
+///
+/// # Safety
+/// As for `kvpoll_lend`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn expose(
+    e: *mut kvpoll_engine,
+    id: u64,
+    blocks: *const u32,
+    n: usize,
     count: u32,
+    receive: bool,
     lease_ns: u64,
     incarnation: *mut u64,
     err: *mut c_char,
@@ -718,17 +781,15 @@ pub unsafe extern "C" fn kvpoll_lend(
     unsafe {
         guard(err, err_len, || {
             let e = engine(e)?;
-            let to = match to {
-                KVPOLL_LEND_READERS => LendTo::Readers(count),
-                KVPOLL_LEND_WRITERS => LendTo::Writers(count),
-                other => return Err(arg(format!("unknown lend target {other}"))),
-            };
             let b = slice(blocks, n, "blocks")?;
             e.locals.clear();
             e.locals.extend(b.iter().map(|&b| BlockId(b)));
-            let inc = e
-                .inner
-                .lend(RequestId(id), &e.locals, to, Duration::from_nanos(lease_ns))?;
+            let (id, lease) = (RequestId(id), Duration::from_nanos(lease_ns));
+            let inc = if receive {
+                e.inner.receive(id, &e.locals, count, lease)?
+            } else {
+                e.inner.lend(id, &e.locals, count, lease)?
+            };
             if !incarnation.is_null() {
                 // SAFETY: caller's contract: valid for one write.
                 *incarnation = inc.0;
@@ -826,7 +887,7 @@ pub unsafe extern "C" fn kvpoll_poll(
             for &(id, handle, reason) in &e.out.handle_failures {
                 e.reports.push(kvpoll_report {
                     cause: cause_code(reason.cause),
-                    status: reason.status,
+                    status: reason.status.code(),
                     handle,
                     ..plain(id, KVPOLL_HANDLE_FAILURE)
                 });
@@ -843,7 +904,7 @@ pub unsafe extern "C" fn kvpoll_poll(
             for f in &e.out.failed_sending {
                 e.reports.push(kvpoll_report {
                     cause: cause_code(f.reason.cause),
-                    status: f.reason.status,
+                    status: f.reason.status.code(),
                     ..plain(f.id, KVPOLL_FAILED_SENDING)
                 });
             }
@@ -852,7 +913,7 @@ pub unsafe extern "C" fn kvpoll_poll(
                 e.blocks.extend(e.out.blocks_of(f).iter().map(|b| b.0));
                 e.reports.push(kvpoll_report {
                     cause: cause_code(f.reason.cause),
-                    status: f.reason.status,
+                    status: f.reason.status.code(),
                     blocks_offset: start,
                     n_blocks: e.blocks.len() - start,
                     ..plain(f.id, KVPOLL_FAILED_RECVING)

@@ -121,7 +121,7 @@ int main(void) {
     /* The pull: lend 10..13, read them into 0..3. */
     uint32_t lent[4] = {10, 11, 12, 13}, local[4] = {0, 1, 2, 3};
     uint64_t lend = 0;
-    MUST(kvpoll_lend(producer, 7, lent, 4, KVPOLL_LEND_READERS, 1, 30000000000ull, &lend, err,
+    MUST(kvpoll_lend(producer, 7, lent, 4, 1, 30000000000ull, &lend, err,
                      sizeof err));
     CHECK(lend != 0, "the lend gives its incarnation");
     kvpoll_transfer h = {peer, local, lent, 4, lend};

@@ -22,7 +22,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use kvpoll::engine::{
-    Engine as RsEngine, EngineError, IdlePolicy, LendTo, Outcomes, Transfer as RsTransfer,
+    Engine as RsEngine, EngineError, IdlePolicy, Outcomes, Transfer as RsTransfer,
 };
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
@@ -399,7 +399,7 @@ struct Transfer {
     peer: u32,
     local: Vec<BlockId>,
     remote: Vec<BlockId>,
-    /// The remote lend's (or push destination's) incarnation.
+    /// The remote lend's (or receive's) incarnation.
     #[pyo3(get)]
     lend: u64,
 }
@@ -512,7 +512,7 @@ impl PollResult {
 
 #[pymethods]
 impl PollResult {
-    /// Reads (and push destinations) whose data is all here: ``set`` of ids.
+    /// Reads (and receives) whose data is all here: ``set`` of ids.
     #[getter]
     fn finished_recving(&self, py: Python<'_>) -> PyResult<PyObject> {
         self.cached(py, 0, |s, py| Self::set_of(py, &s.recving))
@@ -553,7 +553,7 @@ impl PollResult {
         self.cached(py, 6, |s, py| {
             let d = PyDict::new(py);
             for (id, reason) in &s.failed_send {
-                d.set_item(id, (cause_name(reason), reason.status))?;
+                d.set_item(id, (cause_name(reason), reason.status.code()))?;
             }
             Ok(d.into_any().unbind())
         })
@@ -568,7 +568,7 @@ impl PollResult {
         self.cached(py, 4, |s, py| {
             let d = PyDict::new(py);
             for (id, _, reason) in &s.failed {
-                d.set_item(id, (cause_name(reason), reason.status))?;
+                d.set_item(id, (cause_name(reason), reason.status.code()))?;
             }
             Ok(d.into_any().unbind())
         })
@@ -582,7 +582,7 @@ impl PollResult {
         self.cached(py, 5, |s, py| {
             let l = PyList::empty(py);
             for (id, handle, reason) in &s.handle_failures {
-                l.append((id, *handle, cause_name(reason), reason.status))?;
+                l.append((id, *handle, cause_name(reason), reason.status.code()))?;
             }
             Ok(l.into_any().unbind())
         })
@@ -701,6 +701,44 @@ fn transfers<'a>(
 }
 
 impl Engine {
+    /// A lend (pull) or receive (push) of ``n`` remote engines.
+    #[allow(clippy::too_many_arguments)]
+    fn expose(
+        &mut self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        n: u32,
+        receive: bool,
+        lease_s: f64,
+        incarnation: Option<UInt<u64>>,
+    ) -> PyResult<u64> {
+        let key = request_key(req_id)?;
+        let lease = seconds(lease_s, "lease_s")?;
+        self.check_unique(py, req_id, key)?;
+        self.locals.clear();
+        blocks_into(blocks, "block id", &mut self.locals)?;
+        let inc = match incarnation {
+            Some(UInt(0)) => {
+                return Err(PyValueError::new_err(
+                    "incarnation 0 names no lend: draw one with kvpoll.draw_incarnation()",
+                ))
+            }
+            Some(UInt(i)) => Incarnation(i),
+            None => Incarnation::draw(),
+        };
+        let engine = self.inner.get();
+        let (id, blocks) = (RequestId(key), &self.locals);
+        if receive {
+            engine.receive_with(id, blocks, n, lease, inc)
+        } else {
+            engine.lend_with(id, blocks, n, lease, inc)
+        }
+        .map_err(|e| request_err(py, req_id, e))?;
+        self.ids.insert(key, req_id.clone().unbind());
+        Ok(inc.0)
+    }
+
     /// Parses `handles` into the scratch lists.
     fn parse_handles(&mut self, handles: &Bound<'_, PyAny>) -> PyResult<()> {
         self.locals.clear();
@@ -1033,58 +1071,46 @@ impl Engine {
         Ok(())
     }
 
-    /// Lends local ``blocks`` until ``readers`` remote readers (pull) or
-    /// ``writers`` remote writers (push destination) notified, or
-    /// ``lease_s`` ends (then ``expired``). Give exactly one of ``readers``
-    /// and ``writers``. Released lends to readers are reported in
-    /// ``finished_sending``; completed lends to writers (the data is here)
-    /// in ``finished_recving``.
+    /// Pull: lends local ``blocks`` until ``readers`` remote engines read
+    /// them and notified (then ``finished_sending``), or ``lease_s`` ends
+    /// (then ``expired``).
     ///
-    /// Returns the lend's incarnation (an int): hand it to the readers or
-    /// writers with the block ids; their handles name it. ``incarnation``
-    /// lends under one drawn earlier with ``kvpoll.draw_incarnation()``
-    /// (and perhaps handed out already: a read may then arrive first).
-    #[pyo3(signature = (req_id, blocks, *, readers=None, writers=None, lease_s=30.0, incarnation=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Returns the lend's incarnation (an int): hand it to the readers with
+    /// the block ids; their handles name it. ``incarnation`` lends under
+    /// one drawn earlier with ``kvpoll.draw_incarnation()`` (and perhaps
+    /// handed out already: a read may then arrive first).
+    #[pyo3(signature = (req_id, blocks, *, readers, lease_s=30.0, incarnation=None))]
     fn lend(
         &mut self,
         py: Python<'_>,
         req_id: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
-        readers: Option<&Bound<'_, PyAny>>,
-        writers: Option<&Bound<'_, PyAny>>,
+        readers: &Bound<'_, PyAny>,
         lease_s: f64,
         incarnation: Option<UInt<u64>>,
     ) -> PyResult<u64> {
-        let key = request_key(req_id)?;
-        let to = match (readers, writers) {
-            (Some(r), None) => LendTo::Readers(uint::<u32>(r, "readers")?),
-            (None, Some(w)) => LendTo::Writers(uint::<u32>(w, "writers")?),
-            _ => {
-                return Err(PyValueError::new_err(
-                    "lend takes exactly one of readers= and writers=",
-                ))
-            }
-        };
-        let lease = seconds(lease_s, "lease_s")?;
-        self.check_unique(py, req_id, key)?;
-        self.locals.clear();
-        blocks_into(blocks, "block id", &mut self.locals)?;
-        let inc = match incarnation {
-            Some(UInt(0)) => {
-                return Err(PyValueError::new_err(
-                    "incarnation 0 names no lend: draw one with kvpoll.draw_incarnation()",
-                ))
-            }
-            Some(UInt(i)) => Incarnation(i),
-            None => Incarnation::draw(),
-        };
-        self.inner
-            .get()
-            .lend_with(RequestId(key), &self.locals, to, lease, inc)
-            .map_err(|e| request_err(py, req_id, e))?;
-        self.ids.insert(key, req_id.clone().unbind());
-        Ok(inc.0)
+        let n = uint::<u32>(readers, "readers")?;
+        self.expose(py, req_id, blocks, n, false, lease_s, incarnation)
+    }
+
+    /// Push: opens a receive, local ``blocks`` that ``writers`` remote
+    /// engines write into and notify; when all did, the data is here
+    /// (``finished_recving``); otherwise ``failed_recving`` names them.
+    ///
+    /// Returns the receive's incarnation (an int): hand it to the writers
+    /// with the block ids. ``incarnation`` as for :meth:`lend`.
+    #[pyo3(signature = (req_id, blocks, *, writers, lease_s=30.0, incarnation=None))]
+    fn receive(
+        &mut self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        writers: &Bound<'_, PyAny>,
+        lease_s: f64,
+        incarnation: Option<UInt<u64>>,
+    ) -> PyResult<u64> {
+        let n = uint::<u32>(writers, "writers")?;
+        self.expose(py, req_id, blocks, n, true, lease_s, incarnation)
     }
 
     /// Nothing to read (a full prefix hit), but each of ``producers``

@@ -128,7 +128,7 @@ def test_a_push_through_the_connector_is_sent_once_released_by_the_scheduler_and
             w.engine.write_block(r, 9, pattern(14, r, 9))
         to_d = w.add_remote("decode-0", d.metadata)
         d.call("add_peer", w.metadata())
-        dest = d.call("lend", "push-9", [50], writers=1)
+        dest = d.call("receive", "push-9", [50], writers=1)
         w.save_kv("push-9", [("decode-0", [9], [50], dest)])
         w.wait_for_save()
         sent_before_release = []

@@ -29,7 +29,7 @@ def test_readme_example_runs(code):
 
 def test_every_public_engine_method_has_a_docstring():
     public = [n for n in dir(kvpoll.Engine) if not n.startswith("_")]
-    assert {"read", "write", "lend", "poll", "shutdown", "register_buffer"} <= set(public)
+    assert {"read", "write", "lend", "receive", "poll", "shutdown", "register_buffer"} <= set(public)
     undocumented = [n for n in public if not (getattr(kvpoll.Engine, n).__doc__ or "").strip()]
     assert undocumented == []
     assert "exactly once" in " ".join(kvpoll.Engine.__doc__.split())

@@ -31,8 +31,9 @@ from kvpoll_remote import BS, Reports, poll_until
         pytest.param(lambda e: e.read("r", [(0, [2**32], [1])]), ValueError, "out of range", id="block-id-over-u32"),
         pytest.param(lambda e: e.read("r", [(-3, [1], [1])]), ValueError, "out of range", id="negative-peer"),
         pytest.param(lambda e: e.read("r", [(0, "ab", [1, 2])]), TypeError, "sequence of ints", id="blocks-a-str"),
-        pytest.param(lambda e: e.lend("r", [1]), ValueError, "exactly one of", id="lend-to-nobody"),
-        pytest.param(lambda e: e.lend("r", [1], readers=1, writers=1), ValueError, "exactly one of", id="lend-to-readers-and-writers"),
+        pytest.param(lambda e: e.lend("r", [1]), TypeError, "readers", id="lend-to-nobody"),
+        pytest.param(lambda e: e.lend("r", [1], readers=1, writers=1), TypeError, "writers", id="lend-to-writers"),
+        pytest.param(lambda e: e.receive("r", [1], readers=1), TypeError, "readers", id="receive-from-readers"),
         pytest.param(lambda e: e.lend("r", [1], readers=1, lease_s=-1.0), ValueError, "seconds", id="negative-lease"),
         pytest.param(lambda e: e.lend("r", [1], readers=1, lease_s=float("nan")), ValueError, "seconds", id="nan-lease"),
         pytest.param(lambda e: e.write("r", [(0, [1], [1])], expected_acks=-1), ValueError, "out of range", id="negative-acks"),
@@ -124,7 +125,7 @@ def test_engine_refusals_are_kvpoll_errors_of_their_kind_with_the_engine_message
         with pytest.raises(kvpoll.RequestError, match="out of range"):
             e.read("a", [(0, [8], [1])])
         with pytest.raises(kvpoll.RequestError, match="must await at least one"):
-            e.lend("z", [3], writers=0)
+            e.receive("z", [3], writers=0)
         e.lend("a", [0], readers=1)
         with pytest.raises(kvpoll.RequestError, match="already in flight"):
             e.lend("a", [1], readers=1)

@@ -94,7 +94,7 @@ def test_push_is_done_only_after_the_consumer_acknowledged_and_the_bytes_are_the
     c = make_consumer()
     c.add_peer(p.metadata)  # the consumer acknowledges through its own endpoint
     to_c = p.call("add_peer", c.local_metadata())
-    dest = c.lend("push-1", [30, 31, 32], writers=1)
+    dest = c.receive("push-1", [30, 31, 32], writers=1)
     p.call("write", "push-1", [(to_c, [1, 2, 3], [30, 31, 32], dest)], expected_acks=1)
     seen = p.wait("finished_sending", "push-1")
     assert seen["finished_sending"] == ["push-1"] and seen["expired"] == []

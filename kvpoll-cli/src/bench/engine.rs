@@ -507,7 +507,7 @@ pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, 
     let mut samples = Vec::with_capacity(n);
     for i in 0..=n as u64 {
         let id = RequestId(i);
-        let lend = p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        let lend = p.lend(id, &[kvpoll::BlockId(0)], 1, guard)?;
         std::thread::sleep(quiet);
         out.clear();
         let t = Instant::now();
@@ -581,7 +581,7 @@ pub fn remote_wake_up_direct(
     let mut samples = Vec::with_capacity(n);
     for i in 0..=n as u64 {
         let id = RequestId(i);
-        let incarnation = p.lend(id, &[kvpoll::BlockId(0)], kvpoll::LendTo::Readers(1), guard)?;
+        let incarnation = p.lend(id, &[kvpoll::BlockId(0)], 1, guard)?;
         let note = Notification {
             kind: NoteKind::GaveUp,
             id,

@@ -33,7 +33,7 @@ use kvpoll::transport::sim::{Sim, SimConfig, SimEvent};
 
 const FAILED: Reason = Reason {
     cause: Cause::Transfer,
-    status: -3,
+    status: kvpoll::Status::new(-3),
 };
 
 /// Ledger slots per window of requests: room for the engine to fall behind

@@ -67,7 +67,7 @@ class PollResult:
 
     @property
     def finished_recving(self) -> Set[RequestId]:
-        """Reads (and push destinations) whose data is all here."""
+        """Reads (and receives) whose data is all here."""
     @property
     def finished_sending(self) -> Set[RequestId]:
         """Writes acknowledged, lends released: source blocks are free."""
@@ -137,13 +137,23 @@ class Engine:
         req_id: RequestId,
         blocks: Iterable[int],
         *,
-        readers: Optional[int] = None,
-        writers: Optional[int] = None,
+        readers: int,
         lease_s: float = 30.0,
         incarnation: Optional[int] = None,
     ) -> int:
-        """Lends blocks to remote readers or writers until they notified;
+        """Pull: lends blocks to remote readers until they notified;
         returns the lend's incarnation."""
+    def receive(
+        self,
+        req_id: RequestId,
+        blocks: Iterable[int],
+        *,
+        writers: int,
+        lease_s: float = 30.0,
+        incarnation: Optional[int] = None,
+    ) -> int:
+        """Push: opens a receive that remote writers write into and
+        notify; returns the receive's incarnation."""
     def heartbeat(self, ids: Iterable[RequestId], extend_s: float) -> None:
         """Extends the leases of these writes or lends."""
     def abort(self, req_id: RequestId) -> None:

@@ -252,7 +252,7 @@ class KvConnectorWorker:
         - ``reqs_to_send``: request -> block ids, or (block ids, readers):
           lend our blocks to that many remote readers (default 1);
         - ``reqs_to_recv_push``: request -> (block ids, writers): lend our
-          blocks to remote writers (push destination).
+          blocks to remote writers (receive).
 
         A submission the engine refuses as busy is retried next step (in
         order); any other refusal raises at once: that request and the
@@ -263,7 +263,7 @@ class KvConnectorWorker:
         for req_id, spec in (reqs_to_send or {}).items():
             self._submit("lend_readers", req_id, spec)
         for req_id, spec in (reqs_to_recv_push or {}).items():
-            self._submit("lend_writers", req_id, spec)
+            self._submit("receive", req_id, spec)
         for req_id, handles in (reqs_to_recv or {}).items():
             self._submit("read", req_id, self._handles(handles))
 
@@ -425,7 +425,7 @@ class KvConnectorWorker:
 
     def _refused(self, what: str, req_id: RequestId, spec: Any, error: Exception) -> None:
         """A backlogged submission the engine refused when retried: a read
-        or push destination is a failed load (its blocks invalid), a lend
+        or receive is a failed load (its blocks invalid), a lend
         or write is a send whose blocks are free (nothing holds them)."""
         logger.error("kvpoll: %s of %r refused after waiting for room: %s", what, req_id, error)
         if what == "read":
@@ -433,7 +433,7 @@ class KvConnectorWorker:
             self._failed_next.add(req_id)
             for h in spec:
                 self._load_errors.update(h[1])
-        elif what == "lend_writers":
+        elif what == "receive":
             self._recved.add(req_id)
             self._failed_next.add(req_id)
             self._load_errors.update(spec[0])
@@ -460,9 +460,9 @@ class KvConnectorWorker:
             self._incarnations[req_id] = e.lend(
                 req_id, blocks, readers=readers, lease_s=self.lease_s, incarnation=inc
             )
-        elif what == "lend_writers":
+        elif what == "receive":
             blocks, writers, *rest = spec
-            self._incarnations[req_id] = e.lend(
+            self._incarnations[req_id] = e.receive(
                 req_id, blocks, writers=writers, lease_s=self.lease_s, incarnation=rest[0] if rest else None
             )
             self._push_dest[req_id] = list(blocks)

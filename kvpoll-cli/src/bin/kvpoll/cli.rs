@@ -103,7 +103,7 @@ pub struct Workload {
     pub window: u32,
     /// A prefill rank's lease on what it lends or writes, in ms (10 to
     /// 3 600 000); the decode
-    /// rank lends its push destinations for twice as long and gives a read
+    /// rank lends its receives for twice as long and gives a read
     /// three quarters of it. Must match the prefill ranks' `--lease-ms`.
     #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
     pub lease_ms: u64,
@@ -152,8 +152,8 @@ pub struct DemoArgs {
     /// its poller is stalled instead; at most 600 000).
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=600_000))]
     pub pause_ms: Option<u64>,
-    /// Leases are timers, not fences: reads are not confirmed and push
-    /// destinations are reported at their lease's end even while a stalled
+    /// Leases are timers, not fences: reads are not confirmed and receives
+    ///  are reported at their lease's end even while a stalled
     /// writer may still write. UNSAFE, for comparison only: with the pauses
     /// and stalls of the fault mix it corrupts blocks.
     #[arg(long)]

@@ -190,7 +190,7 @@ impl Lender {
             let inc = engine.lend(
                 kvpoll::RequestId(self.next),
                 &[kvpoll::BlockId(0)],
-                kvpoll::LendTo::Readers(1),
+                1,
                 std::time::Duration::from_secs(3600),
             )?;
             lent.push_str(&format!("LENT {} {:x}\n", self.next, inc.0));

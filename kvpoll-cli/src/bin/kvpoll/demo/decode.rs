@@ -13,9 +13,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kvpoll::engine::Faults;
-use kvpoll::{
-    BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
-};
+use kvpoll::{BlockId, ContextOptions, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 
 use kvpoll::Cause;
 use kvpoll_cli::control;
@@ -596,19 +594,11 @@ impl Decoder<'_> {
                 // fence (the blocks wait for each writer's word or loss).
                 let writers: Vec<PeerId> = self.links.iter().filter_map(|l| l.peer).collect();
                 let lent = if writers.len() == self.links.len() {
-                    self.engine.lend_to_writers(
-                        RequestId(id),
-                        &req.blocks,
-                        &writers,
-                        self.cfg.lease,
-                    )
+                    self.engine
+                        .receive_from(RequestId(id), &req.blocks, &writers, self.cfg.lease)
                 } else {
-                    self.engine.lend(
-                        RequestId(id),
-                        &req.blocks,
-                        LendTo::Writers(2),
-                        self.cfg.lease,
-                    )
+                    self.engine
+                        .receive(RequestId(id), &req.blocks, 2, self.cfg.lease)
                 };
                 let Ok(lend) = lent else {
                     self.pool.release(&req.blocks);

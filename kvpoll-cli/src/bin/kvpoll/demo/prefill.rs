@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvpoll::engine::Faults;
 use kvpoll::metrics::MetricsSnapshot;
-use kvpoll::{
-    BlockId, ContextOptions, Engine, EngineError, LendTo, Outcomes, PeerId, RequestId, Transfer,
-};
+use kvpoll::{BlockId, ContextOptions, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 
 use super::door::{self, ToEngine};
 use super::pool::{seed, Pool};
@@ -246,7 +244,7 @@ impl Rank<'_> {
                     return Some(Msg::Busy { req });
                 }
                 fill(engine, cfg, req, alloc, buf);
-                match engine.lend(RequestId(req), alloc, LendTo::Readers(1), cfg.lease) {
+                match engine.lend(RequestId(req), alloc, 1, cfg.lease) {
                     Ok(lend) => {
                         held.insert(
                             req,
