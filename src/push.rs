@@ -4,7 +4,8 @@
 //! writers with [`Engine::receive`] (or names them with
 //! [`Engine::receive_from`]) and hands the returned [`Incarnation`] to
 //! them with the block ids; each producer (a prefill rank) writes into
-//! them with [`Engine::write`].
+//! them with [`Engine::write`]. The consumer acknowledges on an endpoint
+//! of its own: each side adds the other as a peer.
 //!
 //! Guarantees:
 //! - **Exactly once.** A write is reported once, in `finished_sending`,
@@ -33,6 +34,7 @@
 //! decode.register(8)?;
 //! prefill.write_block(0, BlockId(2), &[9u8; 4096])?;
 //! let peer = prefill.add_peer(&decode.local_metadata()?)?;
+//! decode.add_peer(&prefill.local_metadata()?)?; // acknowledgements travel on it
 //!
 //! let id = RequestId(7);
 //! let lend = decode.receive(id, &[BlockId(5)], 1, Duration::from_secs(30))?;
@@ -40,7 +42,7 @@
 //! prefill.write(id, &[t], 1, Duration::from_secs(30))?;
 //!
 //! let mut sent = Outcomes::default();
-//! while sent.finished_sending.is_empty() && sent.failed_sending.is_empty() {
+//! while sent.finished_sending.is_empty() && sent.failed_sending.is_empty() && sent.expired.is_empty() {
 //!     prefill.wait(&mut sent, Duration::from_millis(10));
 //! }
 //! assert_eq!(sent.finished_sending, [id]);

@@ -760,22 +760,19 @@ pub unsafe extern "C" fn kvpoll_receive(
     }
 }
 
-/// `kvpoll_lend` (`receive` false) and `kvpoll_receive`.
+/// `kvpoll_lend` and `kvpoll_receive`: `f` lends or opens the receive of
+/// the blocks.
 ///
 /// # Safety
 /// As for `kvpoll_lend`.
-#[allow(clippy::too_many_arguments)]
 unsafe fn expose(
     e: *mut kvpoll_engine,
-    id: u64,
     blocks: *const u32,
     n: usize,
-    count: u32,
-    receive: bool,
-    lease_ns: u64,
     incarnation: *mut u64,
     err: *mut c_char,
     err_len: usize,
+    f: impl FnOnce(&mut Engine, &[BlockId]) -> Result<Incarnation, EngineError>,
 ) -> i32 {
     // SAFETY: caller's contract.
     unsafe {
@@ -784,12 +781,7 @@ unsafe fn expose(
             let b = slice(blocks, n, "blocks")?;
             e.locals.clear();
             e.locals.extend(b.iter().map(|&b| BlockId(b)));
-            let (id, lease) = (RequestId(id), Duration::from_nanos(lease_ns));
-            let inc = if receive {
-                e.inner.receive(id, &e.locals, count, lease)?
-            } else {
-                e.inner.lend(id, &e.locals, count, lease)?
-            };
+            let inc = f(&mut e.inner, &e.locals)?;
             if !incarnation.is_null() {
                 // SAFETY: caller's contract: valid for one write.
                 *incarnation = inc.0;

@@ -319,12 +319,26 @@ impl Endpoint {
     /// on it with `UCS_ERR_CANCELED`, and the close itself completes with
     /// `token`. Nothing more can be posted; reconnect with a new endpoint.
     pub fn force_close(&self, token: u64) -> Result<(), UcxError> {
+        self.close(token, sys::UCP_EP_CLOSE_FLAG_FORCE)
+    }
+
+    /// Closes the endpoint gracefully: what is outstanding on it completes
+    /// first (the operations already in flight end as they would have),
+    /// then the peer is told, so that it tears down its side of the
+    /// connection with nothing of ours left to serve. The close completes
+    /// with `token`, with an error if the peer fails meanwhile. Nothing
+    /// more can be posted.
+    pub fn flush_close(&self, token: u64) -> Result<(), UcxError> {
+        self.close(token, 0)
+    }
+
+    fn close(&self, token: u64, flags: u32) -> Result<(), UcxError> {
         let ep = self.inner.live_handle()?;
         self.inner.handle.set(ptr::null_mut());
         let sink = &*self.inner.worker.sink;
         let mut params = request::params(sink, ptr::null_mut());
         params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
-        params.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        params.flags = flags;
         // SAFETY: ep was live and is closed once (the handle is cleared).
         let ret = unsafe { sys::ucp_ep_close_nbx(ep, &params) };
         request::finish(sink, ret, token, 0).map_err(|status| UcxError::Call {

@@ -207,6 +207,12 @@ impl UcxTransport {
     /// `generation` (or any, with `None`), keeping it until the close
     /// completed.
     fn close_conn(&mut self, peer: PeerId, generation: Option<u32>) {
+        self.close_conn_as(peer, generation, false);
+    }
+
+    /// [`UcxTransport::close_conn`], gracefully with `flush` (see
+    /// [`Endpoint::flush_close`]).
+    fn close_conn_as(&mut self, peer: PeerId, generation: Option<u32>, flush: bool) {
         let Some(Some(p)) = self.peers.get_mut(peer.0 as usize) else {
             return;
         };
@@ -226,7 +232,11 @@ impl UcxTransport {
             }
             self.close_seq += 1;
             let token = T_TRANSPORT | self.close_seq;
-            let _ = c.ep.force_close(token);
+            let _ = if flush {
+                c.ep.flush_close(token)
+            } else {
+                c.ep.force_close(token)
+            };
             self.closing.push((token, c));
         }
     }
@@ -247,7 +257,13 @@ impl Transport for UcxTransport {
     }
 
     fn forget_peer(&mut self, peer: PeerId) {
-        self.close_conn(peer, None);
+        // A peer removed (or lost) is closed gracefully: a lost one's close
+        // fails at once; a removed one that is alive serves what is in
+        // flight and then drops its side of the connection, instead of
+        // finding it cut under get requests it is still answering (UCX
+        // 1.13 then aborts in ucp_get_req_handler, or leaves requests out
+        // at ucp_worker_destroy).
+        self.close_conn_as(peer, None, true);
         if let Some(slot) = self.peers.get_mut(peer.0 as usize) {
             *slot = None;
         }
