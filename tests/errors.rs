@@ -106,7 +106,6 @@ fn a_failure_status_shows_the_name_ucx_gives_its_number() {
         (st::UCS_ERR_CONNECTION_RESET, "UCS_ERR_CONNECTION_RESET"),
         (st::UCS_ERR_ENDPOINT_TIMEOUT, "UCS_ERR_ENDPOINT_TIMEOUT"),
     ] {
-        let code = code as i8;
         let r = Reason::new(Cause::Transfer, code);
         assert_eq!((r.status.name(), r.status.code()), (name, code));
         assert_eq!(format!("{:?}", r.status), format!("{name} ({code})"));

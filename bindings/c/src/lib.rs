@@ -707,20 +707,12 @@ pub unsafe extern "C" fn kvpoll_lend(
     err: *mut c_char,
     err_len: usize,
 ) -> i32 {
+    let lease = Duration::from_nanos(lease_ns);
     // SAFETY: caller's contract.
     unsafe {
-        expose(
-            e,
-            id,
-            blocks,
-            n,
-            readers,
-            false,
-            lease_ns,
-            incarnation,
-            err,
-            err_len,
-        )
+        expose(e, blocks, n, incarnation, err, err_len, |e, b| {
+            e.lend(RequestId(id), b, readers, lease)
+        })
     }
 }
 
@@ -743,20 +735,12 @@ pub unsafe extern "C" fn kvpoll_receive(
     err: *mut c_char,
     err_len: usize,
 ) -> i32 {
+    let lease = Duration::from_nanos(lease_ns);
     // SAFETY: caller's contract.
     unsafe {
-        expose(
-            e,
-            id,
-            blocks,
-            n,
-            writers,
-            true,
-            lease_ns,
-            incarnation,
-            err,
-            err_len,
-        )
+        expose(e, blocks, n, incarnation, err, err_len, |e, b| {
+            e.receive(RequestId(id), b, writers, lease)
+        })
     }
 }
 
