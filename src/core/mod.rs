@@ -205,6 +205,11 @@ pub enum Action {
     ForgetPeer {
         /// Which.
         peer: PeerId,
+        /// Removed (not lost) with operations of ours still in flight on
+        /// its endpoint: close it gracefully, letting them finish, so that
+        /// the peer is not left answering them on a connection cut under
+        /// it. Otherwise the close is forced.
+        drain: bool,
     },
 }
 

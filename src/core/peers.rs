@@ -81,7 +81,7 @@ impl Core {
             if self.in_use(old) {
                 return Err(old);
             }
-            self.drop_peer(old, Cause::PeerLost, false);
+            self.drop_peer(old, Cause::PeerLost, false, false);
         }
         let id = PeerId(self.peers.len() as u32);
         if let Some(old) = replaced {
@@ -115,7 +115,7 @@ impl Core {
         if self.fence_needs(peer) || self.puts_in_flight(peer) {
             self.leaving.push(peer);
         } else {
-            self.drop_peer(peer, Cause::PeerLost, true);
+            self.drop_peer(peer, Cause::PeerLost, true, true);
         }
         true
     }
@@ -176,7 +176,7 @@ impl Core {
                 i += 1;
             } else {
                 self.leaving.swap_remove(i);
-                self.drop_peer(peer, Cause::PeerLost, true);
+                self.drop_peer(peer, Cause::PeerLost, true, true);
             }
         }
     }
@@ -209,8 +209,11 @@ impl Core {
     }
 
     /// Forgets `peer`; `gone` says the engine behind it is gone (lost or
-    /// removed), not replaced by a newer entry of the same engine.
-    pub(super) fn drop_peer(&mut self, peer: PeerId, cause: Cause, gone: bool) {
+    /// removed), not replaced by a newer entry of the same engine, and
+    /// `removed` that it was removed, its endpoint alive (see
+    /// [`Action::ForgetPeer`]).
+    pub(super) fn drop_peer(&mut self, peer: PeerId, cause: Cause, gone: bool, removed: bool) {
+        let drain = removed && self.ops_in_flight(peer);
         let Some(p) = self.peers.get_mut(peer.0 as usize).and_then(Option::take) else {
             return;
         };
@@ -224,7 +227,7 @@ impl Core {
         if gone {
             self.writer_lost(peer, p.instance);
         }
-        self.push_on(peer, Action::ForgetPeer { peer });
+        self.push_on(peer, Action::ForgetPeer { peer, drain });
     }
 
     /// The reason of an operation on `peer`'s endpoint generation that
@@ -255,7 +258,7 @@ impl Core {
             self.stats.peers_lost += 1;
             self.lost
                 .push((ep.peer, Reason::new(Cause::PeerLost, status.min(-1))));
-            self.drop_peer(ep.peer, Cause::PeerLost, true);
+            self.drop_peer(ep.peer, Cause::PeerLost, true, false);
             self.after_events();
         }
     }
@@ -281,6 +284,16 @@ impl Core {
                 ep: Ep { peer, generation },
             },
         );
+    }
+
+    /// Whether operations of ours (gets, puts, flushes) are in flight on
+    /// `peer`'s endpoint.
+    fn ops_in_flight(&self, peer: PeerId) -> bool {
+        self.progress.iter().enumerate().any(|(i, p)| {
+            p.peer == peer
+                && p.remaining > 0
+                && self.info[i / MAX_HANDLES].generation == p.generation
+        })
     }
 
     /// Whether a write has puts (or their flush) in flight to `peer`.

@@ -57,6 +57,6 @@ pub fn perform<W: Transport + ?Sized>(core: &mut Core, wire: &mut W, action: Act
             let released = wire.release(handle);
             core.on_released(handle, released, now);
         }
-        Action::ForgetPeer { peer } => wire.forget_peer(peer),
+        Action::ForgetPeer { peer, drain } => wire.forget_peer(peer, drain),
     }
 }

@@ -68,8 +68,8 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.add_peer(peer, meta)
     }
 
-    fn forget_peer(&mut self, peer: PeerId) {
-        self.inner.forget_peer(peer)
+    fn forget_peer(&mut self, peer: PeerId, drain: bool) {
+        self.inner.forget_peer(peer, drain)
     }
 
     fn post(

@@ -120,9 +120,10 @@ pub trait Transport {
     /// Learns a peer from its metadata (already checked by the engine).
     fn add_peer(&mut self, peer: PeerId, meta: &PeerMetadata) -> Result<(), i8>;
 
-    /// Forgets a peer: force-closes its endpoint if one is open, and drops
-    /// what it knew of it once nothing can use it any more.
-    fn forget_peer(&mut self, peer: PeerId);
+    /// Forgets a peer: closes its endpoint if one is open (gracefully with
+    /// `drain`, letting what is in flight finish; forced otherwise), and
+    /// drops what it knew of it once nothing can use it any more.
+    fn forget_peer(&mut self, peer: PeerId, drain: bool);
 
     /// Posts one operation per block pair and registered region, moving
     /// `block_size` bytes each, all completing with `token`. Returns the

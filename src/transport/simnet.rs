@@ -608,7 +608,7 @@ impl Transport for SimTransport<'_> {
         Ok(())
     }
 
-    fn forget_peer(&mut self, peer: PeerId) {
+    fn forget_peer(&mut self, peer: PeerId, _drain: bool) {
         if let Some(c) = self.net.nodes[self.node].conns.get(&peer).copied() {
             self.net.close_conn(
                 self.node,

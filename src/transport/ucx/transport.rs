@@ -256,14 +256,15 @@ impl Transport for UcxTransport {
         Ok(())
     }
 
-    fn forget_peer(&mut self, peer: PeerId) {
-        // A peer removed (or lost) is closed gracefully: a lost one's close
-        // fails at once; a removed one that is alive serves what is in
-        // flight and then drops its side of the connection, instead of
-        // finding it cut under get requests it is still answering (UCX
-        // 1.13 then aborts in ucp_get_req_handler, or leaves requests out
-        // at ucp_worker_destroy).
-        self.close_conn_as(peer, None, true);
+    fn forget_peer(&mut self, peer: PeerId, drain: bool) {
+        // A peer removed with gets of ours in flight is closed gracefully:
+        // it serves them and then drops its side of the connection,
+        // instead of finding it cut under get requests it is still
+        // answering (UCX 1.13 then aborts in ucp_get_req_handler, or leaves
+        // requests out at ucp_worker_destroy). A lost peer's endpoint, or
+        // an idle one, is force-closed: a graceful close would wait on a
+        // peer that may not answer.
+        self.close_conn_as(peer, None, drain);
         if let Some(slot) = self.peers.get_mut(peer.0 as usize) {
             *slot = None;
         }
