@@ -18,16 +18,16 @@
 
 #[doc(hidden)]
 pub mod core;
-/// The poller thread's body. Internal; its `execute` step is public for
-/// the simulator's tests.
+// The poller thread's body. Internal; its `execute` step is public for
+// the simulator's tests.
 #[doc(hidden)]
 pub mod driver;
 pub mod engine;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-/// The request ledger the engine is built on. Internal; public for the
-/// benches and the tests that drive it directly.
+// The request ledger the engine is built on. Internal; public for the
+// benches and the tests that drive it directly.
 #[doc(hidden)]
 pub mod ledger;
 pub mod metadata;
@@ -46,8 +46,8 @@ pub mod ring;
 pub(crate) mod sync;
 pub mod transport;
 pub(crate) mod wake;
-/// Framing of everything peers exchange: internal, public for the fuzz
-/// targets.
+// Framing of everything peers exchange: internal, public for the fuzz
+// targets.
 #[doc(hidden)]
 pub mod wire;
 

@@ -7,12 +7,12 @@
 //! the core → advance the core's clock when something is due → execute the
 //! core's actions on the transport → publish the core's events.
 //!
-//! The parts, each in its module: [`feed`] (what goes into the core and
+//! The parts, each in its module: `feed` (what goes into the core and
 //! out of it), [`execute`] (the core's actions performed on a transport),
-//! [`idle`] (the idle policy and the wait), [`control`] (the engine's rare
-//! requests), [`registration`] (memory), [`stats`] (busy and idle
-//! accounting, the counters the engine reads), [`teardown`] (shutdown, and
-//! the death after a panic), [`shared`] (what the engine thread and the
+//! `idle` (the idle policy and the wait), `control` (the engine's rare
+//! requests), `registration` (memory), `stats` (busy and idle
+//! accounting, the counters the engine reads), `teardown` (shutdown, and
+//! the death after a panic), `shared` (what the engine thread and the
 //! driver share). A panic on this thread is caught: every request still
 //! tracked is reported failed (`PollerDied`) and every later engine call
 //! says so.
