@@ -28,11 +28,13 @@ if ! "$CARGO" fmt --version >/dev/null 2>&1 || ! "$CARGO" clippy --version >/dev
 fi
 step "$CARGO" fmt --all -- --check
 step "$CARGO" clippy --workspace --all-targets -- -D warnings
+# The library alone too: without the fault-injection feature (which the
+# tool turns on for the whole workspace's build).
+step "$CARGO" clippy -p kvpoll --all-targets -- -D warnings
 # --no-fail-fast: one failing suite must not hide the results of the others.
 # The library's suites over the production wiring (the UCX transport as
 # shipped): `-p kvpoll` alone, since the tool enables fault injection and
 # features unify across the packages of one build.
-step "$CARGO" clippy -p kvpoll --all-targets -- -D warnings
 step "$CARGO" test -p kvpoll --no-fail-fast --lib --tests -- --test-threads="$THREADS"
 # The engine suites again over the fault-injecting wiring, with the tests
 # that stall pollers, fail releases and kill pollers.
@@ -43,7 +45,10 @@ step "$CARGO" test -p kvpoll --features fault-injection --no-fail-fast \
 step "$CARGO" test --workspace --exclude kvpoll --no-fail-fast --lib --bins --tests -- --test-threads="$THREADS"
 # Benches run once each in test mode (criterion takes no libtest flags).
 step "$CARGO" test --workspace --benches
-step "$CARGO" test --workspace --doc
+# The library's doc tests (the README's quick start, the pull and push
+# examples) over the production wiring, then the rest.
+step "$CARGO" test -p kvpoll --doc
+step "$CARGO" test --workspace --exclude kvpoll --doc
 # The cuda feature must build without CUDA installed (the driver is loaded
 # at run time) and must give typed errors, not panics, without a GPU.
 step "$CARGO" build --workspace --features cuda
