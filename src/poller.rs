@@ -225,7 +225,8 @@ impl Poller {
                 lend_grace: Nanos(cfg.lend_grace.as_nanos().min(u128::from(u64::MAX)) as u64),
             },
             ledger,
-        );
+        )
+        .with_lend_words(wire.lend_words());
         Ok(Self {
             cfg,
             core,

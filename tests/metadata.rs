@@ -26,6 +26,7 @@ fn real_metadata(regions: &[(u32, u64)]) -> PeerMetadata {
         layout: BlockLayout { block_size: 4096 },
         worker: w.address().unwrap(),
         regions,
+        words: None,
     }
 }
 
@@ -84,10 +85,10 @@ fn any_damaged_byte_is_refused() {
 #[test]
 fn other_version_is_refused_as_wrong_version() {
     let mut bytes = real_metadata(&[(0, 16)]).encode();
-    bytes[5] = 2;
+    bytes[5] = 1;
     assert_eq!(
         PeerMetadata::decode(&reseal(bytes)),
-        Err(MetadataError::Frame(FrameError::WrongVersion { got: 2 }))
+        Err(MetadataError::Frame(FrameError::WrongVersion { got: 1 }))
     );
 }
 

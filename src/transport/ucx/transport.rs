@@ -9,11 +9,14 @@
 //! keys unpacked on it — is kept until UCX completed the close, so no rkey
 //! is destroyed while an operation that uses it is outstanding.
 
-use crate::core::T_TRANSPORT;
-use crate::ledger::{BlockId, PeerId};
+use std::sync::atomic::AtomicU64;
+
+use crate::core::{T_TRANSPORT, T_WORD};
+use crate::ledger::{BlockId, Incarnation, PeerId};
 use crate::metadata::{BlockLayout, PeerMetadata, RegionDescriptor};
 use crate::transport::{
-    Direction, Ep, PostFailure, Transport, TransportEvent, CANCELED, INVALID_PARAM,
+    lend_word_of, Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, CANCELED,
+    INVALID_PARAM, NO_RESOURCE, UNSUPPORTED,
 };
 
 use super::{
@@ -24,10 +27,35 @@ use super::{
 /// The active-message id kvpoll's notifications travel on.
 pub const NOTIFY_AM_ID: u16 = 0x6b76;
 
+/// Lend words an engine announces: 1 MiB of UCX-allocated shared memory,
+/// so that a reader on the same host reads them one-sidedly. With
+/// thousands of lends live, a few per cent collide and their readers ask.
+const LEND_WORDS: usize = 1 << 17;
+/// Word reads in flight at most (landing cells); past it, readers ask.
+const WORD_CELLS: usize = 4096;
+
+/// The lend words' memory: UCX-allocated, zeroed when the last
+/// [`LendWords`] over it goes, before it is unmapped (a reader that still
+/// maps it must not find an incarnation there).
+struct WordRegion(MemoryRegion);
+
+impl Drop for WordRegion {
+    fn drop(&mut self) {
+        let base = self.0.as_ptr() as *const AtomicU64;
+        for i in 0..self.0.len() / 8 {
+            // SAFETY: inside the region, 8-aligned (UCX allocations are page
+            // aligned), which is still mapped; every other user is gone.
+            unsafe { (*base.add(i)).store(0, std::sync::atomic::Ordering::SeqCst) };
+        }
+    }
+}
+
 /// A live connection. Field order is drop order: the rkeys go before the
 /// endpoint they were unpacked on.
 struct Conn {
     rkeys: Vec<RemoteKey>,
+    /// The peer's lend words, if it announced them.
+    words: Option<RemoteKey>,
     ep: Endpoint,
     generation: u32,
 }
@@ -58,6 +86,13 @@ pub struct UcxTransport {
     close_seq: u64,
     /// The worker's event fd (`None` without `UCP_FEATURE_WAKEUP`).
     event_fd: Option<std::os::fd::RawFd>,
+    /// This engine's lend words (the core writes them) and their rkey.
+    words: Option<(LendWords, PackedRkey)>,
+    /// Where word reads land, the free ones, and those in flight (token,
+    /// cell).
+    cells: Box<[AtomicU64]>,
+    free_cells: Vec<u32>,
+    word_reads: Vec<(u64, u32)>,
 }
 
 impl UcxTransport {
@@ -75,6 +110,7 @@ impl UcxTransport {
         let worker = Worker::new(&context)?;
         worker.listen_active_messages(NOTIFY_AM_ID)?;
         let event_fd = worker.event_fd();
+        let words = Self::allocate_words(&context)?;
         Ok(UcxTransport {
             peers: Vec::new(),
             closing: Vec::new(),
@@ -89,7 +125,36 @@ impl UcxTransport {
             ops: Vec::with_capacity(1024),
             close_seq: 0,
             event_fd,
+            words,
+            cells: (0..WORD_CELLS).map(|_| AtomicU64::new(0)).collect(),
+            free_cells: (0..WORD_CELLS as u32).rev().collect(),
+            word_reads: Vec::with_capacity(WORD_CELLS),
         })
+    }
+
+    /// The lend words: UCX-allocated (so one-sided over shared memory),
+    /// zeroed. `None` when UCX cannot allocate them (readers then ask).
+    fn allocate_words(context: &Context) -> Result<Option<(LendWords, PackedRkey)>, UcxError> {
+        let region = match MemoryRegion::allocate(context, LEND_WORDS * 8) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "no lend words: readers will ask");
+                return Ok(None);
+            }
+        };
+        let rkey = region.pack_rkey()?;
+        let base = region.as_ptr() as *mut u64;
+        let len = (region.len() / 8).min(LEND_WORDS);
+        if len != LEND_WORDS || base as usize % 8 != 0 {
+            return Ok(None);
+        }
+        let owner: std::rc::Rc<dyn std::any::Any> = std::rc::Rc::new(WordRegion(region));
+        // SAFETY: the region is `len` words long, aligned (checked), mapped
+        // until `owner` drops, and this process touches it only through
+        // these words.
+        let words = unsafe { LendWords::new(base, len, owner) };
+        words.clear_all();
+        Ok(Some((words, rkey)))
     }
 
     /// Registers a region of `blocks` blocks: UCX-allocated memory, or the
@@ -140,6 +205,7 @@ impl UcxTransport {
                     rkey: rkey.clone(),
                 })
                 .collect(),
+            words: self.words.as_ref().map(|(_, k)| k.clone()),
         };
         Ok(meta.encode())
     }
@@ -194,8 +260,13 @@ impl UcxTransport {
             for r in &p.meta.regions {
                 rkeys.push(RemoteKey::unpack(&ep_conn, &r.rkey).map_err(|e| status_of(&e))?);
             }
+            let words = match &p.meta.words {
+                Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
+                None => None,
+            };
             p.conn = Some(Conn {
                 rkeys,
+                words,
                 ep: ep_conn,
                 generation: ep.generation,
             });
@@ -325,6 +396,34 @@ impl Transport for UcxTransport {
             .map_err(|e| status_of(&e))
     }
 
+    fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
+        let Some(&cell) = self.free_cells.last() else {
+            return Err(NO_RESOURCE);
+        };
+        let dst = self.cells[cell as usize].as_ptr() as *mut u8;
+        let conn = self.conn(ep)?;
+        let Some(rkey) = &conn.words else {
+            return Err(UNSUPPORTED);
+        };
+        let count = (rkey.remote_len() / 8) as usize;
+        let word = lend_word_of(inc, count).ok_or(UNSUPPORTED)?;
+        // The data this read decides about was read before (its gets
+        // completed): keep those loads before the word's.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: the cell is free (taken off the free list below, before
+        // anything else can), 8 bytes, and only read once the completion of
+        // `token` is taken in `drain`.
+        unsafe { conn.ep.get_into(rkey, word as u64 * 8, dst, 8, token) }
+            .map_err(|e| status_of(&e))?;
+        self.free_cells.pop();
+        self.word_reads.push((token, cell));
+        Ok(())
+    }
+
+    fn lend_words(&self) -> Option<LendWords> {
+        self.words.as_ref().map(|(w, _)| w.clone())
+    }
+
     fn close(&mut self, ep: Ep) {
         self.close_conn(ep.peer, Some(ep.generation));
     }
@@ -342,6 +441,28 @@ impl Transport for UcxTransport {
                 if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
                     self.closing.swap_remove(pos);
                 }
+                continue;
+            }
+            let pos = if c.token & T_TRANSPORT == T_WORD {
+                self.word_reads.iter().position(|&(t, _)| t == c.token)
+            } else {
+                None
+            };
+            if let Some(pos) = pos {
+                let (_, cell) = self.word_reads.swap_remove(pos);
+                self.free_cells.push(cell);
+                let ok = c.status.0 == 0;
+                // The get completed: its bytes are in the cell.
+                let word = if ok {
+                    self.cells[cell as usize].load(std::sync::atomic::Ordering::Acquire)
+                } else {
+                    0
+                };
+                sink(TransportEvent::Word {
+                    token: c.token,
+                    status: c.status.0,
+                    word,
+                });
                 continue;
             }
             sink(TransportEvent::Completion {
