@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvpoll::core::{Action, Command, Core, CoreConfig, T_TRANSPORT};
+use kvpoll::core::{Action, Command, Core, CoreConfig, T_TRANSPORT, T_WORD};
 use kvpoll::ledger::{
     BlockId, Cause, Event, HandleKey, Incarnation, Kind, Ledger, LedgerConfig, Nanos, Outcome,
     PeerId, Reason, RequestId, RequestKey,
@@ -22,7 +22,7 @@ use kvpoll::ledger::{
 use kvpoll::notification::{NoteKind, Notification};
 use kvpoll::transport::sim::Rng;
 use kvpoll::transport::simnet::{SimNet, SimNetConfig};
-use kvpoll::transport::{Direction, Transport};
+use kvpoll::transport::{Direction, LendWords, Transport};
 use proptest::prelude::*;
 
 const RELEASE_RETRY: u64 = 50_000;
@@ -123,7 +123,17 @@ fn pattern(node: usize, block: BlockId, region: usize, i: usize, epoch: u8) -> u
         + u32::from(epoch) * 97) as u8
 }
 
-fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core {
+/// Lend words each node announces in the harness: few, so that lends
+/// collide and their readers ask.
+const LEND_WORDS: usize = 16;
+
+fn new_core(
+    instance: u64,
+    regions: usize,
+    blocks: u64,
+    heartbeat: u64,
+    words: Option<LendWords>,
+) -> Core {
     let ledger = Ledger::new(LedgerConfig {
         slots: 64,
         max_blocks: 64,
@@ -139,7 +149,8 @@ fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core 
             lend_grace: Nanos(GRACE),
         },
         ledger,
-    );
+    )
+    .with_lend_words(words);
     core.set_local_layout(regions, blocks);
     core
 }
@@ -151,6 +162,17 @@ impl Harness {
 
     /// Cores whose reads tell their lenders every `heartbeat` ns.
     fn with_heartbeat(cfg: SimNetConfig, heartbeat: u64) -> Self {
+        Self::with_options(cfg, heartbeat, LEND_WORDS)
+    }
+
+    /// Nodes without lend words: every read asks its lenders.
+    fn asking(cfg: SimNetConfig) -> Self {
+        Self::with_options(cfg, u64::MAX, 0)
+    }
+
+    /// Cores whose reads tell their lenders every `heartbeat` ns, and
+    /// whose lends have `words` lend words (0: none).
+    fn with_options(cfg: SimNetConfig, heartbeat: u64, words: usize) -> Self {
         let mut h = Harness {
             net: SimNet::new(cfg),
             nodes: Vec::new(),
@@ -169,8 +191,9 @@ impl Harness {
         };
         for n in 0..cfg.nodes {
             let instance = instance_of(n, 0);
+            let words = (words > 0).then(|| h.net.lend_words(n, words));
             h.nodes.push(NodeState {
-                core: new_core(instance, cfg.regions, cfg.blocks, heartbeat),
+                core: new_core(instance, cfg.regions, cfg.blocks, heartbeat, words),
                 instance,
                 peers: HashMap::new(),
                 shut: false,
@@ -638,9 +661,15 @@ impl Harness {
         );
         // No report before quiescence: no data operation or flush of the
         // request is still in the network or unread by the core.
+        // A read's lend word check (the flush kind, which reads do not
+        // otherwise use) lands in the transport's own cell, never in the
+        // read's blocks: a read that ends (its deadline) while one is out
+        // is quiescent.
+        let word = |t: u64| t & T_KIND == T_WORD && matches!(req.kind, Kind::Read);
         let out = self.net.outstanding(node, |t| {
             t & T_KIND != T_NOTE
                 && t & T_KIND != T_TRANSPORT
+                && !word(t)
                 && HandleKey::from_u64(t & !T_KIND).key() == key
         });
         assert_eq!(
@@ -1318,7 +1347,8 @@ fn a_lost_peer_fails_its_handles_and_can_be_re_added() {
     h.resumes.clear();
     let cfgn = *h.net.config();
     let inst = instance_of(1, 1);
-    h.nodes[1].core = new_core(inst, cfgn.regions, cfgn.blocks, u64::MAX);
+    let words = Some(h.net.lend_words(1, LEND_WORDS));
+    h.nodes[1].core = new_core(inst, cfgn.regions, cfgn.blocks, u64::MAX, words);
     h.nodes[1].instance = inst;
     h.reqs.retain(|k, _| k.0 != 1);
     h.connect(0, 1);
@@ -1354,7 +1384,8 @@ fn notify_only_releases_a_lend() {
 fn reads_that_finish_together_tell_their_lender_in_one_message_and_hear_back_in_one() {
     // Every operation takes the same time: the reads below, posted at the
     // same moment, complete in the same poller iteration.
-    let mut h = Harness::new(SimNetConfig {
+    // Lenders without lend words: the reads ask.
+    let mut h = Harness::asking(SimNetConfig {
         latency: (5_000, 5_000),
         ..cfg(21, 2)
     });
@@ -1399,7 +1430,8 @@ fn reads_from_two_lenders_that_finish_together_send_each_lender_one_message() {
     // TP: every read has a handle on each of two lenders, so the questions
     // to the two alternate as the reads finish; each lender still gets one
     // message, and answers in one.
-    let mut h = Harness::new(SimNetConfig {
+    // Lenders without lend words: the reads ask.
+    let mut h = Harness::asking(SimNetConfig {
         latency: (5_000, 5_000),
         ..cfg(23, 3)
     });
@@ -1800,6 +1832,9 @@ proptest! {
 #[test]
 fn whole_runs_cover_failures_and_successes() {
     let (mut ok, mut failed, mut late, mut quarantined) = (0, 0, 0, 0);
+    // Lend words: reads confirmed from them, reads that had to ask, lends
+    // that found their word taken.
+    let mut words = (0u64, 0u64, 0u64);
     let mut causes = BTreeMap::new();
     for seed in 0..300 {
         let h = whole_run(seed);
@@ -1811,6 +1846,12 @@ fn whole_runs_cover_failures_and_successes() {
             }
         }
         late += h.net.writes().iter().filter(|w| w.after_completion).count();
+        for n in &h.nodes {
+            let st = n.core.stats();
+            words.0 += st.word_confirmations;
+            words.1 += st.word_misses;
+            words.2 += st.word_collisions;
+        }
         quarantined += h
             .nodes
             .iter()
@@ -1823,9 +1864,15 @@ fn whole_runs_cover_failures_and_successes() {
             }
         }
     }
-    eprintln!("ok {ok} failed {failed} late {late} quarantined {quarantined} causes {causes:?}");
+    eprintln!(
+        "ok {ok} failed {failed} late {late} quarantined {quarantined} words {words:?} causes {causes:?}"
+    );
     assert!(ok > 100 && failed > 100, "ok {ok} failed {failed}");
     assert!(quarantined > 10, "quarantined {quarantined}");
+    assert!(
+        words.0 > 100 && words.1 > 100 && words.2 > 10,
+        "lend words (confirmed, missed, collided): {words:?}"
+    );
 }
 
 // -- a read finishes only if its lend was live ---------------------------------
@@ -2157,7 +2204,9 @@ fn an_unnamed_destination_nobody_wrote_is_released_when_every_peer_is_quiet() {
 /// finish on it — only on its own answer.
 #[test]
 fn a_late_confirmation_of_a_first_read_attempt_never_finishes_its_retry() {
-    let mut h = Harness::new(SimNetConfig {
+    // A lender without lend words: its readers ask it (with them, the
+    // reads below would confirm from its word while it is paused).
+    let mut h = Harness::asking(SimNetConfig {
         // Shared memory: the retry's gets land while the lender is paused.
         shm: true,
         ..cfg(40, 2)
