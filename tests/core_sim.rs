@@ -2444,3 +2444,119 @@ fn replay_one_run() {
         .expect("KVPOLL_SIM_SEED=<seed of the run to replay>");
     whole_run(seed);
 }
+
+// -- lend words ------------------------------------------------------------------
+
+/// A read whose lender's word names its lend after the data landed is
+/// confirmed from the word: no question, no answer; its lender is told one
+/// way and counts it (the lend is consumed, reported finished).
+#[test]
+fn a_read_confirmed_from_its_lend_word_tells_its_lender_one_way_and_is_counted() {
+    let mut h = Harness::new(cfg(60, 2));
+    let src = lend_filled(&mut h, 1, 30, 2, 1, 100 * MS);
+    let l = h.alloc(0, 2);
+    h.read(0, 30, &[(1, pairs(&l, &src))], 50 * MS);
+    run_ends_with_both_finished(&mut h, 0, 1, 30);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 1);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 0);
+    let one_way = h.nodes[0].actions.iter().any(|a| {
+        matches!(
+            a,
+            Action::Send {
+                want_reply: false,
+                ..
+            }
+        )
+    });
+    assert!(one_way, "the reader did not tell its lender one way");
+    let asked = h.nodes[0].actions.iter().any(|a| {
+        matches!(
+            a,
+            Action::Send {
+                want_reply: true,
+                ..
+            }
+        )
+    });
+    assert!(!asked, "the reader asked although the word named its lend");
+    let answered = h.nodes[1]
+        .actions
+        .iter()
+        .any(|a| matches!(a, Action::Reply { .. }));
+    assert!(!answered, "the lender answered a question nobody asked");
+}
+
+/// The lend's lease ends after the read's data landed and before its lend
+/// word is read: the word no longer names the lend (it was overwritten
+/// before the lend's end was reported, and the blocks filled again), the
+/// reader asks, is refused, and fails — it never finishes with bytes the
+/// lender may have reused.
+#[test]
+fn a_lease_that_ends_between_the_data_and_the_word_read_fails_the_read() {
+    // Every operation takes 10 µs: the data lands at 10 µs, the word read
+    // (posted then) reads the word at 20 µs; the lease ends at 15 µs.
+    let mut h = Harness::new(SimNetConfig {
+        latency: (10_000, 10_000),
+        ..cfg(61, 2)
+    });
+    let src = lend_filled(&mut h, 1, 31, 1, 1, 15_000);
+    let l = h.alloc(0, 1);
+    h.read(0, 31, &[(1, pairs(&l, &src))], 50 * MS);
+    h.run_until(Nanos(16_000));
+    assert_eq!(h.report_of(1, 31), Some(&Report::Expired));
+    assert_eq!(h.report_of(0, 31), None, "reported before its word was read");
+    // The lender's engine reuses the blocks at once.
+    h.fill(1, &src);
+    h.settle();
+    assert_failed_recving(&h, 0, 31, Cause::LeaseLost, &l);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 1);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 0);
+    h.check_end();
+}
+
+/// A lend of the same request id under a new incarnation takes the word the
+/// ended lend had (one word: every lend has it): a reader still naming the
+/// ended lend finds the new incarnation there, asks, and is refused; the
+/// new lend is untouched and its own reader confirms from the word.
+#[test]
+fn a_lend_word_taken_by_a_new_lend_fails_a_reader_of_the_old_one() {
+    let mut h = Harness::with_options(cfg(62, 2), u64::MAX, 1);
+    let src = lend_filled(&mut h, 1, 32, 1, 1, MS);
+    let old = h.token_of(1, 32);
+    h.run_until(Nanos(2 * MS));
+    assert_eq!(h.report_of(1, 32), Some(&Report::Expired));
+    h.fill(1, &src);
+    h.lend(1, 32, &src, Kind::Lend { notifications: 1 }, 100 * MS);
+    let new = h.token_of(1, 32);
+    assert_ne!(old, new);
+    let l = h.alloc(0, 1);
+    h.read_named(0, 32, &[(1, old, pairs(&l, &src))], 50 * MS);
+    h.run_until(Nanos(10 * MS));
+    assert_failed_recving(&h, 0, 32, Cause::LeaseLost, &l);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 1);
+    assert_eq!(h.report_of(1, 32), None, "the new lend was touched");
+    // The id again, now naming the new lend: confirmed from the word.
+    let l2 = h.alloc(0, 1);
+    h.read_named(0, 32, &[(1, new, pairs(&l2, &src))], 50 * MS);
+    run_ends_with_both_finished(&mut h, 0, 1, 32);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 1);
+}
+
+/// A read that overtook its lend finds no word (the lend is not there):
+/// it asks, is told pending, asks again and is confirmed once the lend
+/// begins — the round trip kept for reads before their lends.
+#[test]
+fn a_read_before_its_lend_finds_no_word_and_asks_until_the_lend_begins() {
+    let mut h = Harness::new(cfg(63, 2));
+    let src = h.alloc(1, 1);
+    h.fill(1, &src);
+    let inc = h.token();
+    let l = h.alloc(0, 1);
+    h.read_named(0, 35, &[(1, inc, pairs(&l, &src))], 50 * MS);
+    h.run_until(Nanos(3 * MS));
+    assert_eq!(h.report_of(0, 35), None);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 1);
+    h.lend_as(1, 35, &src, Kind::Lend { notifications: 1 }, 100 * MS, inc);
+    run_ends_with_both_finished(&mut h, 0, 1, 35);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 0);
+}
