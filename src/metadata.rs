@@ -99,7 +99,9 @@ pub enum MetadataError {
     LendWordsKey(UcxError),
     /// The lend words' region is not a power of two of 64-bit words, or
     /// holds more than `MAX_LEND_WORDS`.
-    #[error("peer metadata lend words: {0} bytes is not a power of two of 8-byte words up to the limit")]
+    #[error(
+        "peer metadata lend words: {0} bytes is not a power of two of 8-byte words up to the limit"
+    )]
     BadLendWords(u64),
     /// The peer's block size differs from ours.
     #[error("peer block size {theirs} is incompatible with ours ({ours})")]

@@ -2504,7 +2504,11 @@ fn a_lease_that_ends_between_the_data_and_the_word_read_fails_the_read() {
     h.read(0, 31, &[(1, pairs(&l, &src))], 50 * MS);
     h.run_until(Nanos(16_000));
     assert_eq!(h.report_of(1, 31), Some(&Report::Expired));
-    assert_eq!(h.report_of(0, 31), None, "reported before its word was read");
+    assert_eq!(
+        h.report_of(0, 31),
+        None,
+        "reported before its word was read"
+    );
     // The lender's engine reuses the blocks at once.
     h.fill(1, &src);
     h.settle();

@@ -370,7 +370,12 @@ fn a_lend_writes_its_incarnation_into_its_word_and_it_is_overwritten_before_its_
     lend(&mut c, 40, 0x4040, Nanos(0));
     assert_eq!(word_of(&words, 0x4040), 0x4040);
     // The reader's one-way word: the lend is consumed.
-    feed(&mut c, note(NoteKind::ReadDone, 40, 0x4040, 7, 77), None, Nanos(1));
+    feed(
+        &mut c,
+        note(NoteKind::ReadDone, 40, 0x4040, 7, 77),
+        None,
+        Nanos(1),
+    );
     while c.next_action().is_some() {}
     // Ended in the ledger, not yet published: the word still names it
     // (nothing can reuse the blocks before the engine hears of the end).
@@ -393,7 +398,12 @@ fn a_lend_whose_word_is_taken_gets_none_and_leaves_the_other_lends_word_alone() 
     assert_eq!(words.get(0), 0x4141);
     assert_eq!(c.stats().word_collisions, 1);
     // The second lend ends: the first's word is untouched.
-    feed(&mut c, note(NoteKind::GaveUp, 42, 0x4242, 7, 77), None, Nanos(1));
+    feed(
+        &mut c,
+        note(NoteKind::GaveUp, 42, 0x4242, 7, 77),
+        None,
+        Nanos(1),
+    );
     c.drain_events(|_| {});
     assert_eq!(words.get(0), 0x4141);
     // The first ends (its lease): its word is cleared; a new lend takes it.
@@ -466,7 +476,10 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
             match a {
                 Action::Release { handle } => c.on_released(handle, true, Nanos(1)),
                 Action::ReadWord {
-                    lend, handle, token, ..
+                    lend,
+                    handle,
+                    token,
+                    ..
                 } => {
                     assert_eq!((lend, handle), (Incarnation(0x5a5a), hk));
                     word_read = Some(token);

@@ -290,7 +290,8 @@ impl Endpoint {
         // (checked against the bounds its owner packed); the rkey belongs
         // to this endpoint; dst is the caller's promise; params point at
         // this worker's sink.
-        let ret = unsafe { sys::ucp_get_nbx(ep, dst as *mut c_void, len, raddr, rkey.raw(), &params) };
+        let ret =
+            unsafe { sys::ucp_get_nbx(ep, dst as *mut c_void, len, raddr, rkey.raw(), &params) };
         request::finish(sink, ret, token, 0).map_err(|status| UcxError::Call {
             op: "ucp_get_nbx",
             status,
