@@ -151,3 +151,42 @@ proptest! {
         prop_assert!(Notification::decode(&b).is_err());
     }
 }
+
+fn with_words(bytes: usize) -> PeerMetadata {
+    let (ctx, _w) = ucx_common::worker("tcp");
+    let words = MemoryRegion::allocate(&ctx, bytes).unwrap();
+    PeerMetadata {
+        words: Some(words.pack_rkey().unwrap()),
+        ..real_metadata(&[(0, 16)])
+    }
+}
+
+#[test]
+fn metadata_round_trips_with_lend_words() {
+    let m = with_words(64 * 8);
+    assert_eq!(PeerMetadata::decode(&m.encode()), Ok(m));
+}
+
+#[test]
+fn lend_words_that_are_not_a_power_of_two_of_words_are_refused() {
+    for bytes in [24, 12, 7] {
+        assert_eq!(
+            PeerMetadata::decode(&with_words(bytes).encode()),
+            Err(MetadataError::BadLendWords(bytes as u64)),
+            "{bytes} bytes"
+        );
+    }
+}
+
+#[test]
+fn metadata_with_lend_words_is_refused_at_every_truncation_and_damaged_byte() {
+    let bytes = with_words(64 * 8).encode();
+    for n in 0..bytes.len() {
+        assert!(PeerMetadata::decode(&bytes[..n]).is_err(), "accepted {n} bytes");
+    }
+    for i in 0..bytes.len() {
+        let mut b = bytes.clone();
+        b[i] = b[i].wrapping_add(1);
+        assert!(PeerMetadata::decode(&b).is_err(), "accepted a change at {i}");
+    }
+}
