@@ -182,11 +182,17 @@ fn lend_words_that_are_not_a_power_of_two_of_words_are_refused() {
 fn metadata_with_lend_words_is_refused_at_every_truncation_and_damaged_byte() {
     let bytes = with_words(64 * 8).encode();
     for n in 0..bytes.len() {
-        assert!(PeerMetadata::decode(&bytes[..n]).is_err(), "accepted {n} bytes");
+        assert!(
+            PeerMetadata::decode(&bytes[..n]).is_err(),
+            "accepted {n} bytes"
+        );
     }
     for i in 0..bytes.len() {
         let mut b = bytes.clone();
         b[i] = b[i].wrapping_add(1);
-        assert!(PeerMetadata::decode(&b).is_err(), "accepted a change at {i}");
+        assert!(
+            PeerMetadata::decode(&b).is_err(),
+            "accepted a change at {i}"
+        );
     }
 }
