@@ -261,43 +261,6 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Posts one get of `len` bytes at `remote_offset` of `rkey`'s region
-    /// into `dst`, memory no region of ours registered (a few bytes: UCX
-    /// copies them).
-    ///
-    /// # Safety
-    /// `dst..dst + len` must stay valid for writes, and be neither read nor
-    /// written by anyone else, until the operation's completion is taken.
-    pub unsafe fn get_into(
-        &self,
-        rkey: &RemoteKey,
-        remote_offset: u64,
-        dst: *mut u8,
-        len: usize,
-        token: u64,
-    ) -> Result<(), UcxError> {
-        let ep = self.inner.live_handle()?;
-        if !Rc::ptr_eq(&rkey.endpoint, &self.inner) {
-            return Err(UcxError::Call {
-                op: "rkey check (rkey unpacked on another endpoint)",
-                status: UcxStatus(sys::ucs_status_t::UCS_ERR_INVALID_PARAM),
-            });
-        }
-        let raddr = rkey.range_addr(remote_offset, len)?;
-        let sink = &*self.inner.worker.sink;
-        let params = request::params(sink, ptr::null_mut());
-        // SAFETY: ep is live; raddr..raddr+len lies in the remote region
-        // (checked against the bounds its owner packed); the rkey belongs
-        // to this endpoint; dst is the caller's promise; params point at
-        // this worker's sink.
-        let ret =
-            unsafe { sys::ucp_get_nbx(ep, dst as *mut c_void, len, raddr, rkey.raw(), &params) };
-        request::finish(sink, ret, token, 0).map_err(|status| UcxError::Call {
-            op: "ucp_get_nbx",
-            status,
-        })
-    }
-
     /// Flushes the endpoint: completes (with `token`) once every operation
     /// posted on it before is complete at the target.
     pub fn flush(&self, token: u64) -> Result<(), UcxError> {

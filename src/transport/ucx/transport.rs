@@ -88,9 +88,9 @@ pub struct UcxTransport {
     event_fd: Option<std::os::fd::RawFd>,
     /// This engine's lend words (the core writes them) and their rkey.
     words: Option<(LendWords, PackedRkey)>,
-    /// Where word reads land, the free ones, and those in flight (token,
-    /// cell).
-    cells: Box<[AtomicU64]>,
+    /// Where word reads land (registered, 8 bytes a cell), the free cells,
+    /// and the reads in flight (token, cell).
+    cells: MemoryRegion,
     free_cells: Vec<u32>,
     word_reads: Vec<(u64, u32)>,
 }
@@ -111,6 +111,7 @@ impl UcxTransport {
         worker.listen_active_messages(NOTIFY_AM_ID)?;
         let event_fd = worker.event_fd();
         let words = Self::allocate_words(&context)?;
+        let cells = MemoryRegion::allocate(&context, WORD_CELLS * 8)?;
         Ok(UcxTransport {
             peers: Vec::new(),
             closing: Vec::new(),
@@ -126,7 +127,7 @@ impl UcxTransport {
             close_seq: 0,
             event_fd,
             words,
-            cells: (0..WORD_CELLS).map(|_| AtomicU64::new(0)).collect(),
+            cells,
             free_cells: (0..WORD_CELLS as u32).rev().collect(),
             word_reads: Vec::with_capacity(WORD_CELLS),
         })
@@ -400,21 +401,25 @@ impl Transport for UcxTransport {
         let Some(&cell) = self.free_cells.last() else {
             return Err(NO_RESOURCE);
         };
-        let dst = self.cells[cell as usize].as_ptr() as *mut u8;
-        let conn = self.conn(ep)?;
+        self.connect(ep)?;
+        let conn = self.open(ep).ok_or(INVALID_PARAM)?;
         let Some(rkey) = &conn.words else {
             return Err(UNSUPPORTED);
         };
         let count = (rkey.remote_len() / 8) as usize;
         let word = lend_word_of(inc, count).ok_or(UNSUPPORTED)?;
+        let op = BlockOp {
+            local_offset: u64::from(cell) * 8,
+            remote_offset: word as u64 * 8,
+            len: 8,
+            token,
+        };
         // The data this read decides about was read before (its gets
         // completed): keep those loads before the word's.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        // SAFETY: the cell is free (taken off the free list below, before
-        // anything else can), 8 bytes, and only read once the completion of
-        // `token` is taken in `drain`.
-        unsafe { conn.ep.get_into(rkey, word as u64 * 8, dst, 8, token) }
-            .map_err(|e| status_of(&e))?;
+        conn.ep
+            .get_batch(&self.cells, rkey, &[op])
+            .map_err(|e| status_of(&e.error))?;
         self.free_cells.pop();
         self.word_reads.push((token, cell));
         Ok(())
@@ -453,11 +458,12 @@ impl Transport for UcxTransport {
                 self.free_cells.push(cell);
                 let ok = c.status.0 == 0;
                 // The get completed: its bytes are in the cell.
-                let word = if ok {
-                    self.cells[cell as usize].load(std::sync::atomic::Ordering::Acquire)
-                } else {
-                    0
-                };
+                let mut word = [0u8; 8];
+                if ok {
+                    // In range: the cell is one of the region's.
+                    let _ = self.cells.read(u64::from(cell) * 8, &mut word);
+                }
+                let word = u64::from_ne_bytes(word);
                 sink(TransportEvent::Word {
                     token: c.token,
                     status: c.status.0,
