@@ -16,6 +16,7 @@ use kvpoll::ledger::{BlockId, Cause, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 use kvpoll::wire::from_hex;
 use kvpoll::Incarnation;
+use kvpoll_cli::bench::e2e::lent_line;
 
 mod procs;
 
@@ -39,13 +40,6 @@ impl Drop for Lender {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
-    let mut parts = line.trim().strip_prefix("LENT ")?.split_whitespace();
-    let id = parts.next()?.parse().ok()?;
-    let inc = u64::from_str_radix(parts.next()?, 16).ok()?;
-    Some((id, Incarnation(inc)))
 }
 
 impl Lender {

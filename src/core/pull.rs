@@ -121,31 +121,25 @@ impl Core {
         if self.seen(slot, instance) {
             return;
         }
-        if status == 0 && word == p.lend.0 {
+        let confirmed = status == 0 && word == p.lend.0;
+        if confirmed {
             self.stats.word_confirmations += 1;
             self.counted(slot, instance);
             self.ledger_confirm(info.id, key);
-            self.send_note(
-                p.peer,
-                None,
-                NoteKind::ReadDone,
-                info.id,
-                p.lend,
-                info.token,
-                false,
-            );
         } else {
             self.stats.word_misses += 1;
-            self.send_note(
-                p.peer,
-                None,
-                NoteKind::ReadDone,
-                info.id,
-                p.lend,
-                info.token,
-                true,
-            );
         }
+        // Confirmed: told one way (it counts this reader). Otherwise asked.
+        let ask = !confirmed;
+        self.send_note(
+            p.peer,
+            None,
+            NoteKind::ReadDone,
+            info.id,
+            p.lend,
+            info.token,
+            ask,
+        );
         self.after_events();
     }
 

@@ -244,7 +244,7 @@ struct PeerProcess {
 }
 
 /// A `LENT <id> <hex incarnation>` line of a lending `engine-peer`.
-fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
+pub fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
     let mut parts = line.trim().strip_prefix("LENT ")?.split_whitespace();
     let id = parts.next()?.parse().ok()?;
     let inc = u64::from_str_radix(parts.next()?, 16).ok()?;
@@ -657,7 +657,8 @@ impl Session {
         let mut lat = Vec::new();
         s.kvpoll(256, 1, &mut lat)?;
         s.kvpoll_confirmed(256, 1, &mut lat)?;
-        s.kvpoll_lent(256, 1, &mut lat)?;
+        let depth = s.depth(1);
+        s.kv_lent.run(256, 1, depth, &mut lat)?;
         s.raw(256, 1, &mut lat)?;
         Ok(s)
     }
@@ -685,19 +686,6 @@ impl Session {
     ) -> Result<Duration, E2eError> {
         let depth = self.depth(blocks);
         self.kv_confirmed.run(n, blocks, depth, lat)
-    }
-
-    /// kvpoll without read confirmation, same shape as
-    /// [`Session::kvpoll`], reading lends made as for
-    /// [`Session::kvpoll_confirmed`] (from a lending peer of its own).
-    pub fn kvpoll_lent(
-        &mut self,
-        n: u32,
-        blocks: u32,
-        lat: &mut Vec<u64>,
-    ) -> Result<Duration, E2eError> {
-        let depth = self.depth(blocks);
-        self.kv_lent.run(n, blocks, depth, lat)
     }
 
     /// The raw loop, same shape as [`Session::kvpoll`].
@@ -752,11 +740,15 @@ pub fn compare(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<E2eFigures, E2eErro
             cfg.reads,
             s.kvpoll_confirmed(cfg.reads, 1, &mut conf_lat)?,
         ));
-        lent_reads.push(rate(cfg.reads, s.kvpoll_lent(cfg.reads, 1, &mut scratch)?));
+        // Unconfirmed, of the same lends.
+        let depth = s.depth(1);
+        let t = s.kv_lent.run(cfg.reads, 1, depth, &mut scratch)?;
+        lent_reads.push(rate(cfg.reads, t));
         raw_reads.push(rate(cfg.reads, s.raw(cfg.reads, 1, &mut raw_lat)?));
         kv_reqs.push(rate(n, s.kvpoll(n, b, &mut scratch)?));
         conf_reqs.push(rate(n, s.kvpoll_confirmed(n, b, &mut scratch)?));
-        lent_reqs.push(rate(n, s.kvpoll_lent(n, b, &mut scratch)?));
+        let depth = s.depth(b);
+        lent_reqs.push(rate(n, s.kv_lent.run(n, b, depth, &mut scratch)?));
         raw_reqs.push(rate(n, s.raw(n, b, &mut scratch)?));
     }
     drop(s);
