@@ -4,8 +4,7 @@
 //! confirmation on. Over shared memory the data and the word are read
 //! one-sidedly, so a read is confirmed while its lender is stopped; a
 //! lend that ended (consumed) fails a second read of it; over tcp, where
-//! UCX serves gets from the lender's progress, reads are confirmed the
-//! same way.
+//! a word's get is not one-sided, reads ask and are confirmed.
 
 use std::io::{BufRead, BufReader, Lines};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -199,8 +198,9 @@ fn over_shared_memory_a_read_of_a_consumed_lend_fails() {
     assert_eq!(out.failed_recving[0].reason.cause, Cause::LeaseLost);
 }
 
-/// Over tcp, where UCX serves a get from the lender's progress, reads are
-/// confirmed from the word all the same, and their lends consumed.
+/// Over tcp, where UCX serves a get from the lender's progress (behind
+/// other reads' data), the first word read is not done at once and the
+/// reads after it ask: all are confirmed, and their lends consumed.
 #[test]
 fn over_tcp_reads_are_confirmed_and_their_lends_consumed() {
     let mut lender = Lender::spawn("tcp", 4);

@@ -56,6 +56,10 @@ struct Conn {
     rkeys: Vec<RemoteKey>,
     /// The peer's lend words, if it announced them.
     words: Option<RemoteKey>,
+    /// A word read on this connection did not complete at once: it is not
+    /// one-sided here (tcp: UCX serves it from the peer's progress, behind
+    /// the data of other reads on its RMA lane), and reads ask instead.
+    words_slow: std::cell::Cell<bool>,
     ep: Endpoint,
     generation: u32,
 }
@@ -268,6 +272,7 @@ impl UcxTransport {
             p.conn = Some(Conn {
                 rkeys,
                 words,
+                words_slow: std::cell::Cell::new(false),
                 ep: ep_conn,
                 generation: ep.generation,
             });
@@ -403,7 +408,7 @@ impl Transport for UcxTransport {
         };
         self.connect(ep)?;
         let conn = self.open(ep).ok_or(INVALID_PARAM)?;
-        let Some(rkey) = &conn.words else {
+        let Some(rkey) = conn.words.as_ref().filter(|_| !conn.words_slow.get()) else {
             return Err(UNSUPPORTED);
         };
         let count = (rkey.remote_len() / 8) as usize;
@@ -417,9 +422,17 @@ impl Transport for UcxTransport {
         // The data this read decides about was read before (its gets
         // completed): keep those loads before the word's.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let before = self.worker.completions_pending();
         conn.ep
             .get_batch(&self.cells, rkey, &[op])
             .map_err(|e| status_of(&e.error))?;
+        if self.worker.completions_pending() == before {
+            // Not done at once: not one-sided on this connection. This read
+            // goes on; the next ones ask (measured over tcp: a word's get
+            // waits behind other reads' data, and 64-block requests ran at
+            // half the rate of asking, whose answers coalesce).
+            conn.words_slow.set(true);
+        }
         self.free_cells.pop();
         self.word_reads.push((token, cell));
         Ok(())
