@@ -11,7 +11,11 @@
 //! u32  address_len,  then the framed worker address
 //! u16  region_count, then per region:
 //!      u32 id, u64 blocks, u32 rkey_len, then the framed packed rkey
+//! u32  words_rkey_len (0: no lend words), then the framed packed rkey of
+//!      the lend words (a power of two of 64-bit words, at most
+//!      `MAX_LEND_WORDS`)
 //! ```
+//! (Frame version 2; version 1 had no lend words.)
 //! All integers little endian. Every length is checked against what is
 //! left, every inner frame is checked, and nothing is kept from bytes that
 //! fail.
@@ -57,6 +61,15 @@ pub enum MetadataError {
     /// A zero block size, or a region whose blocks do not fit its rkey.
     #[error("peer metadata layout is invalid: {0}")]
     BadLayout(String),
+    /// The lend words' rkey is invalid.
+    #[error("peer metadata lend words rkey: {0}")]
+    LendWordsKey(UcxError),
+    /// The lend words' region is not a power of two of 64-bit words, or
+    /// holds more than `MAX_LEND_WORDS`.
+    #[error(
+        "peer metadata lend words: {0} bytes is not a power of two of 8-byte words up to the limit"
+    )]
+    BadLendWords(u64),
     /// The peer's block size differs from ours.
     #[error("peer block size {theirs} is incompatible with ours ({ours})")]
     IncompatibleLayout {
@@ -84,6 +97,9 @@ impl PeerMetadata {
             p.extend_from_slice(&(k.len() as u32).to_le_bytes());
             p.extend_from_slice(k);
         }
+        let words = self.words.as_ref().map_or(&[][..], |k| k.as_bytes());
+        p.extend_from_slice(&(words.len() as u32).to_le_bytes());
+        p.extend_from_slice(words);
         wire::encode(Kind::PeerMetadata, &p)
     }
 
@@ -134,6 +150,21 @@ impl PeerMetadata {
             }
             regions.push(RegionDescriptor { id, blocks, rkey });
         }
+        let wlen = r.u32("lend words rkey length")? as usize;
+        let words = match wlen {
+            0 => None,
+            n => {
+                let rkey = PackedRkey::from_bytes(r.take(n, "lend words rkey")?)
+                    .map_err(MetadataError::LendWordsKey)?;
+                let len = rkey.region_len();
+                let count = len / 8;
+                let max = crate::transport::MAX_LEND_WORDS as u64;
+                if len % 8 != 0 || !count.is_power_of_two() || count > max {
+                    return Err(MetadataError::BadLendWords(len));
+                }
+                Some(rkey)
+            }
+        };
         if !r.0.is_empty() {
             return Err(MetadataError::TrailingBytes(r.0.len()));
         }
@@ -146,6 +177,7 @@ impl PeerMetadata {
             layout: BlockLayout { block_size },
             worker,
             regions,
+            words,
         })
     }
 

@@ -50,7 +50,9 @@ pub enum NoteKind {
     /// Consumer → lender: "I read the request's lent blocks; was the lend
     /// live?" The lender answers [`NoteKind::ReadConfirmed`] (and counts the
     /// consumer) or [`NoteKind::ReadRefused`]; the read finishes only on a
-    /// confirmation.
+    /// confirmation. Sent with no answer wanted, it says "I read them and
+    /// your lend word confirmed the lend" (or, with confirmation off, just
+    /// "I read them"): the lender counts the consumer.
     ReadDone = 1,
     /// Writer → destination: the request's blocks were written and flushed.
     WriteDone = 2,

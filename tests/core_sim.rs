@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvpoll::core::{Action, Command, Core, CoreConfig, T_TRANSPORT};
+use kvpoll::core::{Action, Command, Core, CoreConfig, T_TRANSPORT, T_WORD};
 use kvpoll::ledger::{
     BlockId, Cause, Event, HandleKey, Incarnation, Kind, Ledger, LedgerConfig, Nanos, Outcome,
     PeerId, Reason, RequestId, RequestKey,
@@ -22,7 +22,7 @@ use kvpoll::ledger::{
 use kvpoll::notification::{NoteKind, Notification};
 use kvpoll::transport::sim::Rng;
 use kvpoll::transport::simnet::{SimNet, SimNetConfig};
-use kvpoll::transport::{Direction, Transport};
+use kvpoll::transport::{Direction, LendWords, Transport};
 use proptest::prelude::*;
 
 const RELEASE_RETRY: u64 = 50_000;
@@ -123,7 +123,17 @@ fn pattern(node: usize, block: BlockId, region: usize, i: usize, epoch: u8) -> u
         + u32::from(epoch) * 97) as u8
 }
 
-fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core {
+/// Lend words each node announces in the harness: few, so that lends
+/// collide and their readers ask.
+const LEND_WORDS: usize = 16;
+
+fn new_core(
+    instance: u64,
+    regions: usize,
+    blocks: u64,
+    heartbeat: u64,
+    words: Option<LendWords>,
+) -> Core {
     let ledger = Ledger::new(LedgerConfig {
         slots: 64,
         max_blocks: 64,
@@ -139,7 +149,8 @@ fn new_core(instance: u64, regions: usize, blocks: u64, heartbeat: u64) -> Core 
             lend_grace: Nanos(GRACE),
         },
         ledger,
-    );
+    )
+    .with_lend_words(words);
     core.set_local_layout(regions, blocks);
     core
 }
@@ -151,6 +162,17 @@ impl Harness {
 
     /// Cores whose reads tell their lenders every `heartbeat` ns.
     fn with_heartbeat(cfg: SimNetConfig, heartbeat: u64) -> Self {
+        Self::with_options(cfg, heartbeat, LEND_WORDS)
+    }
+
+    /// Nodes without lend words: every read asks its lenders.
+    fn asking(cfg: SimNetConfig) -> Self {
+        Self::with_options(cfg, u64::MAX, 0)
+    }
+
+    /// Cores whose reads tell their lenders every `heartbeat` ns, and
+    /// whose lends have `words` lend words (0: none).
+    fn with_options(cfg: SimNetConfig, heartbeat: u64, words: usize) -> Self {
         let mut h = Harness {
             net: SimNet::new(cfg),
             nodes: Vec::new(),
@@ -169,8 +191,9 @@ impl Harness {
         };
         for n in 0..cfg.nodes {
             let instance = instance_of(n, 0);
+            let words = (words > 0).then(|| h.net.lend_words(n, words));
             h.nodes.push(NodeState {
-                core: new_core(instance, cfg.regions, cfg.blocks, heartbeat),
+                core: new_core(instance, cfg.regions, cfg.blocks, heartbeat, words),
                 instance,
                 peers: HashMap::new(),
                 shut: false,
@@ -642,9 +665,15 @@ impl Harness {
         );
         // No report before quiescence: no data operation or flush of the
         // request is still in the network or unread by the core.
+        // A read's lend word check (the flush kind, which reads do not
+        // otherwise use) lands in the transport's own cell, never in the
+        // read's blocks: a read that ends (its deadline) while one is out
+        // is quiescent.
+        let word = |t: u64| t & T_KIND == T_WORD && matches!(req.kind, Kind::Read);
         let out = self.net.outstanding(node, |t| {
             t & T_KIND != T_NOTE
                 && t & T_KIND != T_TRANSPORT
+                && !word(t)
                 && HandleKey::from_u64(t & !T_KIND).key() == key
         });
         assert_eq!(
@@ -1322,7 +1351,8 @@ fn a_lost_peer_fails_its_handles_and_can_be_re_added() {
     h.resumes.clear();
     let cfgn = *h.net.config();
     let inst = instance_of(1, 1);
-    h.nodes[1].core = new_core(inst, cfgn.regions, cfgn.blocks, u64::MAX);
+    let words = Some(h.net.lend_words(1, LEND_WORDS));
+    h.nodes[1].core = new_core(inst, cfgn.regions, cfgn.blocks, u64::MAX, words);
     h.nodes[1].instance = inst;
     h.reqs.retain(|k, _| k.0 != 1);
     h.connect(0, 1);
@@ -1358,7 +1388,8 @@ fn notify_only_releases_a_lend() {
 fn reads_that_finish_together_tell_their_lender_in_one_message_and_hear_back_in_one() {
     // Every operation takes the same time: the reads below, posted at the
     // same moment, complete in the same poller iteration.
-    let mut h = Harness::new(SimNetConfig {
+    // Lenders without lend words: the reads ask.
+    let mut h = Harness::asking(SimNetConfig {
         latency: (5_000, 5_000),
         ..cfg(21, 2)
     });
@@ -1403,7 +1434,8 @@ fn reads_from_two_lenders_that_finish_together_send_each_lender_one_message() {
     // TP: every read has a handle on each of two lenders, so the questions
     // to the two alternate as the reads finish; each lender still gets one
     // message, and answers in one.
-    let mut h = Harness::new(SimNetConfig {
+    // Lenders without lend words: the reads ask.
+    let mut h = Harness::asking(SimNetConfig {
         latency: (5_000, 5_000),
         ..cfg(23, 3)
     });
@@ -1804,6 +1836,9 @@ proptest! {
 #[test]
 fn whole_runs_cover_failures_and_successes() {
     let (mut ok, mut failed, mut late, mut quarantined) = (0, 0, 0, 0);
+    // Lend words: reads confirmed from them, reads that had to ask, lends
+    // that found their word taken.
+    let mut words = (0u64, 0u64, 0u64);
     let mut causes = BTreeMap::new();
     for seed in 0..300 {
         let h = whole_run(seed);
@@ -1815,6 +1850,12 @@ fn whole_runs_cover_failures_and_successes() {
             }
         }
         late += h.net.writes().iter().filter(|w| w.after_completion).count();
+        for n in &h.nodes {
+            let st = n.core.stats();
+            words.0 += st.word_confirmations;
+            words.1 += st.word_misses;
+            words.2 += st.word_collisions;
+        }
         quarantined += h
             .nodes
             .iter()
@@ -1827,9 +1868,15 @@ fn whole_runs_cover_failures_and_successes() {
             }
         }
     }
-    eprintln!("ok {ok} failed {failed} late {late} quarantined {quarantined} causes {causes:?}");
+    eprintln!(
+        "ok {ok} failed {failed} late {late} quarantined {quarantined} words {words:?} causes {causes:?}"
+    );
     assert!(ok > 100 && failed > 100, "ok {ok} failed {failed}");
     assert!(quarantined > 10, "quarantined {quarantined}");
+    assert!(
+        words.0 > 100 && words.1 > 100 && words.2 > 10,
+        "lend words (confirmed, missed, collided): {words:?}"
+    );
 }
 
 // -- a read finishes only if its lend was live ---------------------------------
@@ -2161,7 +2208,9 @@ fn an_unnamed_destination_nobody_wrote_is_released_when_every_peer_is_quiet() {
 /// finish on it — only on its own answer.
 #[test]
 fn a_late_confirmation_of_a_first_read_attempt_never_finishes_its_retry() {
-    let mut h = Harness::new(SimNetConfig {
+    // A lender without lend words: its readers ask it (with them, the
+    // reads below would confirm from its word while it is paused).
+    let mut h = Harness::asking(SimNetConfig {
         // Shared memory: the retry's gets land while the lender is paused.
         shm: true,
         ..cfg(40, 2)
@@ -2362,8 +2411,11 @@ fn a_read_question_that_overtakes_its_lend_is_confirmed_once_the_lend_begins() {
         h.nodes[1].core.stats().early_notes > 0,
         "no question reached the lender first"
     );
+    // It found no lend word (the lend is not there) and asked.
+    assert_eq!(h.nodes[0].core.stats().word_misses, 1);
     h.lend_as(1, 19, &src, Kind::Lend { notifications: 1 }, 100 * MS, inc);
     run_ends_with_both_finished(&mut h, 0, 1, 19);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 0);
 }
 
 /// ...and a read whose lend never begins fails once the grace period ran
@@ -2398,4 +2450,105 @@ fn replay_one_run() {
         .and_then(|s| s.parse().ok())
         .expect("KVPOLL_SIM_SEED=<seed of the run to replay>");
     whole_run(seed);
+}
+
+// -- lend words ------------------------------------------------------------------
+
+/// A read whose lender's word names its lend after the data landed is
+/// confirmed from the word: no question, no answer; its lender is told one
+/// way and counts it (the lend is consumed, reported finished).
+#[test]
+fn a_read_confirmed_from_its_lend_word_tells_its_lender_one_way_and_is_counted() {
+    let mut h = Harness::new(cfg(60, 2));
+    let src = lend_filled(&mut h, 1, 30, 2, 1, 100 * MS);
+    let l = h.alloc(0, 2);
+    h.read(0, 30, &[(1, pairs(&l, &src))], 50 * MS);
+    run_ends_with_both_finished(&mut h, 0, 1, 30);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 1);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 0);
+    let one_way = h.nodes[0].actions.iter().any(|a| {
+        matches!(
+            a,
+            Action::Send {
+                want_reply: false,
+                ..
+            }
+        )
+    });
+    assert!(one_way, "the reader did not tell its lender one way");
+    let asked = h.nodes[0].actions.iter().any(|a| {
+        matches!(
+            a,
+            Action::Send {
+                want_reply: true,
+                ..
+            }
+        )
+    });
+    assert!(!asked, "the reader asked although the word named its lend");
+    let answered = h.nodes[1]
+        .actions
+        .iter()
+        .any(|a| matches!(a, Action::Reply { .. }));
+    assert!(!answered, "the lender answered a question nobody asked");
+}
+
+/// The lend's lease ends after the read's data landed and before its lend
+/// word is read: the word no longer names the lend (it was overwritten
+/// before the lend's end was reported, and the blocks filled again), the
+/// reader asks, is refused, and fails — it never finishes with bytes the
+/// lender may have reused.
+#[test]
+fn a_lease_that_ends_between_the_data_and_the_word_read_fails_the_read() {
+    // Every operation takes 10 µs: the data lands at 10 µs, the word read
+    // (posted then) reads the word at 20 µs; the lease ends at 15 µs.
+    let mut h = Harness::new(SimNetConfig {
+        latency: (10_000, 10_000),
+        ..cfg(61, 2)
+    });
+    let src = lend_filled(&mut h, 1, 31, 1, 1, 15_000);
+    let l = h.alloc(0, 1);
+    h.read(0, 31, &[(1, pairs(&l, &src))], 50 * MS);
+    h.run_until(Nanos(16_000));
+    assert_eq!(h.report_of(1, 31), Some(&Report::Expired));
+    assert_eq!(
+        h.report_of(0, 31),
+        None,
+        "reported before its word was read"
+    );
+    // The lender's engine reuses the blocks at once.
+    h.fill(1, &src);
+    h.settle();
+    assert_failed_recving(&h, 0, 31, Cause::LeaseLost, &l);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 1);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 0);
+    h.check_end();
+}
+
+/// A lend of the same request id under a new incarnation takes the word the
+/// ended lend had (one word: every lend has it): a reader still naming the
+/// ended lend finds the new incarnation there, asks, and is refused; the
+/// new lend is untouched and its own reader confirms from the word.
+#[test]
+fn a_lend_word_taken_by_a_new_lend_fails_a_reader_of_the_old_one() {
+    let mut h = Harness::with_options(cfg(62, 2), u64::MAX, 1);
+    let src = lend_filled(&mut h, 1, 32, 1, 1, MS);
+    let old = h.token_of(1, 32);
+    h.run_until(Nanos(2 * MS));
+    assert_eq!(h.report_of(1, 32), Some(&Report::Expired));
+    h.fill(1, &src);
+    h.lend(1, 32, &src, Kind::Lend { notifications: 1 }, 100 * MS);
+    let new = h.token_of(1, 32);
+    assert_ne!(old, new);
+    let l = h.alloc(0, 1);
+    h.read_named(0, 32, &[(1, old, pairs(&l, &src))], 50 * MS);
+    h.run_until(Nanos(10 * MS));
+    assert_failed_recving(&h, 0, 32, Cause::LeaseLost, &l);
+    assert_eq!(h.nodes[0].core.stats().word_misses, 1);
+    assert_eq!(h.report_of(1, 32), None, "the new lend was touched");
+    // The id again, now naming the new lend: confirmed from the word.
+    let l2 = h.alloc(0, 1);
+    h.read_named(0, 32, &[(1, new, pairs(&l2, &src))], 50 * MS);
+    run_ends_with_both_finished(&mut h, 0, 1, 32);
+    assert_eq!(h.nodes[0].core.stats().word_confirmations, 1);
 }

@@ -26,6 +26,7 @@ fn real_metadata(regions: &[(u32, u64)]) -> PeerMetadata {
         layout: BlockLayout { block_size: 4096 },
         worker: w.address().unwrap(),
         regions,
+        words: None,
     }
 }
 
@@ -57,37 +58,47 @@ fn regions_listed_out_of_order_are_taken_in_id_order() {
     assert_eq!(ids, vec![(0, 8), (1, 16)]);
 }
 
+/// Metadata without and with lend words.
+fn both_kinds() -> [Vec<u8>; 2] {
+    [
+        real_metadata(&[(0, 16)]).encode(),
+        with_words(64 * 8).encode(),
+    ]
+}
+
 #[test]
 fn truncated_metadata_is_refused_at_every_length() {
-    let bytes = real_metadata(&[(0, 16)]).encode();
-    for n in 0..bytes.len() {
-        assert!(
-            PeerMetadata::decode(&bytes[..n]).is_err(),
-            "accepted {n} bytes"
-        );
+    for bytes in both_kinds() {
+        for n in 0..bytes.len() {
+            assert!(
+                PeerMetadata::decode(&bytes[..n]).is_err(),
+                "accepted {n} bytes"
+            );
+        }
     }
 }
 
 #[test]
 fn any_damaged_byte_is_refused() {
-    let bytes = real_metadata(&[(0, 16)]).encode();
-    for i in 0..bytes.len() {
-        let mut b = bytes.clone();
-        b[i] = b[i].wrapping_add(1);
-        assert!(
-            PeerMetadata::decode(&b).is_err(),
-            "accepted a change at {i}"
-        );
+    for bytes in both_kinds() {
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] = b[i].wrapping_add(1);
+            assert!(
+                PeerMetadata::decode(&b).is_err(),
+                "accepted a change at {i}"
+            );
+        }
     }
 }
 
 #[test]
 fn other_version_is_refused_as_wrong_version() {
     let mut bytes = real_metadata(&[(0, 16)]).encode();
-    bytes[5] = 2;
+    bytes[5] = 1;
     assert_eq!(
         PeerMetadata::decode(&reseal(bytes)),
-        Err(MetadataError::Frame(FrameError::WrongVersion { got: 2 }))
+        Err(MetadataError::Frame(FrameError::WrongVersion { got: 1 }))
     );
 }
 
@@ -148,5 +159,31 @@ proptest! {
         .encode();
         b[i] ^= flip;
         prop_assert!(Notification::decode(&b).is_err());
+    }
+}
+
+fn with_words(bytes: usize) -> PeerMetadata {
+    let (ctx, _w) = ucx_common::worker("tcp");
+    let words = MemoryRegion::allocate(&ctx, bytes).unwrap();
+    PeerMetadata {
+        words: Some(words.pack_rkey().unwrap()),
+        ..real_metadata(&[(0, 16)])
+    }
+}
+
+#[test]
+fn metadata_round_trips_with_lend_words() {
+    let m = with_words(64 * 8);
+    assert_eq!(PeerMetadata::decode(&m.encode()), Ok(m));
+}
+
+#[test]
+fn lend_words_that_are_not_a_power_of_two_of_words_are_refused() {
+    for bytes in [24, 12, 7] {
+        assert_eq!(
+            PeerMetadata::decode(&with_words(bytes).encode()),
+            Err(MetadataError::BadLendWords(bytes as u64)),
+            "{bytes} bytes"
+        );
     }
 }

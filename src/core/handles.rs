@@ -25,6 +25,9 @@ pub(super) struct Progress {
     pub(super) ok: bool,
     /// The remote lend or receive it reads or writes.
     pub(super) lend: Incarnation,
+    /// A read's first handle to a lender: the lender's lend word is being
+    /// read.
+    pub(super) checking: bool,
 }
 
 impl Default for Progress {
@@ -40,6 +43,7 @@ impl Default for Progress {
             releasing: false,
             held: false,
             ok: false,
+            checking: false,
         }
     }
 }

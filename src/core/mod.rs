@@ -45,8 +45,10 @@ use crate::ledger::{
     PeerId, Reason, Request, RequestId, RequestKey, Slots, MAX_HANDLES,
 };
 use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
-pub use crate::transport::T_TRANSPORT;
-use crate::transport::{Direction, Ep, PostFailure, TransportEvent, CANCELED};
+use crate::transport::{
+    lend_word_of, Direction, Ep, LendWords, PostFailure, TransportEvent, CANCELED,
+};
+pub use crate::transport::{T_TRANSPORT, T_WORD};
 use batching::Batch;
 use fences::Fence;
 use handles::Progress;
@@ -58,6 +60,12 @@ const KIND_MASK: u64 = 3 << 30;
 const T_DATA: u64 = 0;
 const T_FLUSH: u64 = 1 << 30;
 const T_NOTE: u64 = 2 << 30;
+const _: () = assert!(
+    T_WORD == T_FLUSH,
+    "a read's word check shares the flush kind"
+);
+/// An [`Info::word`] naming no lend word.
+const NO_WORD: u32 = u32::MAX;
 
 /// Most remote engines one request may await notifications from.
 pub const MAX_CONSUMERS: usize = 64;
@@ -190,6 +198,19 @@ pub enum Action {
         /// Token it completes with.
         token: u64,
     },
+    /// Read, after the read's data landed, the lender's word that lend
+    /// `lend` lives in ([`crate::transport::Transport::read_word`]); a
+    /// failure to post is fed to [`Core::on_word_failed`].
+    ReadWord {
+        /// Endpoint generation (the one the data travelled on, or newer).
+        ep: Ep,
+        /// The lend whose word is read.
+        lend: Incarnation,
+        /// The read's handle it is for (its first to that lender).
+        handle: HandleKey,
+        /// Token it ends with.
+        token: u64,
+    },
     /// Force-close endpoint generation `ep`.
     Close {
         /// Which one.
@@ -245,6 +266,8 @@ struct Info {
     unnamed: bool,
     /// Writers of a receive that said done or abandoned.
     words: u8,
+    /// A lend's own lend word (its index), or [`NO_WORD`].
+    word: u32,
 }
 
 /// Counters, for metrics and tests.
@@ -289,6 +312,15 @@ pub struct CoreStats {
     /// attempt, a wrong token): refused, never applied. Also counted in
     /// `rejected_notifications`.
     pub stale_notifications: u64,
+    /// Reads' lenders whose lend word, read after the data, named the
+    /// lend: confirmed without asking the lender.
+    pub word_confirmations: u64,
+    /// Lend words that did not name the lend (not lent yet, ended, another
+    /// lend's, or not readable): the read asked its lender instead.
+    pub word_misses: u64,
+    /// Lends that found their word taken by another live lend (their
+    /// readers ask).
+    pub word_collisions: u64,
 }
 
 /// The protocol core. See the module docs.
@@ -369,6 +401,8 @@ pub struct Core {
     shutting_down: bool,
     /// Events already looked at by `after_events`.
     scanned: usize,
+    /// This engine's lend words, if its transport has them.
+    words: Option<LendWords>,
 }
 
 impl Core {
@@ -400,6 +434,7 @@ impl Core {
                     aborted: false,
                     unnamed: false,
                     words: 0,
+                    word: NO_WORD,
                 };
                 capacity
             ],
@@ -431,7 +466,16 @@ impl Core {
             stats: CoreStats::default(),
             shutting_down: false,
             scanned: 0,
+            words: None,
         }
+    }
+
+    /// The core writes its lends' incarnations into `words` (see
+    /// [`LendWords`]): its readers can then confirm a read with one
+    /// one-sided read instead of a question.
+    pub fn with_lend_words(mut self, words: Option<LendWords>) -> Self {
+        self.words = words;
+        self
     }
 
     /// The shared ledger slots.
@@ -451,7 +495,14 @@ impl Core {
 
     /// Hands the events produced so far to `publish`, in order, and
     /// forgets them.
+    ///
+    /// Every lend word of a lend whose end is among them is overwritten
+    /// first: the engine may reuse the blocks once it sees the end, and
+    /// a reader must not find the incarnation in the word by then.
     pub fn drain_events(&mut self, mut publish: impl FnMut(Event)) -> usize {
+        if self.words.is_some() {
+            self.clear_ended_words();
+        }
         let n = self.events.len();
         for &e in &self.events {
             publish(e);
@@ -625,6 +676,7 @@ impl Core {
             aborted: false,
             unnamed: receive && !named,
             words: 0,
+            word: NO_WORD,
         };
         if fenced {
             let base = slot * MAX_HANDLES;
@@ -649,6 +701,7 @@ impl Core {
             return;
         }
         if matches!(kind, Kind::Lend { .. }) {
+            self.claim_word(slot, token);
             self.take_early(token, now);
         }
         // Reads and writes in flight tell their lenders (producers, receives
@@ -702,6 +755,11 @@ impl Core {
         match ev {
             TransportEvent::Completion { token, status } => self.on_completion(token, status),
             TransportEvent::Message { payload, reply } => self.on_message(payload, reply, now),
+            TransportEvent::Word {
+                token,
+                status,
+                word,
+            } => self.on_word(token, status, word),
             TransportEvent::EndpointFailed { ep, status } => self.on_endpoint_failed(ep, status),
         }
     }

@@ -57,7 +57,140 @@ impl Core {
             return;
         }
         self.info[slot].queried = true;
-        self.each_peer_once(key, NoteKind::ReadDone, true);
+        // Each lender engine once (its first handle), as a question would.
+        let base = slot * MAX_HANDLES;
+        for h in 0..info.handles as usize {
+            let Progress { peer, lend, .. } = self.progress[base + h];
+            let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
+            let entry = self.peers.get(peer.0 as usize).and_then(|p| p.as_ref());
+            let (Some(p), Some(hk)) = (entry, HandleKey::new(key, h as u8)) else {
+                continue; // a peer gone: its loss fails the read
+            };
+            if dup || lend.is_none() {
+                continue;
+            }
+            // Every data operation of this read completed (its handles all
+            // stopped clean): the word is read only now, so no order
+            // between gets is assumed of the transport.
+            let ep = p.ep(peer);
+            self.progress[base + h].checking = true;
+            self.ops_in_flight += 1;
+            self.push_on(
+                peer,
+                Action::ReadWord {
+                    ep,
+                    lend,
+                    handle: hk,
+                    token: hk.to_u64() | T_WORD,
+                },
+            );
+        }
+    }
+
+    /// A lend word read ended: `word` names the handle's lend, so the lend
+    /// had not ended when the word was read — after the data — and the read
+    /// is confirmed for that lender, which is told one way (it counts this
+    /// reader, as for a question). Anything else (not lent yet, ended,
+    /// another lend's, not readable) and the lender is asked, as before.
+    pub(super) fn on_word(&mut self, token: u64, status: i8, word: u64) {
+        // Every word read posted ends once, here (a failed post too).
+        self.ops_in_flight = self.ops_in_flight.saturating_sub(1);
+        let hk = HandleKey::from_u64(token & !KIND_MASK);
+        let idx = Self::index(hk);
+        let Some(p) = self.progress.get(idx).copied() else {
+            return;
+        };
+        if p.generation != hk.key().generation() || !p.checking {
+            return; // a read that ended meanwhile
+        }
+        self.progress[idx].checking = false;
+        let key = hk.key();
+        let slot = key.slot() as usize;
+        let info = self.info[slot];
+        if info.generation != key.generation() || !self.ledger.is_live(key) {
+            return;
+        }
+        let Some(instance) = self
+            .peers
+            .get(p.peer.0 as usize)
+            .and_then(|e| e.as_ref())
+            .map(|e| e.instance)
+        else {
+            return;
+        };
+        if self.seen(slot, instance) {
+            return;
+        }
+        let confirmed = status == 0 && word == p.lend.0;
+        if confirmed {
+            self.stats.word_confirmations += 1;
+            self.counted(slot, instance);
+            self.ledger_confirm(info.id, key);
+        } else {
+            self.stats.word_misses += 1;
+        }
+        // Confirmed: told one way (it counts this reader). Otherwise asked.
+        let ask = !confirmed;
+        self.send_note(
+            p.peer,
+            None,
+            NoteKind::ReadDone,
+            info.id,
+            p.lend,
+            info.token,
+            ask,
+        );
+        self.after_events();
+    }
+
+    /// An [`Action::ReadWord`] could not be posted: the lender is asked.
+    pub fn on_word_failed(&mut self, hk: HandleKey, status: i8) {
+        self.touched();
+        self.on_word(hk.to_u64() | T_WORD, status.min(-1), 0);
+    }
+
+    /// Lend `slot` (incarnation `token`) takes its lend word, if free.
+    pub(super) fn claim_word(&mut self, slot: usize, token: Incarnation) {
+        let Some(words) = &self.words else {
+            return;
+        };
+        let Some(i) = lend_word_of(token, words.len()) else {
+            return;
+        };
+        if words.get(i) == 0 {
+            words.set(i, token.0);
+            self.info[slot].word = i as u32;
+        } else {
+            self.stats.word_collisions += 1;
+        }
+    }
+
+    /// The lend words of the lends whose end is about to be published are
+    /// overwritten, and the stores made visible before anything after them
+    /// (the publication).
+    pub(super) fn clear_ended_words(&mut self) {
+        let Some(words) = &self.words else {
+            return;
+        };
+        let mut cleared = false;
+        for e in &self.events {
+            if !e.outcome.is_terminal() {
+                continue;
+            }
+            let info = &mut self.info[e.key.slot() as usize];
+            if info.generation != e.key.generation() || info.word == NO_WORD {
+                continue;
+            }
+            let i = info.word as usize;
+            if words.get(i) == info.token.0 {
+                words.set(i, 0);
+            }
+            info.word = NO_WORD;
+            cleared = true;
+        }
+        if cleared {
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }
     }
 
     /// A note for a lend or push destination this engine does not hold

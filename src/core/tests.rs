@@ -351,3 +351,183 @@ fn a_reported_destination_leaves_no_timer_behind() {
         "the finished destination's lease still wakes the poller"
     );
 }
+
+// -- lend words ---------------------------------------------------------------
+
+fn lender_with_words(len: usize) -> (Core, LendWords) {
+    let words = LendWords::heap(len);
+    let c = core(1).with_lend_words(Some(words.clone()));
+    (c, words)
+}
+
+fn word_of(words: &LendWords, token: u64) -> u64 {
+    words.get(lend_word_of(Incarnation(token), words.len()).expect("a word"))
+}
+
+#[test]
+fn a_lend_writes_its_incarnation_into_its_word_and_it_is_overwritten_before_its_end_is_published() {
+    let (mut c, words) = lender_with_words(64);
+    lend(&mut c, 40, 0x4040, Nanos(0));
+    assert_eq!(word_of(&words, 0x4040), 0x4040);
+    // The reader's one-way word: the lend is consumed.
+    feed(
+        &mut c,
+        note(NoteKind::ReadDone, 40, 0x4040, 7, 77),
+        None,
+        Nanos(1),
+    );
+    while c.next_action().is_some() {}
+    // Ended in the ledger, not yet published: the word still names it
+    // (nothing can reuse the blocks before the engine hears of the end).
+    assert_eq!(word_of(&words, 0x4040), 0x4040);
+    let mut seen = Vec::new();
+    c.drain_events(|e| seen.push((e.outcome, word_of(&words, 0x4040))));
+    assert_eq!(
+        seen,
+        vec![(Outcome::LendReleased, 0)],
+        "the end was published while its word still named the lend"
+    );
+}
+
+#[test]
+fn a_lend_whose_word_is_taken_gets_none_and_leaves_the_other_lends_word_alone() {
+    // One word: every lend hashes to it.
+    let (mut c, words) = lender_with_words(1);
+    lend(&mut c, 41, 0x4141, Nanos(0));
+    lend(&mut c, 42, 0x4242, Nanos(0));
+    assert_eq!(words.get(0), 0x4141);
+    assert_eq!(c.stats().word_collisions, 1);
+    // The second lend ends: the first's word is untouched.
+    feed(
+        &mut c,
+        note(NoteKind::GaveUp, 42, 0x4242, 7, 77),
+        None,
+        Nanos(1),
+    );
+    c.drain_events(|_| {});
+    assert_eq!(words.get(0), 0x4141);
+    // The first ends (its lease): its word is cleared; a new lend takes it.
+    c.advance(Nanos(2_000_000_000));
+    c.drain_events(|_| {});
+    assert_eq!(words.get(0), 0);
+    lend(&mut c, 45, 0x5151, Nanos(2_000_000_001));
+    assert_eq!(words.get(0), 0x5151);
+}
+
+#[test]
+fn lends_that_the_core_gives_up_on_have_their_words_cleared_when_reported() {
+    let (mut c, words) = lender_with_words(64);
+    lend(&mut c, 43, 0x4343, Nanos(0));
+    lend(&mut c, 44, 0x4444, Nanos(0));
+    c.abandon(Cause::PollerDied);
+    assert_eq!(c.drain_events(|_| {}), 2);
+    assert_eq!((word_of(&words, 0x4343), word_of(&words, 0x4444)), (0, 0));
+}
+
+/// A reader's side: its first handle to each lender reads that lender's
+/// word once the data landed; the word naming the lend confirms the read
+/// and the lender hears one way; any other word, or a word read that
+/// could not be posted, and the lender is asked.
+#[test]
+fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_name_the_lend() {
+    for (word, posted, confirmed) in [
+        (0x5a5a, true, true),
+        (0, true, false),
+        (0x1234, true, false),
+        (0, false, false),
+    ] {
+        let mut c = core(1);
+        let peer = c.add_peer(77, 1, 8).expect("peer");
+        let mut plan = vec![
+            Command::Handle {
+                peer,
+                pairs: 1,
+                lend: Incarnation(0x5a5a),
+            },
+            Command::Pair {
+                local: BlockId(0),
+                remote: BlockId(0),
+            },
+        ]
+        .into_iter();
+        c.on_command(
+            Command::Begin {
+                id: RequestId(50),
+                kind: Kind::Read,
+                handles: 1,
+                blocks: 0,
+                expires_in: 1_000_000_000,
+                token: Incarnation(9),
+            },
+            &mut || plan.next(),
+            Nanos(0),
+        );
+        let mut data = None;
+        while let Some(a) = c.next_action() {
+            if let Action::Post { handle, token, .. } = a {
+                c.on_posted(handle, Ok(1));
+                data = Some((handle, token));
+            }
+        }
+        let (hk, token) = data.expect("posted");
+        c.on_transport(TransportEvent::Completion { token, status: 0 }, Nanos(1));
+        let mut word_read = None;
+        while let Some(a) = c.next_action() {
+            match a {
+                Action::Release { handle } => c.on_released(handle, true, Nanos(1)),
+                Action::ReadWord {
+                    lend,
+                    handle,
+                    token,
+                    ..
+                } => {
+                    assert_eq!((lend, handle), (Incarnation(0x5a5a), hk));
+                    word_read = Some(token);
+                }
+                Action::Send { .. } => panic!("told the lender before reading its word"),
+                _ => {}
+            }
+        }
+        let token = word_read.expect("no word read after the data landed");
+        if posted {
+            c.on_transport(
+                TransportEvent::Word {
+                    token,
+                    status: 0,
+                    word,
+                },
+                Nanos(2),
+            );
+        } else {
+            c.on_word_failed(hk, crate::transport::UNSUPPORTED);
+        }
+        let mut sends: Vec<(bool, Vec<NoteKind>)> = Vec::new();
+        while let Some(a) = c.next_action() {
+            if let Action::Send {
+                notes, want_reply, ..
+            } = a
+            {
+                let kinds = c
+                    .notes(notes)
+                    .chunks_exact(NOTE_LEN)
+                    .map(|b| Notification::decode(b).expect("encoded").kind)
+                    .collect();
+                sends.push((want_reply, kinds));
+            }
+        }
+        assert_eq!(
+            sends,
+            vec![(!confirmed, vec![NoteKind::ReadDone])],
+            "word {word:#x} posted {posted}"
+        );
+        let mut outcomes = Vec::new();
+        c.drain_events(|e| outcomes.push(e.outcome));
+        let want = if confirmed {
+            vec![Outcome::Finished]
+        } else {
+            vec![]
+        };
+        assert_eq!(outcomes, want, "word {word:#x} posted {posted}");
+        assert_eq!(c.stats().word_confirmations, u64::from(confirmed));
+    }
+}

@@ -52,6 +52,16 @@ pub fn perform<W: Transport + ?Sized>(core: &mut Core, wire: &mut W, action: Act
                 core.on_send_failed(notes.count);
             }
         }
+        Action::ReadWord {
+            ep,
+            lend,
+            handle,
+            token,
+        } => {
+            if let Err(status) = wire.read_word(ep, lend, token) {
+                core.on_word_failed(handle, status);
+            }
+        }
         Action::Close { ep } => wire.close(ep),
         Action::Release { handle } => {
             let released = wire.release(handle);

@@ -101,7 +101,7 @@ impl Driver {
         let wire = crate::transport::faulty::Faulty::new(ucx, cfg.faults);
         #[cfg(not(feature = "fault-injection"))]
         let wire = ucx;
-        let core = Core::new(CoreConfig::from(&cfg), ledger);
+        let core = Core::new(CoreConfig::from(&cfg), ledger).with_lend_words(wire.lend_words());
         let idle = idle::Idle::new(Nanos(shared.epoch.elapsed().as_nanos() as u64));
         Ok(Self {
             cfg,

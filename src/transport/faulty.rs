@@ -4,9 +4,11 @@
 
 use std::time::Duration;
 
-use crate::ledger::{BlockId, HandleKey, PeerId};
+use crate::ledger::{BlockId, HandleKey, Incarnation, PeerId};
 use crate::transport::peer::PeerMetadata;
-use crate::transport::{Direction, Ep, PostFailure, Transport, TransportEvent, IO_ERROR};
+use crate::transport::{
+    Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, IO_ERROR,
+};
 
 /// Faults to inject. The default injects none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -99,6 +101,14 @@ impl<T: Transport> Transport for Faulty<T> {
 
     fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8> {
         self.inner.reply(to, payload, token)
+    }
+
+    fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
+        self.inner.read_word(ep, inc, token)
+    }
+
+    fn lend_words(&self) -> Option<LendWords> {
+        self.inner.lend_words()
     }
 
     fn close(&mut self, ep: Ep) {

@@ -23,13 +23,18 @@ pub mod sim;
 pub mod simnet;
 pub mod ucx;
 
-use crate::ledger::{BlockId, HandleKey, PeerId};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::ledger::{BlockId, HandleKey, Incarnation, PeerId};
 use peer::PeerMetadata;
 
 /// The token kind a transport uses for operations of its own (closes):
 /// the top two bits of the 32-bit kind field set. Tokens the core posts
 /// never carry it, and the core never sees these completions.
 pub const T_TRANSPORT: u64 = 3 << 30;
+/// The token kind the core gives a read's lend word check (a read has no
+/// flush, so it shares that kind); a transport tells word completions by it.
+pub const T_WORD: u64 = 1 << 30;
 
 /// `UCS_ERR_IO_ERROR`.
 pub const IO_ERROR: i8 = -3;
@@ -42,6 +47,123 @@ pub const CANCELED: i8 = -16;
 pub const ENDPOINT_TIMEOUT: i8 = -80;
 /// `UCS_ERR_INVALID_PARAM`: an operation refused before the transport saw it.
 pub const INVALID_PARAM: i8 = -5;
+/// `UCS_ERR_NO_RESOURCE`: a lend word read refused for want of a landing
+/// cell (the reader asks its lender instead).
+pub const NO_RESOURCE: i8 = -2;
+/// `UCS_ERR_UNSUPPORTED`: the peer announced no lend words.
+pub const UNSUPPORTED: i8 = -22;
+
+/// Most lend words an engine announces (a peer announcing more is
+/// refused); a power of two.
+pub const MAX_LEND_WORDS: usize = 1 << 20;
+
+/// The word of `len` lend words (a power of two) that incarnation `inc`
+/// lives in while lent: its top bits after a multiplicative hash, so that
+/// the reader, knowing only the incarnation and the lender's word count,
+/// finds the same word the lender wrote. Two live lends may hash to the
+/// same word; the second gets none, and its readers ask (the word is a
+/// fast path, the full 64-bit compare decides).
+pub fn lend_word_of(inc: Incarnation, len: usize) -> Option<usize> {
+    if len == 0 || !len.is_power_of_two() {
+        return None;
+    }
+    let bits = len.trailing_zeros();
+    if bits == 0 {
+        return Some(0);
+    }
+    Some((inc.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize)
+}
+
+/// An engine's lend words: registered memory its readers read one-sidedly
+/// (`Transport::read_word`), one 64-bit word per slot, each holding the
+/// incarnation of the live lend that owns it or 0. The lender's core
+/// writes a lend's incarnation into its word when the lend begins and
+/// overwrites it (with 0) before the lend's end is published to the
+/// engine: a reader that reads the incarnation back after its data landed
+/// knows the lend had not ended, so its blocks were not reused, when the
+/// data was read (docs/design.md §2, rule 5).
+///
+/// The memory belongs to `owner`, kept alive by every clone; whoever makes
+/// the words zeroes them when the last clone goes (see the constructors).
+#[derive(Clone)]
+pub struct LendWords {
+    base: std::ptr::NonNull<AtomicU64>,
+    len: usize,
+    _owner: std::rc::Rc<dyn std::any::Any>,
+}
+
+impl std::fmt::Debug for LendWords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LendWords").field("len", &self.len).finish()
+    }
+}
+
+impl LendWords {
+    /// Words over `len` 64-bit words at `base`, owned by `owner`.
+    ///
+    /// # Safety
+    /// `base` must be 8-byte aligned and `base..base + 8 * len` valid for
+    /// reads and writes for as long as `owner` lives; this process touches
+    /// it only through these words (others may read it: remote readers,
+    /// the transport serving them). `len` must be a power of two.
+    pub unsafe fn new(base: *mut u64, len: usize, owner: std::rc::Rc<dyn std::any::Any>) -> Self {
+        debug_assert!(len.is_power_of_two() && base as usize % 8 == 0);
+        LendWords {
+            // SAFETY: the caller's promise: valid, hence not null.
+            base: unsafe { std::ptr::NonNull::new_unchecked(base as *mut AtomicU64) },
+            len,
+            _owner: owner,
+        }
+    }
+
+    /// `len` words on the heap (the simulator's; a power of two).
+    pub fn heap(len: usize) -> Self {
+        let len = len.next_power_of_two();
+        let words: std::rc::Rc<Box<[AtomicU64]>> =
+            std::rc::Rc::new((0..len).map(|_| AtomicU64::new(0)).collect());
+        let base = words.as_ptr() as *mut u64;
+        // SAFETY: the boxed slice is aligned, `len` words long and lives as
+        // long as the owner handed over with it.
+        unsafe { Self::new(base, len, words) }
+    }
+
+    /// Words in the table.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the table has no word.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < self.len, "lend word {i} of {}", self.len);
+        // SAFETY: in bounds (checked); valid while `_owner` lives (new's
+        // contract), and self holds it.
+        unsafe { &*self.base.as_ptr().add(i) }
+    }
+
+    /// The value of word `i`.
+    pub fn get(&self, i: usize) -> u64 {
+        self.word(i).load(Ordering::Acquire)
+    }
+
+    /// Writes word `i`. A single 64-bit store: a remote reader sees the old
+    /// value or the new one, and one that sees the old one read it before
+    /// the store (the order that matters: before the lend's end is
+    /// published, which follows the store).
+    pub fn set(&self, i: usize, value: u64) {
+        self.word(i).store(value, Ordering::SeqCst);
+    }
+
+    /// Zeroes every word (their owner is going away, or the engine is).
+    pub fn clear_all(&self) {
+        for i in 0..self.len {
+            self.set(i, 0);
+        }
+    }
+}
 
 /// One endpoint: a peer, and which of its successive connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -105,6 +227,16 @@ pub enum TransportEvent<'a> {
         /// for one: valid until the transport's next `progress`.
         reply: Option<u32>,
     },
+    /// A lend word read ([`Transport::read_word`]) ended: its token, its
+    /// status (0 for success) and, on success, the word read.
+    Word {
+        /// The token.
+        token: u64,
+        /// `0`, or why it failed.
+        status: i8,
+        /// The word (0 unless `status` is 0).
+        word: u64,
+    },
     /// An endpoint failed (peer gone, link down).
     EndpointFailed {
         /// Which endpoint.
@@ -149,6 +281,21 @@ pub trait Transport {
     /// Answers a received message (its `reply` handle, before the next
     /// `progress`), completing with `token`.
     fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8>;
+
+    /// Reads, one-sidedly where the transport can, the lend word of `ep`'s
+    /// peer that incarnation `inc` lives in ([`lend_word_of`] over the
+    /// peer's announced words); ends with a [`TransportEvent::Word`] of
+    /// `token`. Called only after every data operation whose validity it
+    /// decides completed, so no ordering between them is assumed of the
+    /// transport. `Err`: not posted (the peer has no words, no landing
+    /// cell is free, the endpoint is closed).
+    fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8>;
+
+    /// This engine's own lend words, which its core writes (`None`: the
+    /// transport announces none, and readers of its lends ask).
+    fn lend_words(&self) -> Option<LendWords> {
+        None
+    }
 
     /// Force-closes endpoint generation `ep` if it is the open one: every
     /// operation outstanding on it completes with [`CANCELED`]. Remote keys

@@ -34,4 +34,7 @@ pub struct PeerMetadata {
     pub worker: WorkerAddress,
     /// The regions blocks live in.
     pub regions: Vec<RegionDescriptor>,
+    /// The lend words readers read to confirm a read without asking
+    /// ([`LendWords`](crate::transport::LendWords)), if the engine has them.
+    pub words: Option<PackedRkey>,
 }

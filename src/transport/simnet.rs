@@ -30,12 +30,12 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use crate::ledger::{BlockId, Nanos, PeerId};
+use crate::ledger::{BlockId, Incarnation, Nanos, PeerId};
 use crate::transport::peer::PeerMetadata;
 use crate::transport::sim::Rng;
 use crate::transport::{
-    Direction, Ep, PostFailure, Transport, TransportEvent, CANCELED, ENDPOINT_TIMEOUT, IO_ERROR,
-    UNREACHABLE,
+    lend_word_of, Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, CANCELED,
+    ENDPOINT_TIMEOUT, IO_ERROR, UNREACHABLE, UNSUPPORTED,
 };
 
 /// Shape and fault rates of a simulated network. Rates are per million.
@@ -111,6 +111,8 @@ enum OpKind {
     },
     Flush,
     Send(Vec<u8>, bool),
+    /// A lend word read: the target's word `.0`, read when it completes.
+    Word(usize),
 }
 
 #[derive(Debug, Clone)]
@@ -163,6 +165,11 @@ enum Ev {
         ep: Ep,
         status: i8,
     },
+    Word {
+        token: u64,
+        status: i8,
+        word: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -182,6 +189,8 @@ struct Node {
     posted: u64,
     /// Releases still to fail (each failure is retried by the core).
     fail_releases: u32,
+    /// Its lend words, once its driver asked for them.
+    words: Option<LendWords>,
 }
 
 /// The simulated network. See the module docs.
@@ -225,6 +234,17 @@ impl SimNet {
     /// Node `node`'s transport.
     pub fn node(&mut self, node: usize) -> SimTransport<'_> {
         SimTransport { net: self, node }
+    }
+
+    /// Node `node`'s lend words (`len` of them, a power of two), made on
+    /// the first call and kept until the node is revived: give them to its
+    /// core ([`crate::core::Core::with_lend_words`]) and its readers
+    /// confirm by reading them. Small tables make lends collide.
+    pub fn lend_words(&mut self, node: usize, len: usize) -> LendWords {
+        self.nodes[node]
+            .words
+            .get_or_insert_with(|| LendWords::heap(len))
+            .clone()
     }
 
     /// Routes `node`'s peer id `peer` to node `to` (what `add_peer` would
@@ -379,7 +399,9 @@ impl SimNet {
         let queued = self.nodes[node]
             .events
             .iter()
-            .filter(|e| matches!(e, Ev::Completion { token, .. } if pred(*token)))
+            .filter(|e| {
+                matches!(e, Ev::Completion { token, .. } | Ev::Word { token, .. } if pred(*token))
+            })
             .count();
         in_net + queued
     }
@@ -483,6 +505,22 @@ impl SimNet {
         let op = op.clone();
         if op.data_at.is_none() {
             self.ops.remove(&id);
+        }
+        if let OpKind::Word(i) = op.kind {
+            let words = self.nodes[op.target].words.as_ref();
+            let (status, word) = match words {
+                _ if op.status != 0 => (op.status, 0),
+                Some(w) if i < w.len() => (0, w.get(i)),
+                _ => (UNSUPPORTED, 0),
+            };
+            if !self.nodes[op.owner].dead {
+                self.nodes[op.owner].events.push_back(Ev::Word {
+                    token: op.token,
+                    status,
+                    word,
+                });
+            }
+            return;
         }
         if let OpKind::Send(bytes, wants_reply) = op.kind {
             if op.status == 0 && !self.nodes[op.target].dead {
@@ -709,6 +747,20 @@ impl Transport for SimTransport<'_> {
         Ok(())
     }
 
+    fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
+        let node = self.node;
+        let target = self.net.conn(node, ep, true)?;
+        let len = self.net.nodes[target].words.as_ref().map_or(0, |w| w.len());
+        let i = lend_word_of(inc, len).ok_or(UNSUPPORTED)?;
+        self.net
+            .push_op(Op::new(node, target, ep, token, OpKind::Word(i)));
+        Ok(())
+    }
+
+    fn lend_words(&self) -> Option<LendWords> {
+        self.net.nodes[self.node].words.clone()
+    }
+
     fn close(&mut self, ep: Ep) {
         self.net.close_conn(self.node, ep);
     }
@@ -732,6 +784,15 @@ impl Transport for SimTransport<'_> {
                 Ev::EndpointFailed { ep, status } => {
                     sink(TransportEvent::EndpointFailed { ep, status })
                 }
+                Ev::Word {
+                    token,
+                    status,
+                    word,
+                } => sink(TransportEvent::Word {
+                    token,
+                    status,
+                    word,
+                }),
             }
         }
     }

@@ -24,6 +24,13 @@
 //!   was live and finishes on the answer. Its cost over the unconfirmed
 //!   runs is what confirmation costs, the producer's lends included.
 //!
+//! - **kvpoll, lent, unconfirmed**: confirmation off, reading from a
+//!   lending peer of its own the same way (each id lent, its incarnation
+//!   named): a read finishes when its data landed and then tells its
+//!   lender one way. Against it, the confirmed runs show what confirmation
+//!   itself costs, the lends and the channel that hands out their
+//!   incarnations being in both.
+//!
 //! Two shapes: single-block reads (`reads` reads of one block) and requests
 //! of `request_blocks` blocks. Runs of kvpoll, confirmed kvpoll and raw
 //! alternate; medians.
@@ -183,6 +190,12 @@ pub struct E2eFigures {
     pub confirm_reads: ConfirmCost,
     /// Read confirmation on multi-block requests.
     pub confirm_requests: ConfirmCost,
+    /// Read confirmation on single-block reads, against unconfirmed reads
+    /// of lends made the same way.
+    pub confirm_reads_same_lends: ConfirmCost,
+    /// Read confirmation on multi-block requests, against unconfirmed
+    /// reads of lends made the same way.
+    pub confirm_requests_same_lends: ConfirmCost,
     /// Per-read latency (submit → visible), kvpoll with confirmation, ns,
     /// from the last run.
     pub confirmed_read_latency_ns: Vec<u64>,
@@ -208,12 +221,14 @@ impl E2eFigures {
             )
         };
         format!(
-            "{{\"tls\":\"{}\",\"single_block_reads\":{},\"requests\":{},\"confirm_single_block_reads\":{},\"confirm_requests\":{}}}",
+            "{{\"tls\":\"{}\",\"single_block_reads\":{},\"requests\":{},\"confirm_single_block_reads\":{},\"confirm_requests\":{},\"confirm_single_block_reads_same_lends\":{},\"confirm_requests_same_lends\":{}}}",
             self.tls,
             r(&self.reads),
             r(&self.requests),
             c(&self.confirm_reads),
-            c(&self.confirm_requests)
+            c(&self.confirm_requests),
+            c(&self.confirm_reads_same_lends),
+            c(&self.confirm_requests_same_lends)
         )
     }
 }
@@ -229,7 +244,7 @@ struct PeerProcess {
 }
 
 /// A `LENT <id> <hex incarnation>` line of a lending `engine-peer`.
-fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
+pub fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
     let mut parts = line.trim().strip_prefix("LENT ")?.split_whitespace();
     let id = parts.next()?.parse().ok()?;
     let inc = u64::from_str_radix(parts.next()?, 16).ok()?;
@@ -568,9 +583,11 @@ pub struct Session {
     cfg: E2eConfig,
     kv: KvpollSide,
     kv_confirmed: KvpollSide,
+    /// Unconfirmed, of lends made as for `kv_confirmed`.
+    kv_lent: KvpollSide,
     raw: RawSide,
     // Dropped last: the peers outlive the connections to them.
-    _peers: (PeerProcess, PeerProcess, PeerProcess),
+    _peers: (PeerProcess, PeerProcess, PeerProcess, PeerProcess),
 }
 
 impl Session {
@@ -607,6 +624,7 @@ impl Session {
         let engine_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
         engine_args.extend(["--lend-ahead".into(), LEND_AHEAD.to_string()]);
         let mut lending_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
+        let mut lending_peer2 = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
         let ucx_peer = PeerProcess::spawn(kvpoll_exe, "ucx-peer", &common(PEER_BLOCKS))?;
         let hex = |p: &PeerProcess| {
             from_hex(&p.ready).map_err(|_| E2eError::Peer {
@@ -615,6 +633,7 @@ impl Session {
             })
         };
         let (metadata, lending_metadata) = (hex(&engine_peer)?, hex(&lending_peer)?);
+        let lending_metadata2 = hex(&lending_peer2)?;
         let local_blocks = u64::from(
             cfg.in_flight
                 .max(cfg.requests_in_flight * cfg.request_blocks),
@@ -623,18 +642,23 @@ impl Session {
         // Its ids start at 0, the first the lending peer lent.
         let mut kv_confirmed = KvpollSide::new(cfg, &lending_metadata, local_blocks, true)?;
         kv_confirmed.lent = Some(lending_peer.lent());
+        let mut kv_lent = KvpollSide::new(cfg, &lending_metadata2, local_blocks, false)?;
+        kv_lent.lent = Some(lending_peer2.lent());
         let raw = RawSide::new(cfg, &ucx_peer.ready, local_blocks)?;
         let mut s = Session {
             cfg: cfg.clone(),
             kv,
             kv_confirmed,
+            kv_lent,
             raw,
-            _peers: (engine_peer, lending_peer, ucx_peer),
+            _peers: (engine_peer, lending_peer, lending_peer2, ucx_peer),
         };
         // Warm all up: connections, registration caches, page faults.
         let mut lat = Vec::new();
         s.kvpoll(256, 1, &mut lat)?;
         s.kvpoll_confirmed(256, 1, &mut lat)?;
+        let depth = s.depth(1);
+        s.kv_lent.run(256, 1, depth, &mut lat)?;
         s.raw(256, 1, &mut lat)?;
         Ok(s)
     }
@@ -694,6 +718,7 @@ impl Drop for Session {
     fn drop(&mut self) {
         self.kv.engine.shutdown();
         self.kv_confirmed.engine.shutdown();
+        self.kv_lent.engine.shutdown();
     }
 }
 
@@ -705,6 +730,7 @@ pub fn compare(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<E2eFigures, E2eErro
     let (mut kv_reads, mut raw_reads, mut kv_reqs, mut raw_reqs) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut conf_reads, mut conf_reqs) = (Vec::new(), Vec::new());
+    let (mut lent_reads, mut lent_reqs) = (Vec::new(), Vec::new());
     let (mut kv_lat, mut raw_lat, mut conf_lat, mut scratch) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (n, b) = (cfg.requests, cfg.request_blocks);
@@ -714,19 +740,28 @@ pub fn compare(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<E2eFigures, E2eErro
             cfg.reads,
             s.kvpoll_confirmed(cfg.reads, 1, &mut conf_lat)?,
         ));
+        // Unconfirmed, of the same lends.
+        let depth = s.depth(1);
+        let t = s.kv_lent.run(cfg.reads, 1, depth, &mut scratch)?;
+        lent_reads.push(rate(cfg.reads, t));
         raw_reads.push(rate(cfg.reads, s.raw(cfg.reads, 1, &mut raw_lat)?));
         kv_reqs.push(rate(n, s.kvpoll(n, b, &mut scratch)?));
         conf_reqs.push(rate(n, s.kvpoll_confirmed(n, b, &mut scratch)?));
+        let depth = s.depth(b);
+        lent_reqs.push(rate(n, s.kv_lent.run(n, b, depth, &mut scratch)?));
         raw_reqs.push(rate(n, s.raw(n, b, &mut scratch)?));
     }
     drop(s);
     let (kv_reads, kv_reqs) = (median(&mut kv_reads), median(&mut kv_reqs));
+    let (conf_reads, conf_reqs) = (median(&mut conf_reads), median(&mut conf_reqs));
     Ok(E2eFigures {
         tls: cfg.tls.clone(),
         reads: Rates::new(kv_reads, median(&mut raw_reads)),
         requests: Rates::new(kv_reqs, median(&mut raw_reqs)),
-        confirm_reads: ConfirmCost::new(median(&mut conf_reads), kv_reads),
-        confirm_requests: ConfirmCost::new(median(&mut conf_reqs), kv_reqs),
+        confirm_reads: ConfirmCost::new(conf_reads, kv_reads),
+        confirm_requests: ConfirmCost::new(conf_reqs, kv_reqs),
+        confirm_reads_same_lends: ConfirmCost::new(conf_reads, median(&mut lent_reads)),
+        confirm_requests_same_lends: ConfirmCost::new(conf_reqs, median(&mut lent_reqs)),
         confirmed_read_latency_ns: conf_lat,
         kvpoll_read_latency_ns: kv_lat,
         raw_read_latency_ns: raw_lat,

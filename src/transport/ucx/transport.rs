@@ -9,12 +9,15 @@
 //! keys unpacked on it — is kept until UCX completed the close, so no rkey
 //! is destroyed while an operation that uses it is outstanding.
 
-use crate::ledger::{BlockId, PeerId};
+use std::sync::atomic::AtomicU64;
+
+use crate::ledger::{BlockId, Incarnation, PeerId};
 use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
-use crate::transport::T_TRANSPORT;
 use crate::transport::{
-    Direction, Ep, PostFailure, Transport, TransportEvent, CANCELED, INVALID_PARAM,
+    lend_word_of, Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, CANCELED,
+    INVALID_PARAM, NO_RESOURCE, UNSUPPORTED,
 };
+use crate::transport::{T_TRANSPORT, T_WORD};
 
 use super::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
@@ -24,10 +27,39 @@ use super::{
 /// The active-message id kvpoll's notifications travel on.
 pub const NOTIFY_AM_ID: u16 = 0x6b76;
 
+/// Lend words an engine announces: 1 MiB of UCX-allocated shared memory,
+/// so that a reader on the same host reads them one-sidedly. With
+/// thousands of lends live, a few per cent collide and their readers ask.
+const LEND_WORDS: usize = 1 << 17;
+/// Word reads in flight at most (landing cells); past it, readers ask.
+const WORD_CELLS: usize = 4096;
+
+/// The lend words' memory: UCX-allocated, zeroed when the last
+/// [`LendWords`] over it goes, before it is unmapped (a reader that still
+/// maps it must not find an incarnation there).
+struct WordRegion(MemoryRegion);
+
+impl Drop for WordRegion {
+    fn drop(&mut self) {
+        let base = self.0.as_ptr() as *const AtomicU64;
+        for i in 0..self.0.len() / 8 {
+            // SAFETY: inside the region, 8-aligned (UCX allocations are page
+            // aligned), which is still mapped; every other user is gone.
+            unsafe { (*base.add(i)).store(0, std::sync::atomic::Ordering::SeqCst) };
+        }
+    }
+}
+
 /// A live connection. Field order is drop order: the rkeys go before the
 /// endpoint they were unpacked on.
 struct Conn {
     rkeys: Vec<RemoteKey>,
+    /// The peer's lend words, if it announced them.
+    words: Option<RemoteKey>,
+    /// A word read on this connection did not complete at once: it is not
+    /// one-sided here (tcp: UCX serves it from the peer's progress, behind
+    /// the data of other reads on its RMA lane), and reads ask instead.
+    words_slow: std::cell::Cell<bool>,
     ep: Endpoint,
     generation: u32,
 }
@@ -58,6 +90,13 @@ pub struct UcxTransport {
     close_seq: u64,
     /// The worker's event fd (`None` without `UCP_FEATURE_WAKEUP`).
     event_fd: Option<std::os::fd::RawFd>,
+    /// This engine's lend words (the core writes them) and their rkey.
+    words: Option<(LendWords, PackedRkey)>,
+    /// Where word reads land (registered, 8 bytes a cell), the free cells,
+    /// and the reads in flight (token, cell).
+    cells: MemoryRegion,
+    free_cells: Vec<u32>,
+    word_reads: Vec<(u64, u32)>,
 }
 
 impl UcxTransport {
@@ -75,6 +114,8 @@ impl UcxTransport {
         let worker = Worker::new(&context)?;
         worker.listen_active_messages(NOTIFY_AM_ID)?;
         let event_fd = worker.event_fd();
+        let words = Self::allocate_words(&context)?;
+        let cells = MemoryRegion::allocate(&context, WORD_CELLS * 8)?;
         Ok(UcxTransport {
             peers: Vec::new(),
             closing: Vec::new(),
@@ -89,7 +130,36 @@ impl UcxTransport {
             ops: Vec::with_capacity(1024),
             close_seq: 0,
             event_fd,
+            words,
+            cells,
+            free_cells: (0..WORD_CELLS as u32).rev().collect(),
+            word_reads: Vec::with_capacity(WORD_CELLS),
         })
+    }
+
+    /// The lend words: UCX-allocated (so one-sided over shared memory),
+    /// zeroed. `None` when UCX cannot allocate them (readers then ask).
+    fn allocate_words(context: &Context) -> Result<Option<(LendWords, PackedRkey)>, UcxError> {
+        let region = match MemoryRegion::allocate(context, LEND_WORDS * 8) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "no lend words: readers will ask");
+                return Ok(None);
+            }
+        };
+        let rkey = region.pack_rkey()?;
+        let base = region.as_ptr() as *mut u64;
+        let len = (region.len() / 8).min(LEND_WORDS);
+        if len != LEND_WORDS || base as usize % 8 != 0 {
+            return Ok(None);
+        }
+        let owner: std::rc::Rc<dyn std::any::Any> = std::rc::Rc::new(WordRegion(region));
+        // SAFETY: the region is `len` words long, aligned (checked), mapped
+        // until `owner` drops, and this process touches it only through
+        // these words.
+        let words = unsafe { LendWords::new(base, len, owner) };
+        words.clear_all();
+        Ok(Some((words, rkey)))
     }
 
     /// Registers a region of `blocks` blocks: UCX-allocated memory, or the
@@ -140,6 +210,7 @@ impl UcxTransport {
                     rkey: rkey.clone(),
                 })
                 .collect(),
+            words: self.words.as_ref().map(|(_, k)| k.clone()),
         };
         Ok(meta.encode())
     }
@@ -194,8 +265,14 @@ impl UcxTransport {
             for r in &p.meta.regions {
                 rkeys.push(RemoteKey::unpack(&ep_conn, &r.rkey).map_err(|e| status_of(&e))?);
             }
+            let words = match &p.meta.words {
+                Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
+                None => None,
+            };
             p.conn = Some(Conn {
                 rkeys,
+                words,
+                words_slow: std::cell::Cell::new(false),
                 ep: ep_conn,
                 generation: ep.generation,
             });
@@ -342,6 +419,46 @@ impl Transport for UcxTransport {
             .map_err(|e| status_of(&e))
     }
 
+    fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
+        let Some(&cell) = self.free_cells.last() else {
+            return Err(NO_RESOURCE);
+        };
+        self.connect(ep)?;
+        let conn = self.open(ep).ok_or(INVALID_PARAM)?;
+        let Some(rkey) = conn.words.as_ref().filter(|_| !conn.words_slow.get()) else {
+            return Err(UNSUPPORTED);
+        };
+        let count = (rkey.remote_len() / 8) as usize;
+        let word = lend_word_of(inc, count).ok_or(UNSUPPORTED)?;
+        let op = BlockOp {
+            local_offset: u64::from(cell) * 8,
+            remote_offset: word as u64 * 8,
+            len: 8,
+            token,
+        };
+        // The data this read decides about was read before (its gets
+        // completed): keep those loads before the word's.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let before = self.worker.completions_pending();
+        conn.ep
+            .get_batch(&self.cells, rkey, &[op])
+            .map_err(|e| status_of(&e.error))?;
+        if self.worker.completions_pending() == before {
+            // Not done at once: not one-sided on this connection. This read
+            // goes on; the next ones ask (measured over tcp: a word's get
+            // waits behind other reads' data, and 64-block requests ran at
+            // half the rate of asking, whose answers coalesce).
+            conn.words_slow.set(true);
+        }
+        self.free_cells.pop();
+        self.word_reads.push((token, cell));
+        Ok(())
+    }
+
+    fn lend_words(&self) -> Option<LendWords> {
+        self.words.as_ref().map(|(w, _)| w.clone())
+    }
+
     fn close(&mut self, ep: Ep) {
         self.close_conn(ep.peer, Some(ep.generation));
     }
@@ -359,6 +476,29 @@ impl Transport for UcxTransport {
                 if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
                     self.closing.swap_remove(pos);
                 }
+                continue;
+            }
+            let pos = if c.token & T_TRANSPORT == T_WORD {
+                self.word_reads.iter().position(|&(t, _)| t == c.token)
+            } else {
+                None
+            };
+            if let Some(pos) = pos {
+                let (_, cell) = self.word_reads.swap_remove(pos);
+                self.free_cells.push(cell);
+                let ok = c.status.0 == 0;
+                // The get completed: its bytes are in the cell.
+                let mut word = [0u8; 8];
+                if ok {
+                    // In range: the cell is one of the region's.
+                    let _ = self.cells.read(u64::from(cell) * 8, &mut word);
+                }
+                let word = u64::from_ne_bytes(word);
+                sink(TransportEvent::Word {
+                    token: c.token,
+                    status: c.status.0,
+                    word,
+                });
                 continue;
             }
             sink(TransportEvent::Completion {

@@ -257,16 +257,30 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         });
     }
 
-    for (key, figure, pick) in [
+    for (key, figure, baseline_name, pick) in [
         (
             "confirm_single_block_reads",
             "16 KiB reads/s, read confirmation on vs off",
+            "kvpoll, confirm_reads(false)",
             (|f: &E2eFigures| f.confirm_reads) as fn(&E2eFigures) -> bench_e2e::ConfirmCost,
         ),
         (
             "confirm_64_block_requests",
             "64 x 16 KiB requests/s, read confirmation on vs off",
+            "kvpoll, confirm_reads(false)",
             |f: &E2eFigures| f.confirm_requests,
+        ),
+        (
+            "confirm_single_block_reads_same_lends",
+            "16 KiB reads/s, read confirmation on vs off, both of lends",
+            "kvpoll, confirm_reads(false), same lends",
+            |f: &E2eFigures| f.confirm_reads_same_lends,
+        ),
+        (
+            "confirm_64_block_requests_same_lends",
+            "64 x 16 KiB requests/s, read confirmation on vs off, both of lends",
+            "kvpoll, confirm_reads(false), same lends",
+            |f: &E2eFigures| f.confirm_requests_same_lends,
         ),
     ] {
         let c = e2e.as_ref().map(pick);
@@ -275,7 +289,7 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
             figure,
             unit: "/s",
             kvpoll: c.map(|c| c.confirmed_per_s),
-            baseline_name: "kvpoll, confirm_reads(false)",
+            baseline_name,
             baseline: c.map(|c| c.unconfirmed_per_s),
             ratio: c.map(|c| c.ratio),
             target: "(measured, no target)",
@@ -285,9 +299,10 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
                     "over {}; {:+.2} us per request ({:.2}x the raw loop's rate); the producer lends each id",
                     f.tls,
                     c.us_per_request,
-                    match key {
-                        "confirm_single_block_reads" => c.confirmed_per_s / f.reads.raw_per_s,
-                        _ => c.confirmed_per_s / f.requests.raw_per_s,
+                    if key.starts_with("confirm_single_block_reads") {
+                        c.confirmed_per_s / f.reads.raw_per_s
+                    } else {
+                        c.confirmed_per_s / f.requests.raw_per_s
                     }
                 ),
                 _ => "unavailable".into(),
@@ -490,6 +505,8 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 for (what, c) in [
                     ("single-block reads", f.confirm_reads),
                     ("requests", f.confirm_requests),
+                    ("single-block reads, same lends", f.confirm_reads_same_lends),
+                    ("requests, same lends", f.confirm_requests_same_lends),
                 ] {
                     println!(
                         "read confirmation, {what}: {:.0}/s with, {:.0}/s without ({:.2}x, {:+.2} us per request)",
