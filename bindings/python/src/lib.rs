@@ -1294,6 +1294,24 @@ impl Engine {
 
 /// kvpoll: KV-cache block transfers between prefill and decode engines over
 /// UCX, each request reported exactly once. See ``Engine``.
+/// The UCX in use: ``loaded`` (the version the loaded library reports),
+/// ``built`` (the one the extension was built against), ``source``
+/// (``pkg-config``, ``prefix`` or ``wheel``), ``libdir`` (where it was
+/// linked from) and ``compatible`` (whether engines can start on it).
+#[pyfunction]
+fn ucx_version(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("loaded", ucx_sys::Version::runtime().to_string())?;
+    d.set_item("built", ucx_sys::BUILT_VERSION)?;
+    d.set_item("source", ucx_sys::BUILT_SOURCE)?;
+    d.set_item("libdir", ucx_sys::BUILT_LIBDIR)?;
+    d.set_item(
+        "compatible",
+        kvpoll::transport::ucx::check_version().is_ok(),
+    )?;
+    Ok(d.unbind())
+}
+
 #[pymodule]
 fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -1302,6 +1320,7 @@ fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(draw_incarnation, m)?)?;
     m.add_class::<PollResult>()?;
     m.add_function(wrap_pyfunction!(request_id, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add("KvpollError", py.get_type::<KvpollError>())?;
     for ((_, name, _, _), class) in KINDS.iter().zip(classes(py)?) {
         m.add(*name, class.bind(py))?;

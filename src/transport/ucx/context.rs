@@ -247,6 +247,39 @@ fn transports_of(info: &str) -> Vec<String> {
     out
 }
 
+/// Refuses a loaded UCX older than the one built against
+/// ([`UcxError::IncompatibleVersion`]).
+pub fn check_version() -> Result<(), UcxError> {
+    let (built, runtime) = (ucx_sys::Version::built(), ucx_sys::Version::runtime());
+    if runtime.runs_code_built_for(built) {
+        Ok(())
+    } else {
+        Err(UcxError::IncompatibleVersion {
+            runtime,
+            built,
+            libdir: ucx_sys::BUILT_LIBDIR,
+        })
+    }
+}
+
+/// One line on the UCX in use: the version loaded (as UCX reports it),
+/// the one built against and where from, and whether the two go together,
+/// e.g. `UCX 1.22.0 (built against 1.22.0, wheel: /venv/.../libucx/lib)`.
+pub fn version_line() -> String {
+    let (built, runtime) = (ucx_sys::Version::built(), ucx_sys::Version::runtime());
+    let verdict = if runtime.runs_code_built_for(built) {
+        ""
+    } else {
+        ": INCOMPATIBLE, engines refuse to start"
+    };
+    format!(
+        "UCX {runtime} (built against {}, {}: {}){verdict}",
+        ucx_sys::BUILT_VERSION,
+        ucx_sys::BUILT_SOURCE,
+        ucx_sys::BUILT_LIBDIR
+    )
+}
+
 fn features(wakeup: bool) -> u64 {
     let base = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM;
     u64::from(if wakeup {
@@ -259,6 +292,7 @@ fn features(wakeup: bool) -> u64 {
 impl Context {
     /// Creates a context with the given options.
     pub fn new(options: &ContextOptions) -> Result<Self, UcxError> {
+        check_version()?;
         let mut cfg = Config::read()?;
         if let Some(tls) = &options.transports {
             cfg.set("TLS", tls)?;
