@@ -36,7 +36,7 @@ test: test-deps
 # so it needs neither libucx-dev nor Rust where it is installed.
 WHEEL_DIR := $(abspath $(TARGET_DIR))/wheels
 wheel:
-	UCX_HOME="$$(./scripts/ucx-wheel-env.sh)" UCX_RPATH='$$ORIGIN/../libucx/lib' \
+	KVPOLL_UCX_HOME="$$(./scripts/ucx-wheel-env.sh)" KVPOLL_UCX_RPATH='$$ORIGIN/../libucx/lib' \
 		CARGO_TARGET_DIR=$(abspath $(TARGET_DIR))/wheel \
 		target/ucx122/venv/bin/maturin build --release --compatibility linux \
 		-m bindings/python/Cargo.toml -o $(WHEEL_DIR)

@@ -41,11 +41,11 @@ step "${CARGO_TARGET_DIR:-target}/debug/kvpoll" --version
 # The real-UCX suites (in-process, two-process, the drills, the fencing and
 # reader-kill tests, the demo) once more against the UCX that Python users
 # install: UCX 1.22 from the libucx-cu12 wheel (scripts/ucx-wheel-env.sh),
-# linked through UCX_HOME with an rpath, in a target dir of their own. Tests
+# linked through KVPOLL_UCX_HOME with an rpath, in a target dir of their own. Tests
 # of failures inside older UCX releases run here where this one fixed them
 # (ucx-sys/dependent_build.rs).
-if UCX_WHEEL_HOME="$(./scripts/ucx-wheel-env.sh)"; then
-    UCX_RUN=(env UCX_HOME="$UCX_WHEEL_HOME" CARGO_TARGET_DIR="$PWD/target/ucx122/cargo")
+if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
+    UCX_RUN=(env KVPOLL_UCX_HOME="$ucx_wheel_home" CARGO_TARGET_DIR="$PWD/target/ucx122/cargo")
     step "${UCX_RUN[@]}" "$CARGO" test -p ucx-sys --lib
     step "${UCX_RUN[@]}" "$CARGO" test --workspace --no-fail-fast \
         --test ucx_in_process --test ucx_transport --test ucx_peer_bytes --test ucx_reconnect \

@@ -3,14 +3,14 @@
 # libucx-cu12 wheel from the package registry (headers, libucp, the cma and
 # CUDA transports), plus maturin for building kvpoll's own wheel against it.
 # Kept between runs; pip's cache keeps the downloads. Prints the libucx
-# package directory, which is a UCX prefix for ucx-sys (UCX_HOME).
+# package directory, which is a UCX prefix for ucx-sys (KVPOLL_UCX_HOME).
 #
 #   scripts/ucx-wheel-env.sh [VENV]        (default target/ucx122/venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LIBUCX_VERSION="${LIBUCX_VERSION:-1.22.0}"
-VENV="${1:-${UCX_WHEEL_ENV:-target/ucx122/venv}}"
+VENV="${1:-${KVPOLL_UCX_WHEEL_ENV:-target/ucx122/venv}}"
 PY="${PYTHON:-python3}"
 
 have() {

@@ -1,18 +1,21 @@
 //! Generates bindings to UCX with bindgen and links it. UCX is found one of
 //! three ways, first match wins:
 //!
-//! 1. `UCX_HOME=/prefix`: an installed UCX (`include/` and `lib/` under it),
+//! 1. `KVPOLL_UCX_HOME=/prefix`: an installed UCX (`include/` and `lib/` under it),
 //!    for example a CUDA-enabled build in /opt/ucx, or the package directory
 //!    of the `libucx` Python wheel (`.../site-packages/libucx`).
-//! 2. `UCX_WHEEL=1`: the `libucx` package that `UCX_PYTHON` (else
+//! 2. `KVPOLL_UCX_WHEEL=1`: the `libucx` package that `KVPOLL_UCX_PYTHON` (else
 //!    `PYO3_PYTHON`, else `python3`) imports, i.e. the UCX of the
 //!    `libucx-cu12`/`libucx-cu13` wheel installed there.
 //! 3. pkg-config (`ucx.pc`), the system's or whatever `PKG_CONFIG_PATH` names.
 //!
 //! A UCX that is not the system's is linked with an rpath to its `lib/`, so
-//! binaries and tests find it at run time; `UCX_RPATH` replaces that rpath
+//! binaries and tests find it at run time; `KVPOLL_UCX_RPATH` replaces that rpath
 //! (the wheel build gives `$ORIGIN/../libucx/lib`). The rpath is published
 //! as `DEP_UCP_RPATH` for the crates that link executables (`dependent_build.rs`).
+//!
+//! None of these variables starts with `UCX_`: UCX reads every `UCX_*`
+//! variable of a process and warns about those it does not know.
 //!
 //! The build records where UCX came from and its version in
 //! `UCX_SYS_SOURCE`, `UCX_SYS_LIBDIR` and `UCX_SYS_VERSION` (see
@@ -42,18 +45,18 @@ fn main() {
     println!("cargo:rerun-if-changed=wrapper.h");
     for var in [
         "PKG_CONFIG_PATH",
-        "UCX_HOME",
-        "UCX_WHEEL",
-        "UCX_PYTHON",
+        "KVPOLL_UCX_HOME",
+        "KVPOLL_UCX_WHEEL",
+        "KVPOLL_UCX_PYTHON",
         "PYO3_PYTHON",
-        "UCX_RPATH",
+        "KVPOLL_UCX_RPATH",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
-    let found = if let Some(home) = env::var_os("UCX_HOME").filter(|h| !h.is_empty()) {
+    let found = if let Some(home) = env::var_os("KVPOLL_UCX_HOME").filter(|h| !h.is_empty()) {
         from_prefix(Path::new(&home), "prefix")
-    } else if env::var("UCX_WHEEL").is_ok_and(|v| v == "1") {
+    } else if env::var("KVPOLL_UCX_WHEEL").is_ok_and(|v| v == "1") {
         from_prefix(&wheel_dir(), "wheel")
     } else {
         from_pkg_config()
@@ -64,7 +67,7 @@ fn main() {
         for lib in ["ucp", "uct", "ucs", "ucm"] {
             println!("cargo:rustc-link-lib=dylib={lib}");
         }
-        let rpath = env::var("UCX_RPATH").unwrap_or_else(|_| dir.display().to_string());
+        let rpath = env::var("KVPOLL_UCX_RPATH").unwrap_or_else(|_| dir.display().to_string());
         // For this crate's own tests; dependents read DEP_UCP_RPATH.
         println!("cargo:rustc-link-arg=-Wl,-rpath,{rpath}");
         println!("cargo:rpath={rpath}");
@@ -127,15 +130,15 @@ fn from_pkg_config() -> Found {
             "UCX >= {MIN_VERSION} was not found through pkg-config ({err}).\n\
              On Debian/Ubuntu install it with:\n\
              \n    apt-get install -y libucx-dev libclang-dev pkg-config\n\
-             \nor point UCX_HOME at an installed UCX (a directory with include/ and lib/),\n\
-             or set UCX_WHEEL=1 to use the libucx-cu12 Python wheel's UCX."
+             \nor point KVPOLL_UCX_HOME at an installed UCX (a directory with include/ and lib/),\n\
+             or set KVPOLL_UCX_WHEEL=1 to use the libucx-cu12 Python wheel's UCX."
         )),
     }
 }
 
 /// The `libucx` package directory of the wheel the chosen Python imports.
 fn wheel_dir() -> PathBuf {
-    let python = ["UCX_PYTHON", "PYO3_PYTHON"]
+    let python = ["KVPOLL_UCX_PYTHON", "PYO3_PYTHON"]
         .iter()
         .find_map(|v| env::var(v).ok().filter(|p| !p.is_empty()))
         .unwrap_or_else(|| "python3".to_owned());
@@ -148,11 +151,13 @@ fn wheel_dir() -> PathBuf {
     match out {
         Ok(o) if o.status.success() => PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
         Ok(o) => fail(&format!(
-            "UCX_WHEEL=1 but `{python}` cannot import libucx ({}).\n\
+            "KVPOLL_UCX_WHEEL=1 but `{python}` cannot import libucx ({}).\n\
              Install the wheel there: {python} -m pip install libucx-cu12",
             String::from_utf8_lossy(&o.stderr).trim()
         )),
-        Err(err) => fail(&format!("UCX_WHEEL=1 but `{python}` cannot be run ({err})")),
+        Err(err) => fail(&format!(
+            "KVPOLL_UCX_WHEEL=1 but `{python}` cannot be run ({err})"
+        )),
     }
 }
 

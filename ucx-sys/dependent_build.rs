@@ -8,11 +8,14 @@
 //! - cfgs naming what the UCX built against (and, through that rpath, run)
 //!   no longer gets wrong, so tests of a UCX failure run where it is fixed
 //!   (docs/design.md, UCX facts):
-//!   - `ucx_survives_force_close_reconnect`: over tcp, an endpoint to a
-//!     live peer force-closed and remade at once (asserts in 1.13).
+//!   - `ucx_survives_tcp_reader_death`: over tcp, a lender whose reader is
+//!     killed mid-read lives (UCX 1.13 aborts it in `ucp_get_req_handler`).
+//!
+//! The same releases as `kvpoll::transport::ucx::KnownUcxLimits`, which
+//! says it of the UCX loaded at run time.
 
 /// The first UCX release (major, minor) without each failure.
-const FIXED_IN: &[(&str, (u32, u32))] = &[("ucx_survives_force_close_reconnect", (99, 0))];
+const FIXED_IN: &[(&str, (u32, u32))] = &[("ucx_survives_tcp_reader_death", (1, 22))];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_UCP_RPATH");
