@@ -47,8 +47,9 @@ def request_id(req_id: RequestId) -> int:
 def ucx_version() -> Dict[str, object]:
     """The UCX in use: ``loaded`` (what the loaded library reports),
     ``built`` (what the extension was built against), ``source``
-    (``pkg-config``, ``prefix`` or ``wheel``), ``libdir`` and
-    ``compatible`` (whether engines can start on it)."""
+    (``pkg-config``, ``prefix`` or ``wheel``), ``libdir``, ``compatible``
+    (whether engines can start on it) and ``cuda`` (whether it can
+    register CUDA memory)."""
 
 class Transfer:
     """One handle: ``local[i]`` of this engine pairs with ``remote[i]`` of
