@@ -20,6 +20,7 @@ fi
 export KVPOLL_UCX_HOME
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/gpu}"
 PATH="$KVPOLL_UCX_HOME/bin:$PATH"
+export LD_LIBRARY_PATH="$KVPOLL_UCX_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 echo "== GPUs"
 nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"

@@ -43,7 +43,10 @@ step "${CARGO_TARGET_DIR:-target}/debug/kvpoll" --version
 # install: UCX 1.22 from the libucx-cu12 wheel (scripts/ucx-wheel-env.sh),
 # linked through KVPOLL_UCX_HOME with an rpath, in a target dir of their own. Tests
 # of failures inside older UCX releases run here where this one fixed them
-# (ucx-sys/dependent_build.rs).
+# (ucx-sys/dependent_build.rs). The push partition drills are left out on
+# UCX 1.22: there the veth device is missing from the decode side's UCX
+# context (UCX: "network device ... is not available") and the run never
+# ends (docs/design.md §4).
 if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
     UCX_RUN=(env KVPOLL_UCX_HOME="$ucx_wheel_home" CARGO_TARGET_DIR="$PWD/target/ucx122/cargo")
     step "${UCX_RUN[@]}" "$CARGO" test -p ucx-sys --lib
@@ -51,7 +54,7 @@ if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
         --test ucx_in_process --test ucx_transport --test ucx_peer_bytes --test ucx_reconnect \
         --test engine --test fencing --test incarnation --test errors --test contract_api \
         --test ucx_two_process --test engine_two_process --test drills --test reader_kill \
-        --test demo --test ucx_version -- --test-threads="$THREADS"
+        --test demo --test ucx_version -- --test-threads="$THREADS" --skip push_partitioned
     step target/ucx122/cargo/debug/kvpoll --version
 else
     echo "==> failed: scripts/ucx-wheel-env.sh"
