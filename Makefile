@@ -16,7 +16,7 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
 C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
 
-.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak sim-soak fuzz fuzz-build
+.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak sim-soak fuzz fuzz-build wheel wheel-test
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -29,6 +29,23 @@ test-deps:
 
 test: test-deps
 	TEST_THREADS=$(TEST_THREADS) ./scripts/test.sh
+
+# The Python wheel (abi3, CPython >= 3.8) into $(TARGET_DIR)/wheels: built
+# against UCX 1.22 from the libucx-cu12 wheel (scripts/ucx-wheel-env.sh),
+# which it depends on, with an rpath into that wheel's installed libraries,
+# so it needs neither libucx-dev nor Rust where it is installed.
+WHEEL_DIR := $(abspath $(TARGET_DIR))/wheels
+wheel:
+	KVPOLL_UCX_HOME="$$(./scripts/ucx-wheel-env.sh)" KVPOLL_UCX_RPATH='$$ORIGIN/../libucx/lib' \
+		CARGO_TARGET_DIR=$(abspath $(TARGET_DIR))/wheel \
+		target/ucx122/venv/bin/maturin build --release --compatibility linux \
+		-m bindings/python/Cargo.toml -o $(WHEEL_DIR)
+
+# That wheel installed with pip into a fresh virtual environment, the
+# README's Python quick start run there, and the libucp it loaded checked
+# to be the libucx wheel's.
+wheel-test: wheel
+	./scripts/wheel-test.sh $(WHEEL_DIR)
 
 # loom explores every interleaving of the bitmap-and-publish protocol. It uses
 # its own target dir so that the `--cfg loom` build does not evict the normal one.

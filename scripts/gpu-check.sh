@@ -4,13 +4,23 @@
 # as CUDA memory, moves one block host->GPU (UCX get) and GPU->host (UCX put),
 # and prints the result.
 #
-# UCX must be built with CUDA for the transfer (Debian/Ubuntu's libucx is
-# not). To use another UCX, point both the build and the loader at it:
-#   PKG_CONFIG_PATH=/opt/ucx/lib/pkgconfig LD_LIBRARY_PATH=/opt/ucx/lib scripts/gpu-check.sh
+# UCX must have CUDA transports for the transfer (Debian/Ubuntu's libucx
+# has none). By default the check builds against UCX 1.22 from the
+# libucx-cu12 wheel (scripts/ucx-wheel-env.sh), which carries cuda_copy and
+# cuda_ipc, in its own target dir; to use another UCX, name its prefix:
+#   KVPOLL_UCX_HOME=/opt/ucx scripts/gpu-check.sh
 #
 # Exit: 0 block intact both ways; 1 failure; 3 no GPU or no CUDA-enabled UCX.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+if [ -z "${KVPOLL_UCX_HOME:-}" ]; then
+    KVPOLL_UCX_HOME="$(./scripts/ucx-wheel-env.sh)" || exit 1
+fi
+export KVPOLL_UCX_HOME
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/gpu}"
+PATH="$KVPOLL_UCX_HOME/bin:$PATH"
+export LD_LIBRARY_PATH="$KVPOLL_UCX_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 echo "== GPUs"
 nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
@@ -27,7 +37,7 @@ cargo build --release --features cuda --example gpu_check || exit 1
 echo "== typed-error tests"
 cargo test --release --features cuda --test gpu || exit 1
 echo "== one block through GPU memory"
-./target/release/examples/gpu_check "$@"
+"$CARGO_TARGET_DIR/release/examples/gpu_check" "$@"
 rc=$?
 echo "gpu_check exit: $rc"
 exit $rc

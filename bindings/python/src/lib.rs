@@ -25,7 +25,7 @@ use kvpoll::engine::{
     Engine as RsEngine, EngineError, IdlePolicy, Outcomes, Transfer as RsTransfer,
 };
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
-use kvpoll::transport::ucx::ContextOptions;
+use kvpoll::transport::ucx::{Context, ContextOptions};
 
 // ---------------------------------------------------------------- errors
 
@@ -926,6 +926,9 @@ impl Engine {
     /// Returns the region's index.
     #[pyo3(signature = (obj))]
     fn register_buffer(&mut self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+        if obj.hasattr("__cuda_array_interface__")? {
+            return Err(error(py, Some(Kind::Region), cuda_refusal(py)));
+        }
         if let Ok(t) = obj.downcast::<PyTuple>() {
             if t.len() != 2 {
                 return Err(PyValueError::new_err(
@@ -1320,6 +1323,50 @@ impl Engine {
 
 /// kvpoll: KV-cache block transfers between prefill and decode engines over
 /// UCX, each request reported exactly once. See ``Engine``.
+/// Whether the UCX loaded can register CUDA memory (its context lists the
+/// CUDA memory type: a UCX built with CUDA, its CUDA transports loaded,
+/// a driver present).
+fn ucx_has_cuda() -> Result<bool, String> {
+    Context::new(&ContextOptions::default())
+        .and_then(|c| c.supports_cuda())
+        .map_err(|e| e.to_string())
+}
+
+/// Why a CUDA array is refused, with what this UCX can do.
+fn cuda_refusal(py: Python<'_>) -> String {
+    let why = match py.allow_threads(ucx_has_cuda) {
+        Ok(true) => "this UCX can register CUDA memory, but the engine's regions are host \
+                     memory (read_block / write_block copy through them); device memory is \
+                     registered through kvpoll::gpu (Rust, feature cuda)"
+            .to_owned(),
+        Ok(false) => "this UCX has no CUDA memory type (no CUDA transport loaded, or no CUDA \
+                      driver): it cannot register device memory"
+            .to_owned(),
+        Err(e) => format!("UCX could not be asked about CUDA memory: {e}"),
+    };
+    format!("a CUDA array (it has __cuda_array_interface__) cannot be registered: {why}")
+}
+
+/// The UCX in use: ``loaded`` (the version the loaded library reports),
+/// ``built`` (the one the extension was built against), ``source``
+/// (``pkg-config``, ``prefix`` or ``wheel``), ``libdir`` (where it was
+/// linked from), ``compatible`` (whether engines can start on it) and
+/// ``cuda`` (whether it can register CUDA memory).
+#[pyfunction]
+fn ucx_version(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("loaded", ucx_sys::Version::runtime().to_string())?;
+    d.set_item("built", ucx_sys::BUILT_VERSION)?;
+    d.set_item("source", ucx_sys::BUILT_SOURCE)?;
+    d.set_item("libdir", ucx_sys::BUILT_LIBDIR)?;
+    d.set_item(
+        "compatible",
+        kvpoll::transport::ucx::check_version().is_ok(),
+    )?;
+    d.set_item("cuda", py.allow_threads(ucx_has_cuda).unwrap_or(false))?;
+    Ok(d.unbind())
+}
+
 #[pymodule]
 fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -1328,6 +1375,7 @@ fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(draw_incarnation, m)?)?;
     m.add_class::<PollResult>()?;
     m.add_function(wrap_pyfunction!(request_id, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add("KvpollError", py.get_type::<KvpollError>())?;
     for ((_, name, _, _), class) in KINDS.iter().zip(classes(py)?) {
         m.add(*name, class.bind(py))?;

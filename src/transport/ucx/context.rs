@@ -247,6 +247,69 @@ fn transports_of(info: &str) -> Vec<String> {
     out
 }
 
+/// Refuses a loaded UCX older than the one built against
+/// ([`UcxError::IncompatibleVersion`]).
+pub fn check_version() -> Result<(), UcxError> {
+    let (built, runtime) = (ucx_sys::Version::built(), ucx_sys::Version::runtime());
+    if runtime.runs_code_built_for(built) {
+        Ok(())
+    } else {
+        Err(UcxError::IncompatibleVersion {
+            runtime,
+            built,
+            libdir: ucx_sys::BUILT_LIBDIR,
+        })
+    }
+}
+
+/// Failures inside the UCX loaded in this process that kvpoll cannot
+/// catch (each aborts a process from inside UCX's progress), as measured
+/// on the releases kvpoll is tested with (docs/design.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnownUcxLimits {
+    /// Over tcp, a put's target aborts when its writer dies mid-put
+    /// (`ucp_put_handler`: "Fatal: unexpected error: Endpoint timeout").
+    pub tcp_target_dies_with_its_writer: bool,
+    /// Over tcp, a get's target (the lender) aborts when its reader dies
+    /// mid-read (`ucp_get_req_handler`).
+    pub tcp_lender_dies_with_its_reader: bool,
+}
+
+impl KnownUcxLimits {
+    /// Those of UCX `version`: both before 1.22 (seen on 1.13), neither
+    /// from 1.22 on.
+    pub fn of(version: ucx_sys::Version) -> Self {
+        let before_1_22 = (version.major, version.minor) < (1, 22);
+        Self {
+            tcp_target_dies_with_its_writer: before_1_22,
+            tcp_lender_dies_with_its_reader: before_1_22,
+        }
+    }
+
+    /// Those of the UCX loaded in this process.
+    pub fn loaded() -> Self {
+        Self::of(ucx_sys::Version::runtime())
+    }
+}
+
+/// One line on the UCX in use: the version loaded (as UCX reports it),
+/// the one built against and where from, and whether the two go together,
+/// e.g. `UCX 1.22.0 (built against 1.22.0, wheel: /venv/.../libucx/lib)`.
+pub fn version_line() -> String {
+    let (built, runtime) = (ucx_sys::Version::built(), ucx_sys::Version::runtime());
+    let verdict = if runtime.runs_code_built_for(built) {
+        ""
+    } else {
+        ": INCOMPATIBLE, engines refuse to start"
+    };
+    format!(
+        "UCX {runtime} (built against {}, {}: {}){verdict}",
+        ucx_sys::BUILT_VERSION,
+        ucx_sys::BUILT_SOURCE,
+        ucx_sys::BUILT_LIBDIR
+    )
+}
+
 fn features(wakeup: bool) -> u64 {
     let base = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM;
     u64::from(if wakeup {
@@ -259,6 +322,7 @@ fn features(wakeup: bool) -> u64 {
 impl Context {
     /// Creates a context with the given options.
     pub fn new(options: &ContextOptions) -> Result<Self, UcxError> {
+        check_version()?;
         let mut cfg = Config::read()?;
         if let Some(tls) = &options.transports {
             cfg.set("TLS", tls)?;

@@ -119,6 +119,35 @@ pub enum UcxError {
     /// An active message payload over [`super::MAX_AM_PAYLOAD`].
     #[error("active message of {0} bytes exceeds the {max}-byte limit", max = super::MAX_AM_PAYLOAD)]
     MessageTooLong(usize),
+    /// Caller memory that UCX found to be device memory, given where host
+    /// memory was expected: refused (and unregistered) before anything
+    /// copies through it with `memcpy`.
+    #[error(
+        "the memory at {base:#x} is {memory_type} memory, not host memory: regions of caller \
+         memory are host memory; device memory is registered through kvpoll::gpu (feature cuda)"
+    )]
+    NotHostMemory {
+        /// Start of the memory.
+        base: usize,
+        /// What UCX said it is.
+        memory_type: &'static str,
+    },
+    /// The UCX library loaded is older than the one kvpoll was built
+    /// against (or another major release): its structures and calls may
+    /// lack what the build uses. Refused before any context is created.
+    #[error(
+        "UCX {runtime} is loaded but kvpoll was built against UCX {built} ({libdir}); \
+         run with UCX {built_major}.{built_minor} or a newer 1.x, or rebuild against this one",
+        built_major = .built.major, built_minor = .built.minor
+    )]
+    IncompatibleVersion {
+        /// The version the loaded library reports (`ucp_get_version`).
+        runtime: ucx_sys::Version,
+        /// The version built against.
+        built: ucx_sys::Version,
+        /// Where the UCX built against was linked from.
+        libdir: &'static str,
+    },
 }
 
 impl UcxError {

@@ -20,6 +20,18 @@ pub struct MemoryRegion {
     len: usize,
 }
 
+/// UCX's name for a memory type (`ucs_memory_type_t`).
+fn memory_type_name(t: sys::ucs_memory_type_t) -> &'static str {
+    match t {
+        sys::UCS_MEMORY_TYPE_HOST => "host",
+        sys::UCS_MEMORY_TYPE_CUDA => "CUDA device",
+        sys::UCS_MEMORY_TYPE_CUDA_MANAGED => "CUDA managed",
+        sys::UCS_MEMORY_TYPE_ROCM => "ROCm device",
+        sys::UCS_MEMORY_TYPE_ROCM_MANAGED => "ROCm managed",
+        _ => "non-host",
+    }
+}
+
 impl MemoryRegion {
     /// Lets UCX allocate and register `len` bytes of host memory.
     pub fn allocate(context: &Context, len: usize) -> Result<Self, UcxError> {
@@ -50,7 +62,24 @@ impl MemoryRegion {
             ..Default::default()
         };
         // SAFETY: the caller guarantees the range (see above).
-        unsafe { Self::map_params(context, &params) }
+        let region = unsafe { Self::map_params(context, &params) }?;
+        // A UCX with device transports detects device memory by itself;
+        // read and write would memcpy through it as host memory and fault.
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: sys::UCP_MEM_ATTR_FIELD_MEM_TYPE as u64,
+            ..Default::default()
+        };
+        // SAFETY: the region's memh is mapped until it drops.
+        check("ucp_mem_query", unsafe {
+            sys::ucp_mem_query(region.memh, &mut attr)
+        })?;
+        if attr.mem_type != sys::UCS_MEMORY_TYPE_HOST {
+            return Err(UcxError::NotHostMemory {
+                base: base as usize,
+                memory_type: memory_type_name(attr.mem_type),
+            });
+        }
+        Ok(region)
     }
 
     /// # Safety

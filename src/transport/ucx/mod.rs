@@ -25,7 +25,7 @@ mod request;
 mod transport;
 mod worker;
 
-pub use context::{Context, ContextOptions};
+pub use context::{check_version, version_line, Context, ContextOptions, KnownUcxLimits};
 pub use endpoint::{BlockOp, Endpoint, PostError};
 pub use error::{UcxError, UcxStatus};
 pub use layout::LayoutError;

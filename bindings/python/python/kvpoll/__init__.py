@@ -12,6 +12,18 @@ Errors are ``KvpollError`` subclasses carrying the engine's message; bad
 arguments raise ``TypeError`` or ``ValueError``.
 """
 
+try:
+    # The UCX of the libucx wheel (a dependency of kvpoll's wheel), loaded
+    # before the extension so that its libucp is the one the extension
+    # binds to (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true prefers the
+    # system's). Without the wheel, the extension's own rpath or the system
+    # library path decide.
+    import libucx as _libucx
+except ImportError:
+    pass
+else:
+    _libucx.load_library()
+
 from ._kvpoll import (
     BusyError,
     ConfigError,
@@ -26,6 +38,7 @@ from ._kvpoll import (
     TransportError,
     draw_incarnation,
     request_id,
+    ucx_version,
 )
 
 __all__ = [
@@ -42,4 +55,5 @@ __all__ = [
     "TransportError",
     "draw_incarnation",
     "request_id",
+    "ucx_version",
 ]

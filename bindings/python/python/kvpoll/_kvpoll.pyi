@@ -44,6 +44,13 @@ def request_id(req_id: RequestId) -> int:
     """kvpoll's 64-bit id for a request id: an int is itself, a str the
     FNV-1a hash of its UTF-8 bytes with the top bit set."""
 
+def ucx_version() -> Dict[str, object]:
+    """The UCX in use: ``loaded`` (what the loaded library reports),
+    ``built`` (what the extension was built against), ``source``
+    (``pkg-config``, ``prefix`` or ``wheel``), ``libdir``, ``compatible``
+    (whether engines can start on it) and ``cuda`` (whether it can
+    register CUDA memory)."""
+
 class Transfer:
     """One handle: ``local[i]`` of this engine pairs with ``remote[i]`` of
     ``peer``, in the remote lend of incarnation ``lend``."""

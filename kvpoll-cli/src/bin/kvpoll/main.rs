@@ -14,7 +14,7 @@ mod transfer;
 
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches};
 
 use cli::{Cli, CliError, Command};
 
@@ -54,7 +54,18 @@ fn init_logging() {
 
 fn main() -> ExitCode {
     signals::ucx_defaults();
-    let cli = Cli::parse();
+    // `--version` names the UCX loaded (as it reports itself), the one
+    // built against, and whether they go together.
+    let version: &'static str = Box::leak(
+        format!(
+            "{}, {}",
+            env!("CARGO_PKG_VERSION"),
+            kvpoll::transport::ucx::version_line()
+        )
+        .into_boxed_str(),
+    );
+    let matches = Cli::command().version(version).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_logging();
     signals::install();
     let name = subcommand_name(&cli.command);

@@ -708,11 +708,13 @@ fn run_mode(
     let mut pause_done = !s.faults || s.pause_for.is_zero();
     let mut paused: Option<(u32, Instant)> = None;
     let mut next_stall = Instant::now() + s.stall_every;
-    // In push mode only without tcp: a writer killed mid-put over tcp makes
-    // UCX 1.13 abort its destination's process (see docs/design.md, UCX
-    // facts); over shared memory the writer copies its puts itself.
-    let mut killed =
-        !(s.faults && s.kill && s.processes && (mode == Mode::Pull || !uses_tcp(&s.tls)));
+    // In push mode over tcp only on a UCX that survives it: a writer killed
+    // mid-put over tcp makes UCX before 1.22 abort its destination's
+    // process (see docs/design.md, UCX facts); over shared memory the
+    // writer copies its puts itself.
+    let push_kill_safe = !uses_tcp(&s.tls)
+        || !kvpoll::transport::ucx::KnownUcxLimits::loaded().tcp_target_dies_with_its_writer;
+    let mut killed = !(s.faults && s.kill && s.processes && (mode == Mode::Pull || push_kill_safe));
     let mut last_line = Instant::now();
     while decoders.iter().any(|d| !d.is_finished()) {
         std::thread::sleep(Duration::from_millis(20));
