@@ -219,17 +219,17 @@ impl E2eFigures {
 }
 
 /// A peer process; its standard input closing tells it to exit.
-struct PeerProcess {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    ready: String,
+pub(crate) struct PeerProcess {
+    pub(crate) child: Child,
+    pub(crate) stdin: Option<ChildStdin>,
+    pub(crate) ready: String,
     /// What it prints after READY, and the `LENT` lines before it.
-    stdout: Option<BufReader<ChildStdout>>,
-    lent: Vec<(u64, Incarnation)>,
+    pub(crate) stdout: Option<BufReader<ChildStdout>>,
+    pub(crate) lent: Vec<(u64, Incarnation)>,
 }
 
 /// A `LENT <id> <hex incarnation>` line of a lending `engine-peer`.
-fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
+pub(crate) fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
     let mut parts = line.trim().strip_prefix("LENT ")?.split_whitespace();
     let id = parts.next()?.parse().ok()?;
     let inc = u64::from_str_radix(parts.next()?, 16).ok()?;
@@ -237,7 +237,7 @@ fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
 }
 
 impl PeerProcess {
-    fn spawn(exe: &Path, what: &'static str, args: &[String]) -> Result<Self, E2eError> {
+    pub(crate) fn spawn(exe: &Path, what: &'static str, args: &[String]) -> Result<Self, E2eError> {
         let fail = |why: String| E2eError::Peer { what, why };
         let mut child = Command::new(exe)
             .arg(what)
@@ -318,7 +318,7 @@ impl Drop for PeerProcess {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
