@@ -238,10 +238,21 @@ pub(crate) fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
 
 impl PeerProcess {
     pub(crate) fn spawn(exe: &Path, what: &'static str, args: &[String]) -> Result<Self, E2eError> {
+        Self::spawn_with_env(exe, what, args, &[])
+    }
+
+    /// [`PeerProcess::spawn`] with these variables added to its environment.
+    pub(crate) fn spawn_with_env(
+        exe: &Path,
+        what: &'static str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> Result<Self, E2eError> {
         let fail = |why: String| E2eError::Peer { what, why };
         let mut child = Command::new(exe)
             .arg(what)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -265,6 +265,10 @@ pub struct Peers {
     pub python: Option<PathBuf>,
     /// The driver script (written out of the binary by the caller).
     pub script: Option<PathBuf>,
+    /// UCX options (names without `UCX_`) of one more kvpoll system,
+    /// [`KVPOLL_ALT`], for comparing settings in one run; none: no such
+    /// system.
+    pub alt_ucx: Vec<(String, String)>,
 }
 
 /// One timed round of one system.
@@ -365,6 +369,8 @@ impl GroupFigures {
 pub const KVPOLL: &str = "kvpoll";
 /// kvpoll with `confirm_reads(false)`.
 pub const KVPOLL_UNCONFIRMED: &str = "kvpoll, no confirmation";
+/// kvpoll with the UCX options of [`Peers::alt_ucx`] on top.
+pub const KVPOLL_ALT: &str = "kvpoll, other UCX options";
 /// The raw UCX loop.
 pub const RAW: &str = "raw UCX loop";
 /// `memcpy` in one process.
@@ -467,7 +473,14 @@ fn read_peer_lines(
 }
 
 impl KvpollRunner {
-    fn new(exe: &Path, g: &Group, confirm: bool) -> Result<Self, E2eError> {
+    /// `ucx`: UCX options (names without `UCX_`) for both processes, over
+    /// kvpoll's own.
+    fn new(
+        exe: &Path,
+        g: &Group,
+        confirm: bool,
+        ucx: &[(String, String)],
+    ) -> Result<Self, E2eError> {
         let s = g.shape;
         let lends = confirm || g.op == Op::Write;
         let mut args: Vec<String> = vec![
@@ -504,7 +517,15 @@ impl KvpollRunner {
                 WRITER_SEED.to_string(),
             ]);
         }
-        let mut peer = PeerProcess::spawn(exe, "engine-peer", &args)?;
+        let env: Vec<(String, String)> = ucx
+            .iter()
+            .map(|(k, v)| (format!("UCX_{}", k.trim_start_matches("UCX_")), v.clone()))
+            .collect();
+        let mut peer = PeerProcess::spawn_with_env(exe, "engine-peer", &args, &env)?;
+        let mut options = ContextOptions::with_transports(&g.tls);
+        for (k, v) in ucx {
+            options = options.option(k, v);
+        }
         let metadata = from_hex(&peer.ready).map_err(|_| E2eError::Peer {
             what: "engine-peer",
             why: "metadata is not hex".into(),
@@ -512,7 +533,7 @@ impl KvpollRunner {
         let (lent, checks) = read_peer_lines(&mut peer);
         let mut engine = Engine::builder()
             .block_size(s.block_size)
-            .ucx(ContextOptions::with_transports(&g.tls))
+            .ucx(options)
             .confirm_reads(confirm)
             .build()?;
         let local_blocks = match g.op {
@@ -1366,12 +1387,18 @@ pub fn run_group(
     }
     let mut runners: Vec<(&'static str, Box<dyn Runner>)> = Vec::new();
     let mut absent = Vec::new();
-    runners.push((KVPOLL, Box::new(KvpollRunner::new(exe, g, true)?)));
+    runners.push((KVPOLL, Box::new(KvpollRunner::new(exe, g, true, &[])?)));
+    if !peers.alt_ucx.is_empty() {
+        runners.push((
+            KVPOLL_ALT,
+            Box::new(KvpollRunner::new(exe, g, true, &peers.alt_ucx)?),
+        ));
+    }
     let small_read = g.shape == SMALL && g.op == Op::Read;
     if small_read {
         runners.push((
             KVPOLL_UNCONFIRMED,
-            Box::new(KvpollRunner::new(exe, g, false)?),
+            Box::new(KvpollRunner::new(exe, g, false, &[])?),
         ));
     }
     let mut optional = |name: &'static str, r: Result<Box<dyn Runner>, String>| match r {
@@ -1444,7 +1471,7 @@ pub fn run_group(
                     t.checked += round.checked;
                     t.bad += round.bad;
                 }
-                Err(e) if *name == KVPOLL || *name == KVPOLL_UNCONFIRMED => {
+                Err(e) if name.starts_with(KVPOLL) => {
                     return Err(E2eError::Failed(format!("{name}: {e}")))
                 }
                 Err(e) => failed_at[i] = Some(e.to_string()),

@@ -357,7 +357,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     ));
     let compare = match with_compare {
         Some(python) => {
-            let c = crate::compare::run("posix,sysv,cma", 5, 1.0, None, python)?;
+            let c = crate::compare::run("posix,sysv,cma", 5, 1.0, None, python, None)?;
             rows.extend(c.rows());
             Some(c)
         }
@@ -480,6 +480,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             rounds,
             scale,
             only,
+            alt_ucx,
             peers_python,
         }) => {
             let load = load_average();
@@ -490,6 +491,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 scale,
                 only.as_deref(),
                 peers_python.as_deref(),
+                alt_ucx.as_deref(),
             )?;
             let rows = c.rows();
             if json {

@@ -365,6 +365,10 @@ pub struct CompareArgs {
     /// Only the groups whose key contains this (e.g. `tcp`, `layers_shm`).
     #[arg(long, value_name = "TEXT")]
     pub only: Option<String>,
+    /// One more kvpoll system with these UCX options on both sides
+    /// (`NAME=VALUE,...`, names without `UCX_`): settings compared in one run.
+    #[arg(long, value_name = "LIST")]
+    pub alt_ucx: Option<String>,
     /// The Python that imports NIXL and Mooncake [default: the venv `make
     /// bench-peers` makes, target/bench-peers/venv, next to this binary's
     /// directory; $KVPOLL_BENCH_PYTHON]. `none`: do not measure them.

@@ -50,7 +50,19 @@ pub fn run(
     scale: f64,
     only: Option<&str>,
     python: Option<&Path>,
+    alt_ucx: Option<&str>,
 ) -> Result<Comparison, CliError> {
+    let alt_ucx = match alt_ucx {
+        None => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                    .ok_or_else(|| CliError::Failed(format!("--alt-ucx: {kv:?} is not NAME=VALUE")))
+            })
+            .collect::<Result<_, _>>()?,
+    };
     let exe = std::env::current_exe()
         .map_err(|e| CliError::Failed(format!("locating the kvpoll binary: {e}")))?;
     if !(0.01..=10.0).contains(&scale) {
@@ -71,6 +83,7 @@ pub fn run(
     let peers = Peers {
         python,
         script: Some(script),
+        alt_ucx,
     };
     let mut groups = Vec::new();
     let mut failed = Vec::new();
