@@ -103,7 +103,6 @@ pub fn huge_pages() -> String {
             .lines()
             .find_map(|l| {
                 l.strip_prefix(name)?
-                    .trim()
                     .split_whitespace()
                     .next()
                     .map(str::to_owned)

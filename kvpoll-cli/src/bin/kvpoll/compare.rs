@@ -369,7 +369,7 @@ impl Comparison {
         } else {
             g.get(baseline)
         };
-        let mut n = format!("{group}");
+        let mut n = group.to_string();
         if let Some(k) = g.get(KVPOLL) {
             let _ = write!(
                 n,
