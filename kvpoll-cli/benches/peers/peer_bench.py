@@ -112,6 +112,26 @@ class Layout:
 SEED = 0x5EED
 
 
+def mooncake_engine(mem):
+    """A Mooncake TransferEngine on tcp (no metadata server: peers
+    handshake directly) with `mem` registered."""
+    from mooncake.engine import TransferEngine
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("mooncake initialize failed")
+    if te.register_memory(mem.addr, mem.len) != 0:
+        raise SystemExit("mooncake register_memory failed")
+    return te
+
+
+def nixl_agent_on(name, mem):
+    """A NIXL agent (UCX backend) with `mem` registered as DRAM."""
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    agent.register_memory([(mem.addr, mem.len, 0, "")], "DRAM")
+    return agent
+
+
 def target_main(a):
     lay = Layout(a)
     mem = Memory(lay.target_len())
@@ -120,20 +140,13 @@ def target_main(a):
         mem.fill(SEED, lay.target_len())
     out = sys.stdout
     if a.system == "nixl":
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-        agent = nixl_agent("target", nixl_agent_config(backends=["UCX"]))
-        agent.register_memory([(mem.addr, mem.len, 0, "")], "DRAM")
+        agent = nixl_agent_on("target", mem)
         out.write(f"READY {agent.get_agent_metadata().hex()} {mem.addr:x}\n")
         out.flush()
         line = sys.stdin.readline().split()
         agent.add_remote_agent(bytes.fromhex(line[1]))
     else:
-        from mooncake.engine import TransferEngine
-        te = TransferEngine()
-        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise SystemExit("mooncake initialize failed")
-        if te.register_memory(mem.addr, mem.len) != 0:
-            raise SystemExit("mooncake register_memory failed")
+        te = mooncake_engine(mem)
         out.write(f"READY 127.0.0.1:{te.get_rpc_port()} {mem.addr:x}\n")
         out.flush()
     # Commands: CHECK <request ids...> (a write's destination checks what
@@ -176,9 +189,7 @@ def initiator_main(a):
     remote_base = int(ready[2], 16)
     op = "WRITE" if write else "READ"
     if a.system == "nixl":
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-        agent = nixl_agent("initiator", nixl_agent_config(backends=["UCX"]))
-        agent.register_memory([(mem.addr, mem.len, 0, "")], "DRAM")
+        agent = nixl_agent_on("initiator", mem)
         peer = agent.add_remote_agent(bytes.fromhex(ready[1]))
         target.stdin.write(f"META {agent.get_agent_metadata().hex()}\n")
         target.stdin.flush()
@@ -261,12 +272,7 @@ def initiator_main(a):
                         raise SystemExit("nixl transfer failed")
             return n
     else:
-        from mooncake.engine import TransferEngine
-        te = TransferEngine()
-        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise SystemExit("mooncake initialize failed")
-        if te.register_memory(mem.addr, mem.len) != 0:
-            raise SystemExit("mooncake register_memory failed")
+        te = mooncake_engine(mem)
         session = ready[1]
         xfer = te.batch_transfer_sync_write if write else te.batch_transfer_sync_read
 

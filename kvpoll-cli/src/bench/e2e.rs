@@ -371,24 +371,6 @@ impl KvpollSide {
         })
     }
 
-    /// The incarnation of the peer's lend of `id` (none without
-    /// confirmation).
-    fn lend_of(&mut self, id: u64) -> Result<Incarnation, E2eError> {
-        let Some(lent) = &self.lent else {
-            return Ok(Incarnation::NONE);
-        };
-        loop {
-            match lent.recv_timeout(GUARD) {
-                Ok((i, inc)) if i == id => return Ok(inc),
-                Ok(_) => {}
-                Err(_) => {
-                    return Err(E2eError::Failed(format!(
-                        "the lending peer never said how it lent request {id}"
-                    )))
-                }
-            }
-        }
-    }
 
     /// `n` requests of `blocks` blocks, `depth` in flight; returns the run's
     /// time and each request's submit → visible latency.
@@ -412,7 +394,7 @@ impl KvpollSide {
             while submitted < n && submitted - done < depth {
                 let slot = (submitted % depth * blocks) as usize;
                 let id = first + u64::from(submitted);
-                let lend = self.lend_of(id)?;
+                let lend = lend_of(self.lent.as_ref(), id)?;
                 started[submitted as usize] = Instant::now();
                 self.engine.read(
                     RequestId(id),
@@ -425,21 +407,8 @@ impl KvpollSide {
                 )?;
                 submitted += 1;
             }
-            self.out.clear();
-            if self.engine.poll(&mut self.out) == 0 {
-                if t0.elapsed() > GUARD {
-                    return Err(E2eError::Failed(format!(
-                        "kvpoll: {done} of {n} reads after {GUARD:?}"
-                    )));
-                }
-                std::thread::yield_now();
+            if !poll_some(&mut self.engine, &mut self.out, t0, done, n)? {
                 continue;
-            }
-            if let Some(f) = self.out.failed_recving.first() {
-                return Err(E2eError::Failed(format!(
-                    "kvpoll read {:?} failed: {:?}",
-                    f.id, f.reason
-                )));
             }
             let now = Instant::now();
             for id in &self.out.finished_recving {
@@ -458,6 +427,67 @@ impl KvpollSide {
         self.next_id = first + u64::from(n);
         Ok(t)
     }
+}
+
+/// The incarnation a lending peer lent `id` with, from its `LENT` lines
+/// (none without a lending peer: confirmation off).
+pub(crate) fn lend_of(
+    lent: Option<&mpsc::Receiver<(u64, Incarnation)>>,
+    id: u64,
+) -> Result<Incarnation, E2eError> {
+    let Some(lent) = lent else {
+        return Ok(Incarnation::NONE);
+    };
+    loop {
+        match lent.recv_timeout(GUARD) {
+            Ok((i, inc)) if i == id => return Ok(inc),
+            Ok(_) => {}
+            Err(_) => {
+                return Err(E2eError::Failed(format!(
+                    "the lending peer never said how it lent request {id}"
+                )))
+            }
+        }
+    }
+}
+
+/// Polls `engine` into `out` (cleared first). `Ok(false)`: nothing new,
+/// and the core was yielded (on a small machine the poller and the peer
+/// need it). Errors: a failed read or write, an expired one, or no
+/// progress since `t0` within a minute (`done` of `n` finished).
+pub(crate) fn poll_some(
+    engine: &mut Engine,
+    out: &mut Outcomes,
+    t0: Instant,
+    done: u32,
+    n: u32,
+) -> Result<bool, E2eError> {
+    out.clear();
+    if engine.poll(out) == 0 {
+        if t0.elapsed() > GUARD {
+            return Err(E2eError::Failed(format!(
+                "kvpoll: {done} of {n} requests after {GUARD:?}"
+            )));
+        }
+        std::thread::yield_now();
+        return Ok(false);
+    }
+    if let Some(f) = out.failed_recving.first() {
+        return Err(E2eError::Failed(format!(
+            "kvpoll read {:?} failed: {:?}",
+            f.id, f.reason
+        )));
+    }
+    if let Some(f) = out.failed_sending.first() {
+        return Err(E2eError::Failed(format!(
+            "kvpoll write {:?} failed: {:?}",
+            f.id, f.reason
+        )));
+    }
+    if let Some(id) = out.expired.first() {
+        return Err(E2eError::Failed(format!("kvpoll {id:?} expired")));
+    }
+    Ok(true)
 }
 
 /// The raw side: a worker connected to a `ucx-peer`, no bookkeeping.

@@ -42,7 +42,7 @@ use kvpoll::transport::ucx::{
 use kvpoll::wire::from_hex;
 use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer};
 
-use super::e2e::{lent_line, median, E2eError, PeerProcess};
+use super::e2e::{lend_of, lent_line, median, poll_some, E2eError, PeerProcess};
 use super::memory::{cpu_ns, CallerMemory};
 use crate::pattern;
 
@@ -89,6 +89,13 @@ impl Shape {
 
     fn slots(&self) -> u32 {
         self.in_flight * self.blocks
+    }
+
+    /// Block `j` of layer `r` of request `id` on a producer that holds
+    /// every layer in one region, layer after layer (the raw loop's and
+    /// `process_vm_readv`'s peers, the `memcpy` source).
+    fn flat_remote(&self, r: u32, id: u64, j: u32) -> u64 {
+        u64::from(r) * self.peer_blocks + u64::from(self.remote(id, j))
     }
 
     /// Block `j` (of `k`) of request `id` on the producer.
@@ -597,23 +604,6 @@ impl KvpollRunner {
         })
     }
 
-    fn lend_of(&mut self, id: u64) -> Result<Incarnation, E2eError> {
-        let Some(lent) = &self.lent else {
-            return Ok(Incarnation::NONE);
-        };
-        loop {
-            match lent.recv_timeout(GUARD) {
-                Ok((i, inc)) if i == id => return Ok(inc),
-                Ok(_) => {}
-                Err(_) => {
-                    return Err(E2eError::Failed(format!(
-                        "the lending peer never said how it lent request {id}"
-                    )))
-                }
-            }
-        }
-    }
-
     /// Whether the local blocks of a read hold what the producer wrote.
     fn check(&mut self, id: u64, local: &[BlockId]) -> Result<bool, E2eError> {
         let mut ok = true;
@@ -652,7 +642,7 @@ impl Runner for KvpollRunner {
                         Op::Write => remote[j],
                     };
                 }
-                let lend = self.lend_of(id)?;
+                let lend = lend_of(self.lent.as_ref(), id)?;
                 let t = [Transfer {
                     peer: self.peer,
                     local: &local,
@@ -669,30 +659,8 @@ impl Runner for KvpollRunner {
                 slots.of[submitted as usize] = slot;
                 submitted += 1;
             }
-            self.out.clear();
-            if self.engine.poll(&mut self.out) == 0 {
-                if t0.elapsed() > GUARD {
-                    return Err(E2eError::Failed(format!(
-                        "kvpoll: {done} of {n} requests after {GUARD:?}"
-                    )));
-                }
-                std::thread::yield_now();
+            if !poll_some(&mut self.engine, &mut self.out, t0, done, n)? {
                 continue;
-            }
-            if let Some(f) = self.out.failed_recving.first() {
-                return Err(E2eError::Failed(format!(
-                    "kvpoll read {:?} failed: {:?}",
-                    f.id, f.reason
-                )));
-            }
-            if let Some(f) = self.out.failed_sending.first() {
-                return Err(E2eError::Failed(format!(
-                    "kvpoll write {:?} failed: {:?}",
-                    f.id, f.reason
-                )));
-            }
-            if let Some(id) = self.out.expired.first() {
-                return Err(E2eError::Failed(format!("kvpoll {id:?} expired")));
             }
             let ended = match self.op {
                 Op::Read => std::mem::take(&mut self.out.finished_recving),
@@ -854,7 +822,7 @@ impl Runner for RawRunner {
                 self.ops.clear();
                 for r in 0..s.regions {
                     for j in 0..s.blocks {
-                        let remote = u64::from(r) * s.peer_blocks + u64::from(s.remote(id, j));
+                        let remote = s.flat_remote(r, id, j);
                         self.ops.push(BlockOp {
                             local_offset: self.local_offset(r, slot, j),
                             remote_offset: remote * bs,
@@ -916,7 +884,7 @@ impl Runner for RawRunner {
                         for j in 0..s.blocks {
                             self.local
                                 .read(self.local_offset(r, slot, j), &mut self.buf)?;
-                            let remote = u64::from(r) * s.peer_blocks + u64::from(s.remote(id, j));
+                            let remote = s.flat_remote(r, id, j);
                             ok &= pattern::check(SEED, remote, &self.buf);
                         }
                     }
@@ -942,6 +910,18 @@ impl Runner for RawRunner {
 }
 
 // ---------------------------------------------------------------- limits
+
+/// Whether slot 0 of `dst` (layer after layer, `slots()` blocks a layer)
+/// holds request `id` as a flat producer wrote it (pattern `SEED`).
+fn copied_ok(dst: &CallerMemory, s: &Shape, id: u64) -> bool {
+    let bs = s.block_size as usize;
+    (0..s.regions).all(|r| {
+        (0..s.blocks).all(|j| {
+            let at = (r * s.slots() + j) as usize * bs;
+            pattern::check(SEED, s.flat_remote(r, id, j), dst.slice(at, bs))
+        })
+    })
+}
 
 /// `memcpy` of the same blocks inside this process (caller memory on both
 /// sides): the copy limit.
@@ -984,8 +964,7 @@ impl Runner for MemcpyRunner {
             let id = self.next_id + u64::from(i);
             for r in 0..s.regions {
                 for j in 0..s.blocks {
-                    let from =
-                        (r as usize * s.peer_blocks as usize + s.remote(id, j) as usize) * bs;
+                    let from = s.flat_remote(r, id, j) as usize * bs;
                     let to = (r * s.slots() + j) as usize * bs;
                     let src = self.src.slice(from, bs).as_ptr();
                     self.dst.slice_mut(to, bs).copy_from_slice(
@@ -997,17 +976,7 @@ impl Runner for MemcpyRunner {
             if id % u64::from(s.check_every) == 0 {
                 let t = Instant::now();
                 checked += 1;
-                let ok = (0..s.regions).all(|r| {
-                    (0..s.blocks).all(|j| {
-                        let remote = u64::from(r) * s.peer_blocks + u64::from(s.remote(id, j));
-                        pattern::check(
-                            SEED,
-                            remote,
-                            self.dst.slice((r * s.slots() + j) as usize * bs, bs),
-                        )
-                    })
-                });
-                bad += u64::from(!ok);
+                bad += u64::from(!copied_ok(&self.dst, &s, id));
                 check_time += t.elapsed();
             }
         }
@@ -1083,8 +1052,7 @@ impl Runner for VmReadvRunner {
             let mut want = 0usize;
             for r in 0..s.regions {
                 for j in 0..s.blocks {
-                    let from =
-                        (r as usize * s.peer_blocks as usize + s.remote(id, j) as usize) * bs;
+                    let from = s.flat_remote(r, id, j) as usize * bs;
                     let to = (r * s.slots() + j) as usize * bs;
                     local.push(libc::iovec {
                         iov_base: self.dst.slice_mut(to, bs).as_mut_ptr() as *mut libc::c_void,
@@ -1126,17 +1094,7 @@ impl Runner for VmReadvRunner {
             if id % u64::from(s.check_every) == 0 {
                 let t = Instant::now();
                 checked += 1;
-                let ok = (0..s.regions).all(|r| {
-                    (0..s.blocks).all(|j| {
-                        let remote = u64::from(r) * s.peer_blocks + u64::from(s.remote(id, j));
-                        pattern::check(
-                            SEED,
-                            remote,
-                            self.dst.slice((r * s.slots() + j) as usize * bs, bs),
-                        )
-                    })
-                });
-                bad += u64::from(!ok);
+                bad += u64::from(!copied_ok(&self.dst, &s, id));
                 check_time += t.elapsed();
             }
         }

@@ -453,15 +453,9 @@ pub struct UcxPeerArgs {
     /// UCX transports (UCX_TLS).
     #[arg(long, value_name = "LIST", default_value = "tcp")]
     pub tls: String,
-    /// Blocks in the region.
-    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
-    pub blocks: u64,
-    /// Bytes per block.
-    #[arg(long, value_name = "BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
-    pub block_size: u64,
-    /// Seed of the block pattern.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub seed: u64,
+    /// Its blocks.
+    #[command(flatten)]
+    pub pattern: MemPeerArgs,
     /// Where the region lives: UCX-allocated, or an mmap of this process.
     #[arg(long, value_enum, default_value_t = PeerMemory::Ucx)]
     pub memory: PeerMemory,
@@ -486,10 +480,10 @@ pub enum PeerLendTo {
     Writers,
 }
 
-/// `kvpoll mem-peer`.
-#[derive(Debug, Clone, Args)]
+/// `kvpoll mem-peer`, and the blocks of a `ucx-peer`.
+#[derive(Debug, Clone, Copy, Args)]
 pub struct MemPeerArgs {
-    /// Blocks in the mapping.
+    /// Blocks in the region.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     pub blocks: u64,
     /// Bytes per block.

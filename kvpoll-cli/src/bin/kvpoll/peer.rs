@@ -32,9 +32,12 @@ pub fn stdin_closed() -> Arc<AtomicBool> {
 pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
     let UcxPeerArgs {
         ref tls,
-        blocks,
-        block_size,
-        seed,
+        pattern:
+            MemPeerArgs {
+                blocks,
+                block_size,
+                seed,
+            },
         memory,
     } = *args;
     let fail = |e: kvpoll::transport::ucx::UcxError| CliError::Failed(e.to_string());
