@@ -371,7 +371,6 @@ impl KvpollSide {
         })
     }
 
-
     /// `n` requests of `blocks` blocks, `depth` in flight; returns the run's
     /// time and each request's submit → visible latency.
     fn run(
@@ -573,27 +572,7 @@ impl RawSide {
             }
             let now = Instant::now();
             for c in &self.done {
-                if !c.status.is_ok() {
-                    return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
-                }
-                if c.token & NOTE != 0 {
-                    continue;
-                }
-                let i = c.token as usize;
-                let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
-                    return Err(E2eError::Failed(format!(
-                        "raw: unexpected token {}",
-                        c.token
-                    )));
-                };
-                *l -= 1;
-                if *l == 0 {
-                    // The producer's read-done notification, as kvpoll
-                    // sends it (same size, eager).
-                    let note = [i as u8; kvpoll::notification::LEN];
-                    self.ep
-                        .send_active_message(NOTIFY_AM_ID, &note, NOTE | c.token)
-                        .map_err(|e| E2eError::Failed(format!("raw notification: {e}")))?;
+                if let Some(i) = raw_completion(&self.ep, c, &mut left)? {
                     lat.push((now - started[i]).as_nanos() as u64);
                     done += 1;
                 }
@@ -601,6 +580,39 @@ impl RawSide {
         }
         Ok(t0.elapsed())
     }
+}
+
+/// One completion of a raw loop whose request `i` posted `left[i]` gets
+/// under token `i`: `Some(i)` when it was request `i`'s last, after
+/// sending the producer its read-done notification (as kvpoll sends it:
+/// same size, eager); `None` for a get with more to come or a
+/// notification's own completion.
+pub(crate) fn raw_completion(
+    ep: &Endpoint,
+    c: &Completion,
+    left: &mut [u32],
+) -> Result<Option<usize>, E2eError> {
+    if !c.status.is_ok() {
+        return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
+    }
+    if c.token & NOTE != 0 {
+        return Ok(None);
+    }
+    let i = c.token as usize;
+    let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
+        return Err(E2eError::Failed(format!(
+            "raw: unexpected token {}",
+            c.token
+        )));
+    };
+    *l -= 1;
+    if *l > 0 {
+        return Ok(None);
+    }
+    let note = [i as u8; kvpoll::notification::LEN];
+    ep.send_active_message(NOTIFY_AM_ID, &note, NOTE | c.token)
+        .map_err(|e| E2eError::Failed(format!("raw notification: {e}")))?;
+    Ok(Some(i))
 }
 
 /// Both sides connected to their peer processes, ready to run shapes; what

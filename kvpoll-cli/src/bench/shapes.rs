@@ -37,12 +37,12 @@ use std::time::{Duration, Instant};
 
 use kvpoll::transport::ucx::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey,
-    Worker, WorkerAddress, NOTIFY_AM_ID,
+    Worker, WorkerAddress,
 };
 use kvpoll::wire::from_hex;
 use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer};
 
-use super::e2e::{lend_of, lent_line, median, poll_some, E2eError, PeerProcess};
+use super::e2e::{lend_of, lent_line, median, poll_some, raw_completion, E2eError, PeerProcess};
 use super::memory::{cpu_ns, CallerMemory};
 use crate::pattern;
 
@@ -53,8 +53,6 @@ const GUARD: Duration = Duration::from_secs(60);
 const SEED: u64 = 1;
 /// The seed of what a writer writes (region r: `WRITER_SEED * 100 + r`).
 const WRITER_SEED: u64 = 7;
-/// Token bit of the raw loop's notification sends.
-const NOTE: u64 = 1 << 63;
 
 /// One request shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -853,27 +851,9 @@ impl Runner for RawRunner {
             }
             let completions = std::mem::take(&mut self.done);
             for c in &completions {
-                if !c.status.is_ok() {
-                    return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
-                }
-                if c.token & NOTE != 0 {
+                let Some(i) = raw_completion(&self.ep, c, &mut left)? else {
                     continue;
-                }
-                let i = c.token as usize;
-                let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
-                    return Err(E2eError::Failed(format!(
-                        "raw: unexpected token {}",
-                        c.token
-                    )));
                 };
-                *l -= 1;
-                if *l > 0 {
-                    continue;
-                }
-                let note = [i as u8; kvpoll::notification::LEN];
-                self.ep
-                    .send_active_message(NOTIFY_AM_ID, &note, NOTE | c.token)
-                    .map_err(|e| failed("raw notification", e))?;
                 let id = first + i as u64;
                 let slot = slots.of[i];
                 if id % u64::from(s.check_every) == 0 {
