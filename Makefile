@@ -16,7 +16,7 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
 C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
 
-.PHONY: deps test-deps demo test loom bench fmt clippy c-test header soak sim-soak fuzz fuzz-build wheel wheel-test
+.PHONY: deps test-deps demo test loom bench bench-peers compare fmt clippy c-test header soak sim-soak fuzz fuzz-build wheel wheel-test
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -53,10 +53,27 @@ loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test --release --lib --tests loom -- --test-threads=1
 
 # The benches live beside the tool (kvpoll-cli/benches); e2e spawns its peer
-# processes from the release binary.
+# processes from the release binary. Both are the production build: without
+# the demo's fault-injection hooks (`kvpoll bench` says which it ran).
 bench: deps
-	$(CARGO) build --release -p kvpoll-cli --bin kvpoll
-	$(CARGO) bench -p kvpoll-cli
+	$(CARGO) build --release -p kvpoll-cli --no-default-features --bin kvpoll
+	$(CARGO) bench -p kvpoll-cli --no-default-features
+
+# The systems `kvpoll bench compare` measures kvpoll against: NIXL (CPU
+# only; its wheel bundles its own UCX) and Mooncake Transfer Engine, in a
+# venv under the target dir. Not part of `make test`. NIXL's wheel lists
+# torch, which its Python API does not import: it is left out.
+BENCH_VENV := $(TARGET_DIR)/bench-peers/venv
+bench-peers:
+	test -x $(BENCH_VENV)/bin/python || python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet numpy mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(BENCH_VENV)/bin/pip install --quiet --no-deps nixl-cu12==1.5.1
+	$(BENCH_VENV)/bin/python -c "import nixl_cu12._api, mooncake.engine"
+
+# The whole suite with the comparison, its table and both plots.
+compare: deps bench-peers
+	$(CARGO) build --release -p kvpoll-cli --no-default-features --bin kvpoll
+	$(TARGET_DIR)/release/kvpoll bench --svg docs/bench-cdf.svg
 
 # The C ABI: tests/pull.c linked against libkvpoll_c.so, then libkvpoll_c.a.
 c-test:

@@ -7,3 +7,7 @@
 pub mod bench;
 pub mod control;
 pub mod pattern;
+
+/// Whether this build's engines carry the `fault-injection` test hooks
+/// (the bench says so next to its figures).
+pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");

@@ -52,3 +52,20 @@ fn bench_trace_without_out_is_a_usage_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args(["bench", "compare", "--only", "small_tcp", "--scale", "0.02"])
+        .args(["--rounds", "1", "--peers-python", "none", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let json = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        json.contains("\"group\":\"small_tcp_caller_pull\""),
+        "{json}"
+    );
+    assert!(json.contains("peer systems not measured"), "{json}");
+    assert!(json.contains("\"system\":\"kvpoll\""), "{json}");
+}

@@ -223,3 +223,37 @@ fn pools_that_cannot_be_registered_are_refused_at_once_with_exit_2() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// The environment a running `kvpoll ucx-peer` ended up with (after the
+/// binary re-executed itself with its UCX defaults).
+fn peer_environment(tx_seg: Option<&str>) -> String {
+    use std::io::{BufRead, BufReader};
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
+    cmd.args(["ucx-peer", "--tls", "tcp", "--blocks", "1"])
+        .env_remove("UCX_TCP_TX_SEG_SIZE")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    if let Some(v) = tx_seg {
+        cmd.env("UCX_TCP_TX_SEG_SIZE", v);
+    }
+    let mut child = cmd.spawn().expect("spawn ucx-peer");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("READY "), "{line}");
+    let env = std::fs::read(format!("/proc/{}/environ", child.id())).unwrap();
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    String::from_utf8_lossy(&env).replace('\0', "\n")
+}
+
+#[test]
+fn kvpoll_sends_64_kib_tcp_segments_unless_the_environment_says_otherwise() {
+    assert!(peer_environment(None)
+        .lines()
+        .any(|l| l == "UCX_TCP_TX_SEG_SIZE=64K"));
+    assert!(peer_environment(Some("16K"))
+        .lines()
+        .any(|l| l == "UCX_TCP_TX_SEG_SIZE=16K"));
+}

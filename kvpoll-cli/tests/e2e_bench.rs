@@ -36,3 +36,46 @@ fn e2e_comparison_reports_a_peer_that_cannot_start() {
     let err = compare(Path::new("/nonexistent/kvpoll"), &small("tcp")).unwrap_err();
     assert!(err.to_string().contains("spawning"), "{err}");
 }
+
+mod compare {
+    use std::path::Path;
+
+    use kvpoll_cli::bench::shapes::{
+        run_group, Group, Memory, Op, Peers, KVPOLL, KVPOLL_UNCONFIRMED, LAYERS, LOOPBACK, MEMCPY,
+        NIXL, PVREADV, RAW, SMALL,
+    };
+
+    fn exe() -> &'static Path {
+        Path::new(env!("CARGO_BIN_EXE_kvpoll"))
+    }
+
+    #[test]
+    fn small_reads_of_caller_memory_run_every_local_system_and_check_their_bytes() {
+        let mut g = Group::new(SMALL, "posix,sysv,cma", Memory::Caller, Op::Read);
+        g.requests = 256;
+        let f = run_group(exe(), &g, &Peers::default(), 1).unwrap();
+        for s in [KVPOLL, KVPOLL_UNCONFIRMED, RAW, PVREADV, MEMCPY] {
+            let s = f.get(s).unwrap_or_else(|| panic!("{s} missing: {f:?}"));
+            assert!(s.per_s > 0.0 && s.cpu_s_per_gb > 0.0, "{s:?}");
+            // 256 + 64 (warm-up) requests, every 64th checked.
+            assert!(s.checked >= 4 && s.bad == 0, "{s:?}");
+        }
+        // No Python given: the peers are said not to be measured, and why.
+        let (_, why) = f.absent.iter().find(|(s, _)| s == NIXL).unwrap();
+        assert!(why.contains("make bench-peers"), "{why}");
+        assert!(f
+            .to_json()
+            .contains("\"not_measured\":[{\"system\":\"NIXL\""));
+    }
+
+    #[test]
+    fn a_multi_layer_push_over_tcp_is_checked_by_its_destination() {
+        let mut g = Group::new(LAYERS, "tcp", Memory::Ucx, Op::Write);
+        g.requests = 8;
+        let f = run_group(exe(), &g, &Peers::default(), 1).unwrap();
+        let k = f.get(KVPOLL).unwrap();
+        assert!(k.gb_per_s > 0.0, "{k:?}");
+        assert!(k.checked >= 1 && k.bad == 0, "{k:?}");
+        assert!(f.get(LOOPBACK).is_some_and(|l| l.gb_per_s > 0.0));
+    }
+}

@@ -234,13 +234,13 @@ impl E2eFigures {
 }
 
 /// A peer process; its standard input closing tells it to exit.
-struct PeerProcess {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    ready: String,
+pub(crate) struct PeerProcess {
+    pub(crate) child: Child,
+    pub(crate) stdin: Option<ChildStdin>,
+    pub(crate) ready: String,
     /// What it prints after READY, and the `LENT` lines before it.
-    stdout: Option<BufReader<ChildStdout>>,
-    lent: Vec<(u64, Incarnation)>,
+    pub(crate) stdout: Option<BufReader<ChildStdout>>,
+    pub(crate) lent: Vec<(u64, Incarnation)>,
 }
 
 /// A `LENT <id> <hex incarnation>` line of a lending `engine-peer`.
@@ -252,11 +252,22 @@ pub fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
 }
 
 impl PeerProcess {
-    fn spawn(exe: &Path, what: &'static str, args: &[String]) -> Result<Self, E2eError> {
+    pub(crate) fn spawn(exe: &Path, what: &'static str, args: &[String]) -> Result<Self, E2eError> {
+        Self::spawn_with_env(exe, what, args, &[])
+    }
+
+    /// [`PeerProcess::spawn`] with these variables added to its environment.
+    pub(crate) fn spawn_with_env(
+        exe: &Path,
+        what: &'static str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> Result<Self, E2eError> {
         let fail = |why: String| E2eError::Peer { what, why };
         let mut child = Command::new(exe)
             .arg(what)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -333,7 +344,7 @@ impl Drop for PeerProcess {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
@@ -375,25 +386,6 @@ impl KvpollSide {
         })
     }
 
-    /// The incarnation of the peer's lend of `id` (none without
-    /// confirmation).
-    fn lend_of(&mut self, id: u64) -> Result<Incarnation, E2eError> {
-        let Some(lent) = &self.lent else {
-            return Ok(Incarnation::NONE);
-        };
-        loop {
-            match lent.recv_timeout(GUARD) {
-                Ok((i, inc)) if i == id => return Ok(inc),
-                Ok(_) => {}
-                Err(_) => {
-                    return Err(E2eError::Failed(format!(
-                        "the lending peer never said how it lent request {id}"
-                    )))
-                }
-            }
-        }
-    }
-
     /// `n` requests of `blocks` blocks, `depth` in flight; returns the run's
     /// time and each request's submit → visible latency.
     fn run(
@@ -416,7 +408,7 @@ impl KvpollSide {
             while submitted < n && submitted - done < depth {
                 let slot = (submitted % depth * blocks) as usize;
                 let id = first + u64::from(submitted);
-                let lend = self.lend_of(id)?;
+                let lend = lend_of(self.lent.as_ref(), id)?;
                 started[submitted as usize] = Instant::now();
                 self.engine.read(
                     RequestId(id),
@@ -429,21 +421,8 @@ impl KvpollSide {
                 )?;
                 submitted += 1;
             }
-            self.out.clear();
-            if self.engine.poll(&mut self.out) == 0 {
-                if t0.elapsed() > GUARD {
-                    return Err(E2eError::Failed(format!(
-                        "kvpoll: {done} of {n} reads after {GUARD:?}"
-                    )));
-                }
-                std::thread::yield_now();
+            if !poll_some(&mut self.engine, &mut self.out, t0, done, n)? {
                 continue;
-            }
-            if let Some(f) = self.out.failed_recving.first() {
-                return Err(E2eError::Failed(format!(
-                    "kvpoll read {:?} failed: {:?}",
-                    f.id, f.reason
-                )));
             }
             let now = Instant::now();
             for id in &self.out.finished_recving {
@@ -462,6 +441,67 @@ impl KvpollSide {
         self.next_id = first + u64::from(n);
         Ok(t)
     }
+}
+
+/// The incarnation a lending peer lent `id` with, from its `LENT` lines
+/// (none without a lending peer: confirmation off).
+pub(crate) fn lend_of(
+    lent: Option<&mpsc::Receiver<(u64, Incarnation)>>,
+    id: u64,
+) -> Result<Incarnation, E2eError> {
+    let Some(lent) = lent else {
+        return Ok(Incarnation::NONE);
+    };
+    loop {
+        match lent.recv_timeout(GUARD) {
+            Ok((i, inc)) if i == id => return Ok(inc),
+            Ok(_) => {}
+            Err(_) => {
+                return Err(E2eError::Failed(format!(
+                    "the lending peer never said how it lent request {id}"
+                )))
+            }
+        }
+    }
+}
+
+/// Polls `engine` into `out` (cleared first). `Ok(false)`: nothing new,
+/// and the core was yielded (on a small machine the poller and the peer
+/// need it). Errors: a failed read or write, an expired one, or no
+/// progress since `t0` within a minute (`done` of `n` finished).
+pub(crate) fn poll_some(
+    engine: &mut Engine,
+    out: &mut Outcomes,
+    t0: Instant,
+    done: u32,
+    n: u32,
+) -> Result<bool, E2eError> {
+    out.clear();
+    if engine.poll(out) == 0 {
+        if t0.elapsed() > GUARD {
+            return Err(E2eError::Failed(format!(
+                "kvpoll: {done} of {n} requests after {GUARD:?}"
+            )));
+        }
+        std::thread::yield_now();
+        return Ok(false);
+    }
+    if let Some(f) = out.failed_recving.first() {
+        return Err(E2eError::Failed(format!(
+            "kvpoll read {:?} failed: {:?}",
+            f.id, f.reason
+        )));
+    }
+    if let Some(f) = out.failed_sending.first() {
+        return Err(E2eError::Failed(format!(
+            "kvpoll write {:?} failed: {:?}",
+            f.id, f.reason
+        )));
+    }
+    if let Some(id) = out.expired.first() {
+        return Err(E2eError::Failed(format!("kvpoll {id:?} expired")));
+    }
+    Ok(true)
 }
 
 /// The raw side: a worker connected to a `ucx-peer`, no bookkeeping.
@@ -547,27 +587,7 @@ impl RawSide {
             }
             let now = Instant::now();
             for c in &self.done {
-                if !c.status.is_ok() {
-                    return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
-                }
-                if c.token & NOTE != 0 {
-                    continue;
-                }
-                let i = c.token as usize;
-                let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
-                    return Err(E2eError::Failed(format!(
-                        "raw: unexpected token {}",
-                        c.token
-                    )));
-                };
-                *l -= 1;
-                if *l == 0 {
-                    // The producer's read-done notification, as kvpoll
-                    // sends it (same size, eager).
-                    let note = [i as u8; kvpoll::notification::LEN];
-                    self.ep
-                        .send_active_message(NOTIFY_AM_ID, &note, NOTE | c.token)
-                        .map_err(|e| E2eError::Failed(format!("raw notification: {e}")))?;
+                if let Some(i) = raw_completion(&self.ep, c, &mut left)? {
                     lat.push((now - started[i]).as_nanos() as u64);
                     done += 1;
                 }
@@ -575,6 +595,39 @@ impl RawSide {
         }
         Ok(t0.elapsed())
     }
+}
+
+/// One completion of a raw loop whose request `i` posted `left[i]` gets
+/// under token `i`: `Some(i)` when it was request `i`'s last, after
+/// sending the producer its read-done notification (as kvpoll sends it:
+/// same size, eager); `None` for a get with more to come or a
+/// notification's own completion.
+pub(crate) fn raw_completion(
+    ep: &Endpoint,
+    c: &Completion,
+    left: &mut [u32],
+) -> Result<Option<usize>, E2eError> {
+    if !c.status.is_ok() {
+        return Err(E2eError::Failed(format!("raw get failed: {:?}", c.status)));
+    }
+    if c.token & NOTE != 0 {
+        return Ok(None);
+    }
+    let i = c.token as usize;
+    let Some(l) = left.get_mut(i).filter(|l| **l > 0) else {
+        return Err(E2eError::Failed(format!(
+            "raw: unexpected token {}",
+            c.token
+        )));
+    };
+    *l -= 1;
+    if *l > 0 {
+        return Ok(None);
+    }
+    let note = [i as u8; kvpoll::notification::LEN];
+    ep.send_active_message(NOTIFY_AM_ID, &note, NOTE | c.token)
+        .map_err(|e| E2eError::Failed(format!("raw notification: {e}")))?;
+    Ok(Some(i))
 }
 
 /// Both sides connected to their peer processes, ready to run shapes; what

@@ -5,3 +5,5 @@
 pub mod e2e;
 pub mod engine;
 pub mod ledger;
+pub mod memory;
+pub mod shapes;

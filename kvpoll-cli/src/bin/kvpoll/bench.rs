@@ -10,7 +10,10 @@ use kvpoll_cli::bench::e2e::{self as bench_e2e, E2eConfig, E2eFigures};
 use kvpoll_cli::bench::engine as engine_bench;
 use kvpoll_cli::bench::ledger::{compare, BenchConfig, Schedule};
 
-use crate::cli::{BenchArgs, BenchWhat, CliError, E2eArgs, JsonArgs, SuiteArgs, TraceArgs};
+use crate::cli::{
+    BenchArgs, BenchWhat, CliError, CompareArgs, E2eArgs, JsonArgs, SuiteArgs, TraceArgs,
+};
+use crate::compare::Comparison;
 
 /// Interleaved runs of each tracker (about 25 ms a pair here).
 const RUNS: u32 = 31;
@@ -104,18 +107,18 @@ fn json_number(text: &str, key: &str) -> Option<f64> {
 }
 
 /// One line of the table.
-struct Row {
-    key: &'static str,
-    figure: &'static str,
-    unit: &'static str,
-    kvpoll: Option<f64>,
-    baseline_name: &'static str,
-    baseline: Option<f64>,
+pub struct Row {
+    pub key: &'static str,
+    pub figure: &'static str,
+    pub unit: &'static str,
+    pub kvpoll: Option<f64>,
+    pub baseline_name: &'static str,
+    pub baseline: Option<f64>,
     /// kvpoll / baseline, or the figure's own ratio.
-    ratio: Option<f64>,
-    target: &'static str,
-    met: Option<bool>,
-    note: String,
+    pub ratio: Option<f64>,
+    pub target: &'static str,
+    pub met: Option<bool>,
+    pub note: String,
 }
 
 fn num(x: Option<f64>) -> String {
@@ -128,7 +131,9 @@ fn num(x: Option<f64>) -> String {
 fn human(x: Option<f64>, unit: &str) -> String {
     match x {
         Some(v) if v.is_finite() => {
-            if v >= 1e6 {
+            if v >= 1e9 {
+                format!("{:.2} G{unit}", v / 1e9)
+            } else if v >= 1e6 {
                 format!("{:.2} M{unit}", v / 1e6)
             } else if v >= 1e4 {
                 format!("{:.1} k{unit}", v / 1e3)
@@ -143,13 +148,14 @@ fn human(x: Option<f64>, unit: &str) -> String {
 /// Everything `bench all` measured.
 pub struct Suite {
     rows: Vec<Row>,
+    compare: Option<Comparison>,
     e2e: Option<E2eFigures>,
     completion_visible_ns: Vec<u64>,
     cache_line_ns: Vec<u64>,
     seconds: f64,
 }
 
-fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
+fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite, CliError> {
     let t0 = Instant::now();
     let mut rows = Vec::new();
     let cfg = BenchConfig::default();
@@ -364,8 +370,17 @@ fn suite(tls: Option<&str>) -> Result<Suite, CliError> {
         remote_tls,
         park50,
     ));
+    let compare = match with_compare {
+        Some(python) => {
+            let c = crate::compare::run("posix,sysv,cma", 5, 1.0, None, python, None)?;
+            rows.extend(c.rows());
+            Some(c)
+        }
+        None => None,
+    };
     Ok(Suite {
         rows,
+        compare,
         e2e,
         completion_visible_ns: cv,
         cache_line_ns,
@@ -406,6 +421,9 @@ fn print_table(s: &Suite) {
             println!("  {:<34} baseline: {}; {}", r.key, r.baseline_name, r.note);
         }
     }
+    if let Some(c) = &s.compare {
+        c.print_groups();
+    }
     println!("\nsuite ran in {:.1} s", s.seconds);
 }
 
@@ -431,25 +449,89 @@ fn print_json(s: &Suite) {
         .collect();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "{{\"cores\":{cores},\"seconds\":{:.1},\"e2e\":{},{}}}",
+        "{{\"cores\":{cores},\"load_average\":\"{}\",\"seconds\":{:.1},\"e2e\":{},\"compare\":{},{}}}",
+        load_average(),
         s.seconds,
         s.e2e.as_ref().map_or("null".into(), |f| f.to_json()),
+        s.compare.as_ref().map_or("null".into(), Comparison::to_json),
         rows.join(",")
     );
 }
 
 pub fn run(args: BenchArgs) -> Result<(), CliError> {
     match args.what.unwrap_or(BenchWhat::All(args.all)) {
-        BenchWhat::All(SuiteArgs { json, tls, svg }) => {
-            let s = suite(tls.as_deref())?;
+        BenchWhat::All(SuiteArgs {
+            json,
+            tls,
+            svg,
+            no_compare,
+            peers_python,
+        }) => {
+            let load = load_average();
+            let s = suite(
+                tls.as_deref(),
+                (!no_compare).then_some(peers_python.as_deref()),
+            )?;
             if json {
                 print_json(&s);
             } else {
                 print_table(&s);
+                println!("load average at the start: {load}");
             }
             if let Some(path) = svg {
                 crate::plot::cdf(&path, &s).map_err(failed)?;
                 eprintln!("kvpoll: latency CDFs written to {}", path.display());
+                if let Some(c) = &s.compare {
+                    let p = compare_svg_path(&path);
+                    c.svg(&p).map_err(failed)?;
+                    eprintln!("kvpoll: the comparison written to {}", p.display());
+                }
+            }
+        }
+        BenchWhat::Compare(CompareArgs {
+            json,
+            svg,
+            shm,
+            rounds,
+            scale,
+            only,
+            alt_ucx,
+            peers_python,
+        }) => {
+            let load = load_average();
+            let t0 = Instant::now();
+            let c = crate::compare::run(
+                &shm,
+                rounds,
+                scale,
+                only.as_deref(),
+                peers_python.as_deref(),
+                alt_ucx.as_deref(),
+            )?;
+            let rows = c.rows();
+            if json {
+                println!("{}", c.to_json());
+            } else {
+                let s = Suite {
+                    rows,
+                    compare: Some(c),
+                    e2e: None,
+                    completion_visible_ns: Vec::new(),
+                    cache_line_ns: Vec::new(),
+                    seconds: t0.elapsed().as_secs_f64(),
+                };
+                print_table(&s);
+                println!("load average at the start: {load}");
+                if let Some(path) = svg {
+                    if let Some(c) = &s.compare {
+                        c.svg(&path).map_err(failed)?;
+                        eprintln!("kvpoll: the comparison written to {}", path.display());
+                    }
+                }
+                return Ok(());
+            }
+            if let Some(path) = svg {
+                c.svg(&path).map_err(failed)?;
             }
         }
         BenchWhat::Trace(TraceArgs { out }) => {
@@ -517,6 +599,19 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// `/proc/loadavg`'s three averages.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// `cdf.svg` -> `cdf-compare.svg`.
+fn compare_svg_path(p: &Path) -> std::path::PathBuf {
+    let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or("bench");
+    p.with_file_name(format!("{stem}-compare.svg"))
 }
 
 /// What the plot needs from a suite run.

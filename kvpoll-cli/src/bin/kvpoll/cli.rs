@@ -67,6 +67,11 @@ pub enum Command {
     /// (Internal) runs a kvpoll engine serving patterned blocks to a parent
     /// process: the tests and `bench e2e` spawn it.
     EnginePeer(EnginePeerArgs),
+    /// A process holding blocks of a known pattern in an mmap (huge pages
+    /// where the kernel gives them), for `process_vm_readv`: prints `READY
+    /// <hex address>` and waits for its standard input to close.
+    #[command(hide = true)]
+    MemPeer(MemPeerArgs),
 }
 
 /// How the demo runs its prefill ranks.
@@ -326,9 +331,49 @@ pub enum BenchWhat {
     Engine(JsonArgs),
     /// End to end over UCX between two processes, against a raw UCX loop.
     E2e(E2eArgs),
+    /// What users compare: serving shapes (16 KiB reads, 8 MiB multi-layer
+    /// requests, a 64 MiB read; pull and push) over shared memory and tcp,
+    /// in UCX-allocated and caller memory, next to memcpy,
+    /// process_vm_readv, loopback tcp, a raw UCX loop, and NIXL and
+    /// Mooncake where `make bench-peers` installed them.
+    Compare(CompareArgs),
     /// Writes the ledger bench's completion trace, for the Python
     /// reference (kvpoll-cli/benches/reference/vllm_style.py).
     Trace(TraceArgs),
+}
+
+/// `kvpoll bench compare`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CompareArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw the comparison (each system's rate as a share of the group's
+    /// best limit) into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// Shared-memory transports [default: posix,sysv,cma].
+    #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
+    pub shm: String,
+    /// Interleaved rounds per system (medians are reported).
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
+    /// Scale every round's request count (0.01 to 10): a quick look, or a
+    /// longer one.
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    pub scale: f64,
+    /// Only the groups whose key contains this (e.g. `tcp`, `layers_shm`).
+    #[arg(long, value_name = "TEXT")]
+    pub only: Option<String>,
+    /// One more kvpoll system with these UCX options on both sides
+    /// (`NAME=VALUE,...`, names without `UCX_`): settings compared in one run.
+    #[arg(long, value_name = "LIST")]
+    pub alt_ucx: Option<String>,
+    /// The Python that imports NIXL and Mooncake [default: the venv `make
+    /// bench-peers` makes, target/bench-peers/venv, next to this binary's
+    /// directory; $KVPOLL_BENCH_PYTHON]. `none`: do not measure them.
+    #[arg(long, value_name = "PATH")]
+    pub peers_python: Option<PathBuf>,
 }
 
 /// `kvpoll bench [all]`.
@@ -341,9 +386,17 @@ pub struct SuiteArgs {
     /// if shared memory cannot be used].
     #[arg(long, value_name = "LIST")]
     pub tls: Option<String>,
-    /// Draw the latency CDFs of kvpoll and its baselines into this SVG file.
+    /// Draw the latency CDFs of kvpoll and its baselines into this SVG
+    /// file, and the comparison of `bench compare` next to it
+    /// (`<name>-compare.svg`).
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
+    /// Leave out the comparison of `bench compare`.
+    #[arg(long)]
+    pub no_compare: bool,
+    /// The Python for NIXL and Mooncake (see `bench compare`).
+    #[arg(long, value_name = "PATH")]
+    pub peers_python: Option<PathBuf>,
 }
 
 /// `--json` alone.
@@ -400,6 +453,36 @@ pub struct UcxPeerArgs {
     /// UCX transports (UCX_TLS).
     #[arg(long, value_name = "LIST", default_value = "tcp")]
     pub tls: String,
+    /// Its blocks.
+    #[command(flatten)]
+    pub pattern: MemPeerArgs,
+    /// Where the region lives: UCX-allocated, or an mmap of this process.
+    #[arg(long, value_enum, default_value_t = PeerMemory::Ucx)]
+    pub memory: PeerMemory,
+}
+
+/// Where a bench peer's blocks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PeerMemory {
+    /// Allocated and registered by UCX.
+    Ucx,
+    /// An anonymous mapping of the process (huge pages where the kernel
+    /// gives them), registered as caller memory.
+    Caller,
+}
+
+/// What a lending `engine-peer` lends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PeerLendTo {
+    /// Readers (pull): one reader each.
+    Readers,
+    /// Writers (push destinations): one writer each.
+    Writers,
+}
+
+/// `kvpoll mem-peer`, and the blocks of a `ucx-peer`.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct MemPeerArgs {
     /// Blocks in the region.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     pub blocks: u64,
@@ -434,6 +517,25 @@ pub struct EnginePeerArgs {
     /// reads (the default) reads ids in that order. 0: lend nothing.
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=65536))]
     pub lend_ahead: u32,
+    /// Blocks each lend names: request id i lends blocks i*K .. i*K+K
+    /// (modulo the region's blocks), so consecutive requests touch
+    /// different blocks.
+    #[arg(long, value_name = "K", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=512))]
+    pub lend_blocks: u32,
+    /// Lend to readers (pull) or to writers (push destinations).
+    #[arg(long, value_enum, default_value_t = PeerLendTo::Readers)]
+    pub lend_to: PeerLendTo,
+    /// Writers: check the blocks of every Nth request received against
+    /// the pattern of `--writer-seed` and print `CHECKED <id> ok|bad`
+    /// (0: never).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub check_every: u32,
+    /// The seed of the pattern writers write (region r: seed*100 + r).
+    #[arg(long, value_name = "N", default_value_t = 7)]
+    pub writer_seed: u64,
+    /// Where the regions live: UCX-allocated, or mmaps of this process.
+    #[arg(long, value_enum, default_value_t = PeerMemory::Ucx)]
+    pub memory: PeerMemory,
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 
 mod bench;
 mod cli;
+mod compare;
 mod demo;
+mod faults;
 mod metrics_http;
 mod peer;
 mod plot;
@@ -28,6 +30,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench(a) => bench::run(a),
         Command::UcxPeer(a) => peer::run(&a),
         Command::EnginePeer(a) => peer::run_engine(&a),
+        Command::MemPeer(a) => peer::run_mem(&a),
         Command::Completions(a) => {
             clap_complete::generate(
                 a.shell,
@@ -104,5 +107,6 @@ fn subcommand_name(c: &Command) -> &'static str {
         Command::Completions(_) => "completions",
         Command::UcxPeer(_) => "ucx-peer",
         Command::EnginePeer(_) => "engine-peer",
+        Command::MemPeer(_) => "mem-peer",
     }
 }

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker, NOTIFY_AM_ID};
 use kvpoll::wire::to_hex;
 
-use crate::cli::{CliError, EnginePeerArgs, UcxPeerArgs};
+use kvpoll_cli::bench::memory::CallerMemory;
+
+use crate::cli::{CliError, EnginePeerArgs, MemPeerArgs, PeerLendTo, PeerMemory, UcxPeerArgs};
 
 /// A flag that turns true when standard input closes: how a child process
 /// learns that its parent is done with it.
@@ -30,9 +32,13 @@ pub fn stdin_closed() -> Arc<AtomicBool> {
 pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
     let UcxPeerArgs {
         ref tls,
-        blocks,
-        block_size,
-        seed,
+        pattern:
+            MemPeerArgs {
+                blocks,
+                block_size,
+                seed,
+            },
+        memory,
     } = *args;
     let fail = |e: kvpoll::transport::ucx::UcxError| CliError::Failed(e.to_string());
 
@@ -45,7 +51,16 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
         .checked_mul(block_size)
         .filter(|&l| l > 0 && l <= 1 << 34)
         .ok_or_else(|| CliError::Failed("region size out of range".into()))?;
-    let region = MemoryRegion::allocate(&ctx, len as usize).map_err(fail)?;
+    // Dropped after the region that maps it.
+    let mut caller = None;
+    let region = match memory {
+        PeerMemory::Ucx => MemoryRegion::allocate(&ctx, len as usize).map_err(fail)?,
+        PeerMemory::Caller => {
+            let m = caller.insert(CallerMemory::new(len as usize).map_err(mapping)?);
+            // SAFETY: the mapping outlives the region (dropped after it).
+            unsafe { MemoryRegion::map(&ctx, m.as_ptr(), len as usize) }.map_err(fail)?
+        }
+    };
     let mut block = vec![0u8; block_size as usize];
     for b in 0..blocks {
         kvpoll_cli::pattern::fill(seed, b, &mut block);
@@ -65,6 +80,7 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
     drop(out);
 
     let closed = stdin_closed();
+    let _ = &caller;
     // Over tcp the target of a get must progress to answer it. Spin while
     // there is work; when there is none, block on the worker's event fd
     // (as a kvpoll poller does, so that the e2e bench's raw loop is not
@@ -102,6 +118,11 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         seed,
         regions,
         lend_ahead,
+        lend_blocks,
+        lend_to,
+        check_every,
+        writer_seed,
+        memory,
     } = *args;
     let regions = usize::from(regions);
     let fail = |e: kvpoll::EngineError| CliError::Failed(e.to_string());
@@ -111,12 +132,28 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     if lend_ahead > 0 {
         // Room for what is lent ahead, and for as many reported but not
         // yet polled.
-        builder = builder.ledger(2 * lend_ahead + 64, 8);
+        builder = builder.ledger(2 * lend_ahead + 64, lend_blocks.max(8));
     }
+    // Caller memory outlives the engine (declared first, dropped last).
+    let mut mappings = Vec::new();
     let mut engine = builder.build().map_err(fail)?;
     let mut block = vec![0u8; block_size as usize];
     for r in 0..regions {
-        engine.register(blocks).map_err(fail)?;
+        match memory {
+            PeerMemory::Ucx => engine.register(blocks).map_err(fail)?,
+            PeerMemory::Caller => {
+                let len = blocks
+                    .checked_mul(block_size)
+                    .and_then(|l| usize::try_from(l).ok())
+                    .ok_or_else(|| CliError::Failed("region size out of range".into()))?;
+                let m = CallerMemory::new(len).map_err(mapping)?;
+                // SAFETY: the mapping lives in `mappings` until after the
+                // engine shut down and dropped.
+                let i = unsafe { engine.register_memory(m.as_ptr(), len) }.map_err(fail)?;
+                mappings.push(m);
+                i
+            }
+        };
         for b in 0..blocks {
             // Region r of rank `seed` holds the pattern of seed*100 + r.
             kvpoll_cli::pattern::fill(seed * 100 + r as u64, b, &mut block);
@@ -126,7 +163,15 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         }
     }
     // Lent before READY: the reader's first reads find their lends.
-    let mut lender = Lender::new(lend_ahead);
+    let mut lender = Lender {
+        ahead: u64::from(lend_ahead),
+        next: 0,
+        released: 0,
+        blocks_each: u64::from(lend_blocks),
+        blocks,
+        to: lend_to,
+        ids: Vec::new(),
+    };
     lender.top_up(&mut engine).map_err(fail)?;
     let meta = engine.local_metadata().map_err(fail)?;
     let mut out = std::io::stdout().lock();
@@ -134,13 +179,40 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         .and_then(|_| out.flush())
         .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
     drop(out);
+    if lend_to == PeerLendTo::Writers {
+        // A push destination acknowledges its writers: it must know them.
+        // The first line on standard input is `PEER <hex metadata>`.
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| CliError::Failed(format!("reading the writer's metadata: {e}")))?;
+        let meta = line
+            .trim()
+            .strip_prefix("PEER ")
+            .and_then(|h| kvpoll::wire::from_hex(h).ok())
+            .ok_or_else(|| CliError::Failed("expected PEER <hex metadata> first".into()))?;
+        engine.add_peer(&meta).map_err(fail)?;
+    }
     let closed = stdin_closed();
     let mut outcomes = kvpoll::Outcomes::default();
     let mut quiet = 0u32;
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();
         engine.poll(&mut outcomes);
-        let ended = outcomes.finished_sending.len() + outcomes.expired.len();
+        if check_every > 0 {
+            check_received(
+                &engine,
+                &outcomes,
+                &lender,
+                regions,
+                check_every,
+                writer_seed,
+            )?;
+        }
+        let ended = outcomes.finished_sending.len()
+            + outcomes.expired.len()
+            + outcomes.finished_recving.len()
+            + outcomes.failed_recving.len();
         lender.released += ended as u64;
         lender.top_up(&mut engine).map_err(fail)?;
         // A lender whose reader is reading looks often enough to stay
@@ -162,23 +234,71 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         }
     }
     engine.shutdown();
+    drop(engine);
+    drop(mappings);
     Ok(())
 }
 
-/// Lends request ids in order, `ahead` more than were released.
+fn mapping(e: std::io::Error) -> CliError {
+    CliError::Failed(format!("mapping caller memory: {e}"))
+}
+
+/// Checks the blocks of every `every`th push destination that ended well
+/// against the writers' pattern (region r: `seed*100 + r`, remote block b
+/// written from the writer's block b), printing `CHECKED <id> ok|bad`.
+fn check_received(
+    engine: &kvpoll::Engine,
+    outcomes: &kvpoll::Outcomes,
+    lender: &Lender,
+    regions: usize,
+    every: u32,
+    seed: u64,
+) -> Result<(), CliError> {
+    let mut buf = vec![0u8; engine.block_size() as usize];
+    let mut lines = String::new();
+    for id in &outcomes.finished_recving {
+        if id.0 % u64::from(every) != 0 {
+            continue;
+        }
+        let mut ok = true;
+        for b in lender.blocks_of(id.0) {
+            for r in 0..regions {
+                engine
+                    .read_block(r, b, &mut buf)
+                    .map_err(|e| CliError::Failed(e.to_string()))?;
+                ok &= kvpoll_cli::pattern::check(seed * 100 + r as u64, u64::from(b.0), &buf);
+            }
+        }
+        lines.push_str(&format!(
+            "CHECKED {} {}\n",
+            id.0,
+            if ok { "ok" } else { "bad" }
+        ));
+    }
+    if !lines.is_empty() {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(lines.as_bytes()).and_then(|_| out.flush());
+    }
+    Ok(())
+}
+
+/// Lends request ids in order, `ahead` more than were released: id i
+/// names blocks i*K .. i*K+K modulo the region's blocks.
 struct Lender {
     ahead: u64,
     next: u64,
     released: u64,
+    blocks_each: u64,
+    blocks: u64,
+    to: PeerLendTo,
+    ids: Vec<kvpoll::BlockId>,
 }
 
 impl Lender {
-    fn new(ahead: u32) -> Self {
-        Lender {
-            ahead: u64::from(ahead),
-            next: 0,
-            released: 0,
-        }
+    /// The blocks request `id` names.
+    fn blocks_of(&self, id: u64) -> impl Iterator<Item = kvpoll::BlockId> + '_ {
+        (0..self.blocks_each)
+            .map(move |j| kvpoll::BlockId(((id * self.blocks_each + j) % self.blocks) as u32))
     }
 
     /// Lends up to `ahead` past what was released, printing `LENT <id>
@@ -187,12 +307,17 @@ impl Lender {
     fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::EngineError> {
         let mut lent = String::new();
         while self.next < self.released + self.ahead {
-            let inc = engine.lend(
-                kvpoll::RequestId(self.next),
-                &[kvpoll::BlockId(0)],
-                1,
-                std::time::Duration::from_secs(3600),
-            )?;
+            let mut ids = std::mem::take(&mut self.ids);
+            ids.clear();
+            ids.extend(self.blocks_of(self.next));
+            let id = kvpoll::RequestId(self.next);
+            let lease = std::time::Duration::from_secs(3600);
+            let inc = match self.to {
+                PeerLendTo::Readers => engine.lend(id, &ids, 1, lease),
+                PeerLendTo::Writers => engine.receive(id, &ids, 1, lease),
+            };
+            self.ids = ids;
+            let inc = inc?;
             lent.push_str(&format!("LENT {} {:x}\n", self.next, inc.0));
             self.next += 1;
         }
@@ -203,4 +328,30 @@ impl Lender {
         }
         Ok(())
     }
+}
+
+/// `kvpoll mem-peer`: blocks of the pattern of `--seed` (block b: `fill(seed,
+/// b)`) in a mapping of this process, for a reader's `process_vm_readv`.
+pub fn run_mem(args: &MemPeerArgs) -> Result<(), CliError> {
+    let len =
+        args.blocks
+            .checked_mul(args.block_size)
+            .filter(|&l| l <= 1 << 34)
+            .ok_or_else(|| CliError::Failed("mapping size out of range".into()))? as usize;
+    let mut m = CallerMemory::new(len).map_err(mapping)?;
+    let bs = args.block_size as usize;
+    for b in 0..args.blocks as usize {
+        kvpoll_cli::pattern::fill(args.seed, b as u64, m.slice_mut(b * bs, bs));
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {:x}", m.as_ptr() as usize)
+        .and_then(|_| out.flush())
+        .map_err(|e| CliError::Failed(format!("writing to stdout: {e}")))?;
+    drop(out);
+    let closed = stdin_closed();
+    while !closed.load(Ordering::Acquire) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    drop(m);
+    Ok(())
 }

@@ -6,12 +6,18 @@
 //! down, the demo's prefill processes stopped) and exits — `serve` with 0,
 //! `connect` and `demo` with 128 + the signal's number after their summary.
 //!
-//! UCX reads its settings when its library loads, before `main`: two of
+//! UCX reads its settings when its library loads, before `main`: three of
 //! them are set (and the program executed again, once) unless the
 //! environment already sets them. `UCX_LOG_FILE=stderr`
 //! keeps UCX's log lines off standard output, which is the command's own
 //! (tables, JSON, `LISTEN` lines); `UCX_DEBUG_SIGNO=0` stops UCX from taking
-//! SIGHUP as its "switch to debug logging" signal.
+//! SIGHUP as its "switch to debug logging" signal; `UCX_TCP_TX_SEG_SIZE=64K`
+//! sends tcp data in 64 KiB segments instead of 8 KiB (UCX 1.13 answers an
+//! emulated get over tcp in send segments: eight times fewer `sendto`
+//! calls a gigabyte; 64 KiB is the default receive segment, so a peer
+//! with UCX's defaults still takes them). UCX 1.13 does not take tcp
+//! options through `ucp_config_modify` (it warns "invalid configuration"
+//! and ignores them), so the library cannot set this one itself.
 
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -57,10 +63,21 @@ pub fn exit_code(sig: i32) -> u8 {
 /// either is unset, it is set and this program executes itself again
 /// (same process, same arguments), once.
 pub fn ucx_defaults() {
-    let missing: Vec<(&str, &str)> = [("UCX_LOG_FILE", "stderr"), ("UCX_DEBUG_SIGNO", "0")]
-        .into_iter()
-        .filter(|(name, _)| std::env::var_os(name).is_none())
-        .collect();
+    let mut missing: Vec<(&str, &str)> = [
+        ("UCX_LOG_FILE", "stderr"),
+        ("UCX_DEBUG_SIGNO", "0"),
+        ("UCX_TCP_TX_SEG_SIZE", "64K"),
+    ]
+    .into_iter()
+    .filter(|(name, _)| std::env::var_os(name).is_none())
+    .collect();
+    // A transport list without tcp leaves that default unused, which UCX
+    // would warn about on every start: not when it is this program's own.
+    if missing.iter().any(|(n, _)| *n == "UCX_TCP_TX_SEG_SIZE")
+        && std::env::var_os("UCX_WARN_UNUSED_ENV_VARS").is_none()
+    {
+        missing.push(("UCX_WARN_UNUSED_ENV_VARS", "n"));
+    }
     if missing.is_empty() {
         return;
     }

@@ -11,8 +11,9 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[allow(unused_imports)]
+use crate::faults::*;
 use hdrhistogram::Histogram;
-use kvpoll::engine::Faults;
 use kvpoll::{BlockId, ContextOptions, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 
 use kvpoll::Cause;

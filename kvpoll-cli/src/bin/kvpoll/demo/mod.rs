@@ -31,7 +31,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::Faults;
+#[allow(unused_imports)]
+use crate::faults::*;
 
 use crate::cli::{CliError, ConnectArgs, DemoArgs, Ranks, ServeArgs, Workload};
 use crate::signals;
@@ -89,6 +90,11 @@ impl Settings {
         s.processes = a.ranks == Ranks::Processes;
         s.policy = a.policy;
         s.faults = !a.no_faults;
+        if s.faults && !AVAILABLE {
+            return Err(CliError::Failed(
+                "this kvpoll was built without the fault-injection feature: run the demo with --no-faults".into(),
+            ));
+        }
         s.handle_error_every = a.handle_error_every;
         s.release_failure_every = a.release_failure_every;
         s.setup_failure_every = a.setup_failure_every;

@@ -7,7 +7,8 @@ use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::Faults;
+#[allow(unused_imports)]
+use crate::faults::*;
 use kvpoll::metrics::MetricsSnapshot;
 use kvpoll::{BlockId, ContextOptions, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
 

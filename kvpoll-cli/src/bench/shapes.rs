@@ -1,0 +1,1447 @@
+//! What users compare: kvpoll next to the physical limits and to other
+//! transfer systems, over the shapes of disaggregated serving, in one run.
+//!
+//! Shapes ([`SMALL`], [`LAYERS`], [`LARGE`]): 16 KiB reads with 64 in
+//! flight; a multi-layer request (32 layers × 4 blocks × 64 KiB = 8 MiB,
+//! two in flight); one 64 MiB read. Request `i` names blocks `i·k + j`
+//! (mod the peer's blocks) of every layer, so consecutive requests touch
+//! different memory, and every `check_every`th request's bytes are
+//! compared with the pattern the producer wrote (its time is not counted).
+//!
+//! A [`Group`] is one shape over one transport list, one kind of memory
+//! (UCX-allocated, or caller memory: an mmap the engine did not allocate,
+//! on huge pages where the kernel gives them) and one direction (pull or
+//! push). Its systems run in interleaved rounds, each round timed alone;
+//! a system's figure is its median round and its CPU is every thread of
+//! both of its processes over all rounds (`/proc/<pid>/task/*/schedstat`):
+//!
+//! - **kvpoll**: an [`Engine`] here against a `kvpoll engine-peer`
+//!   process; read confirmation on (the default: the peer lends every
+//!   request), and for small reads also off.
+//! - **raw UCX loop**: `get_batch` + `progress` against a `kvpoll
+//!   ucx-peer`, one notification a request, no bookkeeping.
+//! - **limits**: `memcpy` in this process and `process_vm_readv` from a
+//!   `kvpoll mem-peer` (shared memory), a loopback tcp socket pushing the
+//!   same bytes (tcp).
+//! - **peers**: NIXL and Mooncake Transfer Engine through
+//!   `benches/peers/peer_bench.py`, when a Python that imports them is
+//!   given ([`Peers`]); otherwise they are listed as not measured.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use kvpoll::transport::ucx::{
+    BlockOp, Completion, Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey,
+    Worker, WorkerAddress,
+};
+use kvpoll::wire::from_hex;
+use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer};
+
+use super::e2e::{lend_of, lent_line, median, poll_some, raw_completion, E2eError, PeerProcess};
+use super::memory::{cpu_ns, CallerMemory};
+use crate::pattern;
+
+/// A run that takes longer than this is stuck, not slow.
+const GUARD: Duration = Duration::from_secs(60);
+/// The seed of the engine peer's pattern (region r: `SEED * 100 + r`) and
+/// of the ucx and mem peers' (block b of their one region: `fill(SEED, b)`).
+const SEED: u64 = 1;
+/// The seed of what a writer writes (region r: `WRITER_SEED * 100 + r`).
+const WRITER_SEED: u64 = 7;
+
+/// One request shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Short name (JSON key part).
+    pub name: &'static str,
+    /// What the table calls it.
+    pub label: &'static str,
+    /// Bytes per block.
+    pub block_size: u64,
+    /// Layers (registered regions).
+    pub regions: u32,
+    /// Blocks per layer a request names.
+    pub blocks: u32,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Blocks per layer on the producer.
+    pub peer_blocks: u64,
+    /// Requests a round over shared memory.
+    pub requests_shm: u32,
+    /// Requests a round over tcp.
+    pub requests_tcp: u32,
+    /// Every this many requests, one is checked byte for byte.
+    pub check_every: u32,
+}
+
+impl Shape {
+    /// Bytes one request moves.
+    pub fn bytes(&self) -> u64 {
+        self.block_size * u64::from(self.regions * self.blocks)
+    }
+
+    fn slots(&self) -> u32 {
+        self.in_flight * self.blocks
+    }
+
+    /// Block `j` of layer `r` of request `id` on a producer that holds
+    /// every layer in one region, layer after layer (the raw loop's and
+    /// `process_vm_readv`'s peers, the `memcpy` source).
+    fn flat_remote(&self, r: u32, id: u64, j: u32) -> u64 {
+        u64::from(r) * self.peer_blocks + u64::from(self.remote(id, j))
+    }
+
+    /// Block `j` (of `k`) of request `id` on the producer.
+    fn remote(&self, id: u64, j: u32) -> u32 {
+        ((id * u64::from(self.blocks) + u64::from(j)) % self.peer_blocks) as u32
+    }
+}
+
+/// 16 KiB reads, 64 in flight (64 MiB on the producer).
+pub const SMALL: Shape = Shape {
+    name: "small",
+    label: "16 KiB reads, 64 in flight",
+    block_size: 16 << 10,
+    regions: 1,
+    blocks: 1,
+    in_flight: 64,
+    peer_blocks: 4096,
+    requests_shm: 20_000,
+    requests_tcp: 4_000,
+    check_every: 64,
+};
+
+/// A request of 32 layers × 4 blocks × 64 KiB (8 MiB), 2 in flight (64 MiB
+/// on the producer).
+pub const LAYERS: Shape = Shape {
+    name: "layers",
+    label: "8 MiB requests (32 layers x 4 x 64 KiB)",
+    block_size: 64 << 10,
+    regions: 32,
+    blocks: 4,
+    in_flight: 2,
+    peer_blocks: 32,
+    requests_shm: 48,
+    requests_tcp: 12,
+    check_every: 8,
+};
+
+/// One 64 MiB read at a time (128 MiB on the producer).
+pub const LARGE: Shape = Shape {
+    name: "large",
+    label: "one 64 MiB read",
+    block_size: 64 << 20,
+    regions: 1,
+    blocks: 1,
+    in_flight: 1,
+    peer_blocks: 2,
+    requests_shm: 6,
+    requests_tcp: 2,
+    check_every: 2,
+};
+
+/// Pull (the consumer reads) or push (the producer writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Reads.
+    Read,
+    /// Writes into blocks the destination lent to writers.
+    Write,
+}
+
+/// Where both sides' blocks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Allocated and registered by UCX (`Engine::register`).
+    Ucx,
+    /// An mmap the engine did not allocate (`Engine::register_memory`).
+    Caller,
+}
+
+/// One comparison: a shape over a transport list, a memory kind and a
+/// direction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// The shape.
+    pub shape: Shape,
+    /// UCX transports (`tcp`, or shared memory: `posix,sysv,cma`).
+    pub tls: String,
+    /// Memory kind.
+    pub memory: Memory,
+    /// Direction.
+    pub op: Op,
+    /// Requests a round (the shape's, for this transport, unless scaled).
+    pub requests: u32,
+}
+
+impl Group {
+    /// The shape over `tls` with its default request count.
+    pub fn new(shape: Shape, tls: &str, memory: Memory, op: Op) -> Self {
+        let requests = if is_tcp(tls) {
+            shape.requests_tcp
+        } else {
+            shape.requests_shm
+        };
+        Group {
+            shape,
+            tls: tls.to_owned(),
+            memory,
+            op,
+            requests,
+        }
+    }
+
+    /// Whether it runs over tcp.
+    pub fn tcp(&self) -> bool {
+        is_tcp(&self.tls)
+    }
+
+    /// A key for JSON: `layers_shm_caller_read`.
+    pub fn key(&self) -> String {
+        format!(
+            "{}_{}_{}_{}",
+            self.shape.name,
+            if self.tcp() { "tcp" } else { "shm" },
+            match self.memory {
+                Memory::Ucx => "ucx",
+                Memory::Caller => "caller",
+            },
+            match self.op {
+                Op::Read => "pull",
+                Op::Write => "push",
+            }
+        )
+    }
+
+    /// A title: `8 MiB requests (...), shm, caller memory, pull`.
+    pub fn title(&self) -> String {
+        format!(
+            "{}, {}, {}, {}",
+            self.shape.label,
+            if self.tcp() { "tcp" } else { "shm" },
+            match self.memory {
+                Memory::Ucx => "UCX-allocated memory",
+                Memory::Caller => "caller memory",
+            },
+            match self.op {
+                Op::Read => "pull",
+                Op::Write => "push",
+            }
+        )
+    }
+}
+
+fn is_tcp(tls: &str) -> bool {
+    tls.split(',').any(|t| t.trim() == "tcp")
+}
+
+/// The comparison groups `kvpoll bench compare` runs: every shape over
+/// shared memory in both memory kinds and over tcp in caller memory, pull;
+/// the multi-layer request also pushed.
+pub fn default_groups(shm: &str) -> Vec<Group> {
+    let mut v = Vec::new();
+    for shape in [SMALL, LAYERS, LARGE] {
+        for memory in [Memory::Ucx, Memory::Caller] {
+            v.push(Group::new(shape, shm, memory, Op::Read));
+        }
+        if shape == LAYERS {
+            v.push(Group::new(shape, shm, Memory::Caller, Op::Write));
+        }
+    }
+    for shape in [SMALL, LAYERS, LARGE] {
+        v.push(Group::new(shape, "tcp", Memory::Caller, Op::Read));
+        if shape == LAYERS {
+            v.push(Group::new(shape, "tcp", Memory::Caller, Op::Write));
+        }
+    }
+    v
+}
+
+/// Where the other systems come from.
+#[derive(Debug, Clone, Default)]
+pub struct Peers {
+    /// A Python that imports `nixl_cu12` and `mooncake` (the venv `make
+    /// bench-peers` makes), or none: then they are not measured.
+    pub python: Option<PathBuf>,
+    /// The driver script (written out of the binary by the caller).
+    pub script: Option<PathBuf>,
+    /// UCX options (names without `UCX_`) of one more kvpoll system,
+    /// [`KVPOLL_ALT`], for comparing settings in one run; none: no such
+    /// system.
+    pub alt_ucx: Vec<(String, String)>,
+}
+
+/// One timed round of one system.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Round {
+    /// Requests done.
+    pub requests: u32,
+    /// Seconds, check time left out.
+    pub secs: f64,
+    /// CPU of every thread of both processes, ns.
+    pub cpu_ns: u64,
+    /// Requests whose bytes were checked.
+    pub checked: u64,
+    /// Of them, how many were wrong.
+    pub bad: u64,
+}
+
+/// One system's figures in one group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SystemFigures {
+    /// Which system.
+    pub system: String,
+    /// Requests per second, median round.
+    pub per_s: f64,
+    /// Gigabytes (10⁹ bytes) per second, median round.
+    pub gb_per_s: f64,
+    /// CPU seconds per gigabyte moved, both processes, all rounds.
+    pub cpu_s_per_gb: f64,
+    /// CPU microseconds per request, both processes, all rounds.
+    pub cpu_us_per_request: f64,
+    /// Requests checked byte for byte, and of them wrong.
+    pub checked: u64,
+    /// Wrong ones among them.
+    pub bad: u64,
+}
+
+/// Every system's figures in one group, and the systems not measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupFigures {
+    /// What ran.
+    pub group: Group,
+    /// Those measured.
+    pub systems: Vec<SystemFigures>,
+    /// Those not measured, and why.
+    pub absent: Vec<(String, String)>,
+}
+
+impl GroupFigures {
+    /// A system's figures.
+    pub fn get(&self, system: &str) -> Option<&SystemFigures> {
+        self.systems.iter().find(|s| s.system == system)
+    }
+
+    /// The better of NIXL's settings (per request, batched) by rate.
+    pub fn nixl_best(&self) -> Option<&SystemFigures> {
+        self.systems
+            .iter()
+            .filter(|s| s.system.starts_with(NIXL))
+            .max_by(|a, b| a.per_s.total_cmp(&b.per_s))
+    }
+
+    /// One JSON object.
+    pub fn to_json(&self) -> String {
+        let systems: Vec<String> = self
+            .systems
+            .iter()
+            .map(|s| {
+                format!(
+                    "{{\"system\":\"{}\",\"per_s\":{:.2},\"gb_per_s\":{:.4},\"cpu_s_per_gb\":{:.4},\"cpu_us_per_request\":{:.3},\"checked\":{},\"bad\":{}}}",
+                    s.system, s.per_s, s.gb_per_s, s.cpu_s_per_gb, s.cpu_us_per_request, s.checked, s.bad
+                )
+            })
+            .collect();
+        let absent: Vec<String> = self
+            .absent
+            .iter()
+            .map(|(s, why)| {
+                format!(
+                    "{{\"system\":\"{s}\",\"why\":\"{}\"}}",
+                    why.replace(['"', '\\'], "'")
+                )
+            })
+            .collect();
+        format!(
+            "{{\"group\":\"{}\",\"title\":\"{}\",\"tls\":\"{}\",\"bytes_per_request\":{},\"requests_per_round\":{},\"systems\":[{}],\"not_measured\":[{}]}}",
+            self.group.key(),
+            self.group.title(),
+            self.group.tls,
+            self.group.shape.bytes(),
+            self.group.requests,
+            systems.join(","),
+            absent.join(",")
+        )
+    }
+}
+
+/// kvpoll with read confirmation (the default).
+pub const KVPOLL: &str = "kvpoll";
+/// kvpoll with `confirm_reads(false)`.
+pub const KVPOLL_UNCONFIRMED: &str = "kvpoll, no confirmation";
+/// kvpoll with the UCX options of [`Peers::alt_ucx`] on top.
+pub const KVPOLL_ALT: &str = "kvpoll, other UCX options";
+/// The raw UCX loop.
+pub const RAW: &str = "raw UCX loop";
+/// `memcpy` in one process.
+pub const MEMCPY: &str = "memcpy";
+/// `process_vm_readv` from another process.
+pub const PVREADV: &str = "process_vm_readv";
+/// A loopback tcp socket.
+pub const LOOPBACK: &str = "loopback tcp";
+/// NIXL, one transfer a request.
+pub const NIXL: &str = "NIXL";
+/// NIXL, one transfer a wave of requests.
+pub const NIXL_BATCHED: &str = "NIXL, batched";
+/// Mooncake Transfer Engine.
+pub const MOONCAKE: &str = "Mooncake";
+
+/// A system that can run rounds.
+trait Runner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError>;
+    /// Requests of a round relative to the group's (slow drivers run
+    /// fewer; rates are per second).
+    fn scale(&self) -> f64 {
+        1.0
+    }
+    /// Stops the system's processes between its rounds (an idle progress
+    /// thread would take a core from the system being timed).
+    fn pause(&mut self) {}
+    /// Lets them run again.
+    fn resume(&mut self) {}
+}
+
+fn failed(what: &str, e: impl std::fmt::Display) -> E2eError {
+    E2eError::Failed(format!("{what}: {e}"))
+}
+
+fn self_cpu() -> u64 {
+    cpu_ns(std::process::id())
+}
+
+/// Slots (of `in_flight`) not in use, and which request holds each.
+struct Slots {
+    free: Vec<u32>,
+    of: Vec<u32>,
+}
+
+impl Slots {
+    fn new(in_flight: u32, n: u32) -> Self {
+        Slots {
+            free: (0..in_flight).rev().collect(),
+            of: vec![0; n as usize],
+        }
+    }
+}
+
+// ---------------------------------------------------------------- kvpoll
+
+struct KvpollRunner {
+    engine: Engine,
+    peer: PeerId,
+    shape: Shape,
+    op: Op,
+    out: Outcomes,
+    next_id: u64,
+    lent: Option<mpsc::Receiver<(u64, Incarnation)>>,
+    checks: mpsc::Receiver<bool>,
+    buf: Vec<u8>,
+    peer_pid: u32,
+    _mem: Vec<CallerMemory>,
+    _peer: PeerProcess,
+}
+
+impl Drop for KvpollRunner {
+    fn drop(&mut self) {
+        self.engine.shutdown();
+    }
+}
+
+/// Reads a lending peer's output: `LENT` lines and `CHECKED` lines.
+fn read_peer_lines(
+    p: &mut PeerProcess,
+) -> (mpsc::Receiver<(u64, Incarnation)>, mpsc::Receiver<bool>) {
+    let (ltx, lrx) = mpsc::channel();
+    let (ctx, crx) = mpsc::channel();
+    for &l in &p.lent {
+        let _ = ltx.send(l);
+    }
+    if let Some(mut out) = p.stdout.take() {
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            while matches!(out.read_line(&mut line), Ok(n) if n > 0) {
+                if let Some(l) = lent_line(&line) {
+                    let _ = ltx.send(l);
+                } else if let Some(rest) = line.trim().strip_prefix("CHECKED ") {
+                    let _ = ctx.send(rest.ends_with(" ok"));
+                }
+                line.clear();
+            }
+        });
+    }
+    (lrx, crx)
+}
+
+impl KvpollRunner {
+    /// `ucx`: UCX options (names without `UCX_`) for both processes, over
+    /// kvpoll's own.
+    fn new(
+        exe: &Path,
+        g: &Group,
+        confirm: bool,
+        ucx: &[(String, String)],
+    ) -> Result<Self, E2eError> {
+        let s = g.shape;
+        let lends = confirm || g.op == Op::Write;
+        let mut args: Vec<String> = vec![
+            "--tls".into(),
+            g.tls.clone(),
+            "--blocks".into(),
+            s.peer_blocks.to_string(),
+            "--block-size".into(),
+            s.block_size.to_string(),
+            "--regions".into(),
+            s.regions.to_string(),
+            "--seed".into(),
+            SEED.to_string(),
+            "--memory".into(),
+            mem_arg(g.memory).into(),
+        ];
+        if lends {
+            // Enough ahead that a read never outruns its lend.
+            let ahead = (4 * g.requests).clamp(64, 8192);
+            args.extend([
+                "--lend-ahead".into(),
+                ahead.to_string(),
+                "--lend-blocks".into(),
+                s.blocks.to_string(),
+            ]);
+        }
+        if g.op == Op::Write {
+            args.extend([
+                "--lend-to".into(),
+                "writers".into(),
+                "--check-every".into(),
+                s.check_every.to_string(),
+                "--writer-seed".into(),
+                WRITER_SEED.to_string(),
+            ]);
+        }
+        let env: Vec<(String, String)> = ucx
+            .iter()
+            .map(|(k, v)| (format!("UCX_{}", k.trim_start_matches("UCX_")), v.clone()))
+            .collect();
+        let mut peer = PeerProcess::spawn_with_env(exe, "engine-peer", &args, &env)?;
+        let mut options = ContextOptions::with_transports(&g.tls);
+        for (k, v) in ucx {
+            options = options.option(k, v);
+        }
+        let metadata = from_hex(&peer.ready).map_err(|_| E2eError::Peer {
+            what: "engine-peer",
+            why: "metadata is not hex".into(),
+        })?;
+        let (lent, checks) = read_peer_lines(&mut peer);
+        let mut engine = Engine::builder()
+            .block_size(s.block_size)
+            .ucx(options)
+            .confirm_reads(confirm)
+            .build()?;
+        let local_blocks = match g.op {
+            Op::Read => u64::from(s.slots()),
+            Op::Write => s.peer_blocks,
+        };
+        let len = (local_blocks * s.block_size) as usize;
+        let mut mem = Vec::new();
+        for _ in 0..s.regions {
+            match g.memory {
+                Memory::Ucx => {
+                    engine.register(local_blocks)?;
+                }
+                Memory::Caller => {
+                    let m = CallerMemory::new(len).map_err(|e| failed("mmap", e))?;
+                    // SAFETY: the mapping is kept in the runner, dropped
+                    // after the engine has shut down.
+                    unsafe { engine.register_memory(m.as_ptr(), len)? };
+                    mem.push(m);
+                }
+            }
+        }
+        let mut buf = vec![0u8; s.block_size as usize];
+        if g.op == Op::Write {
+            for r in 0..s.regions as usize {
+                for b in 0..s.peer_blocks {
+                    pattern::fill(WRITER_SEED * 100 + r as u64, b, &mut buf);
+                    engine.write_block(r, BlockId(b as u32), &buf)?;
+                }
+            }
+        }
+        let peer_id = engine.add_peer(&metadata)?;
+        if g.op == Op::Write {
+            // The destination acknowledges writers it knows.
+            let meta = engine.local_metadata()?;
+            let hex = kvpoll::wire::to_hex(&meta);
+            let sent = peer
+                .stdin
+                .as_mut()
+                .map(|s| writeln!(s, "PEER {hex}").and_then(|_| s.flush()));
+            if !matches!(sent, Some(Ok(()))) {
+                return Err(E2eError::Peer {
+                    what: "engine-peer",
+                    why: "could not send it the writer's metadata".into(),
+                });
+            }
+        }
+        Ok(KvpollRunner {
+            engine,
+            peer: peer_id,
+            shape: s,
+            op: g.op,
+            out: Outcomes::default(),
+            next_id: 0,
+            lent: lends.then_some(lent),
+            checks,
+            buf,
+            peer_pid: peer.child.id(),
+            _mem: mem,
+            _peer: peer,
+        })
+    }
+
+    /// Whether the local blocks of a read hold what the producer wrote.
+    fn check(&mut self, id: u64, local: &[BlockId]) -> Result<bool, E2eError> {
+        let mut ok = true;
+        for r in 0..self.shape.regions as usize {
+            for (j, &l) in local.iter().enumerate() {
+                self.engine.read_block(r, l, &mut self.buf)?;
+                let remote = self.shape.remote(id, j as u32);
+                ok &= pattern::check(SEED * 100 + r as u64, u64::from(remote), &self.buf);
+            }
+        }
+        Ok(ok)
+    }
+}
+
+impl Runner for KvpollRunner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError> {
+        let s = self.shape;
+        let k = s.blocks as usize;
+        let first = self.next_id;
+        let mut slots = Slots::new(s.in_flight, n);
+        let (mut submitted, mut done) = (0u32, 0u32);
+        let (mut checked, mut bad) = (0u64, 0u64);
+        let mut check_time = Duration::ZERO;
+        let mut local = vec![BlockId(0); k];
+        let mut remote = vec![BlockId(0); k];
+        let cpu0 = self_cpu() + cpu_ns(self.peer_pid);
+        let t0 = Instant::now();
+        while done < n {
+            while submitted < n && !slots.free.is_empty() {
+                let slot = slots.free.pop().unwrap_or(0);
+                let id = first + u64::from(submitted);
+                for j in 0..k {
+                    remote[j] = BlockId(s.remote(id, j as u32));
+                    local[j] = match self.op {
+                        Op::Read => BlockId(slot * s.blocks + j as u32),
+                        Op::Write => remote[j],
+                    };
+                }
+                let lend = lend_of(self.lent.as_ref(), id)?;
+                let t = [Transfer {
+                    peer: self.peer,
+                    local: &local,
+                    remote: &remote,
+                    lend,
+                }];
+                match self.op {
+                    Op::Read => self.engine.read(RequestId(id), &t)?,
+                    Op::Write => {
+                        self.engine
+                            .write(RequestId(id), &t, 1, Duration::from_secs(30))?
+                    }
+                }
+                slots.of[submitted as usize] = slot;
+                submitted += 1;
+            }
+            if !poll_some(&mut self.engine, &mut self.out, t0, done, n)? {
+                continue;
+            }
+            let ended = match self.op {
+                Op::Read => std::mem::take(&mut self.out.finished_recving),
+                Op::Write => std::mem::take(&mut self.out.finished_sending),
+            };
+            for id in &ended {
+                let Some(i) = id.0.checked_sub(first).filter(|&i| i < u64::from(n)) else {
+                    return Err(E2eError::Failed(format!("kvpoll reported unknown {id:?}")));
+                };
+                let slot = slots.of[i as usize];
+                if self.op == Op::Read && id.0 % u64::from(s.check_every) == 0 {
+                    let c = Instant::now();
+                    for (j, l) in local.iter_mut().enumerate() {
+                        *l = BlockId(slot * s.blocks + j as u32);
+                    }
+                    let lb = local.clone();
+                    checked += 1;
+                    bad += u64::from(!self.check(id.0, &lb)?);
+                    check_time += c.elapsed();
+                }
+                slots.free.push(slot);
+                done += 1;
+            }
+            match self.op {
+                Op::Read => self.out.finished_recving = ended,
+                Op::Write => self.out.finished_sending = ended,
+            }
+        }
+        let secs = (t0.elapsed() - check_time).as_secs_f64();
+        let cpu = (self_cpu() + cpu_ns(self.peer_pid)).saturating_sub(cpu0);
+        self.next_id = first + u64::from(n);
+        // A push destination checks what landed and says so.
+        while let Ok(ok) = self.checks.try_recv() {
+            checked += 1;
+            bad += u64::from(!ok);
+        }
+        Ok(Round {
+            requests: n,
+            secs,
+            cpu_ns: cpu,
+            checked,
+            bad,
+        })
+    }
+}
+
+fn mem_arg(m: Memory) -> &'static str {
+    match m {
+        Memory::Ucx => "ucx",
+        Memory::Caller => "caller",
+    }
+}
+
+// ---------------------------------------------------------------- raw UCX
+
+struct RawRunner {
+    // Field order is drop order: endpoint state before the worker and context.
+    rkey: RemoteKey,
+    ep: Endpoint,
+    local: MemoryRegion,
+    worker: Worker,
+    _ctx: Context,
+    _mem: Option<CallerMemory>,
+    shape: Shape,
+    done: Vec<Completion>,
+    ops: Vec<BlockOp>,
+    buf: Vec<u8>,
+    next_id: u64,
+    peer_pid: u32,
+    _peer: PeerProcess,
+}
+
+impl RawRunner {
+    fn new(exe: &Path, g: &Group) -> Result<Self, E2eError> {
+        let s = g.shape;
+        let peer = PeerProcess::spawn(
+            exe,
+            "ucx-peer",
+            &[
+                "--tls".into(),
+                g.tls.clone(),
+                "--blocks".into(),
+                (u64::from(s.regions) * s.peer_blocks).to_string(),
+                "--block-size".into(),
+                s.block_size.to_string(),
+                "--seed".into(),
+                SEED.to_string(),
+                "--memory".into(),
+                mem_arg(g.memory).into(),
+            ],
+        )?;
+        let bad = |why: &str| E2eError::Peer {
+            what: "ucx-peer",
+            why: why.to_owned(),
+        };
+        let mut parts = peer.ready.split_whitespace();
+        let addr = parts
+            .next()
+            .and_then(|h| from_hex(h).ok())
+            .ok_or_else(|| bad("bad worker address"))?;
+        let rkey = parts
+            .next()
+            .and_then(|h| from_hex(h).ok())
+            .ok_or_else(|| bad("bad rkey"))?;
+        let ctx = Context::new(&ContextOptions::with_transports(&g.tls))?;
+        let worker = Worker::new(&ctx)?;
+        let len = (u64::from(s.regions * s.slots()) * s.block_size) as usize;
+        let mut mem = None;
+        let local = match g.memory {
+            Memory::Ucx => MemoryRegion::allocate(&ctx, len)?,
+            Memory::Caller => {
+                let m = mem.insert(CallerMemory::new(len).map_err(|e| failed("mmap", e))?);
+                // SAFETY: the mapping is dropped after the region.
+                unsafe { MemoryRegion::map(&ctx, m.as_ptr(), len)? }
+            }
+        };
+        let ep = Endpoint::connect(&worker, &WorkerAddress::from_bytes(&addr)?, 1)?;
+        let rkey = RemoteKey::unpack(&ep, &PackedRkey::from_bytes(&rkey)?)?;
+        Ok(RawRunner {
+            rkey,
+            ep,
+            local,
+            worker,
+            _ctx: ctx,
+            _mem: mem,
+            shape: s,
+            done: Vec::with_capacity(4096),
+            ops: Vec::new(),
+            buf: vec![0u8; s.block_size as usize],
+            next_id: 0,
+            peer_pid: peer.child.id(),
+            _peer: peer,
+        })
+    }
+
+    /// Local byte offset of block `j` of `slot` in layer `r`.
+    fn local_offset(&self, r: u32, slot: u32, j: u32) -> u64 {
+        let s = self.shape;
+        u64::from(r * s.slots() + slot * s.blocks + j) * s.block_size
+    }
+}
+
+impl Runner for RawRunner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError> {
+        let s = self.shape;
+        let bs = s.block_size;
+        let first = self.next_id;
+        let mut slots = Slots::new(s.in_flight, n);
+        let mut left = vec![0u32; n as usize];
+        let (mut submitted, mut done) = (0u32, 0u32);
+        let (mut checked, mut bad) = (0u64, 0u64);
+        let mut check_time = Duration::ZERO;
+        let cpu0 = self_cpu() + cpu_ns(self.peer_pid);
+        let t0 = Instant::now();
+        while done < n {
+            while submitted < n && !slots.free.is_empty() {
+                let slot = slots.free.pop().unwrap_or(0);
+                let id = first + u64::from(submitted);
+                self.ops.clear();
+                for r in 0..s.regions {
+                    for j in 0..s.blocks {
+                        let remote = s.flat_remote(r, id, j);
+                        self.ops.push(BlockOp {
+                            local_offset: self.local_offset(r, slot, j),
+                            remote_offset: remote * bs,
+                            len: bs as usize,
+                            token: u64::from(submitted),
+                        });
+                    }
+                }
+                slots.of[submitted as usize] = slot;
+                left[submitted as usize] = s.regions * s.blocks;
+                self.ep
+                    .get_batch(&self.local, &self.rkey, &self.ops)
+                    .map_err(|e| failed("raw get_batch", e))?;
+                submitted += 1;
+            }
+            let events = self.worker.progress();
+            self.done.clear();
+            self.worker.take_completions(&mut self.done);
+            if events == 0 && self.done.is_empty() {
+                // As kvpoll's engine thread does: on a small machine the
+                // peer that answers needs the core.
+                std::thread::yield_now();
+            }
+            if self.done.is_empty() && t0.elapsed() > GUARD {
+                return Err(E2eError::Failed(format!(
+                    "raw: {done} of {n} requests after {GUARD:?}"
+                )));
+            }
+            let completions = std::mem::take(&mut self.done);
+            for c in &completions {
+                let Some(i) = raw_completion(&self.ep, c, &mut left)? else {
+                    continue;
+                };
+                let id = first + i as u64;
+                let slot = slots.of[i];
+                if id % u64::from(s.check_every) == 0 {
+                    let t = Instant::now();
+                    checked += 1;
+                    let mut ok = true;
+                    for r in 0..s.regions {
+                        for j in 0..s.blocks {
+                            self.local
+                                .read(self.local_offset(r, slot, j), &mut self.buf)?;
+                            let remote = s.flat_remote(r, id, j);
+                            ok &= pattern::check(SEED, remote, &self.buf);
+                        }
+                    }
+                    bad += u64::from(!ok);
+                    check_time += t.elapsed();
+                }
+                slots.free.push(slot);
+                done += 1;
+            }
+            self.done = completions;
+        }
+        let secs = (t0.elapsed() - check_time).as_secs_f64();
+        let cpu = (self_cpu() + cpu_ns(self.peer_pid)).saturating_sub(cpu0);
+        self.next_id = first + u64::from(n);
+        Ok(Round {
+            requests: n,
+            secs,
+            cpu_ns: cpu,
+            checked,
+            bad,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- limits
+
+/// Whether slot 0 of `dst` (layer after layer, `slots()` blocks a layer)
+/// holds request `id` as a flat producer wrote it (pattern `SEED`).
+fn copied_ok(dst: &CallerMemory, s: &Shape, id: u64) -> bool {
+    let bs = s.block_size as usize;
+    (0..s.regions).all(|r| {
+        (0..s.blocks).all(|j| {
+            let at = (r * s.slots() + j) as usize * bs;
+            pattern::check(SEED, s.flat_remote(r, id, j), dst.slice(at, bs))
+        })
+    })
+}
+
+/// `memcpy` of the same blocks inside this process (caller memory on both
+/// sides): the copy limit.
+struct MemcpyRunner {
+    src: CallerMemory,
+    dst: CallerMemory,
+    shape: Shape,
+    next_id: u64,
+}
+
+impl MemcpyRunner {
+    fn new(g: &Group) -> Result<Self, E2eError> {
+        let s = g.shape;
+        let bs = s.block_size as usize;
+        let blocks = u64::from(s.regions) * s.peer_blocks;
+        let mut src = CallerMemory::new(blocks as usize * bs).map_err(|e| failed("mmap", e))?;
+        for b in 0..blocks as usize {
+            pattern::fill(SEED, b as u64, src.slice_mut(b * bs, bs));
+        }
+        let dst = CallerMemory::new((s.regions * s.slots()) as usize * bs)
+            .map_err(|e| failed("mmap", e))?;
+        Ok(MemcpyRunner {
+            src,
+            dst,
+            shape: s,
+            next_id: 0,
+        })
+    }
+}
+
+impl Runner for MemcpyRunner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError> {
+        let s = self.shape;
+        let bs = s.block_size as usize;
+        let (mut checked, mut bad) = (0, 0);
+        let mut check_time = Duration::ZERO;
+        let cpu0 = self_cpu();
+        let t0 = Instant::now();
+        for i in 0..n {
+            let id = self.next_id + u64::from(i);
+            for r in 0..s.regions {
+                for j in 0..s.blocks {
+                    let from = s.flat_remote(r, id, j) as usize * bs;
+                    let to = (r * s.slots() + j) as usize * bs;
+                    let src = self.src.slice(from, bs).as_ptr();
+                    self.dst.slice_mut(to, bs).copy_from_slice(
+                        // SAFETY: src..src+bs lies in the source mapping.
+                        unsafe { std::slice::from_raw_parts(src, bs) },
+                    );
+                }
+            }
+            if id % u64::from(s.check_every) == 0 {
+                let t = Instant::now();
+                checked += 1;
+                bad += u64::from(!copied_ok(&self.dst, &s, id));
+                check_time += t.elapsed();
+            }
+        }
+        self.next_id += u64::from(n);
+        Ok(Round {
+            requests: n,
+            secs: (t0.elapsed() - check_time).as_secs_f64(),
+            cpu_ns: self_cpu().saturating_sub(cpu0),
+            checked,
+            bad,
+        })
+    }
+}
+
+/// `process_vm_readv` of the same blocks from a `kvpoll mem-peer`, one
+/// call a request (all its blocks as one iovec list): what a one-sided
+/// copy between two processes costs (cma is this call).
+struct VmReadvRunner {
+    dst: CallerMemory,
+    base: usize,
+    pid: i32,
+    shape: Shape,
+    next_id: u64,
+    _peer: PeerProcess,
+}
+
+impl VmReadvRunner {
+    fn new(exe: &Path, g: &Group) -> Result<Self, E2eError> {
+        let s = g.shape;
+        let peer = PeerProcess::spawn(
+            exe,
+            "mem-peer",
+            &[
+                "--blocks".into(),
+                (u64::from(s.regions) * s.peer_blocks).to_string(),
+                "--block-size".into(),
+                s.block_size.to_string(),
+                "--seed".into(),
+                SEED.to_string(),
+            ],
+        )?;
+        let base = usize::from_str_radix(peer.ready.trim(), 16).map_err(|_| E2eError::Peer {
+            what: "mem-peer",
+            why: "bad address".into(),
+        })?;
+        let dst = CallerMemory::new((s.regions * s.slots()) as usize * s.block_size as usize)
+            .map_err(|e| failed("mmap", e))?;
+        Ok(VmReadvRunner {
+            dst,
+            base,
+            pid: peer.child.id() as i32,
+            shape: s,
+            next_id: 0,
+            _peer: peer,
+        })
+    }
+}
+
+impl Runner for VmReadvRunner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError> {
+        let s = self.shape;
+        let bs = s.block_size as usize;
+        let (mut checked, mut bad) = (0, 0);
+        let mut check_time = Duration::ZERO;
+        let mut local = Vec::with_capacity((s.regions * s.blocks) as usize);
+        let mut remote = Vec::with_capacity(local.capacity());
+        let cpu0 = self_cpu() + cpu_ns(self.pid as u32);
+        let t0 = Instant::now();
+        for i in 0..n {
+            let id = self.next_id + u64::from(i);
+            local.clear();
+            remote.clear();
+            let mut want = 0usize;
+            for r in 0..s.regions {
+                for j in 0..s.blocks {
+                    let from = s.flat_remote(r, id, j) as usize * bs;
+                    let to = (r * s.slots() + j) as usize * bs;
+                    local.push(libc::iovec {
+                        iov_base: self.dst.slice_mut(to, bs).as_mut_ptr() as *mut libc::c_void,
+                        iov_len: bs,
+                    });
+                    remote.push(libc::iovec {
+                        iov_base: (self.base + from) as *mut libc::c_void,
+                        iov_len: bs,
+                    });
+                    want += bs;
+                }
+            }
+            let mut got = 0usize;
+            while got < want {
+                // SAFETY: the local iovecs name this process's mapping; the
+                // remote ones are checked by the kernel against the peer.
+                let r = unsafe {
+                    libc::process_vm_readv(
+                        self.pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    )
+                };
+                if r <= 0 {
+                    return Err(failed("process_vm_readv", std::io::Error::last_os_error()));
+                }
+                got += r as usize;
+                if got < want {
+                    // A partial read ends on an iovec boundary only when the
+                    // kernel says so; the shapes never hit it, so say so.
+                    return Err(E2eError::Failed(format!(
+                        "process_vm_readv read {got} of {want} bytes"
+                    )));
+                }
+            }
+            if id % u64::from(s.check_every) == 0 {
+                let t = Instant::now();
+                checked += 1;
+                bad += u64::from(!copied_ok(&self.dst, &s, id));
+                check_time += t.elapsed();
+            }
+        }
+        self.next_id += u64::from(n);
+        Ok(Round {
+            requests: n,
+            secs: (t0.elapsed() - check_time).as_secs_f64(),
+            cpu_ns: (self_cpu() + cpu_ns(self.pid as u32)).saturating_sub(cpu0),
+            checked,
+            bad,
+        })
+    }
+}
+
+/// A loopback tcp connection pushing the same bytes, as fast as one
+/// writer and one reader thread move them: the wire's rate on this host.
+struct LoopbackRunner {
+    tx: TcpStream,
+    received: Arc<AtomicU64>,
+    sent: u64,
+    chunk: Vec<u8>,
+    bytes: u64,
+}
+
+impl LoopbackRunner {
+    fn new(g: &Group) -> Result<Self, E2eError> {
+        let l = TcpListener::bind("127.0.0.1:0").map_err(|e| failed("loopback bind", e))?;
+        let addr = l.local_addr().map_err(|e| failed("loopback", e))?;
+        let received = Arc::new(AtomicU64::new(0));
+        let count = received.clone();
+        std::thread::spawn(move || {
+            let Ok((mut s, _)) = l.accept() else { return };
+            let mut buf = vec![0u8; 1 << 20];
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                count.fetch_add(n as u64, Ordering::Release);
+            }
+        });
+        let tx = TcpStream::connect(addr).map_err(|e| failed("loopback connect", e))?;
+        let _ = tx.set_nodelay(true);
+        let bytes = g.shape.bytes();
+        Ok(LoopbackRunner {
+            tx,
+            received,
+            sent: 0,
+            chunk: vec![0x5a; bytes.min(4 << 20) as usize],
+            bytes,
+        })
+    }
+}
+
+impl Runner for LoopbackRunner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError> {
+        let total = self.bytes * u64::from(n);
+        let cpu0 = self_cpu();
+        let t0 = Instant::now();
+        let mut left = total;
+        while left > 0 {
+            let c = left.min(self.chunk.len() as u64) as usize;
+            self.tx
+                .write_all(&self.chunk[..c])
+                .map_err(|e| failed("loopback write", e))?;
+            left -= c as u64;
+        }
+        self.sent += total;
+        while self.received.load(Ordering::Acquire) < self.sent {
+            if t0.elapsed() > GUARD {
+                return Err(E2eError::Failed("loopback tcp stalled".into()));
+            }
+            std::thread::yield_now();
+        }
+        Ok(Round {
+            requests: n,
+            secs: t0.elapsed().as_secs_f64(),
+            cpu_ns: self_cpu().saturating_sub(cpu0),
+            checked: 0,
+            bad: 0,
+        })
+    }
+}
+
+// ---------------------------------------------------------------- peers
+
+/// NIXL or Mooncake through `peer_bench.py`: the driver is the initiator
+/// and starts its own target; it reports each round's time, both
+/// processes' CPU and its checks.
+struct ExternalRunner {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    scale: f64,
+}
+
+impl ExternalRunner {
+    fn new(peers: &Peers, g: &Group, system: &str) -> Result<Self, String> {
+        let (Some(python), Some(script)) = (&peers.python, &peers.script) else {
+            return Err("no Python with the peer systems (make bench-peers)".into());
+        };
+        let s = g.shape;
+        let mut cmd = Command::new(python);
+        cmd.arg(script)
+            .args([
+                "--system",
+                if system == MOONCAKE {
+                    "mooncake"
+                } else {
+                    "nixl"
+                },
+            ])
+            .args(["--op", if g.op == Op::Write { "write" } else { "read" }])
+            .args(["--block-size", &s.block_size.to_string()])
+            .args(["--regions", &s.regions.to_string()])
+            .args(["--blocks-per-request", &s.blocks.to_string()])
+            .args(["--in-flight", &s.in_flight.to_string()])
+            .args(["--peer-blocks", &s.peer_blocks.to_string()])
+            .args(["--check-every", &s.check_every.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        // Its own process group, the target with it: paused and resumed
+        // together.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        if system == NIXL_BATCHED {
+            cmd.arg("--batch");
+        }
+        if system != MOONCAKE {
+            // NIXL's UCX backend reads UCX_TLS; it asks UCX for peer
+            // failure handling, which shared memory gives only with this.
+            cmd.env("UCX_TLS", format!("{},self", g.tls));
+            if !g.tcp() {
+                cmd.env("UCX_MM_ERROR_HANDLING", "y");
+            }
+            cmd.env("NIXL_LOG_LEVEL", "WARN");
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("spawning {}: {e}", python.display()))?;
+        let stdin = child.stdin.take();
+        let Some(out) = child.stdout.take() else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("no standard output".into());
+        };
+        let mut r = ExternalRunner {
+            child,
+            stdin,
+            stdout: BufReader::new(out),
+            // Python drives one request at a time: small reads run a
+            // quarter as many (a round still lasts long enough to time).
+            scale: if s == SMALL { 0.25 } else { 1.0 },
+        };
+        r.line("READY")
+            .ok_or_else(|| format!("{system} did not start (its driver ended before READY)"))?;
+        Ok(r)
+    }
+
+    /// The next line starting with `tag`, the rest of it.
+    fn line(&mut self, tag: &str) -> Option<String> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if !matches!(self.stdout.read_line(&mut line), Ok(n) if n > 0) {
+                return None;
+            }
+            if let Some(rest) = line.trim().strip_prefix(tag) {
+                return Some(rest.trim().to_owned());
+            }
+        }
+    }
+}
+
+impl Runner for ExternalRunner {
+    fn run(&mut self, n: u32) -> Result<Round, E2eError> {
+        let Some(stdin) = self.stdin.as_mut() else {
+            return Err(E2eError::Failed("peer driver closed".into()));
+        };
+        writeln!(stdin, "RUN {n}")
+            .and_then(|_| stdin.flush())
+            .map_err(|e| failed("peer driver", e))?;
+        let rest = self
+            .line("RESULT")
+            .ok_or_else(|| E2eError::Failed("the peer driver ended mid-round".into()))?;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+        match (num(0), num(1), num(2), num(3), num(4)) {
+            (Some(req), Some(secs), Some(cpu), Some(checked), Some(bad)) => Ok(Round {
+                requests: req as u32,
+                secs,
+                cpu_ns: cpu as u64,
+                checked: checked as u64,
+                bad: bad as u64,
+            }),
+            _ => Err(E2eError::Failed(format!("the peer driver said {rest:?}"))),
+        }
+    }
+
+    fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    fn pause(&mut self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    fn resume(&mut self) {
+        self.signal(libc::SIGCONT);
+    }
+}
+
+impl ExternalRunner {
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the process group this runner made.
+        unsafe { libc::kill(-(self.child.id() as i32), sig) };
+    }
+}
+
+impl Drop for ExternalRunner {
+    fn drop(&mut self) {
+        self.resume();
+        drop(self.stdin.take());
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------- a group
+
+/// Runs one group: every system that applies, `rounds` interleaved rounds
+/// each after one warm-up round; medians. kvpoll failing is an error;
+/// another system failing is listed as not measured.
+pub fn run_group(
+    exe: &Path,
+    g: &Group,
+    peers: &Peers,
+    rounds: u32,
+) -> Result<GroupFigures, E2eError> {
+    if g.requests == 0 || rounds == 0 {
+        return Err(E2eError::Shape("requests and rounds must be >= 1"));
+    }
+    let mut runners: Vec<(&'static str, Box<dyn Runner>)> = Vec::new();
+    let mut absent = Vec::new();
+    runners.push((KVPOLL, Box::new(KvpollRunner::new(exe, g, true, &[])?)));
+    if !peers.alt_ucx.is_empty() {
+        runners.push((
+            KVPOLL_ALT,
+            Box::new(KvpollRunner::new(exe, g, true, &peers.alt_ucx)?),
+        ));
+    }
+    let small_read = g.shape == SMALL && g.op == Op::Read;
+    if small_read {
+        runners.push((
+            KVPOLL_UNCONFIRMED,
+            Box::new(KvpollRunner::new(exe, g, false, &[])?),
+        ));
+    }
+    let mut optional = |name: &'static str, r: Result<Box<dyn Runner>, String>| match r {
+        Ok(r) => runners.push((name, r)),
+        Err(why) => absent.push((name.to_owned(), why)),
+    };
+    let boxed = |r: Result<Box<dyn Runner>, E2eError>| r.map_err(|e| e.to_string());
+    if g.op == Op::Read {
+        optional(
+            RAW,
+            boxed(RawRunner::new(exe, g).map(|r| Box::new(r) as Box<dyn Runner>)),
+        );
+    }
+    if g.tcp() {
+        optional(
+            LOOPBACK,
+            boxed(LoopbackRunner::new(g).map(|r| Box::new(r) as Box<dyn Runner>)),
+        );
+    } else if g.op == Op::Read {
+        optional(
+            PVREADV,
+            boxed(VmReadvRunner::new(exe, g).map(|r| Box::new(r) as Box<dyn Runner>)),
+        );
+        optional(
+            MEMCPY,
+            boxed(MemcpyRunner::new(g).map(|r| Box::new(r) as Box<dyn Runner>)),
+        );
+    }
+    let external = |system: &str| {
+        ExternalRunner::new(peers, g, system).map(|r| Box::new(r) as Box<dyn Runner>)
+    };
+    optional(NIXL, external(NIXL));
+    if small_read {
+        optional(NIXL_BATCHED, external(NIXL_BATCHED));
+    }
+    if g.tcp() {
+        optional(MOONCAKE, external(MOONCAKE));
+    } else {
+        absent.push((
+            MOONCAKE.to_owned(),
+            "its tcp transport only here (no shared memory in this build)".into(),
+        ));
+    }
+    let count = |r: &dyn Runner, n: u32| ((f64::from(n) * r.scale()).round() as u32).max(1);
+    for (name, r) in runners.iter_mut() {
+        let n = count(r.as_ref(), g.requests).div_ceil(4);
+        r.run(n)
+            .map_err(|e| E2eError::Failed(format!("{name} warm-up: {e}")))?;
+        r.pause();
+    }
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); runners.len()];
+    let mut totals = vec![Round::default(); runners.len()];
+    let mut failed_at: Vec<Option<String>> = vec![None; runners.len()];
+    for _ in 0..rounds {
+        for (i, (name, r)) in runners.iter_mut().enumerate() {
+            if failed_at[i].is_some() {
+                continue;
+            }
+            let n = count(r.as_ref(), g.requests);
+            r.resume();
+            let result = r.run(n);
+            r.pause();
+            match result {
+                Ok(round) => {
+                    rates[i].push(f64::from(round.requests) / round.secs.max(1e-9));
+                    let t = &mut totals[i];
+                    t.requests += round.requests;
+                    t.secs += round.secs;
+                    t.cpu_ns += round.cpu_ns;
+                    t.checked += round.checked;
+                    t.bad += round.bad;
+                }
+                Err(e) if name.starts_with(KVPOLL) => {
+                    return Err(E2eError::Failed(format!("{name}: {e}")))
+                }
+                Err(e) => failed_at[i] = Some(e.to_string()),
+            }
+        }
+    }
+    let names: Vec<&'static str> = runners.iter().map(|(n, _)| *n).collect();
+    // Peers and engines go before the figures are made.
+    drop(runners);
+    let bytes = g.shape.bytes() as f64;
+    let mut systems = Vec::new();
+    for (i, name) in names.into_iter().enumerate() {
+        if let Some(why) = failed_at[i].take() {
+            absent.push((name.to_owned(), format!("failed: {why}")));
+            continue;
+        }
+        let per_s = median(&mut rates[i]);
+        let t = totals[i];
+        let moved = bytes * f64::from(t.requests);
+        systems.push(SystemFigures {
+            system: name.to_owned(),
+            per_s,
+            gb_per_s: per_s * bytes / 1e9,
+            cpu_s_per_gb: t.cpu_ns as f64 / moved,
+            cpu_us_per_request: t.cpu_ns as f64 / 1e3 / f64::from(t.requests.max(1)),
+            checked: t.checked,
+            bad: t.bad,
+        });
+    }
+    Ok(GroupFigures {
+        group: g.clone(),
+        systems,
+        absent,
+    })
+}
