@@ -410,8 +410,19 @@ fn failed(what: &str, e: impl std::fmt::Display) -> E2eError {
     E2eError::Failed(format!("{what}: {e}"))
 }
 
+/// CPU time of this whole process so far, ns: every thread's, including
+/// threads that already ended (a sum over `/proc/self/task` would drop a
+/// thread that ended inside the span measured, and the span's CPU with it).
 fn self_cpu() -> u64 {
-    cpu_ns(std::process::id())
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec for the call to write.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) } != 0 {
+        return 0;
+    }
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 /// Slots (of `in_flight`) not in use, and which request holds each.
