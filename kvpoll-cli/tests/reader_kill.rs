@@ -28,7 +28,10 @@ use kvpoll_cli::control::{FrameReader, Layout, Msg};
 
 mod procs;
 
-const LEASE_MS: u64 = 400;
+/// Short enough that a dead reader's lends end soon after each kill, long
+/// enough that the next reader's reads fit in it on a loaded 2-core machine
+/// (400 ms did not: latencies there reached 470 ms).
+const LEASE_MS: u64 = 1000;
 const LAYOUT: Layout = Layout {
     block_size: 65536,
     layers: 2,
