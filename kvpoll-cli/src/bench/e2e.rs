@@ -243,6 +243,25 @@ pub(crate) struct PeerProcess {
     pub(crate) lent: Vec<(u64, Incarnation)>,
 }
 
+/// The worker address and packed rkey a `kvpoll ucx-peer` announces on
+/// its first line (two hex words).
+pub(crate) fn ucx_peer_ready(ready: &str) -> Result<(Vec<u8>, Vec<u8>), E2eError> {
+    let bad = |why: &str| E2eError::Peer {
+        what: "ucx-peer",
+        why: why.to_owned(),
+    };
+    let mut parts = ready.split_whitespace();
+    let addr = parts
+        .next()
+        .and_then(|h| from_hex(h).ok())
+        .ok_or_else(|| bad("bad worker address"))?;
+    let rkey = parts
+        .next()
+        .and_then(|h| from_hex(h).ok())
+        .ok_or_else(|| bad("bad rkey"))?;
+    Ok((addr, rkey))
+}
+
 /// A `LENT <id> <hex incarnation>` line of a lending `engine-peer`.
 pub fn lent_line(line: &str) -> Option<(u64, Incarnation)> {
     let mut parts = line.trim().strip_prefix("LENT ")?.split_whitespace();
@@ -517,19 +536,7 @@ struct RawSide {
 
 impl RawSide {
     fn new(cfg: &E2eConfig, ready: &str, local_blocks: u64) -> Result<Self, E2eError> {
-        let bad = |why: &str| E2eError::Peer {
-            what: "ucx-peer",
-            why: why.to_owned(),
-        };
-        let mut parts = ready.split_whitespace();
-        let addr = parts
-            .next()
-            .and_then(|h| from_hex(h).ok())
-            .ok_or_else(|| bad("bad worker address"))?;
-        let rkey = parts
-            .next()
-            .and_then(|h| from_hex(h).ok())
-            .ok_or_else(|| bad("bad rkey"))?;
+        let (addr, rkey) = ucx_peer_ready(ready)?;
         let ctx = Context::new(&ContextOptions::with_transports(&cfg.tls))?;
         let worker = Worker::new(&ctx)?;
         let local = MemoryRegion::allocate(&ctx, (local_blocks * cfg.block_size) as usize)?;

@@ -761,19 +761,7 @@ impl RawRunner {
                 mem_arg(g.memory).into(),
             ],
         )?;
-        let bad = |why: &str| E2eError::Peer {
-            what: "ucx-peer",
-            why: why.to_owned(),
-        };
-        let mut parts = peer.ready.split_whitespace();
-        let addr = parts
-            .next()
-            .and_then(|h| from_hex(h).ok())
-            .ok_or_else(|| bad("bad worker address"))?;
-        let rkey = parts
-            .next()
-            .and_then(|h| from_hex(h).ok())
-            .ok_or_else(|| bad("bad rkey"))?;
+        let (addr, rkey) = super::e2e::ucx_peer_ready(&peer.ready)?;
         let ctx = Context::new(&ContextOptions::with_transports(&g.tls))?;
         let worker = Worker::new(&ctx)?;
         let len = (u64::from(s.regions * s.slots()) * s.block_size) as usize;
