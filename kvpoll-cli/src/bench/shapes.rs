@@ -406,6 +406,19 @@ trait Runner {
     fn resume(&mut self) {}
 }
 
+/// A peer's blocks, their size and the seed of their pattern, as its
+/// command line says them.
+fn blocks_args(blocks: u64, block_size: u64) -> [String; 6] {
+    [
+        "--blocks".into(),
+        blocks.to_string(),
+        "--block-size".into(),
+        block_size.to_string(),
+        "--seed".into(),
+        SEED.to_string(),
+    ]
+}
+
 fn failed(what: &str, e: impl std::fmt::Display) -> E2eError {
     E2eError::Failed(format!("{what}: {e}"))
 }
@@ -502,17 +515,12 @@ impl KvpollRunner {
         let mut args: Vec<String> = vec![
             "--tls".into(),
             g.tls.clone(),
-            "--blocks".into(),
-            s.peer_blocks.to_string(),
-            "--block-size".into(),
-            s.block_size.to_string(),
             "--regions".into(),
             s.regions.to_string(),
-            "--seed".into(),
-            SEED.to_string(),
             "--memory".into(),
             mem_arg(g.memory).into(),
         ];
+        args.extend(blocks_args(s.peer_blocks, s.block_size));
         if lends {
             // Enough ahead that a read never outruns its lend.
             let ahead = (4 * g.requests).clamp(64, 8192);
@@ -745,22 +753,17 @@ struct RawRunner {
 impl RawRunner {
     fn new(exe: &Path, g: &Group) -> Result<Self, E2eError> {
         let s = g.shape;
-        let peer = PeerProcess::spawn(
-            exe,
-            "ucx-peer",
-            &[
-                "--tls".into(),
-                g.tls.clone(),
-                "--blocks".into(),
-                (u64::from(s.regions) * s.peer_blocks).to_string(),
-                "--block-size".into(),
-                s.block_size.to_string(),
-                "--seed".into(),
-                SEED.to_string(),
-                "--memory".into(),
-                mem_arg(g.memory).into(),
-            ],
-        )?;
+        let mut args: Vec<String> = vec![
+            "--tls".into(),
+            g.tls.clone(),
+            "--memory".into(),
+            mem_arg(g.memory).into(),
+        ];
+        args.extend(blocks_args(
+            u64::from(s.regions) * s.peer_blocks,
+            s.block_size,
+        ));
+        let peer = PeerProcess::spawn(exe, "ucx-peer", &args)?;
         let (addr, rkey) = super::e2e::ucx_peer_ready(&peer.ready)?;
         let ctx = Context::new(&ContextOptions::with_transports(&g.tls))?;
         let worker = Worker::new(&ctx)?;
@@ -988,14 +991,7 @@ impl VmReadvRunner {
         let peer = PeerProcess::spawn(
             exe,
             "mem-peer",
-            &[
-                "--blocks".into(),
-                (u64::from(s.regions) * s.peer_blocks).to_string(),
-                "--block-size".into(),
-                s.block_size.to_string(),
-                "--seed".into(),
-                SEED.to_string(),
-            ],
+            &blocks_args(u64::from(s.regions) * s.peer_blocks, s.block_size),
         )?;
         let base = usize::from_str_radix(peer.ready.trim(), 16).map_err(|_| E2eError::Peer {
             what: "mem-peer",
