@@ -406,6 +406,35 @@ trait Runner {
     fn resume(&mut self) {}
 }
 
+/// The sampled data checks of one round, and the time they took (left out
+/// of the round's time).
+#[derive(Default)]
+struct Checks {
+    checked: u64,
+    bad: u64,
+    time: Duration,
+}
+
+impl Checks {
+    /// One check, begun at `began`, that found the bytes `ok` or not.
+    fn record(&mut self, began: Instant, ok: bool) {
+        self.checked += 1;
+        self.bad += u64::from(!ok);
+        self.time += began.elapsed();
+    }
+
+    /// The round of `requests` begun at `t0` that took `cpu_ns` of CPU.
+    fn round(self, requests: u32, t0: Instant, cpu_ns: u64) -> Round {
+        Round {
+            requests,
+            secs: (t0.elapsed() - self.time).as_secs_f64(),
+            cpu_ns,
+            checked: self.checked,
+            bad: self.bad,
+        }
+    }
+}
+
 /// A peer's blocks, their size and the seed of their pattern, as its
 /// command line says them.
 fn blocks_args(blocks: u64, block_size: u64) -> [String; 6] {
@@ -642,8 +671,7 @@ impl Runner for KvpollRunner {
         let first = self.next_id;
         let mut slots = Slots::new(s.in_flight, n);
         let (mut submitted, mut done) = (0u32, 0u32);
-        let (mut checked, mut bad) = (0u64, 0u64);
-        let mut check_time = Duration::ZERO;
+        let mut checks = Checks::default();
         let mut local = vec![BlockId(0); k];
         let mut remote = vec![BlockId(0); k];
         let cpu0 = self_cpu() + cpu_ns(self.peer_pid);
@@ -694,9 +722,8 @@ impl Runner for KvpollRunner {
                         *l = BlockId(slot * s.blocks + j as u32);
                     }
                     let lb = local.clone();
-                    checked += 1;
-                    bad += u64::from(!self.check(id.0, &lb)?);
-                    check_time += c.elapsed();
+                    let ok = self.check(id.0, &lb)?;
+                    checks.record(c, ok);
                 }
                 slots.free.push(slot);
                 done += 1;
@@ -706,21 +733,15 @@ impl Runner for KvpollRunner {
                 Op::Write => self.out.finished_sending = ended,
             }
         }
-        let secs = (t0.elapsed() - check_time).as_secs_f64();
         let cpu = (self_cpu() + cpu_ns(self.peer_pid)).saturating_sub(cpu0);
         self.next_id = first + u64::from(n);
+        let mut round = checks.round(n, t0, cpu);
         // A push destination checks what landed and says so.
         while let Ok(ok) = self.checks.try_recv() {
-            checked += 1;
-            bad += u64::from(!ok);
+            round.checked += 1;
+            round.bad += u64::from(!ok);
         }
-        Ok(Round {
-            requests: n,
-            secs,
-            cpu_ns: cpu,
-            checked,
-            bad,
-        })
+        Ok(round)
     }
 }
 
@@ -811,8 +832,7 @@ impl Runner for RawRunner {
         let mut slots = Slots::new(s.in_flight, n);
         let mut left = vec![0u32; n as usize];
         let (mut submitted, mut done) = (0u32, 0u32);
-        let (mut checked, mut bad) = (0u64, 0u64);
-        let mut check_time = Duration::ZERO;
+        let mut checks = Checks::default();
         let cpu0 = self_cpu() + cpu_ns(self.peer_pid);
         let t0 = Instant::now();
         while done < n {
@@ -860,7 +880,6 @@ impl Runner for RawRunner {
                 let slot = slots.of[i];
                 if id % u64::from(s.check_every) == 0 {
                     let t = Instant::now();
-                    checked += 1;
                     let mut ok = true;
                     for r in 0..s.regions {
                         for j in 0..s.blocks {
@@ -870,24 +889,16 @@ impl Runner for RawRunner {
                             ok &= pattern::check(SEED, remote, &self.buf);
                         }
                     }
-                    bad += u64::from(!ok);
-                    check_time += t.elapsed();
+                    checks.record(t, ok);
                 }
                 slots.free.push(slot);
                 done += 1;
             }
             self.done = completions;
         }
-        let secs = (t0.elapsed() - check_time).as_secs_f64();
         let cpu = (self_cpu() + cpu_ns(self.peer_pid)).saturating_sub(cpu0);
         self.next_id = first + u64::from(n);
-        Ok(Round {
-            requests: n,
-            secs,
-            cpu_ns: cpu,
-            checked,
-            bad,
-        })
+        Ok(checks.round(n, t0, cpu))
     }
 }
 
@@ -938,8 +949,7 @@ impl Runner for MemcpyRunner {
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let s = self.shape;
         let bs = s.block_size as usize;
-        let (mut checked, mut bad) = (0, 0);
-        let mut check_time = Duration::ZERO;
+        let mut checks = Checks::default();
         let cpu0 = self_cpu();
         let t0 = Instant::now();
         for i in 0..n {
@@ -957,19 +967,11 @@ impl Runner for MemcpyRunner {
             }
             if id % u64::from(s.check_every) == 0 {
                 let t = Instant::now();
-                checked += 1;
-                bad += u64::from(!copied_ok(&self.dst, &s, id));
-                check_time += t.elapsed();
+                checks.record(t, copied_ok(&self.dst, &s, id));
             }
         }
         self.next_id += u64::from(n);
-        Ok(Round {
-            requests: n,
-            secs: (t0.elapsed() - check_time).as_secs_f64(),
-            cpu_ns: self_cpu().saturating_sub(cpu0),
-            checked,
-            bad,
-        })
+        Ok(checks.round(n, t0, self_cpu().saturating_sub(cpu0)))
     }
 }
 
@@ -1014,8 +1016,7 @@ impl Runner for VmReadvRunner {
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let s = self.shape;
         let bs = s.block_size as usize;
-        let (mut checked, mut bad) = (0, 0);
-        let mut check_time = Duration::ZERO;
+        let mut checks = Checks::default();
         let mut local = Vec::with_capacity((s.regions * s.blocks) as usize);
         let mut remote = Vec::with_capacity(local.capacity());
         let cpu0 = self_cpu() + cpu_ns(self.pid as u32);
@@ -1068,19 +1069,15 @@ impl Runner for VmReadvRunner {
             }
             if id % u64::from(s.check_every) == 0 {
                 let t = Instant::now();
-                checked += 1;
-                bad += u64::from(!copied_ok(&self.dst, &s, id));
-                check_time += t.elapsed();
+                checks.record(t, copied_ok(&self.dst, &s, id));
             }
         }
         self.next_id += u64::from(n);
-        Ok(Round {
-            requests: n,
-            secs: (t0.elapsed() - check_time).as_secs_f64(),
-            cpu_ns: (self_cpu() + cpu_ns(self.pid as u32)).saturating_sub(cpu0),
-            checked,
-            bad,
-        })
+        Ok(checks.round(
+            n,
+            t0,
+            (self_cpu() + cpu_ns(self.pid as u32)).saturating_sub(cpu0),
+        ))
     }
 }
 
