@@ -29,8 +29,12 @@ pub fn execute<W: Transport + ?Sized>(
                 handle,
                 token,
                 pairs,
+                part,
             } => {
-                let r = wire.post(ep, dir, core.pairs(pairs), token);
+                let r = match part {
+                    None => wire.post(ep, dir, core.pairs(pairs), token),
+                    Some(part) => wire.post_part(ep, dir, core.pairs(pairs), part, token),
+                };
                 core.on_posted(handle, r);
             }
             Action::Flush { ep, handle, token } => {

@@ -34,6 +34,9 @@ pub enum Command {
         /// handle reads or writes (none for a push destination's writers).
         lend: Incarnation,
     },
+    /// The bytes of each block the handle that follows moves (absent:
+    /// whole blocks). Comes right before its [`Command::Handle`].
+    Part(BlockBytes),
     /// A local block and the remote block it moves to or from.
     Pair {
         /// Local block.
@@ -60,9 +63,28 @@ pub enum Command {
     },
 }
 
+/// The part of each block a handle moves: `len` bytes at `local_offset`
+/// in each local block, to or from `remote_offset` in each remote block
+/// (which may be of another size than the local one: the peer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockBytes {
+    /// Offset in each local block.
+    pub local_offset: u64,
+    /// Offset in each remote block.
+    pub remote_offset: u64,
+    /// Bytes moved per block pair; never 0.
+    pub len: u64,
+}
+
 impl Command {
     /// Ring entries a read or write with these handles takes.
     pub fn entries_for_transfers(handles: usize, pairs: usize) -> usize {
         1 + handles + pairs
+    }
+
+    /// Ring entries a read or write takes whose `parts` handles move
+    /// parts of blocks (one [`Command::Part`] each, on top).
+    pub fn entries_for_parts(handles: usize, parts: usize, pairs: usize) -> usize {
+        Self::entries_for_transfers(handles, pairs) + parts
     }
 }

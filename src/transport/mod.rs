@@ -19,6 +19,7 @@ pub mod sim;
 pub mod simnet;
 pub mod ucx;
 
+use crate::core::BlockBytes;
 use crate::ledger::{BlockId, HandleKey, PeerId};
 use crate::metadata::PeerMetadata;
 
@@ -33,6 +34,8 @@ pub const CANCELED: i8 = -16;
 pub const ENDPOINT_TIMEOUT: i8 = -80;
 /// `UCS_ERR_INVALID_PARAM`: an operation refused before the transport saw it.
 pub const INVALID_PARAM: i8 = -5;
+/// `UCS_ERR_UNSUPPORTED`: an operation this transport cannot perform.
+pub const UNSUPPORTED: i8 = -22;
 
 /// One endpoint: a peer, and which of its successive connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -125,6 +128,26 @@ pub trait Transport {
         pairs: &[(BlockId, BlockId)],
         token: u64,
     ) -> Result<u32, PostFailure>;
+
+    /// [`Transport::post`] moving `part` of each block pair instead of
+    /// whole blocks: `part.len` bytes from `part.local_offset` in each
+    /// local block and `part.remote_offset` in each remote block, whose
+    /// size is the peer's. A transport that cannot address parts of
+    /// blocks posts nothing and fails.
+    fn post_part(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: BlockBytes,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        let _ = (ep, dir, pairs, part, token);
+        Err(PostFailure {
+            posted: 0,
+            status: UNSUPPORTED,
+        })
+    }
 
     /// Flushes endpoint `ep`: completes with `token` once every operation
     /// posted on it before is complete at the target. Fails if `ep` is not
