@@ -85,6 +85,13 @@ def _tp_rank() -> int:
         return 0  # no model-parallel group: one worker
 
 
+def _kv_heads(kv_cache_config: "KVCacheConfig") -> int:
+    """KV heads per layer of this rank (one KV cache group), 0 if unknown."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    heads = {getattr(g.kv_cache_spec, "num_kv_heads", 0) for g in groups}
+    return heads.pop() if len(heads) == 1 else 0
+
+
 class KvpollConnector(KVConnectorBase_V1):
     """vLLM's connector interface, each call handed to its half."""
 
@@ -99,7 +106,9 @@ class KvpollConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config)
         else:
-            self.connector_worker = KvpollWorker(engine_id, _tp_rank(), tp_size, kv_cache_config.num_blocks, config)
+            self.connector_worker = KvpollWorker(
+                engine_id, _tp_rank(), tp_size, kv_cache_config.num_blocks, config, _kv_heads(kv_cache_config)
+            )
 
     # ------------------------------------------------------------ scheduler
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 MAGIC = b"KVPH"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct(">4sHI")
 #: The largest frame either side accepts (kvpoll's engine metadata is a
 #: few hundred bytes).
@@ -57,6 +57,9 @@ class Handshake:
     num_blocks: int
     #: kvpoll's engine metadata, for ``Engine.add_peer``.
     metadata: bytes
+    #: KV heads per block of this rank when they are outermost in each
+    #: block (a head range is then one byte range); 0 otherwise.
+    block_heads: int = 0
 
     def encode(self) -> bytes:
         body = json.dumps(
@@ -69,6 +72,7 @@ class Handshake:
                 "num_regions": self.num_regions,
                 "num_blocks": self.num_blocks,
                 "metadata": base64.b64encode(self.metadata).decode(),
+                "block_heads": self.block_heads,
             }
         ).encode()
         if HEADER.size + len(body) > MAX_FRAME:
@@ -99,7 +103,13 @@ class Handshake:
                 "num_regions": int,
                 "num_blocks": int,
                 "metadata": str,
+                "block_heads": int,
             }
+            if not isinstance(obj, dict):
+                raise HandshakeError(f"handshake payload is not a handshake object: {type(obj).__name__}")
+            unknown = sorted(set(obj) - set(fields))
+            if unknown:
+                raise HandshakeError(f"handshake has unknown fields {unknown}")
             for name, kind in fields.items():
                 if not isinstance(obj.get(name), kind) or isinstance(obj.get(name), bool):
                     raise HandshakeError(f"handshake field {name!r} missing or not {kind.__name__}")
@@ -111,6 +121,8 @@ class Handshake:
         for name in ("tp_size", "block_bytes", "num_regions", "num_blocks"):
             if obj[name] <= 0:
                 raise HandshakeError(f"handshake field {name!r} must be positive, got {obj[name]}")
+        if obj["block_heads"] < 0:
+            raise HandshakeError(f"handshake field 'block_heads' must not be negative, got {obj['block_heads']}")
         if not 0 <= obj["tp_rank"] < obj["tp_size"]:
             raise HandshakeError(f"handshake tp_rank {obj['tp_rank']} outside tp_size {obj['tp_size']}")
         return cls(**{**obj, "metadata": metadata})
