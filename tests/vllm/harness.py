@@ -268,8 +268,16 @@ class Worker(Child):
         rank: int = 0,
         tp: int = 1,
         extra: Optional[dict] = None,
+        wait: bool = True,
     ) -> None:
+        """Starts the process; ``wait=False`` leaves ``ready()`` to the
+        caller (several start at once)."""
         super().__init__(_worker_main, model, port, policy, lease_s, rank, tp, extra)
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Waits until its connector is up."""
         self.answer(180)
 
     def step(self, meta: Any, finished: Set[str], fills: Dict[str, List[Tuple[int, int]]]) -> Any:
