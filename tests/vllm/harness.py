@@ -371,3 +371,51 @@ def run_until_empty(p: Any, pw: Workers, d: Any, dw: Workers, on_recv=None) -> D
 def decode_requests(d: Any, params: Dict[str, Dict[str, Any]], prompts: Dict[str, List[int]], max_tokens: int = 3):
     for rid, prm in params.items():
         d.add_request(request(f"d-{rid}", prompts[rid], max_tokens, dict(prm)))
+
+
+def logical_blocks(workers: List[Worker], blocks: List[int]) -> List[bytes]:
+    """Each block as one unsharded instance would hold it: per layer, the
+    ranks' shares of the heads in rank order."""
+    tp = len(workers)
+    share = BLOCK_BYTES // tp
+    dumps = [w.dump(blocks) for w in workers]
+    return [
+        b"".join(dumps[r][i][layer * share : (layer + 1) * share] for layer in range(LAYERS) for r in range(tp))
+        for i in range(len(blocks))
+    ]
+
+
+class Pool:
+    """Connector worker processes shared by the tests of a session: one
+    set per instance kind (TP size and ``kv_connector_extra_config``),
+    one process per rank, each with a fresh scheduler per test. Tests end
+    with both schedulers empty, so the next test finds the workers idle."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._made: Dict[Any, Tuple[int, List[Worker]]] = {}
+
+    def get(self, *kinds: Tuple[int, Dict[str, Any]]) -> List[Tuple[Any, List[Worker]]]:
+        """A (scheduler, workers) per ``(tp, extra)`` kind; the processes
+        of kinds not started yet start together."""
+        keys = [(tp, tuple(sorted(extra.items()))) for tp, extra in kinds]
+        new = []
+        for key in keys:
+            if key not in self._made:
+                tp, extra = key[0], dict(key[1])
+                port = free_port()
+                workers = [Worker(self.model, port, rank=r, tp=tp, extra=extra, wait=False) for r in range(tp)]
+                self._made[key] = (port, workers)
+                new.extend(workers)
+        for w in new:
+            w.ready()
+        out = []
+        for key in keys:
+            port, workers = self._made[key]
+            out.append((scheduler(vllm_config(self.model, port, tp=key[0], extra=dict(key[1]))), workers))
+        return out
+
+    def close(self) -> None:
+        for _, workers in self._made.values():
+            for w in workers:
+                w.close()

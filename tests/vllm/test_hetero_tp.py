@@ -7,55 +7,40 @@ prefill ranks' forward wrote: the right heads in the right place."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
 from harness import (
     BLOCK_BYTES,
     LAYERS,
-    Worker,
     assert_scheduler_empty,
     decode_requests,
     fill_pattern,
-    free_port,
+    logical_blocks,
     prefill_all,
     run_until_empty,
-    scheduler,
-    vllm_config,
 )
 
 
-def instance(model: str, tp: int, extra: Dict[str, Any] | None = None):
-    """A scheduler of ``tp`` ranks and one worker process per rank (started,
-    not waited for)."""
-    port = free_port()
-    sched = scheduler(vllm_config(model, port, tp=tp, extra=extra))
-    return sched, [Worker(model, port, rank=r, tp=tp, extra=extra, wait=False) for r in range(tp)]
+#: Each prefill kind's lease: long enough for a loaded machine to read in
+#: time, short enough that an unread lend ends within a test.
+LEASE_S = 10.0
 
 
-def logical_blocks(workers: List[Worker], blocks: List[int]) -> List[bytes]:
-    """Each block as one unsharded instance would hold it: per layer, the
-    ranks' shares of the heads in rank order."""
-    tp = len(workers)
-    share = BLOCK_BYTES // tp
-    dumps = [w.dump(blocks) for w in workers]
-    return [
-        b"".join(dumps[r][i][layer * share : (layer + 1) * share] for layer in range(LAYERS) for r in range(tp))
-        for i in range(len(blocks))
-    ]
+def prefill_kind(tp: int, decode_tp: int, mode: str = "pull") -> Tuple[int, Dict[str, Any]]:
+    return tp, {"decode_tp_size": decode_tp, "mode": mode, "lease_s": LEASE_S}
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2"])
-def pd_tp(request, model_dir: str):
+def decode_kind(tp: int) -> Tuple[int, Dict[str, Any]]:
+    return tp, {}
+
+
+@pytest.fixture(params=[(2, 1), (1, 2)], ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2"])
+def pd_tp(request, pool):
     p_tp, d_tp = request.param
-    p, pws = instance(model_dir, p_tp, {"decode_tp_size": d_tp})
-    d, dws = instance(model_dir, d_tp)
-    for w in pws + dws:
-        w.ready()
-    yield p, pws, d, dws
-    for w in pws + dws:
-        w.close()
+    (p, pws), (d, dws) = pool.get(prefill_kind(p_tp, d_tp), decode_kind(d_tp))
+    return p, pws, d, dws
 
 
 def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_empty(pd_tp):
@@ -66,8 +51,11 @@ def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_em
     decode_requests(d, params, prompts)
     local: Dict[str, List[int]] = {}
     compared: List[str] = []
+    stats: List[Any] = []
 
     def on_recv(so, kv_out):
+        if kv_out.kv_connector_stats is not None:
+            stats.append(kv_out.kv_connector_stats)
         for rid, spec in so.kv_connector_metadata.reqs_to_recv.items():
             local[rid] = spec.local_block_ids
         for rid in kv_out.finished_recving or ():
@@ -86,6 +74,34 @@ def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_em
     assert all(len(tokens[f"d-{r}"]) == 3 for r in prompts), tokens
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
+    # The ranks' stats, merged by vLLM's aggregator, through its Prometheus
+    # logger: one load per decode rank and request, every byte of every
+    # head of every layer once.
+    blocks = sum(len(params[r]["remote_block_ids"]) for r in prompts)
+    metrics = prometheus_after(d.vllm_config, stats)
+    assert metrics["vllm:kvpoll_num_transfers_total"] == len(prompts) * len(dws)
+    assert metrics["vllm:kvpoll_num_failed_transfers_total"] == 0
+    assert metrics["vllm:kvpoll_bytes_transferred_total"] == blocks * BLOCK_BYTES * LAYERS
+    assert metrics["vllm:kvpoll_xfer_time_seconds_count"] == len(prompts) * len(dws)
+
+
+def prometheus_after(vllm_config: Any, stats: List[Any]) -> Dict[str, float]:
+    """vLLM's Prometheus logger fed with each step's connector stats as the
+    scheduler sends them: the kvpoll samples of its registry, by name."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    logger = PrometheusStatLogger(vllm_config, engine_indexes=[0])
+    for st in stats:
+        logger.record(scheduler_stats=SchedulerStats(kv_connector_stats=st.to_dict()), iteration_stats=None)
+    return {
+        sample.name: sample.value
+        for metric in REGISTRY.collect()
+        if metric.name.startswith("vllm:kvpoll")
+        for sample in metric.samples
+        if not sample.name.endswith("_created") and "le" not in sample.labels
+    }
 
 
 def test_tp_reads_map_each_decode_rank_to_its_prefill_ranks_and_head_ranges():
@@ -126,30 +142,13 @@ def test_layouts_that_cannot_be_read_across_tp_sizes_are_refused_with_why(tp, he
     assert tp_mismatch(1, 2, 200, ok) is None
 
 
-def test_a_decode_with_more_ranks_than_the_prefill_lent_to_fails_the_load_with_why():
-    """A prefill that lends each rank's blocks to one reader would free
-    them after the first of two decode ranks read: the decode refuses the
-    load instead of racing the free."""
+def test_decode_tp_size_sets_how_many_decode_ranks_each_lend_waits_for():
     from kvpoll.vllm.config import KvpollConfig
-    from kvpoll.vllm.metadata import INCARNATION_KEY, READERS_KEY
-    from kvpoll.vllm.scheduler import KvpollScheduler
 
-    params = {
-        "remote_engine_id": "p",
-        "remote_request_id": "r",
-        "remote_block_ids": [1, 2],
-        "remote_host": "127.0.0.1",
-        "remote_port": 5700,
-        "tp_size": 1,
-        INCARNATION_KEY: "ab",
-    }
-    decode = KvpollScheduler("d", 2, KvpollConfig())
-    spec = decode._load_spec(dict(params), [5, 6])
-    assert spec.error is not None and "decode_tp_size" in spec.error, spec.error
-    assert decode._load_spec({**params, READERS_KEY: 2}, [5, 6]).error is None
-    # The prefill's side: decode_tp_size makes its lends wait for both.
     assert KvpollConfig(decode_tp_size=2).readers_per_lend(1) == 2
+    assert KvpollConfig(decode_tp_size=4).readers_per_lend(2) == 2
     assert KvpollConfig(decode_tp_size=1).readers_per_lend(2) == 1
     assert KvpollConfig().readers_per_lend(2) == 1
-    with pytest.raises(ValueError, match="decode_tp_size"):
-        KvpollConfig.from_extra({"decode_tp_size": 0})
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(ValueError, match="decode_tp_size"):
+            KvpollConfig.from_extra({"decode_tp_size": bad})

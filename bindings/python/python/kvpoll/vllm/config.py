@@ -28,6 +28,11 @@ class KvpollConfig:
     #: prefill's: each prefill rank's lend then waits for that many
     #: decode ranks per prefill rank to read it. None: this instance's.
     decode_tp_size: Optional[int] = None
+    #: How a prefill's KV reaches its decode: "pull" (the decode reads the
+    #: lent blocks) or "push" (the decode lends its blocks to writers and
+    #: asks the prefill to write them). The prefill's setting; its
+    #: responses tell the decode.
+    mode: str = "pull"
 
     def readers_per_lend(self, tp_size: int) -> int:
         """Decode ranks that read each lend of a prefill of ``tp_size``."""
@@ -49,6 +54,8 @@ class KvpollConfig:
             not isinstance(cfg.decode_tp_size, int) or isinstance(cfg.decode_tp_size, bool) or cfg.decode_tp_size <= 0
         ):
             raise ValueError(f"decode_tp_size must be a positive int, not {cfg.decode_tp_size!r}")
+        if cfg.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be 'pull' or 'push', not {cfg.mode!r}")
         if cfg.idle not in ("adaptive", "busy"):
             raise ValueError(f"idle must be 'adaptive' or 'busy', not {cfg.idle!r}")
         return cfg

@@ -13,6 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 INCARNATION_KEY = "kvpoll_incarnation"
 #: The key of how many decode ranks read each prefill rank's lend.
 READERS_KEY = "kvpoll_readers"
+#: The key of the prefill's transfer mode ("pull" or "push").
+MODE_KEY = "kvpoll_mode"
 
 
 class TransferParamsError(ValueError):
@@ -33,6 +35,8 @@ class RemotePrefill:
     incarnation: int
     #: Decode ranks each prefill rank's lend waits for.
     readers: int = 1
+    #: "pull": read the prefill's lend; "push": lend to the prefill's writes.
+    mode: str = "pull"
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RemotePrefill":
@@ -66,6 +70,9 @@ class RemotePrefill:
         readers = params.get(READERS_KEY, 1)
         if not isinstance(readers, int) or isinstance(readers, bool) or readers <= 0:
             raise TransferParamsError(f"kv_transfer_params[{READERS_KEY!r}] not a positive int: {readers!r}")
+        mode = params.get(MODE_KEY, "pull")
+        if mode not in ("pull", "push"):
+            raise TransferParamsError(f"kv_transfer_params[{MODE_KEY!r}] not 'pull' or 'push': {mode!r}")
         return cls(
             engine_id=need("remote_engine_id", str),
             request_id=need("remote_request_id", str),
@@ -75,6 +82,7 @@ class RemotePrefill:
             block_ids=tuple(blocks),
             incarnation=incarnation,
             readers=readers,
+            mode=mode,
         )
 
 

@@ -12,6 +12,7 @@ from kvpoll import draw_incarnation
 from .config import KvpollConfig
 from .metadata import (
     INCARNATION_KEY,
+    MODE_KEY,
     READERS_KEY,
     KvpollConnectorMetadata,
     LoadSpec,
@@ -118,4 +119,5 @@ class KvpollScheduler:
             "tp_size": self.tp_size,
             INCARNATION_KEY: f"{inc:x}",
             READERS_KEY: self.config.readers_per_lend(self.tp_size),
+            MODE_KEY: self.config.mode,
         }

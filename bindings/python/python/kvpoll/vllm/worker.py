@@ -8,15 +8,27 @@ was read under, and loads that failed before reaching the engine."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from kvpoll import KvpollError
+from kvpoll import KvpollError, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 
 from .config import KvpollConfig
 from .metadata import KvpollConnectorMetadata, LoadSpec, RemotePrefill
-from .side_channel import Handshake, HandshakeCache, HandshakeError, HandshakeServer, new_instance
+from .side_channel import (
+    Handshake,
+    HandshakeCache,
+    HandshakeError,
+    HandshakeServer,
+    PushRequest,
+    new_instance,
+    send_push_request,
+)
+
+#: Push requests a prefill worker holds before its requests finish.
+MAX_PENDING_PUSH_REQUESTS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +163,13 @@ class KvpollWorker:
         self._failed_blocks: Set[int] = set()
         # Lends the engine refused: free at once.
         self._unlent: Set[str] = set()
+        self.instance = new_instance()
+        # Push mode, prefill side: finished requests' blocks awaiting their
+        # decode ranks' push requests (until the lease ends), and push
+        # requests (from the side channel's thread) awaiting their request.
+        self._pushes: Dict[str, Tuple[List[int], float]] = {}
+        self._asks: Dict[str, List[Tuple[PushRequest, float]]] = {}
+        self._asks_lock = threading.Lock()
         self._stats = _Stats()
 
     # ------------------------------------------------------------ setup
@@ -168,7 +187,7 @@ class KvpollWorker:
             core.register_kv_caches(regions)
             hs = Handshake(
                 engine_id=self.engine_id,
-                instance=new_instance(),
+                instance=self.instance,
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
                 block_bytes=self.block_bytes,
@@ -178,7 +197,7 @@ class KvpollWorker:
                 block_heads=self.block_heads,
             )
             self._server = HandshakeServer(
-                self.config.side_channel_host, self.config.side_channel_port + self.tp_rank, hs
+                self.config.side_channel_host, self.config.side_channel_port + self.tp_rank, hs, self._on_push
             )
         except BaseException:
             core.shutdown()
@@ -194,7 +213,13 @@ class KvpollWorker:
     def start_load_kv(self, meta: KvpollConnectorMetadata) -> None:
         assert self.core is not None, "register_kv_caches first"
         readers = self.config.readers_per_lend(self.tp_size)
-        sends = {req_id: (blocks, readers, inc) for req_id, (blocks, inc) in meta.reqs_to_send.items()}
+        sends = {}
+        for req_id, (blocks, inc) in meta.reqs_to_send.items():
+            if self.config.mode == "push":
+                # Written once its decode ranks asked, or freed at the lease's end.
+                self._pushes[req_id] = (list(blocks), time.monotonic() + self.config.lease_s)
+            else:
+                sends[req_id] = (blocks, readers, inc)
         reads: Dict[str, list] = {}
         for req_id, spec in meta.reqs_to_recv.items():
             handles = self._handles(req_id, spec)
@@ -215,6 +240,7 @@ class KvpollWorker:
             except (KvpollError, KeyError, ValueError) as e:
                 local_id, _, blocks = self._loads.pop(remote_id)
                 self._fail(local_id, blocks, f"read refused: {e}")
+        self._write_asked()
 
     def _handles(self, req_id: str, spec: LoadSpec) -> Optional[list]:
         """The read handles of one load, or None when it failed already (or
@@ -224,16 +250,13 @@ class KvpollWorker:
             self._fail(req_id, spec.local_block_ids, spec.error or "no remote")
             return None
         try:
-            plan = [
-                (self._peer(remote, rank), lb, rb)
-                for rank, lb, rb in self._plan(remote)
-            ]
+            plan = [(rank, self._peer(remote, rank), lb, rb) for rank, lb, rb in self._plan(remote)]
         except (HandshakeError, KvpollError) as e:
             self._fail(req_id, spec.local_block_ids, str(e))
             return None
         if not spec.local_block_ids:
             try:
-                self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for peer, _, _ in plan])
+                self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for _, peer, _, _ in plan])
             except KvpollError as e:
                 logger.warning("kvpoll: release of %s at %s not sent: %s", remote.request_id, remote.engine_id, e)
             return None
@@ -248,12 +271,114 @@ class KvpollWorker:
         local = list(spec.local_block_ids)
         remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(local):])
         self._loads[remote.request_id] = (req_id, remote.engine_id, local)
-        per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, lb, _ in plan)
+        per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
         self._stats.started(remote.request_id, len(local) * per_block * self.num_regions)
+        if remote.mode == "push":
+            self._ask_push(req_id, remote, local, plan)
+            return None
         return [
             (peer, local, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
-            for peer, lb, rb in plan
+            for _, peer, lb, rb in plan
         ]
+
+    # ------------------------------------------------------------ push
+
+    def _ask_push(self, req_id: str, remote: RemotePrefill, local: List[int], plan: list) -> None:
+        """Push mode, decode side: lends ``local`` to the prefill ranks of
+        ``plan`` as writers, then asks each to write its share. The engine
+        reports the lend once (every writer done, or failed): as a load."""
+        inc = draw_incarnation()
+        try:
+            self.core.start_load_kv(reqs_to_recv_push={remote.request_id: (local, len(plan), inc)})
+        except KvpollError as e:
+            self._loads.pop(remote.request_id, None)
+            self._fail(req_id, local, f"push destination refused: {e}")
+            return
+        for rank, _, lb, rb in plan:
+            ask = PushRequest(
+                engine_id=remote.engine_id,
+                request_id=remote.request_id,
+                decode_engine_id=self.engine_id,
+                decode_instance=self.instance,
+                decode_rank=self.tp_rank,
+                metadata=self.core.metadata(),
+                block_ids=tuple(local),
+                incarnation=inc,
+                # The prefill writes what this rank would have read.
+                local_bytes=rb,
+                remote_bytes=lb,
+            )
+            try:
+                send_push_request(remote.host, remote.port + rank, rank, ask, self.config.handshake_timeout_s)
+            except HandshakeError as e:
+                logger.warning("kvpoll: push of %s from rank %d not asked, the load fails: %s", req_id, rank, e)
+                try:
+                    # Ended now: reported failed once no writer can still write.
+                    self.core.engine.abort(remote.request_id)
+                except KvpollError:
+                    pass
+                return
+
+    def _on_push(self, ask: PushRequest) -> Optional[str]:
+        """A decode rank's push request (on the side channel's thread)."""
+        if ask.engine_id != self.engine_id:
+            return f"this is engine {self.engine_id!r}, not {ask.engine_id!r}"
+        if self.config.mode != "push":
+            return "this prefill lends its blocks to readers (mode pull)"
+        with self._asks_lock:
+            if sum(len(v) for v in self._asks.values()) >= MAX_PENDING_PUSH_REQUESTS:
+                return f"{MAX_PENDING_PUSH_REQUESTS} push requests pending"
+            self._asks.setdefault(ask.request_id, []).append((ask, time.monotonic()))
+        return None
+
+    def _write_asked(self) -> None:
+        """Push mode, prefill side: writes each finished request every one
+        of its decode ranks asked for; frees those nobody asked for in the
+        lease (their decode fails its load when its own lease ends), and
+        forgets requests for requests it does not hold."""
+        if self.config.mode != "push" or self.core is None:
+            return
+        now = time.monotonic()
+        readers = self.config.readers_per_lend(self.tp_size)
+        ready: List[Tuple[str, List[PushRequest]]] = []
+        with self._asks_lock:
+            for req_id in list(self._asks):
+                asks = self._asks[req_id]
+                if req_id in self._pushes and len(asks) >= readers:
+                    ready.append((req_id, [a for a, _ in asks[:readers]]))
+                    del self._asks[req_id]
+                elif req_id not in self._pushes:
+                    kept = [(a, t) for a, t in asks if now - t < self.config.lease_s]
+                    if kept:
+                        self._asks[req_id] = kept
+                    else:
+                        del self._asks[req_id]
+        for req_id, asks in ready:
+            blocks, _ = self._pushes.pop(req_id)
+            try:
+                handles = [self._push_handle(blocks, a) for a in asks]
+                self.core.save_kv(req_id, handles, expected_acks=len(asks))
+                self.core.wait_for_save()
+            except (KvpollError, ValueError) as e:
+                logger.error("kvpoll: push of %s not written, its blocks are freed: %s", req_id, e)
+                self._unlent.add(req_id)
+        for req_id, (_, deadline) in list(self._pushes.items()):
+            if now >= deadline:
+                logger.warning("kvpoll: no decode asked for %s within the lease, its blocks are freed", req_id)
+                del self._pushes[req_id]
+                self._unlent.add(req_id)
+
+    def _push_handle(self, blocks: List[int], ask: PushRequest) -> tuple:
+        if len(ask.block_ids) > len(blocks):
+            raise ValueError(f"{len(ask.block_ids)} blocks asked for, {len(blocks)} held")
+        key = (ask.decode_engine_id, ask.decode_instance)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self.core.engine.add_peer(ask.metadata, any_block_size=ask.local_bytes is not None)
+            self._peers[key] = peer
+        local = blocks[len(blocks) - len(ask.block_ids) :]
+        part = (ask.local_bytes, ask.remote_bytes) if ask.local_bytes else ()
+        return (peer, local, list(ask.block_ids), ask.incarnation, *part)
 
     def _plan(self, remote: RemotePrefill) -> list:
         """The remote ranks this rank reads a load from, and the byte
@@ -291,6 +416,7 @@ class KvpollWorker:
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self.core is not None
+        self._write_asked()
         sending, recving = self.core.get_finished(finished_req_ids)
         if self._unlent:
             sending = (sending or set()) | self._unlent
