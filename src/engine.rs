@@ -1181,6 +1181,16 @@ impl Engine {
         expected_acks: u32,
         lease: Duration,
     ) -> Result<(), EngineError> {
+        self.submit_write(id, handles, expected_acks, lease)
+    }
+
+    fn submit_write<'a, H: Handle<'a>>(
+        &mut self,
+        id: RequestId,
+        handles: &[H],
+        expected_acks: u32,
+        lease: Duration,
+    ) -> Result<(), EngineError> {
         if handles.is_empty() {
             return Err(EngineError::BadPairing {
                 handle: 0,
@@ -1210,24 +1220,7 @@ impl Engine {
         expected_acks: u32,
         lease: Duration,
     ) -> Result<(), EngineError> {
-        if handles.is_empty() {
-            return Err(EngineError::BadPairing {
-                handle: 0,
-                local: 0,
-                remote: 0,
-            });
-        }
-        if expected_acks as usize > MAX_CONSUMERS {
-            return Err(EngineError::TooManyConsumers(expected_acks));
-        }
-        self.submit_transfers(
-            id,
-            Kind::Write {
-                acks: expected_acks,
-            },
-            handles,
-            lease,
-        )
+        self.submit_write(id, handles, expected_acks, lease)
     }
 
     /// Lends `blocks` to remote readers or writers until `to`'s count of

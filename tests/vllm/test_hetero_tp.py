@@ -43,9 +43,12 @@ def pd_tp(request, pool):
     return p, pws, d, dws
 
 
-def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_empty(pd_tp):
-    p, pws, d, dws = pd_tp
-    prompts = {f"h{n}": [(11 * n + i) % 500 + 3 for i in range(20 + 15 * n)] for n in range(5)}
+def disaggregate_and_check(p, pws, d, dws, prompts: Dict[str, List[int]]) -> Tuple[Dict[str, Any], List[Any]]:
+    """Prefills ``prompts``, decodes them with the prefill's params, checks
+    each decode request's KV (across the decode's ranks) equals what the
+    prefill's forward wrote (across its ranks), every head in its place,
+    and that both schedulers end empty. Returns the params and each
+    step's aggregated connector stats of the decode."""
     params = prefill_all(p, pws, prompts)
     assert set(p.requests) == set(prompts)
     decode_requests(d, params, prompts)
@@ -62,10 +65,9 @@ def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_em
             prefill_id = rid[2:]
             remote = params[prefill_id]["remote_block_ids"]
             assert len(local[rid]) == len(remote) > 0
-            got = logical_blocks(dws, local[rid])
             # What the prefill's forward wrote, whole: every head, every layer.
             want = [fill_pattern(prefill_id, i, BLOCK_BYTES) * LAYERS for i in range(len(remote))]
-            assert got == want, f"{rid}: the decode's KV differs from the prefill's"
+            assert logical_blocks(dws, local[rid]) == want, f"{rid}: the decode's KV differs from the prefill's"
             assert logical_blocks(pws, remote) == want
             compared.append(rid)
 
@@ -74,6 +76,13 @@ def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_em
     assert all(len(tokens[f"d-{r}"]) == 3 for r in prompts), tokens
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
+    return params, stats
+
+
+def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_empty(pd_tp):
+    p, pws, d, dws = pd_tp
+    prompts = {f"h{n}": [(11 * n + i) % 500 + 3 for i in range(20 + 15 * n)] for n in range(5)}
+    params, stats = disaggregate_and_check(p, pws, d, dws, prompts)
     # The ranks' stats, merged by vLLM's aggregator, through its Prometheus
     # logger: one load per decode rank and request, every byte of every
     # head of every layer once.

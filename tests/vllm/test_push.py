@@ -9,22 +9,12 @@ both schedulers end with every block free."""
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import List
 
 import pytest
 
-from harness import (
-    BLOCK_BYTES,
-    LAYERS,
-    assert_scheduler_empty,
-    decode_requests,
-    fill_pattern,
-    logical_blocks,
-    prefill_all,
-    run_until_empty,
-    step,
-)
-from test_hetero_tp import LEASE_S, decode_kind, prefill_kind
+from harness import assert_scheduler_empty, decode_requests, prefill_all, run_until_empty, step
+from test_hetero_tp import LEASE_S, decode_kind, disaggregate_and_check, prefill_kind
 
 
 @pytest.fixture(
@@ -40,28 +30,8 @@ def pd_push(request, pool):
 def test_pushed_kv_equals_the_prefill_kv_byte_for_byte_and_both_end_empty(pd_push):
     p, pws, d, dws = pd_push
     prompts = {f"u{n}": [(13 * n + i) % 500 + 3 for i in range(18 + 14 * n)] for n in range(5)}
-    params = prefill_all(p, pws, prompts)
+    params, _ = disaggregate_and_check(p, pws, d, dws, prompts)
     assert all(prm["kvpoll_mode"] == "push" for prm in params.values())
-    decode_requests(d, params, prompts)
-    local: Dict[str, List[int]] = {}
-    compared: List[str] = []
-
-    def on_recv(so, kv_out):
-        for rid, spec in so.kv_connector_metadata.reqs_to_recv.items():
-            local[rid] = spec.local_block_ids
-        for rid in kv_out.finished_recving or ():
-            prefill_id = rid[2:]
-            n = len(params[prefill_id]["remote_block_ids"])
-            assert len(local[rid]) == n > 0
-            want = [fill_pattern(prefill_id, i, BLOCK_BYTES) * LAYERS for i in range(n)]
-            assert logical_blocks(dws, local[rid]) == want, f"{rid}: the pushed KV differs from the prefill's"
-            compared.append(rid)
-
-    tokens = run_until_empty(p, pws, d, dws, on_recv)
-    assert sorted(compared) == sorted(f"d-{r}" for r in prompts)
-    assert all(len(tokens[f"d-{r}"]) == 3 for r in prompts), tokens
-    assert_scheduler_empty(p)
-    assert_scheduler_empty(d)
 
 
 def test_a_push_nobody_asks_for_frees_the_prefill_blocks_when_its_lease_ends(pool):
