@@ -277,8 +277,9 @@ class Worker(Child):
             self.ready()
 
     def ready(self) -> None:
-        """Waits until its connector is up."""
-        self.answer(180)
+        """Waits until its connector is up (slow on a loaded machine: vLLM
+        and torch import in every process)."""
+        self.answer(600)
 
     def step(self, meta: Any, finished: Set[str], fills: Dict[str, List[Tuple[int, int]]]) -> Any:
         return self._ask("step", meta, set(finished), fills)
@@ -406,9 +407,16 @@ class Pool:
                 port = free_port()
                 workers = [Worker(self.model, port, rank=r, tp=tp, extra=extra, wait=False) for r in range(tp)]
                 self._made[key] = (port, workers)
-                new.extend(workers)
-        for w in new:
-            w.ready()
+                new.extend((key, w) for w in workers)
+        try:
+            for _, w in new:
+                w.ready()
+        except BaseException:
+            # Not kept half started: a later test starts them afresh.
+            for key, w in new:
+                self._made.pop(key, None)
+                w.close()
+            raise
         out = []
         for key in keys:
             port, workers = self._made[key]

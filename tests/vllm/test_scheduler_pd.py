@@ -16,6 +16,7 @@ from harness import (
     prefill_all,
     run_until_empty,
     scheduler,
+    step,
     vllm_config,
 )
 
