@@ -11,7 +11,11 @@
 //! as `blocks × block_size` bytes; a [`BlockId`] names the same block in
 //! every region, so moving one block moves it in every layer (one UCX
 //! operation per region). Two engines must agree on the block size and the
-//! number of regions ([`crate::metadata::MetadataError::IncompatibleLayout`]).
+//! number of regions ([`crate::metadata::MetadataError::IncompatibleLayout`]),
+//! unless the peer was added with [`Engine::add_peer_any_block_size`]: then
+//! only part transfers ([`Transfer::part`]) reach it, each moving a byte
+//! range of every block (the heads one tensor-parallel rank holds), as
+//! NIXL's descriptors address them.
 //!
 //! Control-plane calls (registering memory, adding peers, metadata) are
 //! rare; they travel over a channel to the poller and wait for its answer.
@@ -22,6 +26,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+pub use crate::core::BlockBytes;
 use crate::core::{Command, MAX_CONSUMERS};
 use crate::driver::{self, Control, Shared};
 use crate::ledger::{
@@ -60,6 +65,63 @@ pub struct Transfer<'a> {
     /// [`Incarnation::NONE`] only for a read with confirmation off (memory
     /// no lend guards).
     pub lend: Incarnation,
+}
+
+impl<'a> Transfer<'a> {
+    /// This handle moving a part of each block: the bytes `local` of each
+    /// local block and `remote` of each remote block (the remote engine's
+    /// block size, which may differ from this one's). Both ranges must be
+    /// non-empty, of equal length, and inside a block on their side; the
+    /// read or write that takes it ([`Engine::read_parts`],
+    /// [`Engine::write_parts`]) refuses them otherwise
+    /// ([`EngineError::BadPart`]).
+    pub fn part(
+        self,
+        local: std::ops::Range<u64>,
+        remote: std::ops::Range<u64>,
+    ) -> PartTransfer<'a> {
+        PartTransfer {
+            transfer: self,
+            local_bytes: local,
+            remote_bytes: remote,
+        }
+    }
+}
+
+/// A [`Transfer`] of part of each block: see [`Transfer::part`].
+#[derive(Debug, Clone)]
+pub struct PartTransfer<'a> {
+    /// The blocks, peer and incarnation.
+    pub transfer: Transfer<'a>,
+    /// The bytes moved of each local block.
+    pub local_bytes: std::ops::Range<u64>,
+    /// The bytes moved of each remote block.
+    pub remote_bytes: std::ops::Range<u64>,
+}
+
+/// A handle as a submission sees it: its blocks, and the part of each
+/// block it moves (whole blocks if none).
+trait Handle<'a> {
+    fn transfer(&self) -> &Transfer<'a>;
+    fn bytes(&self) -> Option<(std::ops::Range<u64>, std::ops::Range<u64>)>;
+}
+
+impl<'a> Handle<'a> for Transfer<'a> {
+    fn transfer(&self) -> &Transfer<'a> {
+        self
+    }
+    fn bytes(&self) -> Option<(std::ops::Range<u64>, std::ops::Range<u64>)> {
+        None
+    }
+}
+
+impl<'a> Handle<'a> for PartTransfer<'a> {
+    fn transfer(&self) -> &Transfer<'a> {
+        &self.transfer
+    }
+    fn bytes(&self) -> Option<(std::ops::Range<u64>, std::ops::Range<u64>)> {
+        Some((self.local_bytes.clone(), self.remote_bytes.clone()))
+    }
 }
 
 /// A failed send: a write that failed or was aborted. Never done; its source
@@ -404,6 +466,7 @@ impl EngineBuilder {
             retired: Vec::with_capacity(self.ledger.max_blocks as usize),
             region_blocks: None,
             regions: Vec::new(),
+            peer_block_sizes: Vec::new(),
             max_blocks: self.ledger.max_blocks,
             capacity: self.ledger.slots,
             block_size: self.block_size,
@@ -549,6 +612,8 @@ pub struct Engine {
     retired: Vec<BlockId>,
     region_blocks: Option<u64>,
     regions: Vec<Region>,
+    /// Each peer's block size, by peer id (0: never added here).
+    peer_block_sizes: Vec<u64>,
     max_blocks: u32,
     capacity: u32,
     block_size: u64,
@@ -789,7 +854,81 @@ impl Engine {
         meta.check_compatible(crate::metadata::BlockLayout {
             block_size: self.block_size,
         })?;
-        self.control(|reply| Control::AddPeer { meta, reply })
+        self.add_decoded_peer(meta)
+    }
+
+    /// [`Engine::add_peer`] for a peer whose block size may differ from
+    /// this engine's (a tensor-parallel rank holding another share of each
+    /// block's heads). Whole-block transfers to it are refused while the
+    /// sizes differ; part transfers ([`Transfer::part`]) address its blocks
+    /// at its own size.
+    pub fn add_peer_any_block_size(&mut self, metadata: &[u8]) -> Result<PeerId, EngineError> {
+        let meta = crate::metadata::PeerMetadata::decode(metadata)?;
+        self.add_decoded_peer(meta)
+    }
+
+    fn add_decoded_peer(
+        &mut self,
+        meta: crate::metadata::PeerMetadata,
+    ) -> Result<PeerId, EngineError> {
+        let block_size = meta.layout.block_size;
+        let peer = self.control(|reply| Control::AddPeer { meta, reply })?;
+        let i = peer.0 as usize;
+        if self.peer_block_sizes.len() <= i {
+            self.peer_block_sizes.resize(i + 1, 0);
+        }
+        self.peer_block_sizes[i] = block_size;
+        Ok(peer)
+    }
+
+    /// The part of each block handle `i` moves, checked against both
+    /// sides' block sizes; `None` for whole blocks.
+    fn block_bytes(
+        &self,
+        i: usize,
+        peer: PeerId,
+        bytes: Option<(std::ops::Range<u64>, std::ops::Range<u64>)>,
+    ) -> Result<Option<BlockBytes>, EngineError> {
+        let theirs = self.peer_block_sizes.get(peer.0 as usize).copied();
+        let Some((local, remote)) = bytes else {
+            return match theirs {
+                Some(bs) if bs != 0 && bs != self.block_size => Err(EngineError::BadPart {
+                    handle: i,
+                    local: 0..self.block_size,
+                    remote: 0..bs,
+                    why: "whole blocks of different sizes: give the part of each block to move",
+                }),
+                _ => Ok(None),
+            };
+        };
+        let bad = |why| EngineError::BadPart {
+            handle: i,
+            local: local.clone(),
+            remote: remote.clone(),
+            why,
+        };
+        if local.is_empty() || remote.is_empty() {
+            return Err(bad("an empty byte range"));
+        }
+        if local.end - local.start != remote.end - remote.start {
+            return Err(bad("the local and remote ranges differ in length"));
+        }
+        if local.end > self.block_size {
+            return Err(bad("the local range ends past this engine's block size"));
+        }
+        match theirs {
+            Some(bs) if bs != 0 => {
+                if remote.end > bs {
+                    return Err(bad("the remote range ends past the peer's block size"));
+                }
+            }
+            _ => return Err(EngineError::UnknownPeer(peer)),
+        }
+        Ok(Some(BlockBytes {
+            local_offset: local.start,
+            remote_offset: remote.start,
+            len: local.end - local.start,
+        }))
     }
 
     /// Removes a peer: its handles in flight fail (deferred, as always), its
@@ -826,11 +965,11 @@ impl Engine {
         Ok(())
     }
 
-    fn submit_transfers(
+    fn submit_transfers<'a, H: Handle<'a>>(
         &mut self,
         id: RequestId,
         kind: Kind,
-        handles: &[Transfer<'_>],
+        handles: &[H],
         expires_in: Duration,
     ) -> Result<(), EngineError> {
         self.admit(id)?;
@@ -838,8 +977,11 @@ impl Engine {
             return Err(EngineError::TooManyHandles(handles.len()));
         }
         let mut total = 0usize;
+        let mut parts: arrayvec::ArrayVec<Option<BlockBytes>, MAX_HANDLES> =
+            arrayvec::ArrayVec::new();
         let guarded = self.confirm_reads || kind != Kind::Read;
-        for (i, h) in handles.iter().enumerate() {
+        for (i, handle) in handles.iter().enumerate() {
+            let h = handle.transfer();
             if h.local.len() != h.remote.len() || h.local.is_empty() {
                 return Err(EngineError::BadPairing {
                     handle: i,
@@ -856,6 +998,7 @@ impl Engine {
             }
             if handles[..i]
                 .iter()
+                .map(|g| g.transfer())
                 .any(|g| g.peer == h.peer && g.lend != h.lend)
             {
                 return Err(EngineError::BadIncarnation {
@@ -863,6 +1006,7 @@ impl Engine {
                     why: "handles to one peer name different incarnations (one request reads one lend of each peer)",
                 });
             }
+            parts.push(self.block_bytes(i, h.peer, handle.bytes())?);
             total += h.local.len();
         }
         if total > self.max_blocks as usize {
@@ -871,7 +1015,8 @@ impl Engine {
                 max: self.max_blocks,
             });
         }
-        self.fits(Command::entries_for_transfers(handles.len(), total))?;
+        let n_parts = parts.iter().filter(|p| p.is_some()).count();
+        self.fits(Command::entries_for_parts(handles.len(), n_parts, total))?;
         self.scratch.clear();
         self.scratch.push(Command::Begin {
             id,
@@ -881,7 +1026,11 @@ impl Engine {
             expires_in: nanos(expires_in),
             token: Incarnation::draw(),
         });
-        for h in handles {
+        for (handle, part) in handles.iter().zip(parts) {
+            let h = handle.transfer();
+            if let Some(part) = part {
+                self.scratch.push(Command::Part(part));
+            }
             self.scratch.push(Command::Handle {
                 peer: h.peer,
                 pairs: h.local.len() as u32,
@@ -947,6 +1096,27 @@ impl Engine {
         self.submit_transfers(id, kind, handles, deadline)
     }
 
+    /// [`Engine::read_with_deadline`] of part of each block: each handle
+    /// moves the byte range [`Transfer::part`] gave it (the heads one
+    /// tensor-parallel rank holds of each block, say). `None` takes the
+    /// engine's read deadline.
+    pub fn read_parts(
+        &mut self,
+        id: RequestId,
+        handles: &[PartTransfer<'_>],
+        deadline: Option<Duration>,
+    ) -> Result<(), EngineError> {
+        if handles.is_empty() {
+            return Err(EngineError::BadPairing {
+                handle: 0,
+                local: 0,
+                remote: 0,
+            });
+        }
+        let deadline = deadline.unwrap_or(self.read_deadline);
+        self.submit_transfers(id, Kind::Read, handles, deadline)
+    }
+
     /// Nothing to read (a full prefix hit, or a producer rank this consumer
     /// does not read from), but each of `producers` lent blocks for request
     /// `id` (the incarnation its lend returned) and awaits this engine's
@@ -1001,6 +1171,16 @@ impl Engine {
         expected_acks: u32,
         lease: Duration,
     ) -> Result<(), EngineError> {
+        self.submit_write(id, handles, expected_acks, lease)
+    }
+
+    fn submit_write<'a, H: Handle<'a>>(
+        &mut self,
+        id: RequestId,
+        handles: &[H],
+        expected_acks: u32,
+        lease: Duration,
+    ) -> Result<(), EngineError> {
         if handles.is_empty() {
             return Err(EngineError::BadPairing {
                 handle: 0,
@@ -1019,6 +1199,18 @@ impl Engine {
             handles,
             lease,
         )
+    }
+
+    /// [`Engine::write`] of part of each block: each handle moves the
+    /// byte range [`Transfer::part`] gave it.
+    pub fn write_parts(
+        &mut self,
+        id: RequestId,
+        handles: &[PartTransfer<'_>],
+        expected_acks: u32,
+        lease: Duration,
+    ) -> Result<(), EngineError> {
+        self.submit_write(id, handles, expected_acks, lease)
     }
 
     /// Pull: lends `blocks` to `readers` remote engines until each of them

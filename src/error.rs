@@ -124,6 +124,19 @@ pub enum EngineError {
         /// What is wrong.
         why: &'static str,
     },
+    /// A part transfer's byte ranges are empty, of different lengths, or
+    /// not inside a block on its side.
+    #[error("handle {handle}: local bytes {local:?}, remote bytes {remote:?}: {why}")]
+    BadPart {
+        /// The handle's index.
+        handle: usize,
+        /// The local byte range given, within each local block.
+        local: std::ops::Range<u64>,
+        /// The remote byte range given, within each remote block.
+        remote: std::ops::Range<u64>,
+        /// What is wrong.
+        why: &'static str,
+    },
     /// Peer metadata was refused.
     #[error(transparent)]
     Metadata(#[from] MetadataError),

@@ -3,6 +3,7 @@
 //! followed by its handles (each followed by its block pairs) or its blocks.
 
 use crate::ledger::{BlockId, Incarnation, Kind, PeerId, RequestId};
+pub use crate::transport::BlockBytes;
 
 /// One entry of the command ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +35,9 @@ pub enum Command {
         /// handle reads or writes (none for a receive's writers).
         lend: Incarnation,
     },
+    /// The bytes of each block the handle that follows moves (absent:
+    /// whole blocks). Comes right before its [`Command::Handle`].
+    Part(BlockBytes),
     /// A local block and the remote block it moves to or from.
     Pair {
         /// Local block.
@@ -64,5 +68,11 @@ impl Command {
     /// Ring entries a read or write with these handles takes.
     pub fn entries_for_transfers(handles: usize, pairs: usize) -> usize {
         1 + handles + pairs
+    }
+
+    /// Ring entries a read or write takes whose `parts` handles move
+    /// parts of blocks (one [`Command::Part`] each, on top).
+    pub fn entries_for_parts(handles: usize, parts: usize, pairs: usize) -> usize {
+        Self::entries_for_transfers(handles, pairs) + parts
     }
 }

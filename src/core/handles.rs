@@ -66,6 +66,7 @@ impl Core {
         };
         let peer_id = self.handle_peers[h as usize];
         let lend = self.handle_lends[h as usize];
+        let part = self.handle_parts.get(h as usize).copied().flatten();
         let idx = Self::index(hk);
         self.progress[idx] = Progress {
             generation: key.generation(),
@@ -118,6 +119,7 @@ impl Core {
                 handle: hk,
                 token: hk.to_u64() | T_DATA,
                 pairs: range,
+                part,
             },
         );
     }

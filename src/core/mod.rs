@@ -38,7 +38,7 @@ mod push;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-pub use command::Command;
+pub use command::{BlockBytes, Command};
 
 use crate::ledger::{
     Begun, BlockId, Cancel, Cause, Event, HandleKey, Incarnation, Kind, Ledger, Nanos, Outcome,
@@ -163,6 +163,8 @@ pub enum Action {
         token: u64,
         /// Range of [`Core::pairs`].
         pairs: (u32, u32),
+        /// The bytes of each block pair to move; whole blocks if none.
+        part: Option<BlockBytes>,
     },
     /// Flush `ep` (the endpoint the handle's puts travelled on); feed a
     /// failure to [`Core::on_flush_failed`].
@@ -395,6 +397,8 @@ pub struct Core {
     handle_peers: Vec<PeerId>,
     handle_pairs: Vec<u32>,
     handle_lends: Vec<Incarnation>,
+    /// The part of each block each handle moves (none: whole blocks).
+    handle_parts: Vec<Option<BlockBytes>>,
     blocks: Vec<BlockId>,
     cancels: Vec<Cancel>,
     stats: CoreStats,
@@ -461,6 +465,7 @@ impl Core {
             handle_peers: Vec::with_capacity(MAX_HANDLES),
             handle_pairs: Vec::with_capacity(MAX_HANDLES),
             handle_lends: Vec::with_capacity(MAX_HANDLES),
+            handle_parts: Vec::with_capacity(MAX_HANDLES),
             blocks: Vec::with_capacity(1024),
             cancels: Vec::with_capacity(64),
             stats: CoreStats::default(),
@@ -557,7 +562,10 @@ impl Core {
             Command::Stall { .. } => {}
             // Plan entries are consumed with their Begin; a stray one is a
             // bug in the engine's batching and is skipped.
-            Command::Handle { .. } | Command::Pair { .. } | Command::Block(_) => {}
+            Command::Handle { .. }
+            | Command::Part(_)
+            | Command::Pair { .. }
+            | Command::Block(_) => {}
         }
     }
 
@@ -570,12 +578,22 @@ impl Core {
         self.handle_peers.clear();
         self.handle_pairs.clear();
         self.handle_lends.clear();
+        self.handle_parts.clear();
         self.pairs.clear();
         self.blocks.clear();
         for _ in 0..handles {
-            let Some(Command::Handle { peer, pairs, lend }) = next() else {
+            let mut entry = next();
+            let part = match entry {
+                Some(Command::Part(p)) => {
+                    entry = next();
+                    Some(p)
+                }
+                _ => None,
+            };
+            let Some(Command::Handle { peer, pairs, lend }) = entry else {
                 return false;
             };
+            self.handle_parts.push(part);
             self.handle_peers.push(peer);
             self.handle_pairs.push(pairs);
             self.handle_lends.push(lend);

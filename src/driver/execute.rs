@@ -28,8 +28,12 @@ pub fn perform<W: Transport + ?Sized>(core: &mut Core, wire: &mut W, action: Act
             handle,
             token,
             pairs,
+            part,
         } => {
-            let r = wire.post(ep, dir, core.pairs(pairs), token);
+            let r = match part {
+                None => wire.post(ep, dir, core.pairs(pairs), token),
+                Some(part) => wire.post_part(ep, dir, core.pairs(pairs), part, token),
+            };
             core.on_posted(handle, r);
         }
         Action::Flush { ep, handle, token } => {

@@ -91,6 +91,18 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.post(ep, dir, pairs, token)
     }
 
+    fn post_part(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: crate::transport::BlockBytes,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        self.posts += 1;
+        self.inner.post_part(ep, dir, pairs, part, token)
+    }
+
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
         self.inner.flush(ep, token)
     }

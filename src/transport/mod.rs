@@ -36,6 +36,19 @@ pub const T_TRANSPORT: u64 = 3 << 30;
 /// flush, so it shares that kind); a transport tells word completions by it.
 pub const T_WORD: u64 = 1 << 30;
 
+/// The part of each block a handle moves: `len` bytes at `local_offset`
+/// in each local block, to or from `remote_offset` in each remote block
+/// (which may be of another size than the local one: the peer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockBytes {
+    /// Offset in each local block.
+    pub local_offset: u64,
+    /// Offset in each remote block.
+    pub remote_offset: u64,
+    /// Bytes moved per block pair; never 0.
+    pub len: u64,
+}
+
 /// `UCS_ERR_IO_ERROR`.
 pub const IO_ERROR: i8 = -3;
 /// `UCS_ERR_UNREACHABLE`.
@@ -50,7 +63,8 @@ pub const INVALID_PARAM: i8 = -5;
 /// `UCS_ERR_NO_RESOURCE`: a lend word read refused for want of a landing
 /// cell (the reader asks its lender instead).
 pub const NO_RESOURCE: i8 = -2;
-/// `UCS_ERR_UNSUPPORTED`: the peer announced no lend words.
+/// `UCS_ERR_UNSUPPORTED`: an operation this transport cannot perform, or
+/// a peer that announced no lend words.
 pub const UNSUPPORTED: i8 = -22;
 
 /// Most lend words an engine announces (a peer announcing more is
@@ -267,6 +281,26 @@ pub trait Transport {
         pairs: &[(BlockId, BlockId)],
         token: u64,
     ) -> Result<u32, PostFailure>;
+
+    /// [`Transport::post`] moving `part` of each block pair instead of
+    /// whole blocks: `part.len` bytes from `part.local_offset` in each
+    /// local block and `part.remote_offset` in each remote block, whose
+    /// size is the peer's. A transport that cannot address parts of
+    /// blocks posts nothing and fails.
+    fn post_part(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: BlockBytes,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        let _ = (ep, dir, pairs, part, token);
+        Err(PostFailure {
+            posted: 0,
+            status: UNSUPPORTED,
+        })
+    }
 
     /// Flushes endpoint `ep`: completes with `token` once every operation
     /// posted on it before is complete at the target. Fails if `ep` is not

@@ -18,3 +18,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from harness import tiny_model
 
     return tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def pool(model_dir: str):
+    """Connector worker processes shared across tests (see harness.Pool)."""
+    from harness import Pool
+
+    p = Pool(model_dir)
+    yield p
+    p.close()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import socket
-from typing import Any, Dict, List, Optional, Set, Tuple
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from kvpoll_remote import Child, messages
 
@@ -47,10 +48,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_config(model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> Any:
-    """The config of one instance; its engine id is fixed by its port, so a
-    worker process building its own config is the same engine."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+def vllm_config(
+    model: str, port: int, policy: str = "recompute", lease_s: float = 30.0, tp: int = 1, extra: Optional[dict] = None
+) -> Any:
+    """The config of one instance of ``tp`` tensor-parallel ranks; its
+    engine id is fixed by its port, so a worker process building its own
+    config is the same engine."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     model_config = ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
     return VllmConfig(
@@ -74,13 +86,16 @@ def vllm_config(model: str, port: int, policy: str = "recompute", lease_s: float
                 "ucx_tls": "tcp",
                 "lease_s": lease_s,
                 "handshake_timeout_s": 2.0,
+                **(extra or {}),
             },
         ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig("cpu"),
     )
 
 
-def kv_cache_config() -> Any:
+def kv_cache_config(tp: int = 1) -> Any:
+    """One rank's KV cache config: its share of the KV heads."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -90,7 +105,7 @@ def kv_cache_config() -> Any:
         kv_cache_groups=[
             KVCacheGroupSpec(
                 [layer_name(i) for i in range(LAYERS)],
-                FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32),
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.float32),
             )
         ],
     )
@@ -153,27 +168,43 @@ def assert_scheduler_empty(s: Any) -> None:
     assert all(b.ref_cnt == 0 for b in pool.blocks if not b.is_null)
 
 
-def fill_pattern(req_id: str, index: int, nbytes: int) -> bytes:
+def fill_pattern(req_id: str, index: int, nbytes: int, rank: int = 0, tp: int = 1) -> bytes:
     """What the simulated forward pass writes into block ``index`` of a
-    request, in every layer."""
+    request, in every layer: of ``nbytes`` bytes for all KV heads, rank
+    ``rank`` of ``tp`` holding its share (the heads are outermost in a
+    block, so its share is one range)."""
     d = hashlib.blake2b(f"{req_id}:{index}".encode(), digest_size=64).digest()
-    return (d * (nbytes // len(d) + 1))[:nbytes]
+    share = nbytes // tp
+    return (d * (nbytes // len(d) + 1))[rank * share : (rank + 1) * share]
 
 
 # ---------------------------------------------------------------- workers
 
 
-def worker_connector(model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> Tuple[Any, Dict[str, Any]]:
-    """A KvpollConnector worker with its KV caches (the CPU backend's
-    layout: [num_blocks, kv_heads, block_size, 2 * head]) registered."""
+def worker_connector(
+    model: str,
+    port: int,
+    policy: str = "recompute",
+    lease_s: float = 30.0,
+    rank: int = 0,
+    tp: int = 1,
+    extra: Optional[dict] = None,
+) -> Tuple[Any, Dict[str, Any]]:
+    """A KvpollConnector worker, rank ``rank`` of ``tp``, with its KV
+    caches (the CPU backend's layout: [num_blocks, kv_heads / tp,
+    block_size, 2 * head]) registered."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    import kvpoll.vllm
     from kvpoll.vllm import KvpollConnector
 
-    config = vllm_config(model, port, policy, lease_s)
-    conn = KvpollConnector(config, KVConnectorRole.WORKER, kv_cache_config())
-    caches = {layer_name(i): torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+    # vLLM's tensor-parallel group, as the connector asks it: this
+    # process stands for one rank of it.
+    kvpoll.vllm._tp_rank = lambda: rank
+    config = vllm_config(model, port, policy, lease_s, tp, extra)
+    conn = KvpollConnector(config, KVConnectorRole.WORKER, kv_cache_config(tp))
+    caches = {layer_name(i): torch.zeros(NUM_BLOCKS, KV_HEADS // tp, BLOCK, 2 * HEAD) for i in range(LAYERS)}
     conn.register_kv_caches(caches)
     return conn, caches
 
@@ -181,12 +212,14 @@ def worker_connector(model: str, port: int, policy: str = "recompute", lease_s: 
 BLOCK_BYTES = KV_HEADS * BLOCK * 2 * HEAD * 4
 
 
-def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) -> None:
+def _worker_main(
+    conn: Any, model: str, port: int, policy: str, lease_s: float, rank: int, tp: int, extra: Optional[dict]
+) -> None:
     import torch
     from vllm.v1.outputs import KVConnectorOutput
 
     try:
-        conn_, caches = worker_connector(model, port, policy, lease_s)
+        conn_, caches = worker_connector(model, port, policy, lease_s, rank, tp, extra)
     except Exception as e:
         conn.send(("err", type(e).__name__, str(e)))
         return
@@ -198,7 +231,9 @@ def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) 
             _, meta, finished, fills = msg
             for req_id, blocks in fills.items():
                 for index, b in blocks:
-                    data = torch.frombuffer(bytearray(fill_pattern(req_id, index, block_bytes)), dtype=torch.float32)
+                    data = torch.frombuffer(
+                        bytearray(fill_pattern(req_id, index, block_bytes, rank, tp)), dtype=torch.float32
+                    )
                     for t in caches.values():
                         t[b].view(-1).copy_(data)
             conn_.bind_connector_metadata(meta)
@@ -224,9 +259,27 @@ def _worker_main(conn: Any, model: str, port: int, policy: str, lease_s: float) 
 class Worker(Child):
     """A connector worker in its own process."""
 
-    def __init__(self, model: str, port: int, policy: str = "recompute", lease_s: float = 30.0) -> None:
-        super().__init__(_worker_main, model, port, policy, lease_s)
-        self.answer(180)
+    def __init__(
+        self,
+        model: str,
+        port: int,
+        policy: str = "recompute",
+        lease_s: float = 30.0,
+        rank: int = 0,
+        tp: int = 1,
+        extra: Optional[dict] = None,
+        wait: bool = True,
+    ) -> None:
+        """Starts the process; ``wait=False`` leaves ``ready()`` to the
+        caller (several start at once)."""
+        super().__init__(_worker_main, model, port, policy, lease_s, rank, tp, extra)
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Waits until its connector is up (slow on a loaded machine: vLLM
+        and torch import in every process)."""
+        self.answer(600)
 
     def step(self, meta: Any, finished: Set[str], fills: Dict[str, List[Tuple[int, int]]]) -> Any:
         return self._ask("step", meta, set(finished), fills)
@@ -235,11 +288,16 @@ class Worker(Child):
         return self._ask("dump", list(blocks))
 
 
-def step(sched: Any, worker: Optional[Worker], sample: int = 7, fill: bool = False) -> Tuple[Any, Any, List[Any]]:
-    """One engine step: schedule, the worker's connector step (with the
-    simulated forward's KV writes if ``fill``), then update_from_output
-    with one sampled token per scheduled request. Returns the scheduler
-    output, the connector output and the engine-core outputs."""
+def step(
+    sched: Any, worker: Union[None, Worker, List[Worker]], sample: int = 7, fill: bool = False
+) -> Tuple[Any, Any, List[Any]]:
+    """One engine step: schedule, the workers' connector steps (with the
+    simulated forward's KV writes if ``fill``), their outputs aggregated
+    by vLLM's ``KVOutputAggregator`` when there are several (one per
+    tensor-parallel rank), then update_from_output with one sampled token
+    per scheduled request. Returns the scheduler output, the (aggregated)
+    connector output and the engine-core outputs."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     so = sched.schedule()
@@ -247,14 +305,125 @@ def step(sched: Any, worker: Optional[Worker], sample: int = 7, fill: bool = Fal
     if fill:
         for new in so.scheduled_new_reqs:
             fills[new.req_id] = list(enumerate(new.block_ids[0]))
-    kv_out = worker.step(so.kv_connector_metadata, so.finished_req_ids, fills) if worker else KVConnectorOutput()
+    workers = worker if isinstance(worker, list) else [worker] if worker else []
     ids = list(so.num_scheduled_tokens)
-    mro = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[sample] for _ in ids],
-        kv_connector_output=kv_out,
-    )
+
+    def output(kv_out: Any) -> Any:
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[sample] for _ in ids],
+            kv_connector_output=kv_out,
+        )
+
+    if len(workers) > 1:
+        if not hasattr(sched, "kv_aggregator"):
+            sched.kv_aggregator = KVOutputAggregator(len(workers))
+        outs = [output(w.step(so.kv_connector_metadata, so.finished_req_ids, fills)) for w in workers]
+        mro = sched.kv_aggregator.aggregate(outs)
+    else:
+        mro = output(workers[0].step(so.kv_connector_metadata, so.finished_req_ids, fills) if workers else KVConnectorOutput())
+    kv_out = mro.kv_connector_output
     outs = sched.update_from_output(so, mro)
     core_outs = [o for eco in outs.values() for o in eco.outputs]
     return so, kv_out, core_outs
+
+
+#: One worker, or one per tensor-parallel rank.
+Workers = Union[Worker, List[Worker]]
+GUARD_S = 120.0
+
+
+def prefill_all(p: Any, pw: Workers, prompts: Dict[str, List[int]]) -> Dict[str, Dict[str, Any]]:
+    """Runs each prompt as a prefill for a remote decode; returns the
+    kv_transfer_params of each finished prefill."""
+    for rid, prompt in prompts.items():
+        p.add_request(request(rid, prompt, 1, {"do_remote_decode": True}))
+    params: Dict[str, Dict[str, Any]] = {}
+    end = time.monotonic() + GUARD_S
+    while len(params) < len(prompts) and time.monotonic() < end:
+        _, _, outs = step(p, pw, fill=True)
+        for o in outs:
+            if o.kv_transfer_params:
+                params[o.request_id] = o.kv_transfer_params
+    assert set(params) == set(prompts)
+    return params
+
+
+def run_until_empty(p: Any, pw: Workers, d: Any, dw: Workers, on_recv=None) -> Dict[str, List[int]]:
+    """Steps both until neither holds a request; returns each decode
+    request's sampled tokens."""
+    tokens: Dict[str, List[int]] = {}
+    end = time.monotonic() + GUARD_S
+    while (p.requests or d.requests) and time.monotonic() < end:
+        so, kv_out, outs = step(d, dw)
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if on_recv is not None:
+            on_recv(so, kv_out)
+        step(p, pw)
+        time.sleep(0.005)
+    # One more step each: the last finished ids reach the workers.
+    step(d, dw)
+    step(p, pw)
+    return tokens
+
+
+def decode_requests(d: Any, params: Dict[str, Dict[str, Any]], prompts: Dict[str, List[int]], max_tokens: int = 3):
+    for rid, prm in params.items():
+        d.add_request(request(f"d-{rid}", prompts[rid], max_tokens, dict(prm)))
+
+
+def logical_blocks(workers: List[Worker], blocks: List[int]) -> List[bytes]:
+    """Each block as one unsharded instance would hold it: per layer, the
+    ranks' shares of the heads in rank order."""
+    tp = len(workers)
+    share = BLOCK_BYTES // tp
+    dumps = [w.dump(blocks) for w in workers]
+    return [
+        b"".join(dumps[r][i][layer * share : (layer + 1) * share] for layer in range(LAYERS) for r in range(tp))
+        for i in range(len(blocks))
+    ]
+
+
+class Pool:
+    """Connector worker processes shared by the tests of a session: one
+    set per instance kind (TP size and ``kv_connector_extra_config``),
+    one process per rank, each with a fresh scheduler per test. Tests end
+    with both schedulers empty, so the next test finds the workers idle."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._made: Dict[Any, Tuple[int, List[Worker]]] = {}
+
+    def get(self, *kinds: Tuple[int, Dict[str, Any]]) -> List[Tuple[Any, List[Worker]]]:
+        """A (scheduler, workers) per ``(tp, extra)`` kind; the processes
+        of kinds not started yet start together."""
+        keys = [(tp, tuple(sorted(extra.items()))) for tp, extra in kinds]
+        new = []
+        for key in keys:
+            if key not in self._made:
+                tp, extra = key[0], dict(key[1])
+                port = free_port()
+                workers = [Worker(self.model, port, rank=r, tp=tp, extra=extra, wait=False) for r in range(tp)]
+                self._made[key] = (port, workers)
+                new.extend((key, w) for w in workers)
+        try:
+            for _, w in new:
+                w.ready()
+        except BaseException:
+            # Not kept half started: a later test starts them afresh.
+            for key, w in new:
+                self._made.pop(key, None)
+                w.close()
+            raise
+        out = []
+        for key in keys:
+            port, workers = self._made[key]
+            out.append((scheduler(vllm_config(self.model, port, tp=key[0], extra=dict(key[1]))), workers))
+        return out
+
+    def close(self) -> None:
+        for _, workers in self._made.values():
+            for w in workers:
+                w.close()

@@ -12,8 +12,11 @@ from typing import Any, Dict, List, Optional
 from kvpoll_remote import Child, messages
 
 
-def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]]) -> None:
+def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]], tp: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        # More ranks than a small machine has cores to pin them to.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -26,6 +29,8 @@ def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]]) -> None:
             enforce_eager=True,
             max_model_len=512,
             seed=0,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
             kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         )
     except Exception as e:
@@ -71,9 +76,9 @@ class Instance(Child):
     """A vLLM instance in its own process; ``ready()`` waits until it
     serves."""
 
-    def __init__(self, model: str, kv: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, model: str, kv: Optional[Dict[str, Any]] = None, tp: int = 1) -> None:
         # Not a daemon: vLLM starts its engine core as a child process.
-        super().__init__(_main, model, kv, daemon=False)
+        super().__init__(_main, model, kv, tp, daemon=False)
 
     def ready(self, timeout: float = 300.0) -> "Instance":
         self.answer(timeout)

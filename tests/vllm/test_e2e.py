@@ -67,6 +67,45 @@ def test_disaggregated_output_is_token_for_token_the_aggregated_output(instances
     assert [o["token_ids"] for o in outs] == reference
 
 
+@pytest.fixture(scope="module")
+def other_prefills(model_dir, instances):
+    """A prefill of two tensor-parallel ranks (the decodes have one) and a
+    prefill in push mode, started together."""
+    made = [
+        Instance(model_dir, kv_config(free_port(), lease_s=20.0), tp=2),
+        Instance(model_dir, kv_config(free_port(), lease_s=20.0, mode="push")),
+    ]
+    try:
+        for i in made:
+            i.ready()
+        yield made
+    finally:
+        for i in made:
+            i.close()
+
+
+def test_a_two_rank_prefill_read_by_a_one_rank_decode_gives_the_aggregated_output(other_prefills, instances, reference):
+    tp2, _ = other_prefills
+    _, d_fail, _ = instances
+    ps = prompts()
+    params = prefill(tp2, ps)
+    assert all(x["tp_size"] == 2 for x in params)
+    outs = d_fail.generate(ps, MAX_TOKENS, params)
+    assert [o["finish_reason"] for o in outs] == ["length"] * N
+    assert [o["token_ids"] for o in outs] == reference
+
+
+def test_a_push_mode_prefill_gives_the_aggregated_output(other_prefills, instances, reference):
+    _, push = other_prefills
+    _, d_fail, _ = instances
+    ps = prompts()
+    params = prefill(push, ps)
+    assert all(x["kvpoll_mode"] == "push" for x in params)
+    outs = d_fail.generate(ps, MAX_TOKENS, params)
+    assert [o["finish_reason"] for o in outs] == ["length"] * N
+    assert [o["token_ids"] for o in outs] == reference
+
+
 def test_a_prefill_paused_past_its_lease_gives_recomputed_or_failed_responses_never_other_tokens(instances, reference):
     p, d_fail, d_rec = instances
     ps = prompts()

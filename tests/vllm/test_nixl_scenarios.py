@@ -28,7 +28,7 @@ from harness import (
 
 from kvpoll import draw_incarnation
 from kvpoll.vllm import INCARNATION_KEY, KvpollConnector, KvpollStats
-from kvpoll.vllm.metadata import KvpollConnectorMetadata, LoadSpec, RemotePrefill
+from kvpoll.vllm.metadata import READERS_KEY, KvpollConnectorMetadata, LoadSpec, RemotePrefill
 
 GUARD_S = 60.0
 
@@ -191,16 +191,24 @@ def test_async_load_kv_homogeneous_tp(prefill, decode):
             assert t[b].numpy().tobytes() == fill_pattern("al-1", i, BLOCK_BYTES)
 
 
-@pytest.mark.parametrize("decode_tp, prefill_tp", [(2, 1), (4, 2)])
-def test_async_load_kv_heterogeneous_tp_is_refused_as_a_failed_load(model_dir, decode_tp, prefill_tp):
-    # Heterogeneous TP is not supported yet: the scheduler turns it into a
-    # failed load (recomputed or failed per policy), never a wrong read.
-    cfg = vllm_config(model_dir, free_port())
-    cfg.parallel_config.tensor_parallel_size = decode_tp
+@pytest.mark.parametrize("decode_tp, prefill_tp", [(2, 1), (4, 2), (1, 2)])
+def test_async_load_kv_heterogeneous_tp_is_scheduled_when_the_prefill_lends_to_every_reading_rank(
+    model_dir, decode_tp, prefill_tp
+):
+    # The transfers themselves: test_hetero_tp.py. Here the scheduler
+    # accepts a load from a prefill of another TP size that lent each
+    # rank's blocks to as many decode ranks as read them, and turns one
+    # that lent to fewer into a failed load, never a read racing a free.
+    readers = max(1, decode_tp // prefill_tp)
+    cfg = vllm_config(model_dir, free_port(), tp=decode_tp)
     s = scheduler(cfg)
-    s.add_request(request("id-h", list(range(3, 3 + BLOCK * 2)), 4, remote_params("p-h", [0, 1], prefill_tp)))
-    spec = s.schedule().kv_connector_metadata.reqs_to_recv["id-h"]
-    assert spec.error is not None and "tp_size" in spec.error
+    ok = {**remote_params("p-h", [0, 1], prefill_tp), READERS_KEY: readers}
+    s.add_request(request("id-h", list(range(3, 3 + BLOCK * 2)), 4, ok))
+    assert s.schedule().kv_connector_metadata.reqs_to_recv["id-h"].error is None
+    if readers > 1:
+        s.add_request(request("id-h2", list(range(5, 5 + BLOCK * 2)), 4, remote_params("p-h2", [2, 3], prefill_tp)))
+        spec = s.schedule().kv_connector_metadata.reqs_to_recv["id-h2"]
+        assert spec.error is not None and "decode_tp_size" in spec.error, spec.error
 
 
 def test_concurrent_load_kv_five_requests_in_one_step(prefill, decode):

@@ -4,22 +4,21 @@ kvpoll (UCX, tcp on 127.0.0.1)."""
 
 from __future__ import annotations
 
-import time
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import pytest
 
 from harness import (
     Worker,
     assert_scheduler_empty,
+    decode_requests,
     free_port,
-    request,
+    prefill_all,
+    run_until_empty,
     scheduler,
     step,
     vllm_config,
 )
-
-GUARD_S = 120.0
 
 
 @pytest.fixture
@@ -39,46 +38,6 @@ def pd(model_dir: str):
     yield make
     for w in made:
         w.close()
-
-
-def prefill_all(p: Any, pw: Worker, prompts: Dict[str, List[int]]) -> Dict[str, Dict[str, Any]]:
-    """Runs each prompt as a prefill for a remote decode; returns the
-    kv_transfer_params of each finished prefill."""
-    for rid, prompt in prompts.items():
-        p.add_request(request(rid, prompt, 1, {"do_remote_decode": True}))
-    params: Dict[str, Dict[str, Any]] = {}
-    end = time.monotonic() + GUARD_S
-    while len(params) < len(prompts) and time.monotonic() < end:
-        _, _, outs = step(p, pw, fill=True)
-        for o in outs:
-            if o.kv_transfer_params:
-                params[o.request_id] = o.kv_transfer_params
-    assert set(params) == set(prompts)
-    return params
-
-
-def run_until_empty(p: Any, pw: Worker, d: Any, dw: Worker, on_recv=None) -> Dict[str, List[int]]:
-    """Steps both until neither holds a request; returns each decode
-    request's sampled tokens."""
-    tokens: Dict[str, List[int]] = {}
-    end = time.monotonic() + GUARD_S
-    while (p.requests or d.requests) and time.monotonic() < end:
-        so, kv_out, outs = step(d, dw)
-        for o in outs:
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if on_recv is not None:
-            on_recv(so, kv_out)
-        step(p, pw)
-        time.sleep(0.005)
-    # One more step each: the last finished ids reach the workers.
-    step(d, dw)
-    step(p, pw)
-    return tokens
-
-
-def decode_requests(d: Any, params: Dict[str, Dict[str, Any]], prompts: Dict[str, List[int]], max_tokens: int = 3):
-    for rid, prm in params.items():
-        d.add_request(request(f"d-{rid}", prompts[rid], max_tokens, dict(prm)))
 
 
 def test_decode_kv_equals_prefill_kv_byte_for_byte_and_both_schedulers_end_empty(pd):

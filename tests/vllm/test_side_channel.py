@@ -21,7 +21,7 @@ from kvpoll.vllm.side_channel import (
     fetch_handshake,
 )
 
-HS = Handshake("engine-a", "00ff", 0, 1, 4096, 2, 64, b"\x01\x02meta")
+HS = Handshake("engine-a", "00ff", 0, 1, 4096, 2, 64, b"\x01\x02meta", block_heads=2)
 
 
 def frame(body: bytes, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
@@ -43,10 +43,13 @@ def test_a_handshake_round_trips():
         (struct.pack(">4sHI", MAGIC, VERSION, MAX_FRAME), "exceeds"),
         (frame(b"not json"), "not a handshake object"),
         (frame(b"[1, 2]"), "not a handshake object"),
+        (frame(b"5"), "not a handshake object"),
         (frame(b'{"engine_id": "e"}'), "'instance' missing"),
         (frame(HS.encode()[HEADER.size :].replace(b'"tp_rank": 0', b'"tp_rank": 5')), "outside tp_size"),
         (frame(HS.encode()[HEADER.size :].replace(b'"block_bytes": 4096', b'"block_bytes": 0')), "must be positive"),
         (frame(HS.encode()[HEADER.size :].replace(b'"tp_size": 1', b'"tp_size": true')), "'tp_size' missing"),
+        (frame(HS.encode()[HEADER.size :].replace(b'"block_heads": 2', b'"block_heads": -1')), "must not be negative"),
+        (frame(HS.encode()[HEADER.size :].replace(b'{"engine_id"', b'{"rogue": 1, "engine_id"')), "unknown field"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

@@ -22,7 +22,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use kvpoll::engine::{
-    Engine as RsEngine, EngineError, IdlePolicy, Outcomes, Transfer as RsTransfer,
+    Engine as RsEngine, EngineError, IdlePolicy, Outcomes, PartTransfer, Transfer as RsTransfer,
 };
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
 use kvpoll::transport::ucx::{Context, ContextOptions};
@@ -151,6 +151,7 @@ fn kind_of(e: &EngineError) -> Option<Kind> {
         | EngineError::TooManyBytes { .. }
         | EngineError::NothingToAwait
         | EngineError::BadIncarnation { .. }
+        | EngineError::BadPart { .. }
         | EngineError::UnknownRequest(_) => Some(Kind::Request),
         EngineError::UnknownPeer(_) | EngineError::PeerBusy(_) | EngineError::Metadata(_) => {
             Some(Kind::Peer)
@@ -390,8 +391,11 @@ fn draw_incarnation() -> u64 {
 ///
 /// ``local[i]`` pairs with ``remote[i]``; ``lend`` is the incarnation the
 /// remote engine's ``lend`` returned (0 only for reads with confirmation
-/// off). A plain tuple ``(peer, local, remote, lend)`` works everywhere a
-/// ``Transfer`` does.
+/// off). ``local_bytes`` and ``remote_bytes``, ``(start, end)`` byte
+/// ranges within each block, move only that part of every block (the
+/// heads one tensor-parallel rank holds); give both or neither. A plain
+/// tuple ``(peer, local, remote, lend)`` or ``(peer, local, remote, lend,
+/// local_bytes, remote_bytes)`` works everywhere a ``Transfer`` does.
 #[pyclass(module = "kvpoll", frozen)]
 struct Transfer {
     /// The remote rank, as returned by ``Engine.add_peer``.
@@ -402,27 +406,79 @@ struct Transfer {
     /// The remote lend's (or receive's) incarnation.
     #[pyo3(get)]
     lend: u64,
+    /// The bytes of each local and remote block moved (whole blocks if none).
+    #[pyo3(get)]
+    local_bytes: Option<(u64, u64)>,
+    #[pyo3(get)]
+    remote_bytes: Option<(u64, u64)>,
+}
+
+/// A ``(start, end)`` byte range of a block.
+fn byte_range(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(u64, u64)> {
+    let Ok(t) = obj.downcast::<PyTuple>() else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} is a (start, end) tuple of byte offsets, not {}",
+            type_name(obj)
+        )));
+    };
+    if t.len() != 2 {
+        return Err(PyValueError::new_err(format!(
+            "{what} is a (start, end) tuple of byte offsets; got {} items",
+            t.len()
+        )));
+    }
+    let start = uint::<u64>(&t.get_item(0)?, what)?;
+    let end = uint::<u64>(&t.get_item(1)?, what)?;
+    if end < start {
+        return Err(PyValueError::new_err(format!(
+            "{what} ({start}, {end}) ends before it starts"
+        )));
+    }
+    Ok((start, end))
+}
+
+/// Both byte ranges or neither.
+fn parts_of(
+    local: Option<&Bound<'_, PyAny>>,
+    remote: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<((u64, u64), (u64, u64))>> {
+    match (local, remote) {
+        (None, None) => Ok(None),
+        (Some(l), Some(r)) if l.is_none() && r.is_none() => Ok(None),
+        (Some(l), Some(r)) if !l.is_none() && !r.is_none() => Ok(Some((
+            byte_range(l, "local_bytes")?,
+            byte_range(r, "remote_bytes")?,
+        ))),
+        _ => Err(PyValueError::new_err(
+            "give both local_bytes and remote_bytes, or neither",
+        )),
+    }
 }
 
 #[pymethods]
 impl Transfer {
     #[new]
-    #[pyo3(signature = (peer, local, remote, lend=UInt(0)))]
+    #[pyo3(signature = (peer, local, remote, lend=UInt(0), local_bytes=None, remote_bytes=None))]
     fn new(
         peer: &Bound<'_, PyAny>,
         local: &Bound<'_, PyAny>,
         remote: &Bound<'_, PyAny>,
         lend: UInt<u64>,
+        local_bytes: Option<&Bound<'_, PyAny>>,
+        remote_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let peer = uint::<u32>(peer, "peer")?;
         let (mut l, mut r) = (Vec::new(), Vec::new());
         blocks_into(local, "local block id", &mut l)?;
         blocks_into(remote, "remote block id", &mut r)?;
+        let part = parts_of(local_bytes, remote_bytes)?;
         Ok(Transfer {
             peer,
             local: l,
             remote: r,
             lend: lend.0,
+            local_bytes: part.map(|p| p.0),
+            remote_bytes: part.map(|p| p.1),
         })
     }
 
@@ -439,8 +495,12 @@ impl Transfer {
     }
 
     fn __repr__(&self) -> String {
+        let part = match (self.local_bytes, self.remote_bytes) {
+            (Some(l), Some(r)) => format!(", local_bytes={l:?}, remote_bytes={r:?}"),
+            _ => String::new(),
+        };
         format!(
-            "Transfer(peer={}, local={:?}, remote={:?}, lend={:#x})",
+            "Transfer(peer={}, local={:?}, remote={:?}, lend={:#x}{part})",
             self.peer,
             self.local(),
             self.remote(),
@@ -639,6 +699,8 @@ struct Span {
     local: (usize, usize),
     remote: (usize, usize),
     lend: Incarnation,
+    /// The local and remote byte ranges of each block, if a part.
+    part: Option<((u64, u64), (u64, u64))>,
 }
 
 /// A kvpoll engine: one poller thread that owns the UCX worker, moving
@@ -700,6 +762,25 @@ fn transfers<'a>(
         .collect()
 }
 
+/// The handles as part transfers when any of them is one (the others
+/// whole blocks of `block_size` on both sides); `None` when none is.
+fn part_transfers<'a>(
+    spans: &[Span],
+    t: &[RsTransfer<'a>],
+    block_size: u64,
+) -> Option<Vec<PartTransfer<'a>>> {
+    spans.iter().any(|s| s.part.is_some()).then(|| {
+        spans
+            .iter()
+            .zip(t)
+            .map(|(s, &t)| {
+                let ((l0, l1), (r0, r1)) = s.part.unwrap_or(((0, block_size), (0, block_size)));
+                t.part(l0..l1, r0..r1)
+            })
+            .collect()
+    })
+}
+
 impl Engine {
     /// A lend (pull) or receive (push) of ``n`` remote engines.
     #[allow(clippy::too_many_arguments)]
@@ -758,15 +839,15 @@ impl Engine {
         for h in iter {
             let h = h?;
             let (l0, r0) = (self.locals.len(), self.remotes.len());
-            let (peer, lend) = if let Ok(t) = h.downcast::<Transfer>() {
+            let (peer, lend, part) = if let Ok(t) = h.downcast::<Transfer>() {
                 let t = t.get();
                 self.locals.extend_from_slice(&t.local);
                 self.remotes.extend_from_slice(&t.remote);
-                (t.peer, t.lend)
+                (t.peer, t.lend, t.local_bytes.zip(t.remote_bytes))
             } else if let Ok(tuple) = h.downcast::<PyTuple>() {
-                if tuple.len() != 3 && tuple.len() != 4 {
+                if !matches!(tuple.len(), 3 | 4 | 6) {
                     return Err(PyValueError::new_err(format!(
-                        "a handle tuple is (peer, local_blocks, remote_blocks) or (peer, local_blocks, remote_blocks, lend); got {} items",
+                        "a handle tuple is (peer, local_blocks, remote_blocks), (peer, local_blocks, remote_blocks, lend) or (peer, local_blocks, remote_blocks, lend, local_bytes, remote_bytes); got {} items",
                         tuple.len()
                     )));
                 }
@@ -774,10 +855,14 @@ impl Engine {
                 blocks_into(&tuple.get_item(1)?, "local block id", &mut self.locals)?;
                 blocks_into(&tuple.get_item(2)?, "remote block id", &mut self.remotes)?;
                 let lend = match tuple.len() {
-                    4 => uint::<u64>(&tuple.get_item(3)?, "lend incarnation")?,
-                    _ => 0,
+                    3 => 0,
+                    _ => uint::<u64>(&tuple.get_item(3)?, "lend incarnation")?,
                 };
-                (peer, lend)
+                let part = match tuple.len() {
+                    6 => parts_of(Some(&tuple.get_item(4)?), Some(&tuple.get_item(5)?))?,
+                    _ => None,
+                };
+                (peer, lend, part)
             } else {
                 return Err(PyTypeError::new_err(format!(
                     "a handle is a Transfer or a (peer, local_blocks, remote_blocks, lend) tuple, not {}",
@@ -789,6 +874,7 @@ impl Engine {
                 local: (l0, self.locals.len()),
                 remote: (r0, self.remotes.len()),
                 lend: Incarnation(lend),
+                part,
             });
         }
         Ok(())
@@ -997,13 +1083,28 @@ impl Engine {
     /// Adds a peer from its ``local_metadata()`` bytes; returns its peer id
     /// (an ``int``) for handles. Bad metadata raises ``PeerError`` and
     /// changes nothing.
-    #[pyo3(signature = (metadata))]
-    fn add_peer(&mut self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<u32> {
+    ///
+    /// ``any_block_size=True`` accepts a peer whose blocks are of another
+    /// size (a tensor-parallel rank holding another share of the heads):
+    /// only handles with ``local_bytes``/``remote_bytes`` reach it then.
+    #[pyo3(signature = (metadata, any_block_size=false))]
+    fn add_peer(
+        &mut self,
+        py: Python<'_>,
+        metadata: &Bound<'_, PyAny>,
+        any_block_size: bool,
+    ) -> PyResult<u32> {
         let meta = bytes_of(metadata, "metadata")?;
         let inner = self.inner.get();
-        py.allow_threads(move || inner.add_peer(&meta))
-            .map(|p| p.0)
-            .map_err(|e| engine_err(py, e))
+        py.allow_threads(move || {
+            if any_block_size {
+                inner.add_peer_any_block_size(&meta)
+            } else {
+                inner.add_peer(&meta)
+            }
+        })
+        .map(|p| p.0)
+        .map_err(|e| engine_err(py, e))
     }
 
     /// Removes a peer: its handles in flight fail (reported as usual, once
@@ -1037,9 +1138,11 @@ impl Engine {
         self.parse_handles(handles)?;
         let t = transfers(&self.spans, &self.locals, &self.remotes);
         let engine = self.inner.get();
-        match deadline {
-            Some(d) => engine.read_with_deadline(RequestId(key), &t, d),
-            None => engine.read(RequestId(key), &t),
+        let parts = part_transfers(&self.spans, &t, engine.block_size());
+        match (parts, deadline) {
+            (Some(p), d) => engine.read_parts(RequestId(key), &p, d),
+            (None, Some(d)) => engine.read_with_deadline(RequestId(key), &t, d),
+            (None, None) => engine.read(RequestId(key), &t),
         }
         .map_err(|e| request_err(py, req_id, e))?;
         self.ids.insert(key, req_id.clone().unbind());
@@ -1047,7 +1150,7 @@ impl Engine {
     }
 
     /// Push: writes ``handles`` into remote blocks the consumers lent with
-    /// ``lend(..., writers=n)``. Reported in ``finished_sending`` only after
+    /// ``receive(..., writers=n)``. Reported in ``finished_sending`` only after
     /// every write completed and ``expected_acks`` acknowledgements
     /// arrived; else ``expired`` when ``lease_s`` ends.
     #[pyo3(signature = (req_id, handles, expected_acks=UInt(1), lease_s=30.0))]
@@ -1066,10 +1169,12 @@ impl Engine {
         self.check_unique(py, req_id, key)?;
         self.parse_handles(handles)?;
         let t = transfers(&self.spans, &self.locals, &self.remotes);
-        self.inner
-            .get()
-            .write(RequestId(key), &t, acks, lease)
-            .map_err(|e| request_err(py, req_id, e))?;
+        let engine = self.inner.get();
+        match part_transfers(&self.spans, &t, engine.block_size()) {
+            Some(p) => engine.write_parts(RequestId(key), &p, acks, lease),
+            None => engine.write(RequestId(key), &t, acks, lease),
+        }
+        .map_err(|e| request_err(py, req_id, e))?;
         self.ids.insert(key, req_id.clone().unbind());
         Ok(())
     }

@@ -38,6 +38,11 @@ from kvpoll_remote import BS, Reports, poll_until
         pytest.param(lambda e: e.lend("r", [1], readers=1, lease_s=float("nan")), ValueError, "seconds", id="nan-lease"),
         pytest.param(lambda e: e.write("r", [(0, [1], [1])], expected_acks=-1), ValueError, "out of range", id="negative-acks"),
         pytest.param(lambda e: e.heartbeat("r", 1.0), TypeError, "sequence of request ids", id="heartbeat-of-one-str"),
+        pytest.param(lambda e: e.read("r", [(0, [1], [1], 7, (0, 8))]), ValueError, "got 5 items", id="handle-of-five-items"),
+        pytest.param(lambda e: e.read("r", [(0, [1], [1], 7, (0, 8), None)]), ValueError, "both local_bytes", id="part-one-range"),
+        pytest.param(lambda e: e.read("r", [(0, [1], [1], 7, (0, 8), [0, 8])]), TypeError, "(start, end) tuple", id="part-a-list"),
+        pytest.param(lambda e: e.read("r", [(0, [1], [1], 7, (8, 0), (0, 8))]), ValueError, "ends before it starts", id="part-backwards"),
+        pytest.param(lambda e: kvpoll.Transfer(0, [1], [1], 7, local_bytes=(0, 8)), ValueError, "both local_bytes", id="transfer-one-range"),
         pytest.param(lambda e: e.add_peer("text"), TypeError, "bytes", id="metadata-a-str"),
         pytest.param(lambda e: e.add_peer(12), TypeError, "bytes-like", id="metadata-an-int"),
         pytest.param(lambda e: e.write_block(0, 1, "text"), TypeError, "bytes", id="block-data-a-str"),
@@ -120,6 +125,16 @@ def test_engine_refusals_are_kvpoll_errors_of_their_kind_with_the_engine_message
             e.add_peer(b"not metadata at all")
         with pytest.raises(kvpoll.PeerError):
             e.add_peer(other.local_metadata())  # another block size
+        # Unless asked for: then only parts of blocks reach it, inside both.
+        wide = e.add_peer(other.local_metadata(), any_block_size=True)
+        with pytest.raises(kvpoll.RequestError, match="whole blocks of different sizes"):
+            e.read("a", [(wide, [1], [1], 7)])
+        with pytest.raises(kvpoll.RequestError, match="past the peer's block size"):
+            e.read("a", [kvpoll.Transfer(wide, [1], [1], 7, local_bytes=(0, BS), remote_bytes=(BS + 1, 2 * BS + 1))])
+        with pytest.raises(kvpoll.RequestError, match="differ in length"):
+            e.read("a", [(wide, [1], [1], 7, (0, BS), (0, BS - 1))])
+        with pytest.raises(kvpoll.RequestError, match="empty"):
+            e.read("a", [(wide, [1], [1], 7, (4, 4), (4, 4))])
         with pytest.raises(kvpoll.RequestError, match="paired with"):
             e.read("a", [(0, [1, 2], [1])])
         with pytest.raises(kvpoll.RequestError, match="out of range"):

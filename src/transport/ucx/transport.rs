@@ -13,6 +13,7 @@ use std::sync::atomic::AtomicU64;
 
 use crate::ledger::{BlockId, Incarnation, PeerId};
 use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
+use crate::transport::BlockBytes;
 use crate::transport::{
     lend_word_of, Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, CANCELED,
     INVALID_PARAM, NO_RESOURCE, UNSUPPORTED,
@@ -319,6 +320,57 @@ impl UcxTransport {
     }
 }
 
+impl UcxTransport {
+    /// Posts `part` of each block pair, remote blocks `remote_bs` bytes.
+    fn post_ops(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        token: u64,
+        remote_bs: u64,
+        part: BlockBytes,
+    ) -> Result<u32, PostFailure> {
+        let bs = self.block_size;
+        let mut ops = std::mem::take(&mut self.ops);
+        let connected = self.connect(ep);
+        let result = match connected.and_then(|()| self.open(ep).ok_or(INVALID_PARAM)) {
+            Err(status) => Err(PostFailure { posted: 0, status }),
+            Ok(conn) => {
+                let mut posted = 0u32;
+                let mut failure = None;
+                for (region, rkey) in self.regions.iter().zip(&conn.rkeys) {
+                    ops.clear();
+                    ops.extend(pairs.iter().map(|&(l, r)| BlockOp {
+                        local_offset: u64::from(l.0) * bs + part.local_offset,
+                        remote_offset: u64::from(r.0) * remote_bs + part.remote_offset,
+                        len: part.len as usize,
+                        token,
+                    }));
+                    let res = match dir {
+                        Direction::Get => conn.ep.get_batch(region, rkey, &ops),
+                        Direction::Put => conn.ep.put_batch(region, rkey, &ops),
+                    };
+                    match res {
+                        Ok(()) => posted += ops.len() as u32,
+                        Err(e) => {
+                            posted += e.posted as u32;
+                            failure = Some(status_of(&e.error));
+                            break;
+                        }
+                    }
+                }
+                match failure {
+                    None => Ok(posted),
+                    Some(status) => Err(PostFailure { posted, status }),
+                }
+            }
+        };
+        self.ops = ops;
+        result
+    }
+}
+
 impl Transport for UcxTransport {
     fn add_peer(&mut self, peer: PeerId, meta: &PeerMetadata) -> Result<(), i8> {
         let i = peer.0 as usize;
@@ -355,42 +407,40 @@ impl Transport for UcxTransport {
         token: u64,
     ) -> Result<u32, PostFailure> {
         let bs = self.block_size;
-        let mut ops = std::mem::take(&mut self.ops);
-        let connected = self.connect(ep);
-        let result = match connected.and_then(|()| self.open(ep).ok_or(INVALID_PARAM)) {
-            Err(status) => Err(PostFailure { posted: 0, status }),
-            Ok(conn) => {
-                let mut posted = 0u32;
-                let mut failure = None;
-                for (region, rkey) in self.regions.iter().zip(&conn.rkeys) {
-                    ops.clear();
-                    ops.extend(pairs.iter().map(|&(l, r)| BlockOp {
-                        local_offset: u64::from(l.0) * bs,
-                        remote_offset: u64::from(r.0) * bs,
-                        len: bs as usize,
-                        token,
-                    }));
-                    let res = match dir {
-                        Direction::Get => conn.ep.get_batch(region, rkey, &ops),
-                        Direction::Put => conn.ep.put_batch(region, rkey, &ops),
-                    };
-                    match res {
-                        Ok(()) => posted += ops.len() as u32,
-                        Err(e) => {
-                            posted += e.posted as u32;
-                            failure = Some(status_of(&e.error));
-                            break;
-                        }
-                    }
-                }
-                match failure {
-                    None => Ok(posted),
-                    Some(status) => Err(PostFailure { posted, status }),
-                }
+        self.post_ops(
+            ep,
+            dir,
+            pairs,
+            token,
+            bs,
+            BlockBytes {
+                local_offset: 0,
+                remote_offset: 0,
+                len: bs,
+            },
+        )
+    }
+
+    fn post_part(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: BlockBytes,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        // Remote blocks are the peer's size (the engine checked the part
+        // lies inside both).
+        let remote_bs = match self.peers.get(ep.peer.0 as usize) {
+            Some(Some(p)) => p.meta.layout.block_size,
+            _ => {
+                return Err(PostFailure {
+                    posted: 0,
+                    status: INVALID_PARAM,
+                })
             }
         };
-        self.ops = ops;
-        result
+        self.post_ops(ep, dir, pairs, token, remote_bs, part)
     }
 
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {

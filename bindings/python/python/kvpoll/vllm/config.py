@@ -24,6 +24,19 @@ class KvpollConfig:
     handshake_timeout_s: float = 5.0
     #: The engine's poller: "adaptive" (sleeps when idle) or "busy".
     idle: str = "adaptive"
+    #: The decode instances' tensor-parallel size, if larger than this
+    #: prefill's: each prefill rank's lend then waits for that many
+    #: decode ranks per prefill rank to read it. None: this instance's.
+    decode_tp_size: Optional[int] = None
+    #: How a prefill's KV reaches its decode: "pull" (the decode reads the
+    #: lent blocks) or "push" (the decode lends its blocks to writers and
+    #: asks the prefill to write them). The prefill's setting; its
+    #: responses tell the decode.
+    mode: str = "pull"
+
+    def readers_per_lend(self, tp_size: int) -> int:
+        """Decode ranks that read each lend of a prefill of ``tp_size``."""
+        return max(1, (self.decode_tp_size or tp_size) // tp_size)
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "KvpollConfig":
@@ -37,6 +50,12 @@ class KvpollConfig:
             raise ValueError(f"side_channel_port out of range: {cfg.side_channel_port}")
         if min(cfg.lease_s, cfg.handshake_timeout_s, cfg.read_deadline_s) <= 0:
             raise ValueError("lease_s, read_deadline_s and handshake_timeout_s must be positive")
+        if cfg.decode_tp_size is not None and (
+            not isinstance(cfg.decode_tp_size, int) or isinstance(cfg.decode_tp_size, bool) or cfg.decode_tp_size <= 0
+        ):
+            raise ValueError(f"decode_tp_size must be a positive int, not {cfg.decode_tp_size!r}")
+        if cfg.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be 'pull' or 'push', not {cfg.mode!r}")
         if cfg.idle not in ("adaptive", "busy"):
             raise ValueError(f"idle must be 'adaptive' or 'busy', not {cfg.idle!r}")
         return cfg

@@ -11,6 +11,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 #: The key of the lend's incarnation in ``kv_transfer_params`` (a hex
 #: string: a 64-bit integer does not survive every JSON proxy).
 INCARNATION_KEY = "kvpoll_incarnation"
+#: The key of how many decode ranks read each prefill rank's lend.
+READERS_KEY = "kvpoll_readers"
+#: The key of the prefill's transfer mode ("pull" or "push").
+MODE_KEY = "kvpoll_mode"
 
 
 class TransferParamsError(ValueError):
@@ -29,6 +33,10 @@ class RemotePrefill:
     tp_size: int
     block_ids: Tuple[int, ...]
     incarnation: int
+    #: Decode ranks each prefill rank's lend waits for.
+    readers: int = 1
+    #: "pull": read the prefill's lend; "push": lend to the prefill's writes.
+    mode: str = "pull"
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RemotePrefill":
@@ -59,6 +67,12 @@ class RemotePrefill:
         tp_size = need("tp_size", int)
         if tp_size <= 0:
             raise TransferParamsError(f"kv_transfer_params['tp_size'] must be positive: {tp_size}")
+        readers = params.get(READERS_KEY, 1)
+        if not isinstance(readers, int) or isinstance(readers, bool) or readers <= 0:
+            raise TransferParamsError(f"kv_transfer_params[{READERS_KEY!r}] not a positive int: {readers!r}")
+        mode = params.get(MODE_KEY, "pull")
+        if mode not in ("pull", "push"):
+            raise TransferParamsError(f"kv_transfer_params[{MODE_KEY!r}] not 'pull' or 'push': {mode!r}")
         return cls(
             engine_id=need("remote_engine_id", str),
             request_id=need("remote_request_id", str),
@@ -67,6 +81,8 @@ class RemotePrefill:
             tp_size=tp_size,
             block_ids=tuple(blocks),
             incarnation=incarnation,
+            readers=readers,
+            mode=mode,
         )
 
 

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from kvpoll import draw_incarnation
 
 from .config import KvpollConfig
-from .metadata import INCARNATION_KEY, KvpollConnectorMetadata, LoadSpec, RemotePrefill, TransferParamsError
+from .metadata import (
+    INCARNATION_KEY,
+    MODE_KEY,
+    READERS_KEY,
+    KvpollConnectorMetadata,
+    LoadSpec,
+    RemotePrefill,
+    TransferParamsError,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -55,8 +63,19 @@ class KvpollScheduler:
             remote = RemotePrefill.from_params(params)
         except TransferParamsError as e:
             return LoadSpec(local, None, str(e))
-        if remote.tp_size != self.tp_size:
-            return LoadSpec(local, remote, f"prefill tp_size {remote.tp_size} != decode tp_size {self.tp_size}")
+        p_tp, d_tp = remote.tp_size, self.tp_size
+        if max(p_tp, d_tp) % min(p_tp, d_tp):
+            return LoadSpec(local, remote, f"prefill tp_size {p_tp}, decode tp_size {d_tp}: one must divide the other")
+        readers = max(1, d_tp // p_tp)
+        if remote.readers != readers:
+            # Fewer: the prefill would free its blocks after the first
+            # decode rank's read, under the others' reads.
+            return LoadSpec(
+                local,
+                remote,
+                f"the prefill lends each rank's blocks to {remote.readers} decode ranks, {readers} read them here: "
+                f"set decode_tp_size {d_tp} in the prefill's kv_connector_extra_config",
+            )
         if len(local) > len(remote.block_ids):
             return LoadSpec(local, remote, f"{len(local)} blocks to load, the prefill lent {len(remote.block_ids)}")
         return LoadSpec(local, remote)
@@ -99,4 +118,6 @@ class KvpollScheduler:
             "remote_port": self.config.side_channel_port,
             "tp_size": self.tp_size,
             INCARNATION_KEY: f"{inc:x}",
+            READERS_KEY: self.config.readers_per_lend(self.tp_size),
+            MODE_KEY: self.config.mode,
         }

@@ -8,15 +8,27 @@ was read under, and loads that failed before reaching the engine."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from kvpoll import KvpollError
+from kvpoll import KvpollError, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 
 from .config import KvpollConfig
-from .metadata import KvpollConnectorMetadata, LoadSpec
-from .side_channel import Handshake, HandshakeCache, HandshakeError, HandshakeServer, new_instance
+from .metadata import KvpollConnectorMetadata, LoadSpec, RemotePrefill
+from .side_channel import (
+    Handshake,
+    HandshakeCache,
+    HandshakeError,
+    HandshakeServer,
+    PushRequest,
+    new_instance,
+    send_push_request,
+)
+
+#: Push requests a prefill worker holds before its requests finish.
+MAX_PENDING_PUSH_REQUESTS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +64,92 @@ def kv_cache_regions(kv_caches: Mapping[str, Any], num_blocks: int) -> Tuple[Dic
     return regions, block_bytes
 
 
+def heads_outermost(kv_caches: Mapping[str, Any], num_blocks: int, kv_heads: int) -> bool:
+    """Whether each layer's blocks hold their KV heads outermost (vLLM's CPU
+    layout, ``[num_blocks, kv_heads, block_size, 2 * head]``): then the
+    heads one tensor-parallel rank holds are one contiguous byte range of
+    every block. FlashAttention's ``[2, num_blocks, block_size, kv_heads,
+    head]`` interleaves them per token instead."""
+    if kv_heads <= 0:
+        return False
+    for t in kv_caches.values():
+        shape = list(t.shape)
+        at = shape.index(num_blocks)
+        if len(shape) < at + 3 or shape[at + 1] != kv_heads:
+            return False
+    return True
+
+
+def tp_reads(
+    rank: int, tp: int, remote_tp: int, block_bytes: int, remote_block_bytes: int
+) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[Tuple[int, int]]]]:
+    """What decode rank ``rank`` of ``tp`` reads from a prefill of
+    ``remote_tp`` ranks, each block's heads outermost: ``(remote rank,
+    local byte range, remote byte range)`` per remote rank, the ranges
+    ``None`` for whole blocks (the same TP size).
+
+    - the same size: rank r reads all of rank r's blocks;
+    - a larger prefill (``remote_tp = k * tp``): rank r gathers from ranks
+      ``r*k .. r*k+k-1``, the j-th one's whole block into the j-th share
+      of its own;
+    - a smaller prefill (``tp = k * remote_tp``): rank r reads its share
+      (the ``r % k``-th) of every block of rank ``r // k``."""
+    if remote_tp == tp:
+        return [(rank, None, None)]
+    if remote_tp > tp:
+        k = remote_tp // tp
+        return [
+            (rank * k + j, (j * remote_block_bytes, (j + 1) * remote_block_bytes), (0, remote_block_bytes))
+            for j in range(k)
+        ]
+    k = tp // remote_tp
+    j = rank % k
+    return [(rank // k, (0, block_bytes), (j * block_bytes, (j + 1) * block_bytes))]
+
+
+def tp_mismatch(tp: int, heads: int, block_bytes: int, hs: Handshake) -> Optional[str]:
+    """Why this rank (``heads`` KV heads per block, 0 if not outermost)
+    cannot read a prefill rank whose handshake is ``hs``; None if it can."""
+    if hs.tp_size == tp:
+        if hs.block_bytes != block_bytes:
+            return f"blocks of {hs.block_bytes} bytes, this one {block_bytes}: not the same model layout"
+        return None
+    if max(hs.tp_size, tp) % min(hs.tp_size, tp):
+        return f"tp_size {hs.tp_size} and this one's {tp}: one must divide the other"
+    if not (heads and hs.block_heads):
+        return (
+            f"tp_size {hs.tp_size}, this one {tp}: different TP sizes need blocks whose KV heads are "
+            "outermost on both sides (vLLM's CPU layout)"
+        )
+    if hs.block_heads * hs.tp_size != heads * tp:
+        return (
+            f"{hs.block_heads} KV heads per rank at tp_size {hs.tp_size}, this one {heads} at {tp}: "
+            "not the same model, or heads replicated across ranks"
+        )
+    if hs.block_bytes * heads != block_bytes * hs.block_heads:
+        return f"{hs.block_bytes} bytes per block of {hs.block_heads} heads, this one {block_bytes} of {heads}"
+    return None
+
+
 class KvpollWorker:
-    def __init__(self, engine_id: str, tp_rank: int, tp_size: int, num_blocks: int, config: KvpollConfig) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        num_blocks: int,
+        config: KvpollConfig,
+        kv_heads: int = 0,
+    ) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.num_blocks = num_blocks
         self.config = config
+        #: KV heads of this rank per block (vLLM's KV cache spec).
+        self.kv_heads = kv_heads
+        #: ``kv_heads`` if they are outermost in each block, else 0.
+        self.block_heads = 0
         self.core: Optional[KvConnectorWorker] = None
         self.num_regions = 0
         self.block_bytes = 0
@@ -72,12 +163,21 @@ class KvpollWorker:
         self._failed_blocks: Set[int] = set()
         # Lends the engine refused: free at once.
         self._unlent: Set[str] = set()
+        self.instance = new_instance()
+        # Push mode, prefill side: finished requests' blocks awaiting their
+        # decode ranks' push requests (until the lease ends), and push
+        # requests (from the side channel's thread) awaiting their request.
+        self._pushes: Dict[str, Tuple[List[int], float]] = {}
+        self._asks: Dict[str, List[Tuple[PushRequest, float]]] = {}
+        self._asks_lock = threading.Lock()
         self._stats = _Stats()
 
     # ------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         regions, self.block_bytes = kv_cache_regions(kv_caches, self.num_blocks)
+        if heads_outermost(kv_caches, self.num_blocks, self.kv_heads):
+            self.block_heads = self.kv_heads
         self.num_regions = sum(len(r) for r in regions.values())
         kwargs: Dict[str, Any] = {"idle": self.config.idle, "read_deadline_s": self.config.read_deadline_s}
         if self.config.ucx_tls:
@@ -87,16 +187,17 @@ class KvpollWorker:
             core.register_kv_caches(regions)
             hs = Handshake(
                 engine_id=self.engine_id,
-                instance=new_instance(),
+                instance=self.instance,
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
                 block_bytes=self.block_bytes,
                 num_regions=self.num_regions,
                 num_blocks=self.num_blocks,
                 metadata=core.metadata(),
+                block_heads=self.block_heads,
             )
             self._server = HandshakeServer(
-                self.config.side_channel_host, self.config.side_channel_port + self.tp_rank, hs
+                self.config.side_channel_host, self.config.side_channel_port + self.tp_rank, hs, self._on_push
             )
         except BaseException:
             core.shutdown()
@@ -111,7 +212,14 @@ class KvpollWorker:
 
     def start_load_kv(self, meta: KvpollConnectorMetadata) -> None:
         assert self.core is not None, "register_kv_caches first"
-        sends = {req_id: (blocks, 1, inc) for req_id, (blocks, inc) in meta.reqs_to_send.items()}
+        readers = self.config.readers_per_lend(self.tp_size)
+        sends = {}
+        for req_id, (blocks, inc) in meta.reqs_to_send.items():
+            if self.config.mode == "push":
+                # Written once its decode ranks asked, or freed at the lease's end.
+                self._pushes[req_id] = (list(blocks), time.monotonic() + self.config.lease_s)
+            else:
+                sends[req_id] = (blocks, readers, inc)
         reads: Dict[str, list] = {}
         for req_id, spec in meta.reqs_to_recv.items():
             handles = self._handles(req_id, spec)
@@ -132,6 +240,7 @@ class KvpollWorker:
             except (KvpollError, KeyError, ValueError) as e:
                 local_id, _, blocks = self._loads.pop(remote_id)
                 self._fail(local_id, blocks, f"read refused: {e}")
+        self._write_asked()
 
     def _handles(self, req_id: str, spec: LoadSpec) -> Optional[list]:
         """The read handles of one load, or None when it failed already (or
@@ -141,13 +250,13 @@ class KvpollWorker:
             self._fail(req_id, spec.local_block_ids, spec.error or "no remote")
             return None
         try:
-            peer = self._peer(remote.engine_id, remote.host, remote.port)
+            plan = [(rank, self._peer(remote, rank), lb, rb) for rank, lb, rb in self._plan(remote)]
         except (HandshakeError, KvpollError) as e:
             self._fail(req_id, spec.local_block_ids, str(e))
             return None
         if not spec.local_block_ids:
             try:
-                self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation)])
+                self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for _, peer, _, _ in plan])
             except KvpollError as e:
                 logger.warning("kvpoll: release of %s at %s not sent: %s", remote.request_id, remote.engine_id, e)
             return None
@@ -162,21 +271,140 @@ class KvpollWorker:
         local = list(spec.local_block_ids)
         remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(local):])
         self._loads[remote.request_id] = (req_id, remote.engine_id, local)
-        self._stats.started(remote.request_id, len(local) * self.block_bytes * self.num_regions)
-        return [(peer, local, remote_blocks, remote.incarnation)]
+        per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
+        self._stats.started(remote.request_id, len(local) * per_block * self.num_regions)
+        if remote.mode == "push":
+            self._ask_push(req_id, remote, local, plan)
+            return None
+        return [
+            (peer, local, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
+            for _, peer, lb, rb in plan
+        ]
 
-    def _peer(self, engine_id: str, host: str, port: int) -> int:
-        hs = self._handshakes.get(engine_id, host, port, self.tp_rank)
-        if (hs.block_bytes, hs.num_regions) != (self.block_bytes, self.num_regions):
-            self._handshakes.forget(engine_id)
-            raise HandshakeError(
-                f"engine {engine_id!r} has {hs.num_regions} regions of {hs.block_bytes}-byte blocks, "
-                f"this one {self.num_regions} of {self.block_bytes}: not the same model layout"
+    # ------------------------------------------------------------ push
+
+    def _ask_push(self, req_id: str, remote: RemotePrefill, local: List[int], plan: list) -> None:
+        """Push mode, decode side: lends ``local`` to the prefill ranks of
+        ``plan`` as writers, then asks each to write its share. The engine
+        reports the lend once (every writer done, or failed): as a load."""
+        inc = draw_incarnation()
+        try:
+            self.core.start_load_kv(reqs_to_recv_push={remote.request_id: (local, len(plan), inc)})
+        except KvpollError as e:
+            self._loads.pop(remote.request_id, None)
+            self._fail(req_id, local, f"push destination refused: {e}")
+            return
+        for rank, _, lb, rb in plan:
+            ask = PushRequest(
+                engine_id=remote.engine_id,
+                request_id=remote.request_id,
+                decode_engine_id=self.engine_id,
+                decode_instance=self.instance,
+                decode_rank=self.tp_rank,
+                metadata=self.core.metadata(),
+                block_ids=tuple(local),
+                incarnation=inc,
+                # The prefill writes what this rank would have read.
+                local_bytes=rb,
+                remote_bytes=lb,
             )
+            try:
+                send_push_request(remote.host, remote.port + rank, rank, ask, self.config.handshake_timeout_s)
+            except HandshakeError as e:
+                logger.warning("kvpoll: push of %s from rank %d not asked, the load fails: %s", req_id, rank, e)
+                try:
+                    # Ended now: reported failed once no writer can still write.
+                    self.core.engine.abort(remote.request_id)
+                except KvpollError:
+                    pass
+                return
+
+    def _on_push(self, ask: PushRequest) -> Optional[str]:
+        """A decode rank's push request (on the side channel's thread)."""
+        if ask.engine_id != self.engine_id:
+            return f"this is engine {self.engine_id!r}, not {ask.engine_id!r}"
+        if self.config.mode != "push":
+            return "this prefill lends its blocks to readers (mode pull)"
+        with self._asks_lock:
+            if sum(len(v) for v in self._asks.values()) >= MAX_PENDING_PUSH_REQUESTS:
+                return f"{MAX_PENDING_PUSH_REQUESTS} push requests pending"
+            self._asks.setdefault(ask.request_id, []).append((ask, time.monotonic()))
+        return None
+
+    def _write_asked(self) -> None:
+        """Push mode, prefill side: writes each finished request every one
+        of its decode ranks asked for; frees those nobody asked for in the
+        lease (their decode fails its load when its own lease ends), and
+        forgets requests for requests it does not hold."""
+        if self.config.mode != "push" or self.core is None:
+            return
+        now = time.monotonic()
+        readers = self.config.readers_per_lend(self.tp_size)
+        ready: List[Tuple[str, List[PushRequest]]] = []
+        with self._asks_lock:
+            for req_id in list(self._asks):
+                asks = self._asks[req_id]
+                if req_id in self._pushes and len(asks) >= readers:
+                    ready.append((req_id, [a for a, _ in asks[:readers]]))
+                    del self._asks[req_id]
+                elif req_id not in self._pushes:
+                    kept = [(a, t) for a, t in asks if now - t < self.config.lease_s]
+                    if kept:
+                        self._asks[req_id] = kept
+                    else:
+                        del self._asks[req_id]
+        for req_id, asks in ready:
+            blocks, _ = self._pushes.pop(req_id)
+            try:
+                handles = [self._push_handle(blocks, a) for a in asks]
+                self.core.save_kv(req_id, handles, expected_acks=len(asks))
+                self.core.wait_for_save()
+            except (KvpollError, ValueError) as e:
+                logger.error("kvpoll: push of %s not written, its blocks are freed: %s", req_id, e)
+                self._unlent.add(req_id)
+        for req_id, (_, deadline) in list(self._pushes.items()):
+            if now >= deadline:
+                logger.warning("kvpoll: no decode asked for %s within the lease, its blocks are freed", req_id)
+                del self._pushes[req_id]
+                self._unlent.add(req_id)
+
+    def _push_handle(self, blocks: List[int], ask: PushRequest) -> tuple:
+        if len(ask.block_ids) > len(blocks):
+            raise ValueError(f"{len(ask.block_ids)} blocks asked for, {len(blocks)} held")
+        key = (ask.decode_engine_id, ask.decode_instance)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self.core.engine.add_peer(ask.metadata, any_block_size=ask.local_bytes is not None)
+            self._peers[key] = peer
+        local = blocks[len(blocks) - len(ask.block_ids) :]
+        part = (ask.local_bytes, ask.remote_bytes) if ask.local_bytes else ()
+        return (peer, local, list(ask.block_ids), ask.incarnation, *part)
+
+    def _plan(self, remote: RemotePrefill) -> list:
+        """The remote ranks this rank reads a load from, and the byte
+        ranges of each block (see ``tp_reads``)."""
+        if max(remote.tp_size, self.tp_size) % min(remote.tp_size, self.tp_size):
+            raise HandshakeError(f"prefill tp_size {remote.tp_size}, decode {self.tp_size}: one must divide the other")
+        first = min(self.tp_rank * remote.tp_size // self.tp_size, remote.tp_size - 1)
+        hs = self._handshakes.get(remote.engine_id, remote.host, remote.port, first)
+        return tp_reads(self.tp_rank, self.tp_size, remote.tp_size, self.block_bytes, hs.block_bytes)
+
+    def _peer(self, remote: RemotePrefill, rank: int) -> int:
+        engine_id = remote.engine_id
+        hs = self._handshakes.get(engine_id, remote.host, remote.port, rank)
+        if hs.num_regions != self.num_regions:
+            why = f"{hs.num_regions} regions, this one {self.num_regions}: not the same model layout"
+        elif hs.tp_size != remote.tp_size:
+            why = f"tp_size {hs.tp_size}, the request says {remote.tp_size}"
+        else:
+            why = tp_mismatch(self.tp_size, self.block_heads, self.block_bytes, hs)
+        if why is not None:
+            self._handshakes.forget(engine_id)
+            raise HandshakeError(f"engine {engine_id!r} rank {rank}: {why}")
         key = (engine_id, hs.instance)
         peer = self._peers.get(key)
         if peer is None:
-            peer = self.core.engine.add_peer(hs.metadata)
+            peer = self.core.engine.add_peer(hs.metadata, any_block_size=hs.block_bytes != self.block_bytes)
             self._peers[key] = peer
         return peer
 
@@ -188,6 +416,7 @@ class KvpollWorker:
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self.core is not None
+        self._write_asked()
         sending, recving = self.core.get_finished(finished_req_ids)
         if self._unlent:
             sending = (sending or set()) | self._unlent
@@ -200,7 +429,7 @@ class KvpollWorker:
             if remote_id in self.core.failed:
                 self._stats.failed(remote_id)
                 # The remote may be a new instance now: ask again next time.
-                self._handshakes.forget(engine_id, self.tp_rank)
+                self._handshakes.forget(engine_id)
             else:
                 self._stats.finished(remote_id)
         return sending, (done or None)
