@@ -57,9 +57,12 @@ struct Conn {
     rkeys: Vec<RemoteKey>,
     /// The peer's lend words, if it announced them.
     words: Option<RemoteKey>,
-    /// A word read on this connection did not complete at once: it is not
-    /// one-sided here (tcp: UCX serves it from the peer's progress, behind
-    /// the data of other reads on its RMA lane), and reads ask instead.
+    /// A word read on this connection did not complete by the end of the
+    /// first progress after it was posted: it is not one-sided here (tcp:
+    /// UCX serves it from the peer's progress, behind the data of other
+    /// reads on its RMA lane), and reads ask instead. (Shared memory
+    /// completes a word's get when it is posted on UCX 1.13, and in the
+    /// next progress on 1.22.)
     words_slow: std::cell::Cell<bool>,
     ep: Endpoint,
     generation: u32,
@@ -94,10 +97,13 @@ pub struct UcxTransport {
     /// This engine's lend words (the core writes them) and their rkey.
     words: Option<(LendWords, PackedRkey)>,
     /// Where word reads land (registered, 8 bytes a cell), the free cells,
-    /// and the reads in flight (token, cell).
+    /// and the reads in flight (token, cell, connection, the progress
+    /// count when it was posted).
     cells: MemoryRegion,
     free_cells: Vec<u32>,
-    word_reads: Vec<(u64, u32)>,
+    word_reads: Vec<(u64, u32, Ep, u64)>,
+    /// Progress calls so far.
+    progresses: u64,
 }
 
 impl UcxTransport {
@@ -135,6 +141,7 @@ impl UcxTransport {
             cells,
             free_cells: (0..WORD_CELLS as u32).rev().collect(),
             word_reads: Vec::with_capacity(WORD_CELLS),
+            progresses: 0,
         })
     }
 
@@ -489,19 +496,11 @@ impl Transport for UcxTransport {
         // The data this read decides about was read before (its gets
         // completed): keep those loads before the word's.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        let before = self.worker.completions_pending();
         conn.ep
             .get_batch(&self.cells, rkey, &[op])
             .map_err(|e| status_of(&e.error))?;
-        if self.worker.completions_pending() == before {
-            // Not done at once: not one-sided on this connection. This read
-            // goes on; the next ones ask (measured over tcp: a word's get
-            // waits behind other reads' data, and 64-block requests ran at
-            // half the rate of asking, whose answers coalesce).
-            conn.words_slow.set(true);
-        }
         self.free_cells.pop();
-        self.word_reads.push((token, cell));
+        self.word_reads.push((token, cell, ep, self.progresses));
         Ok(())
     }
 
@@ -514,6 +513,7 @@ impl Transport for UcxTransport {
     }
 
     fn progress(&mut self) -> u32 {
+        self.progresses += 1;
         self.worker.progress()
     }
 
@@ -529,12 +529,22 @@ impl Transport for UcxTransport {
                 continue;
             }
             let pos = if c.token & T_TRANSPORT == T_WORD {
-                self.word_reads.iter().position(|&(t, _)| t == c.token)
+                self.word_reads.iter().position(|&(t, ..)| t == c.token)
             } else {
                 None
             };
             if let Some(pos) = pos {
-                let (_, cell) = self.word_reads.swap_remove(pos);
+                let (_, cell, ep, posted) = self.word_reads.swap_remove(pos);
+                if self.progresses > posted + 1 {
+                    // Not one-sided on this connection. This read goes on;
+                    // the next ones ask (measured over tcp: a word's get
+                    // waits behind other reads' data, and 64-block requests
+                    // ran at half the rate of asking, whose answers
+                    // coalesce).
+                    if let Some(conn) = self.open(ep) {
+                        conn.words_slow.set(true);
+                    }
+                }
                 self.free_cells.push(cell);
                 let ok = c.status.0 == 0;
                 // The get completed: its bytes are in the cell.

@@ -328,11 +328,6 @@ impl Worker {
         out.append(&mut self.inner.sink.completions.borrow_mut());
     }
 
-    /// Completions seen and not yet taken.
-    pub(crate) fn completions_pending(&self) -> usize {
-        self.inner.sink.completions.borrow().len()
-    }
-
     /// Moves the endpoint failures seen so far into `out` (appended).
     pub fn take_endpoint_failures(&self, out: &mut Vec<EndpointFailure>) {
         out.append(&mut self.inner.sink.failures.borrow_mut());
