@@ -837,7 +837,8 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
 
 #[cfg(feature = "fault-injection")]
 #[test]
-fn reads_that_finish_together_tell_their_lender_in_one_message_and_need_no_answer() {
+fn reads_that_finish_together_tell_their_lender_in_fewer_messages_and_need_no_answer_where_shm_gets_are_one_sided(
+) {
     let tls = "posix,sysv,cma";
     let mut p = engine(tls, GUARD);
     fill(&p, 6);
@@ -901,7 +902,15 @@ fn reads_that_finish_together_tell_their_lender_in_one_message_and_need_no_answe
     assert!(ps.idle_iterations > 0, "{ps:?}");
     assert_eq!(ds.notifications_sent, u64::from(n), "{ds:?}");
     assert!(ds.notification_messages < ds.notifications_sent, "{ds:?}");
-    assert_eq!(ps.notifications_sent, 0, "the lender answered: {ps:?}");
+    // No answer is needed where a get from UCX-allocated shared memory is
+    // one-sided (UCX before 1.22). On UCX 1.22 such a get waits for the
+    // lender's progress (docs/design.md §4): a word read that misses the
+    // first progress after it was posted makes its connection ask, so
+    // there the lender may answer some reads (every read still confirmed).
+    let v = ucx_sys::Version::runtime();
+    if (v.major, v.minor) < (1, 22) {
+        assert_eq!(ps.notifications_sent, 0, "the lender answered: {ps:?}");
+    }
     assert_eq!(ps.malformed_notifications, 0, "{ps:?}");
     assert_eq!(ps.rejected_notifications, 0, "{ps:?}");
 }
