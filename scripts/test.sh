@@ -12,6 +12,17 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
 
+# KVPOLL_TEST_RECLAIM=1 (what CI sets) removes each build once the steps
+# that use it are done, so that the whole run fits a small disk: the
+# vLLM environment, last, is ~6 GB on its own.
+reclaim() {
+    if [ "${KVPOLL_TEST_RECLAIM:-0}" = 1 ]; then
+        echo "==> reclaim: $* ($(du -sh "$@" 2>/dev/null | awk '{print $1}' | paste -sd+ -))"
+        rm -rf "$@"
+        df -h . | tail -n 1
+    fi
+}
+
 step() {
     echo "==> $*"
     "$@" 2>&1 | tee -a "$log"
@@ -72,13 +83,16 @@ if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
         --test ucx_two_process --test engine_two_process --test drills --test reader_kill \
         --test demo --test ucx_version -- --test-threads="$THREADS" --skip push_partitioned
     step target/ucx122/cargo/debug/kvpoll --version
+    reclaim target/ucx122/cargo
 else
     echo "==> failed: scripts/ucx-wheel-env.sh"
     status=1
 fi
 step make --no-print-directory loom
+reclaim target/loom
 # The C ABI: pull.c against the shared and the static library.
 step make --no-print-directory c-test
+reclaim "${CARGO_TARGET_DIR:-target}/debug"
 # The Python bindings: a virtual environment with maturin, pytest and numpy;
 # the wheel built by pip (maturin is the build backend) and installed;
 # pytest over real UCX, two processes a test.
@@ -94,6 +108,7 @@ step "$PYENV/bin/python" -m pytest -v -p no:cacheprovider bindings/python/tests
 # UCX, pip-installed into a fresh environment, the README's quick start run
 # there on that UCX (not the system's).
 step make --no-print-directory wheel-test
+reclaim target/wheel target/wheel-test target/pyenv
 # The vLLM suite: vLLM's CPU build in its own environment (kept between
 # runs), kvpoll installed into it, vLLM's Scheduler driving KvpollConnector.
 VLLM_ENV="${VLLM_ENV:-target/vllm-env}"
