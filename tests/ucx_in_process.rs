@@ -270,3 +270,49 @@ fn get_into_user_mapped_memory_over_tcp_matches_byte_for_byte() {
     drop(local);
     assert!(user == expected_after_reversal(&src, 8), "bytes differ");
 }
+
+/// Over shared memory, a get from memory the caller registered (not
+/// UCX-allocated) is one-sided through `cma` beside peer error handling:
+/// it completes, byte for byte, while its target's worker is never
+/// progressed. Before UCX 1.20 peer error mode gives `cma` no lane and
+/// such a get waits for the target's progress (docs/design.md §4).
+#[test]
+#[cfg_attr(
+    not(ucx_cma_with_peer_errors),
+    ignore = "UCX before 1.20 gives cma no lane in peer error mode: the get needs its target's progress"
+)]
+fn a_get_from_caller_memory_over_shared_memory_completes_without_its_targets_progress() {
+    let (ctx_a, a) = worker(SHM);
+    let (ctx_b, b) = worker(SHM);
+    let src = pattern_bytes(17, BLOCKS, BLOCK);
+    let mut theirs = src.clone();
+    let mut ours = vec![0u8; src.len()];
+    // SAFETY: both vectors outlive their regions (dropped below, before
+    // them) and are not moved or resized meanwhile.
+    let (remote, local) = unsafe {
+        (
+            MemoryRegion::map(&ctx_b, theirs.as_mut_ptr(), theirs.len()).unwrap(),
+            MemoryRegion::map(&ctx_a, ours.as_mut_ptr(), ours.len()).unwrap(),
+        )
+    };
+    let ep = Endpoint::connect(&a, &b.address().unwrap(), 1).unwrap();
+    let rkey = RemoteKey::unpack(&ep, &remote.pack_rkey().unwrap()).unwrap();
+    ep.get_batch(&local, &rkey, &ops(BLOCKS)).unwrap();
+    // Only the reader progresses.
+    let (start, mut done) = (std::time::Instant::now(), Vec::new());
+    while done.len() < BLOCKS as usize && start.elapsed() < Duration::from_secs(10) {
+        a.progress();
+        a.take_completions(&mut done);
+    }
+    assert_eq!(
+        done.len(),
+        BLOCKS as usize,
+        "gets done in 10 s with their target not progressing: not one-sided"
+    );
+    assert!(done.iter().all(|c| c.status.is_ok()), "{done:?}");
+    drop(rkey);
+    drop(ep);
+    drop((local, remote));
+    assert!(ours == expected_after_reversal(&src, BLOCKS), "bytes differ");
+    drop(theirs);
+}

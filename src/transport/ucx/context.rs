@@ -19,6 +19,18 @@ pub struct ContextOptions {
     /// (`MM_ERROR_HANDLING=y`). Without it, UCX silently excludes shared
     /// memory from every endpoint created in peer error mode.
     pub shared_memory_error_handling: bool,
+    /// Let `cma` carry gets and puts beside peer error handling, so that
+    /// memory the caller registered ([`super::MemoryRegion::map`]) is read
+    /// and written one-sidedly over shared memory instead of through the
+    /// target's progress. In peer error mode UCX gives `cma` a lane only
+    /// when rendezvous is off (UCX 1.20 and later; before, never): this
+    /// sets `RNDV_THRESH=inf` where the transport list may hold `cma`, the
+    /// loaded UCX is 1.20 or later and the environment does not set
+    /// `UCX_RNDV_THRESH`. kvpoll sends no rendezvous message (its
+    /// notifications are at most 1 760 bytes), and endpoints keep peer
+    /// error mode: a dead peer still fails them (docs/design.md §4).
+    /// Default on.
+    pub cma_with_error_handling: bool,
     /// Further `(name, value)` pairs, names without the `UCX_` prefix.
     pub extra: Vec<(String, String)>,
     /// Ask for `UCP_FEATURE_WAKEUP`, so that an idle poller can block on
@@ -45,6 +57,7 @@ impl Default for ContextOptions {
         Self {
             transports: None,
             shared_memory_error_handling: true,
+            cma_with_error_handling: true,
             extra: Vec::new(),
             wakeup: true,
             adaptive_progress: None,
@@ -74,6 +87,30 @@ impl ContextOptions {
                         .any(|t| t.trim() == "all" || is_mm_transport(t.trim()))
             }
         }
+    }
+
+    /// Whether the transport list can include `cma`.
+    fn may_use_cma(&self) -> bool {
+        match &self.transports {
+            None => true,
+            Some(list) => {
+                list.starts_with('^')
+                    || list
+                        .split(',')
+                        .any(|t| matches!(t.trim(), "all" | "cma" | "sm" | "shm"))
+            }
+        }
+    }
+
+    /// Whether rendezvous is turned off so that `cma` gets a lane beside
+    /// peer error handling (see [`ContextOptions::cma_with_error_handling`]),
+    /// on a UCX of `version` with `UCX_RNDV_THRESH` set in the environment
+    /// or not.
+    fn rendezvous_off_for_cma(&self, version: ucx_sys::Version, env_sets_it: bool) -> bool {
+        self.cma_with_error_handling
+            && self.may_use_cma()
+            && (version.major, version.minor) >= (1, 20)
+            && !env_sets_it
     }
 
     /// Whether the transport list names only transports within one host:
@@ -333,6 +370,15 @@ impl Context {
         if let Some(v) = options.adaptive_progress_value() {
             cfg.set("ADAPTIVE_PROGRESS", v)?;
         }
+        // In peer error mode UCX 1.20+ asks a high-bandwidth RMA lane for
+        // memory invalidation only while rendezvous is on
+        // (`ucp_wireup_add_rma_bw_lanes`), and cma has none.
+        if options.rendezvous_off_for_cma(
+            ucx_sys::Version::runtime(),
+            std::env::var_os("UCX_RNDV_THRESH").is_some(),
+        ) {
+            cfg.set("RNDV_THRESH", "inf")?;
+        }
         for (name, value) in &options.extra {
             cfg.set(name, value)?;
         }
@@ -448,5 +494,33 @@ mod tests {
             value(ContextOptions::with_transports("posix").adaptive_progress(true)),
             Some("y")
         );
+    }
+
+    #[test]
+    fn rendezvous_is_turned_off_for_cma_only_where_ucx_then_gives_cma_a_lane() {
+        let v = |major, minor| ucx_sys::Version {
+            major,
+            minor,
+            patch: 0,
+        };
+        let shm = ContextOptions::with_transports("posix,sysv,cma");
+        assert!(shm.rendezvous_off_for_cma(v(1, 22), false));
+        assert!(shm.rendezvous_off_for_cma(v(1, 20), false));
+        assert!(ContextOptions::default().rendezvous_off_for_cma(v(1, 22), false));
+        assert!(ContextOptions::with_transports("sm").rendezvous_off_for_cma(v(1, 22), false));
+        // Before 1.20 it gives cma no lane in peer error mode either way.
+        assert!(!shm.rendezvous_off_for_cma(v(1, 13), false));
+        assert!(!shm.rendezvous_off_for_cma(v(1, 19), false));
+        // The environment's value stands; no cma in the list, or asked not to.
+        assert!(!shm.rendezvous_off_for_cma(v(1, 22), true));
+        for other in ["tcp", "posix,sysv", "tcp,posix"] {
+            let o = ContextOptions::with_transports(other);
+            assert!(!o.rendezvous_off_for_cma(v(1, 22), false), "{other}");
+        }
+        let off = ContextOptions {
+            cma_with_error_handling: false,
+            ..shm
+        };
+        assert!(!off.rendezvous_off_for_cma(v(1, 22), false));
     }
 }
