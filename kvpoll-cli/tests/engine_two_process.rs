@@ -31,9 +31,16 @@ impl Drop for PeerProcess {
     }
 }
 
+const SHM: &str = "posix,sysv,cma";
+
 fn spawn(seed: u64) -> PeerProcess {
+    spawn_over(seed, "tcp", "ucx")
+}
+
+/// A peer engine over `tls` whose regions are `memory` (`ucx` or `caller`).
+fn spawn_over(seed: u64, tls: &str, memory: &str) -> PeerProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-        .args(["engine-peer", "--tls", "tcp", "--blocks", "64"])
+        .args(["engine-peer", "--tls", tls, "--memory", memory, "--blocks", "64"])
         .args(["--block-size", &BS.to_string(), "--regions", "2"])
         .args(["--seed", &seed.to_string()])
         .stdin(Stdio::piped())
@@ -54,9 +61,13 @@ fn spawn(seed: u64) -> PeerProcess {
 }
 
 fn decode_engine(deadline: Duration) -> Engine {
+    decode_engine_over("tcp", deadline)
+}
+
+fn decode_engine_over(tls: &str, deadline: Duration) -> Engine {
     let mut e = Engine::builder()
         .block_size(BS)
-        .ucx(ContextOptions::with_transports("tcp"))
+        .ucx(ContextOptions::with_transports(tls))
         .read_deadline(deadline)
         // The peer process serves its blocks without lending them: reads
         // of unguarded memory (lend confirmation: tests/fencing.rs).
@@ -209,6 +220,38 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
     let again = spawn(5);
     let p2 = d.add_peer(&again.metadata).unwrap();
     read_and_verify(&mut d, p2, 4, 5);
+}
+
+/// Over shared memory a read of a peer's own memory (registered, not
+/// UCX-allocated) is the reader's `process_vm_readv` where UCX gives `cma`
+/// a lane beside peer error handling; the peer's death is still noticed:
+/// a read after it fails `PeerLost`, the peer is reported lost once, and
+/// the reading process lives on to read a restarted peer.
+#[test]
+fn over_shared_memory_a_killed_peer_whose_own_memory_was_read_is_reported_lost() {
+    let mut peer = spawn_over(7, SHM, "caller");
+    let mut d = decode_engine_over(SHM, GUARD);
+    let p = d.add_peer(&peer.metadata).unwrap();
+    read_and_verify(&mut d, p, 1, 7);
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    unguarded_read(&mut d, p, RequestId(2), &ids(&[3]), &ids(&[3]));
+    let mut out = Outcomes::default();
+    wait_report(&mut d, &mut out);
+    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::PeerLost, "{out:?}");
+    let t = Instant::now();
+    while out.peers_lost.is_empty() {
+        assert!(t.elapsed() < GUARD, "the lost peer was never reported: {out:?}");
+        d.poll(&mut out);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(out.peers_lost.len(), 1, "{out:?}");
+    assert_eq!(out.peers_lost[0].0, p);
+
+    let again = spawn_over(8, SHM, "caller");
+    let p2 = d.add_peer(&again.metadata).unwrap();
+    read_and_verify(&mut d, p2, 4, 8);
 }
 
 /// A peer whose process dies is reported to the engine once, in
