@@ -313,6 +313,9 @@ fn a_get_from_caller_memory_over_shared_memory_completes_without_its_targets_pro
     drop(rkey);
     drop(ep);
     drop((local, remote));
-    assert!(ours == expected_after_reversal(&src, BLOCKS), "bytes differ");
+    assert!(
+        ours == expected_after_reversal(&src, BLOCKS),
+        "bytes differ"
+    );
     drop(theirs);
 }

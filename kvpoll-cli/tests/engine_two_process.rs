@@ -40,7 +40,8 @@ fn spawn(seed: u64) -> PeerProcess {
 /// A peer engine over `tls` whose regions are `memory` (`ucx` or `caller`).
 fn spawn_over(seed: u64, tls: &str, memory: &str) -> PeerProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-        .args(["engine-peer", "--tls", tls, "--memory", memory, "--blocks", "64"])
+        .args(["engine-peer", "--tls", tls, "--memory", memory])
+        .args(["--blocks", "64"])
         .args(["--block-size", &BS.to_string(), "--regions", "2"])
         .args(["--seed", &seed.to_string()])
         .stdin(Stdio::piped())
@@ -239,10 +240,17 @@ fn over_shared_memory_a_killed_peer_whose_own_memory_was_read_is_reported_lost()
     let mut out = Outcomes::default();
     wait_report(&mut d, &mut out);
     assert_eq!(out.failed_recving.len(), 1, "{out:?}");
-    assert_eq!(out.failed_recving[0].reason.cause, Cause::PeerLost, "{out:?}");
+    assert_eq!(
+        out.failed_recving[0].reason.cause,
+        Cause::PeerLost,
+        "{out:?}"
+    );
     let t = Instant::now();
     while out.peers_lost.is_empty() {
-        assert!(t.elapsed() < GUARD, "the lost peer was never reported: {out:?}");
+        assert!(
+            t.elapsed() < GUARD,
+            "the lost peer was never reported: {out:?}"
+        );
         d.poll(&mut out);
         std::thread::sleep(Duration::from_millis(1));
     }
