@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, Outcomes, Transfer};
-use kvpoll::ledger::{BlockId, Cause, RequestId};
+use kvpoll::ledger::{BlockId, Cause, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 use kvpoll::wire::from_hex;
 
@@ -114,6 +114,44 @@ fn unguarded_read(
     .unwrap();
 }
 
+/// An engine that read from a peer over `tls` (its regions `memory`),
+/// then killed it and submitted read 2 to it: UCX notices a dead peer
+/// when it next talks to it.
+fn read_then_kill_the_peer(seed: u64, tls: &str, memory: &str) -> (Engine, PeerId) {
+    let mut peer = spawn_over(seed, tls, memory);
+    let mut d = decode_engine_over(tls, GUARD);
+    let p = d.add_peer(&peer.metadata).unwrap();
+    read_and_verify(&mut d, p, 1, seed);
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    unguarded_read(&mut d, p, RequestId(2), &ids(&[3]), &ids(&[3]));
+    (d, p)
+}
+
+/// Waits for the one read report and checks it failed `PeerLost`: a
+/// killed peer is a lost peer, whichever error UCX reported first.
+fn wait_one_read_failed_peer_lost(d: &mut Engine, out: &mut Outcomes) {
+    wait_report(d, out);
+    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
+    assert_eq!(
+        out.failed_recving[0].reason.cause,
+        Cause::PeerLost,
+        "{out:?}"
+    );
+}
+
+fn wait_peer_lost(e: &mut Engine, out: &mut Outcomes) {
+    let t = Instant::now();
+    while out.peers_lost.is_empty() {
+        assert!(
+            t.elapsed() < GUARD,
+            "the lost peer was never reported: {out:?}"
+        );
+        e.poll(out);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn read_and_verify(d: &mut Engine, peer: kvpoll::ledger::PeerId, id: u64, seed: u64) {
     let (local, remote) = (ids(&[0, 1, 2]), ids(&[7, 8, 9]));
     unguarded_read(d, peer, RequestId(id), &local, &remote);
@@ -202,14 +240,7 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
     peer.child.kill().unwrap();
     peer.child.wait().unwrap();
     let mut out = Outcomes::default();
-    wait_report(&mut d, &mut out);
-    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
-    // A killed peer is a lost peer, whichever error UCX reported first.
-    assert_eq!(
-        out.failed_recving[0].reason.cause,
-        Cause::PeerLost,
-        "{out:?}"
-    );
+    wait_one_read_failed_peer_lost(&mut d, &mut out);
 
     // The dead peer's state is gone: reads to it are setup failures now.
     out.clear();
@@ -230,30 +261,10 @@ fn a_killed_peer_process_fails_reads_without_a_deadline_and_can_be_added_again()
 /// the reading process lives on to read a restarted peer.
 #[test]
 fn over_shared_memory_a_killed_peer_whose_own_memory_was_read_is_reported_lost() {
-    let mut peer = spawn_over(7, SHM, "caller");
-    let mut d = decode_engine_over(SHM, GUARD);
-    let p = d.add_peer(&peer.metadata).unwrap();
-    read_and_verify(&mut d, p, 1, 7);
-    peer.child.kill().unwrap();
-    peer.child.wait().unwrap();
-    unguarded_read(&mut d, p, RequestId(2), &ids(&[3]), &ids(&[3]));
+    let (mut d, p) = read_then_kill_the_peer(7, SHM, "caller");
     let mut out = Outcomes::default();
-    wait_report(&mut d, &mut out);
-    assert_eq!(out.failed_recving.len(), 1, "{out:?}");
-    assert_eq!(
-        out.failed_recving[0].reason.cause,
-        Cause::PeerLost,
-        "{out:?}"
-    );
-    let t = Instant::now();
-    while out.peers_lost.is_empty() {
-        assert!(
-            t.elapsed() < GUARD,
-            "the lost peer was never reported: {out:?}"
-        );
-        d.poll(&mut out);
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_one_read_failed_peer_lost(&mut d, &mut out);
+    wait_peer_lost(&mut d, &mut out);
     assert_eq!(out.peers_lost.len(), 1, "{out:?}");
     assert_eq!(out.peers_lost[0].0, p);
 
@@ -266,24 +277,9 @@ fn over_shared_memory_a_killed_peer_whose_own_memory_was_read_is_reported_lost()
 /// `Outcomes::peers_lost`, with the endpoint's status.
 #[test]
 fn a_killed_peer_is_reported_in_peers_lost_with_its_status() {
-    let mut peer = spawn(6);
-    let mut d = decode_engine(GUARD);
-    let p = d.add_peer(&peer.metadata).unwrap();
-    read_and_verify(&mut d, p, 1, 6);
-    peer.child.kill().unwrap();
-    peer.child.wait().unwrap();
-    // UCX notices a dead tcp peer when it next talks to it.
-    unguarded_read(&mut d, p, RequestId(2), &ids(&[3]), &ids(&[3]));
+    let (mut d, p) = read_then_kill_the_peer(6, "tcp", "ucx");
     let mut out = Outcomes::default();
-    let t = std::time::Instant::now();
-    while out.peers_lost.is_empty() {
-        assert!(
-            t.elapsed() < GUARD,
-            "the lost peer was never reported: {out:?}"
-        );
-        d.poll(&mut out);
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_peer_lost(&mut d, &mut out);
     assert_eq!(out.peers_lost.len(), 1, "{out:?}");
     let (lost, reason) = out.peers_lost[0];
     assert_eq!(lost, p);

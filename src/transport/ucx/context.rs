@@ -78,27 +78,20 @@ impl ContextOptions {
     /// only then is `MM_ERROR_HANDLING` set (UCX warns about an option that
     /// no selected transport reads).
     fn may_use_shared_memory(&self) -> bool {
-        match &self.transports {
-            None => true,
-            Some(list) => {
-                list.starts_with('^')
-                    || list
-                        .split(',')
-                        .any(|t| t.trim() == "all" || is_mm_transport(t.trim()))
-            }
-        }
+        self.may_use(|t| t == "all" || is_mm_transport(t))
     }
 
     /// Whether the transport list can include `cma`.
     fn may_use_cma(&self) -> bool {
+        self.may_use(|t| matches!(t, "all" | "cma" | "sm" | "shm"))
+    }
+
+    /// Whether UCX's choice, an exclusion list (`^...`) or a name that
+    /// `named` takes can let in the transport asked about.
+    fn may_use(&self, named: impl Fn(&str) -> bool) -> bool {
         match &self.transports {
             None => true,
-            Some(list) => {
-                list.starts_with('^')
-                    || list
-                        .split(',')
-                        .any(|t| matches!(t.trim(), "all" | "cma" | "sm" | "shm"))
-            }
+            Some(list) => list.starts_with('^') || list.split(',').any(|t| named(t.trim())),
         }
     }
 
