@@ -10,7 +10,10 @@
 //!
 //! Each case prints `case: <tls> <memory>`, then UCX prints the endpoint
 //! configuration (`ep_cfg[..]: rma(...) am(...)`) and, on UCX releases
-//! with protocol selection v2, the get protocols it chose.
+//! with protocol selection v2, the get protocols it chose. On UCX 1.20
+//! and later kvpoll turns rendezvous off so that `cma` gets a lane
+//! (`ContextOptions::cma_with_error_handling`); `UCX_RNDV_THRESH=auto` in
+//! the environment shows UCX's own choice.
 
 use std::time::{Duration, Instant};
 
