@@ -383,3 +383,62 @@ fn over_shared_memory_a_reader_killed_inside_a_message_send_leaves_its_lenders_s
     }
     kill_readers("posix,sysv,cma", "pull", 1, Kill::InsideSend);
 }
+
+/// Lends that a lender still holds for an earlier reader's requests (one
+/// killed just after it asked, whose lends last until their lease ends)
+/// refuse nothing of the next reader: each reader's request ids are its
+/// own, as a serving engine's are.
+#[test]
+fn lends_still_held_for_an_earlier_readers_requests_refuse_nothing_of_the_next_reader() {
+    let tls = "tcp";
+    let lenders = [lender(0, tls), lender(1, tls)];
+    // The earlier reader: an engine of lender 1's metadata on a control
+    // connection to lender 0, asking for the first requests a reader
+    // issues (decode rank 1, sequence 0 to 7) again whenever their lends
+    // end, until the next reader is done.
+    let (_s, mut r) = procs::hello(&lenders[1].addr, LAYOUT);
+    let _ = r.read_msg().unwrap();
+    let Msg::Meta(meta) = r.read_msg().unwrap() else {
+        panic!("lender 1 sent no META");
+    };
+    let (mut s, r) = procs::client(&lenders[0].addr, LAYOUT);
+    s.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
+    // Its answers are read (and dropped) until the connection ends.
+    let answers = std::thread::spawn(move || {
+        let mut r = r;
+        while r.read_msg().is_ok() {}
+    });
+    let end = s.try_clone().unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let asking = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                for seq in 0..8u64 {
+                    let ask = Msg::Prepare {
+                        req: (1 << 40) | seq,
+                        n: 8,
+                    };
+                    if s.write_all(&ask.encode().unwrap()).is_err() {
+                        return;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    // Its lends are out before the next reader starts.
+    let t = Instant::now();
+    while free_blocks(&lenders[0].addr).is_none_or(|(free, _)| free > 256 - 64) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "lender 0 lent nothing"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    next_reader_served(&lenders, tls, "pull", 0);
+    done.store(true, std::sync::atomic::Ordering::Release);
+    asking.join().unwrap();
+    let _ = end.shutdown(std::net::Shutdown::Both);
+    answers.join().unwrap();
+}
