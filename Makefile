@@ -5,8 +5,9 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PKGS := libucx-dev libhwloc-dev libudev-dev libclang-dev pkg-config gcc python3 python3-venv
 # For tests only: promtool (package prometheus) validates the metrics text;
-# ip (iproute2) builds the network namespaces of the partition drills.
-TEST_PKGS := prometheus iproute2
+# ip (iproute2) builds the network namespaces of the partition drills;
+# gdb stops a reader inside a shared-memory send in reader_kill.rs.
+TEST_PKGS := prometheus iproute2 gdb
 # Engine tests drive busy-poll threads: keep them from starving a 2-core box.
 TEST_THREADS ?= 2
 

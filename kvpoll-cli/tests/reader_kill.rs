@@ -17,11 +17,21 @@
 //! is `#[ignore]`d with this reason before; `cargo test --test reader_kill
 //! -- --ignored` runs it there.
 //!
+//! Over shared memory a reader killed inside an active-message send (after
+//! it took a slot of its lender's receive FIFO, before it marked the slot
+//! written: `uct_mm_ep_am_common_send`, `src/uct/sm/mm/base/mm_ep.c`)
+//! leaves the lender alive but deaf on that transport: it reads no message
+//! from anyone again, and its next reader's reads all fail. A kill at a
+//! random time lands there now and then; the case that kills inside a send
+//! every time (gdb stops the reader just after the slot is taken; a
+//! test-only package, without which the case says so and checks nothing)
+//! is `#[ignore]`d with this reason.
+//!
 //! Time bounds here are guards against a hang, not measurements.
 
 use std::io::Write;
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpoll_cli::control::{FrameReader, Layout, Msg};
@@ -30,8 +40,11 @@ mod procs;
 
 /// Short enough that a dead reader's lends end soon after each kill, long
 /// enough that the next reader's reads fit in it on a loaded 2-core machine
-/// (400 ms did not: latencies there reached 470 ms).
-const LEASE_MS: u64 = 1000;
+/// (400 ms did not: latencies there reached 470 ms; 1000 ms did not with a
+/// load average of 19 to 23: request latencies reached 2.4 s at the 99th
+/// percentile, and reads failed `LeaseLost` or were not posted for want of
+/// lease left, in 3 of 16 runs of the shared-memory pull case).
+const LEASE_MS: u64 = 3000;
 const LAYOUT: Layout = Layout {
     block_size: 65536,
     layers: 2,
@@ -145,10 +158,19 @@ fn free_blocks(addr: &str) -> Option<(u64, u64)> {
     }
 }
 
-fn kill_readers(tls: &str, mode: &str, kills: u32) {
+/// How a reader is killed.
+#[derive(Clone, Copy)]
+enum Kill {
+    /// SIGKILL 200 to 700 ms into its run, wherever it is.
+    MidRead,
+    /// SIGKILL inside a shared-memory message send, 200 ms or more into
+    /// its run (see [`kill_inside_send`]).
+    InsideSend,
+}
+
+fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
     let lenders = [lender(0, tls), lender(1, tls)];
     let mut rng = u64::from(std::process::id()) | 1;
-    let mut deaths = Vec::new();
     for k in 0..kills {
         let mut r = reader(
             &lenders,
@@ -158,47 +180,84 @@ fn kill_readers(tls: &str, mode: &str, kills: u32) {
             Stdio::null(),
             Stdio::null(),
         );
-        // Mid-read: 200 to 700 ms into the run.
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        std::thread::sleep(Duration::from_millis(200 + rng % 500));
-        let _ = r.kill();
-        let _ = r.wait();
-        // Every lender lives and gets the dead reader's blocks back (its
-        // lends end at their lease at the latest).
-        let t = Instant::now();
-        for (i, l) in lenders.iter().enumerate() {
-            loop {
-                if let Some(st) = exited(&l.child) {
-                    deaths.push(format!(
-                        "kill {k}: lender {i} died ({st}); its last words:\n{}",
-                        l.last_words()
-                    ));
-                    break;
-                }
-                match free_blocks(&l.addr) {
-                    Some((free, total)) if free == total => break,
-                    _ if t.elapsed() > Duration::from_secs(20) => {
-                        deaths.push(format!(
-                            "kill {k}: lender {i} kept the dead reader's blocks"
-                        ));
-                        break;
-                    }
-                    _ => std::thread::sleep(Duration::from_millis(50)),
+        match how {
+            Kill::MidRead => {
+                std::thread::sleep(Duration::from_millis(200 + rng % 500));
+                let _ = r.kill();
+            }
+            Kill::InsideSend => {
+                std::thread::sleep(Duration::from_millis(200));
+                if let Err(why) = kill_inside_send(&r) {
+                    let _ = r.kill();
+                    let _ = r.wait();
+                    panic!("{tls} {mode}: {why}");
                 }
             }
         }
-        assert!(deaths.is_empty(), "{tls} {mode}: {deaths:?}");
+        let _ = r.wait();
+        lenders_took_back(&lenders, k, &format!("{tls} {mode}"));
     }
-    // The next reader is served in full.
+    next_reader_served(&lenders, tls, mode, kills);
+}
+
+/// After kill `k`: every lender lives and gets the dead reader's blocks
+/// back (its lends end at their lease at the latest).
+fn lenders_took_back(lenders: &[Lender; 2], k: u32, case: &str) {
+    let mut deaths = Vec::new();
+    let t = Instant::now();
+    for (i, l) in lenders.iter().enumerate() {
+        loop {
+            if let Some(st) = exited(&l.child) {
+                deaths.push(format!(
+                    "kill {k}: lender {i} died ({st}); its last words:\n{}",
+                    l.last_words()
+                ));
+                break;
+            }
+            match free_blocks(&l.addr) {
+                Some((free, total)) if free == total => break,
+                _ if t.elapsed() > Duration::from_secs(20) => {
+                    deaths.push(format!(
+                        "kill {k}: lender {i} kept the dead reader's blocks"
+                    ));
+                    break;
+                }
+                _ => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+    assert!(deaths.is_empty(), "{case}: {deaths:?}");
+}
+
+/// The next reader is served in full.
+fn next_reader_served(lenders: &[Lender; 2], tls: &str, mode: &str, kills: u32) {
+    let (st, said) = next_reader(lenders, tls, mode);
+    let tail: Vec<&str> = said
+        .lines()
+        .rev()
+        .filter(|l| !l.contains("UCX  WARN"))
+        .take(6)
+        .collect();
+    assert!(
+        st.success(),
+        "{tls} {mode}: the reader after {kills} kills: {st}; it said (last lines first):\n{}",
+        tail.join("\n")
+    );
+}
+
+/// A reader of 200 requests, run to its end: how it exited and what it
+/// said (its JSON report and its log).
+fn next_reader(lenders: &[Lender; 2], tls: &str, mode: &str) -> (ExitStatus, String) {
     let log = std::env::temp_dir().join(format!(
         "kvpoll-reader-kill-{}-{tls}-{mode}-last.err",
         std::process::id()
     ));
     let out = std::fs::File::create(&log).expect("reader log");
     let err = out.try_clone().expect("reader log");
-    let mut r = reader(&lenders, tls, mode, 200, out.into(), err.into());
+    let mut r = reader(lenders, tls, mode, 200, out.into(), err.into());
     let t = Instant::now();
     let st = loop {
         if let Some(st) = r.try_wait().unwrap() {
@@ -212,17 +271,82 @@ fn kill_readers(tls: &str, mode: &str, kills: u32) {
     };
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_file(&log);
-    let tail: Vec<&str> = said
+    (st, said)
+}
+
+/// SIGKILLs the `kvpoll connect` process `reader` inside a shared-memory
+/// active-message send: stopped by gdb on the instruction after the one
+/// that takes a slot of the receiver's FIFO (the `cmpxchg` on its head in
+/// `uct_mm_ep_am_short`, `_short_iov` and `_bcopy`), before the send
+/// marks the slot written — where a SIGKILL at a random time lands now
+/// and then on a loaded machine.
+fn kill_inside_send(reader: &Child) -> Result<(), String> {
+    let pid = reader.id().to_string();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| e.to_string())?;
+    let uct = maps
         .lines()
-        .rev()
-        .filter(|l| !l.contains("UCX  WARN"))
-        .take(6)
-        .collect();
-    assert!(
-        st.success(),
-        "{tls} {mode}: the reader after {kills} kills: {st}; it said (last lines first):\n{}",
-        tail.join("\n")
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("libuct.so"))
+        .ok_or("the reader has no libuct.so mapped")?
+        .to_owned();
+    // Bounded: a reader that sent nothing for a minute fails the test.
+    let gdb = |args: &[String]| {
+        Command::new("timeout")
+            .args([
+                "60",
+                "gdb",
+                "-batch",
+                "-nx",
+                "-ex",
+                "set debuginfod enabled off",
+            ])
+            .args(args)
+            .output()
+            .map_err(|e| format!("gdb: {e}"))
+    };
+    let mut breaks = Vec::new();
+    for f in [
+        "uct_mm_ep_am_short",
+        "uct_mm_ep_am_short_iov",
+        "uct_mm_ep_am_bcopy",
+    ] {
+        let out = gdb(&["-ex".into(), format!("disassemble {f}"), uct.clone()])?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.contains("cmpxchg"))
+            .and_then(|i| lines.get(i + 1))
+            .and_then(|l| l.split('<').nth(1)?.split('>').next())
+            .ok_or(format!("no cmpxchg in {f} of {uct}:\n{text}"))?
+            .to_owned();
+        breaks.extend(["-ex".to_owned(), format!("break *({f}{at})")]);
+    }
+    // C: stopped in Rust code, gdb would read the names as Rust ones and
+    // find none.
+    let mut args = ["-p", &pid, "-ex", "set language c"]
+        .map(str::to_owned)
+        .to_vec();
+    args.extend(breaks);
+    args.extend(["-ex", "continue", "-ex", "kill"].map(str::to_owned));
+    let out = gdb(&args)?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
+    if !said.contains("hit Breakpoint") {
+        return Err(format!("gdb never stopped the reader in a send:\n{said}"));
+    }
+    Ok(())
+}
+
+/// Whether gdb runs here (Debian package `gdb`, a test-only package).
+fn have_gdb() -> bool {
+    Command::new("gdb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 /// Whether `child` exited (it is a zombie: /proc tells without reaping it).
@@ -240,20 +364,105 @@ fn exited(child: &Child) -> Option<String> {
               see the module docs and docs/design.md"
 )]
 fn over_tcp_in_pull_mode_fifty_killed_readers_leave_every_lender_serving() {
-    kill_readers("tcp", "pull", 50);
+    kill_readers("tcp", "pull", 50, Kill::MidRead);
 }
 
 #[test]
 fn over_shared_memory_in_pull_mode_killed_readers_leave_every_lender_serving() {
-    kill_readers("posix,sysv,cma", "pull", 10);
+    kill_readers("posix,sysv,cma", "pull", 10, Kill::MidRead);
 }
 
 #[test]
 fn over_tcp_in_push_mode_killed_destinations_leave_every_writer_serving() {
-    kill_readers("tcp", "push", 10);
+    kill_readers("tcp", "push", 10, Kill::MidRead);
 }
 
 #[test]
 fn over_shared_memory_in_push_mode_killed_destinations_leave_every_writer_serving() {
-    kill_readers("posix,sysv,cma", "push", 10);
+    kill_readers("posix,sysv,cma", "push", 10, Kill::MidRead);
+}
+
+#[test]
+#[ignore = "a reader killed inside a shared-memory message send leaves a slot of its lender's \
+            receive FIFO never completed, and the lender hears nothing more over sysv \
+            (uct_mm_ep_am_common_send); kvpoll does not recover from it yet: see docs/design.md"]
+fn over_shared_memory_a_reader_killed_inside_a_message_send_leaves_its_lenders_serving() {
+    if !have_gdb() {
+        eprintln!("skipped: needs gdb to stop the reader inside a send");
+        return;
+    }
+    kill_readers("posix,sysv,cma", "pull", 1, Kill::InsideSend);
+}
+
+/// Lends that a lender still holds for an earlier reader's requests (one
+/// killed just after it asked, whose lends last until their lease ends)
+/// refuse nothing of the next reader: each reader's request ids are its
+/// own, as a serving engine's are.
+#[test]
+fn lends_still_held_for_an_earlier_readers_requests_refuse_nothing_of_the_next_reader() {
+    let tls = "posix,sysv,cma";
+    let lenders = [lender(0, tls), lender(1, tls)];
+    // The earlier reader: an engine of lender 1's metadata on a control
+    // connection to lender 0, asking for the first requests a reader
+    // issues (decode rank 1, sequence 0 to 7) again whenever their lends
+    // end, until the next reader is done.
+    let (_s, mut r) = procs::hello(&lenders[1].addr, LAYOUT);
+    let _ = r.read_msg().unwrap();
+    let Msg::Meta(meta) = r.read_msg().unwrap() else {
+        panic!("lender 1 sent no META");
+    };
+    let (mut s, r) = procs::client(&lenders[0].addr, LAYOUT);
+    s.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
+    // Its answers are read (and dropped) until the connection ends.
+    let answers = std::thread::spawn(move || {
+        let mut r = r;
+        while r.read_msg().is_ok() {}
+    });
+    let end = s.try_clone().unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let asking = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                for seq in 0..8u64 {
+                    // One block each: the pool stays as free as a
+                    // reader needs it on a loaded machine.
+                    let ask = Msg::Prepare {
+                        req: (1 << 40) | seq,
+                        n: 1,
+                    };
+                    if s.write_all(&ask.encode().unwrap()).is_err() {
+                        return;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    // Its lends are out before the next reader starts.
+    let t = Instant::now();
+    while free_blocks(&lenders[0].addr).is_none_or(|(free, _)| free > 256 - 8) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "lender 0 lent nothing"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Refusals only: on a loaded machine a read may pass its deadline,
+    // which says nothing of request ids.
+    let (_, said) = next_reader(&lenders, tls, "pull");
+    done.store(true, std::sync::atomic::Ordering::Release);
+    asking.join().unwrap();
+    let _ = end.shutdown(std::net::Shutdown::Both);
+    answers.join().unwrap();
+    let json = said
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("the reader printed no report:\n{said}"));
+    let reported: u64 = ["transferred", "failed", "expired", "refused"]
+        .iter()
+        .map(|f| procs::json_field(json, f))
+        .sum();
+    assert_eq!(reported, 200, "{json}");
+    assert_eq!(procs::json_field(json, "refused"), 0, "{json}");
 }

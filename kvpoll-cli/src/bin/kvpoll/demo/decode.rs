@@ -248,6 +248,26 @@ fn jitter(d: Duration, rng: &mut u64) -> Duration {
     d.mul_f64(f)
 }
 
+/// Where a request id's run tag begins (see `Decoder::run_tag`).
+const RUN_TAG_SHIFT: u32 = 48;
+
+/// A seed from the clock and the process id (odd: never 0 for xorshift).
+fn seed_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ (u64::from(std::process::id()) << 32)
+        | 1
+}
+
+/// splitmix64's finalizer: every bit of `x` moves every bit of the result
+/// (the clock's top bits barely change between runs).
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
 struct Req {
     blocks: Vec<BlockId>,
     ready: [Option<Vec<u32>>; 2],
@@ -284,6 +304,11 @@ struct Decoder<'a> {
     hist_transfer: Histogram<u64>,
     hist_control: Histogram<u64>,
     rng: u64,
+    /// The top 16 bits of every request id of this run (rank and sequence
+    /// number below them), drawn at its start: a prefill rank may still
+    /// hold lends for an earlier run's requests (a reader killed
+    /// mid-read), and answers BUSY to a request id it holds.
+    run_tag: u64,
 }
 
 pub fn run(
@@ -323,11 +348,8 @@ pub fn run(
         hist: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
         hist_transfer: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
         hist_control: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
-        rng: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-            ^ (u64::from(std::process::id()) << 32)
-            | 1,
+        rng: seed_now(),
+        run_tag: mix(seed_now()) & !((1 << RUN_TAG_SHIFT) - 1),
     };
     // Naps below are a few tens of µs: without this, each oversleeps by the
     // default 50 µs timer slack.
@@ -564,7 +586,7 @@ impl Decoder<'_> {
         if !self.pool.alloc(2 * h, &mut blocks) {
             return false;
         }
-        let id = (u64::from(self.cfg.rank) << 40) | seq;
+        let id = self.run_tag | (u64::from(self.cfg.rank) << 40) | seq;
         let mut req = Req {
             blocks,
             ready: [None, None],
@@ -713,19 +735,21 @@ impl Decoder<'_> {
         }
     }
 
-    /// A request that never reached the engine: its blocks go back at once.
+    /// A request that never reached the engine: its blocks go back at
+    /// once, and the prefill ranks that lent for it are told to release
+    /// (rather than hold those blocks until the lease ends: a rank that
+    /// answered BUSY leaves the other one's lend behind).
     fn abandon(&mut self, id: u64) {
         if self.cfg.mode == Mode::Push {
             // The lend is in the engine: abort it; the report frees it.
             let _ = self.engine.abort(RequestId(id));
             return;
         }
-        if let Some(r) = self.reqs.get(&id) {
-            if !r.submitted {
-                if let Some(r) = self.reqs.remove(&id) {
-                    self.pool.release(&r.blocks);
-                    self.report.refused += 1;
-                }
+        if self.reqs.get(&id).is_some_and(|r| !r.submitted) {
+            self.release_lends(id);
+            if let Some(r) = self.reqs.remove(&id) {
+                self.pool.release(&r.blocks);
+                self.report.refused += 1;
             }
         }
     }
@@ -740,7 +764,6 @@ impl Decoder<'_> {
             .map(|(&id, _)| id)
             .collect();
         for id in waiting {
-            self.release_lends(id);
             self.abandon(id);
         }
     }
@@ -859,8 +882,6 @@ impl Decoder<'_> {
                 t.saturating_duration_since(Instant::now())
             });
         if left <= margin {
-            let lends = [(p0, r.lends[0]), (p1, r.lends[1])];
-            let _ = self.engine.notify_only(RequestId(id), &lends);
             self.report.lease_too_short += 1;
             return self.abandon(id);
         }
