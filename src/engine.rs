@@ -37,7 +37,7 @@ use crate::metrics::{MetricsSnapshot, PollerMetrics, RejectedInputs, RingMetrics
 use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::ContextOptions;
 
-pub use crate::error::EngineError;
+pub use crate::error::{BuildError, EngineError, Error};
 pub use crate::placement::IdlePolicy;
 /// Faults the poller can inject (the `fault-injection` feature).
 #[cfg(feature = "fault-injection")]
@@ -274,7 +274,7 @@ impl EngineBuilder {
     }
 
     /// Pin the poller to this CPU core (default: not pinned). A CPU the
-    /// machine does not have is refused ([`EngineError::NoSuchCpu`]). A
+    /// machine does not have is refused ([`BuildError::NoSuchCpu`]). A
     /// failure to pin is an error for a `Busy` poller; an `Adaptive` one
     /// runs unpinned, with a `tracing` warning, and
     /// [`Engine::poller_core`] says `None`. Take the core from a
@@ -287,11 +287,8 @@ impl EngineBuilder {
     /// Places the poller as a core map says: the first poller entry's core
     /// and idle policy (this engine runs one poller; further entries are
     /// for further engines). A map without pollers is refused.
-    pub fn core_map(mut self, map: &crate::placement::CoreMap) -> Result<Self, EngineError> {
-        let spec = map
-            .pollers()
-            .first()
-            .ok_or(EngineError::Config("the core map names no poller"))?;
+    pub fn core_map(mut self, map: &crate::placement::CoreMap) -> Result<Self, BuildError> {
+        let spec = map.pollers().first().ok_or(BuildError::NoPoller)?;
         self.core = Some(spec.core);
         self.idle = spec.idle;
         Ok(self)
@@ -373,16 +370,21 @@ impl EngineBuilder {
     }
 
     /// Starts the poller and returns the engine.
-    pub fn build(self) -> Result<Engine, EngineError> {
+    pub fn build(self) -> Result<Engine, BuildError> {
         if self.block_size == 0 {
-            return Err(EngineError::Config("block size 0"));
+            return Err(BuildError::BlockSize(0));
         }
-        if self.command_ring < 2 || self.event_ring < 1 {
-            return Err(EngineError::Config("rings need room"));
+        for (ring, entries, min) in [
+            ("command", self.command_ring, 2),
+            ("event", self.event_ring, 1),
+        ] {
+            if entries < min {
+                return Err(BuildError::RingTooSmall { ring, entries, min });
+            }
         }
         if let Some(core) = self.core {
             if let Some(cpus) = crate::placement::machine_cpus().filter(|c| !c.contains(&core)) {
-                return Err(EngineError::NoSuchCpu {
+                return Err(BuildError::NoSuchCpu {
                     core,
                     cpus: crate::placement::format_cpu_list(&cpus),
                 });
@@ -397,7 +399,7 @@ impl EngineBuilder {
         let (retire, retire_rx) = ring::commands::<RequestKey>(self.ledger.slots as usize);
         let (control, control_rx) = mpsc::channel();
         let shared = Arc::new(
-            Shared::new().map_err(|e| EngineError::Spawn(format!("wake-up eventfd: {e}")))?,
+            Shared::new().map_err(|e| BuildError::Spawn(format!("wake-up eventfd: {e}")))?,
         );
         let (ready_tx, ready_rx) = mpsc::channel();
         let config = driver::Config {
@@ -434,7 +436,7 @@ impl EngineBuilder {
                     ready_tx,
                 )
             })
-            .map_err(|e| EngineError::Spawn(e.to_string()))?;
+            .map_err(|e| BuildError::Spawn(e.to_string()))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -443,7 +445,9 @@ impl EngineBuilder {
             }
             Err(_) => {
                 let _ = thread.join();
-                return Err(EngineError::Shutdown);
+                return Err(BuildError::Spawn(
+                    "the poller thread ended before it was ready".into(),
+                ));
             }
         }
         Ok(Engine {

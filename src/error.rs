@@ -1,7 +1,10 @@
-//! Every way an engine call can fail ([`EngineError`], re-exported by
-//! [`crate::engine`] and at the crate root). Apart from the engine so that
-//! the poller, which answers control calls with it, does not depend on the
-//! engine that starts it.
+//! How engine calls fail, one type per phase, each returned by the calls
+//! of its phase only: [`BuildError`] by [`crate::EngineBuilder::build`];
+//! [`EngineError`] by the calls on a running engine. [`Error`] is any of
+//! them, for a caller that wants one type (`?` converts each). Apart from
+//! the engine so that the poller, which answers control calls with them,
+//! does not depend on the engine that starts it. A failed call changes
+//! nothing.
 
 use thiserror::Error;
 
@@ -11,7 +14,51 @@ use crate::metadata::MetadataError;
 use crate::placement::PlacementError;
 use crate::transport::ucx::UcxError;
 
-/// Every way an engine call can fail. A failed call changes nothing.
+/// Building an engine failed ([`crate::EngineBuilder::build`],
+/// [`crate::EngineBuilder::core_map`]): a setting, the poller's CPU, the
+/// ledger's sizes, UCX or the poller thread. No engine exists.
+#[derive(Debug, Error)]
+pub enum BuildError {
+    /// A block size of 0 bytes.
+    #[error("block size {0}: a block holds at least one byte")]
+    BlockSize(u64),
+    /// A ring too small to carry anything.
+    #[error("the {ring} ring of {entries} entries is too small: it needs at least {min}")]
+    RingTooSmall {
+        /// Which ring (`command`, `event`).
+        ring: &'static str,
+        /// Entries given.
+        entries: usize,
+        /// The fewest it may have.
+        min: usize,
+    },
+    /// A core map without a poller entry.
+    #[error("the core map names no poller CPU")]
+    NoPoller,
+    /// A poller CPU that this machine does not have.
+    #[error("poller CPU {core} does not exist on this machine (CPUs: {cpus})")]
+    NoSuchCpu {
+        /// The CPU asked for.
+        core: usize,
+        /// The machine's CPUs, as a CPU list (`0-3,8`).
+        cpus: String,
+    },
+    /// The ledger sizes are invalid.
+    #[error(transparent)]
+    Ledger(#[from] ConfigError),
+    /// Placing the poller failed (pinning a busy poller).
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    /// UCX could not start: among others, a transport list it cannot use
+    /// ([`UcxError::NoUsableTransport`] names it and what UCX offers).
+    #[error(transparent)]
+    Ucx(#[from] UcxError),
+    /// The poller thread could not be started.
+    #[error("starting the poller thread: {0}")]
+    Spawn(String),
+}
+
+/// A call on a running engine failed.
 #[derive(Debug, Error)]
 pub enum EngineError {
     /// A request with this id is in flight or not yet reported.
@@ -72,14 +119,6 @@ pub enum EngineError {
         len: usize,
         /// Bytes per block.
         block_size: u64,
-    },
-    /// A poller CPU that this machine does not have.
-    #[error("poller CPU {core} does not exist on this machine (CPUs: {cpus})")]
-    NoSuchCpu {
-        /// The CPU asked for.
-        core: usize,
-        /// The machine's CPUs, as a CPU list (`0-3,8`).
-        cpus: String,
     },
     /// Every ledger slot is in use: poll and retire, or build a larger ledger.
     #[error("all {0} request slots are in use")]
@@ -155,18 +194,6 @@ pub enum EngineError {
     /// without the new region, and every later transfer with it would fail.
     #[error("register every region before adding peers (peers hold the metadata sent them)")]
     RegionsFrozen,
-    /// The ledger sizes are invalid.
-    #[error(transparent)]
-    Ledger(#[from] ConfigError),
-    /// Placing the poller failed.
-    #[error(transparent)]
-    Placement(#[from] PlacementError),
-    /// The builder's settings are invalid.
-    #[error("invalid engine configuration: {0}")]
-    Config(&'static str),
-    /// The poller thread could not be started.
-    #[error("starting the poller thread: {0}")]
-    Spawn(String),
     /// The engine was shut down.
     #[error("the engine is shut down")]
     Shutdown,
@@ -174,4 +201,16 @@ pub enum EngineError {
     /// failed (`Cause::PollerDied`); the engine accepts nothing more.
     #[error("the poller thread died; requests in flight were reported failed")]
     PollerDied,
+}
+
+/// Any kvpoll error, for a caller that wants one type: each phase's error
+/// converts into it with `?`.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// Building the engine failed.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    /// A call on the running engine failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }

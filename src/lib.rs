@@ -52,8 +52,8 @@ pub(crate) mod wake;
 pub mod wire;
 
 pub use engine::{
-    Engine, EngineBuilder, EngineError, EngineWaker, FailedRecv, IdlePolicy, Outcomes, PollerStats,
-    Transfer,
+    BuildError, Engine, EngineBuilder, EngineError, EngineWaker, Error, FailedRecv, IdlePolicy,
+    Outcomes, PollerStats, Transfer,
 };
 pub use ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId, Status};
 pub use placement::CoreMap;

@@ -35,7 +35,7 @@ use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes, Transfer};
+use kvpoll::engine::{BuildError, Engine, EngineError, IdlePolicy, Outcomes, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -232,6 +232,22 @@ impl From<EngineError> for Fail {
     }
 }
 
+impl From<BuildError> for Fail {
+    fn from(e: BuildError) -> Self {
+        let status = match e {
+            BuildError::BlockSize(_)
+            | BuildError::RingTooSmall { .. }
+            | BuildError::NoPoller
+            | BuildError::NoSuchCpu { .. }
+            | BuildError::Ledger(_)
+            | BuildError::Placement(_) => KVPOLL_ERR_CONFIG,
+            BuildError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
+            BuildError::Spawn(_) => KVPOLL_ERR_OTHER,
+        };
+        Fail(status, e.to_string())
+    }
+}
+
 fn arg(msg: impl Into<String>) -> Fail {
     Fail(KVPOLL_ERR_ARGUMENT, msg.into())
 }
@@ -256,7 +272,6 @@ fn status_of(e: &EngineError) -> i32 {
         | EngineError::NoRegions
         | EngineError::NoSuchRegion { .. }
         | EngineError::NotWholeBlocks { .. } => KVPOLL_ERR_REGION,
-        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => KVPOLL_ERR_CONFIG,
         EngineError::Shutdown => KVPOLL_ERR_SHUTDOWN,
         other => {
             let debug = format!("{other:?}");

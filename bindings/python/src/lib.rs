@@ -22,7 +22,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use kvpoll::engine::{
-    Engine as RsEngine, EngineError, IdlePolicy, Outcomes, PartTransfer, Transfer as RsTransfer,
+    BuildError, Engine as RsEngine, EngineError, IdlePolicy, Outcomes, PartTransfer, Transfer as RsTransfer,
 };
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
 use kvpoll::transport::ucx::{Context, ContextOptions};
@@ -162,7 +162,6 @@ fn kind_of(e: &EngineError) -> Option<Kind> {
         | EngineError::NoRegions
         | EngineError::NoSuchRegion { .. }
         | EngineError::NotWholeBlocks { .. } => Some(Kind::Region),
-        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => Some(Kind::Config),
         EngineError::Shutdown => Some(Kind::Shutdown),
         other => kind_by_name(other),
     }
@@ -184,6 +183,21 @@ fn kind_by_name(e: &EngineError) -> Option<Kind> {
 
 fn engine_err(py: Python<'_>, e: EngineError) -> PyErr {
     error(py, kind_of(&e), e.to_string())
+}
+
+/// A build error's class: the settings, or UCX.
+fn build_err(py: Python<'_>, e: BuildError) -> PyErr {
+    let kind = match e {
+        BuildError::BlockSize(_)
+        | BuildError::RingTooSmall { .. }
+        | BuildError::NoPoller
+        | BuildError::NoSuchCpu { .. }
+        | BuildError::Ledger(_)
+        | BuildError::Placement(_) => Some(Kind::Config),
+        BuildError::Ucx(_) => Some(Kind::Transport),
+        BuildError::Spawn(_) => None,
+    };
+    error(py, kind, e.to_string())
 }
 
 /// An engine error of a call about `req_id`: the request is named by the
@@ -972,7 +986,7 @@ impl Engine {
             .ucx(ucx);
         let inner = py
             .allow_threads(move || builder.build())
-            .map_err(|e| engine_err(py, e))?;
+            .map_err(|e| build_err(py, e))?;
         Ok(Engine {
             inner: Exclusive(inner),
             block_size,

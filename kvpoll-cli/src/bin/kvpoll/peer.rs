@@ -125,7 +125,9 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         memory,
     } = *args;
     let regions = usize::from(regions);
-    let fail = |e: kvpoll::EngineError| CliError::Failed(e.to_string());
+    fn fail(e: impl std::fmt::Display) -> CliError {
+        CliError::Failed(e.to_string())
+    }
     let mut builder = kvpoll::Engine::builder()
         .block_size(block_size)
         .ucx(ContextOptions::with_transports(tls));
