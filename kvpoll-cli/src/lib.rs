@@ -28,7 +28,10 @@ pub enum RunError {
 /// that carries a `kvpoll::Error` in variant `$variant`.
 macro_rules! from_engine_errors {
     ($target:ty, $variant:path) => {
-        $crate::from_engine_errors!(@each $target, $variant, kvpoll::BuildError, kvpoll::EngineError);
+        $crate::from_engine_errors!(
+            @each $target, $variant,
+            kvpoll::BuildError, kvpoll::RegionError, kvpoll::PeerError, kvpoll::SubmitError
+        );
     };
     (@each $target:ty, $variant:path, $($phase:ty),*) => {$(
         impl From<$phase> for $target {

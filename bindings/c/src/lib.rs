@@ -35,7 +35,9 @@ use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-use kvpoll::engine::{BuildError, Engine, EngineError, IdlePolicy, Outcomes, Transfer};
+use kvpoll::engine::{
+    BuildError, Engine, IdlePolicy, Outcomes, PeerError, RegionError, SubmitError, Transfer,
+};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -120,7 +122,7 @@ pub const KVPOLL_ERR_CONFIG: i32 = 7;
 pub const KVPOLL_ERR_SHUTDOWN: i32 = 8;
 /// The output buffer is too small; the size needed was written back.
 pub const KVPOLL_ERR_BUFFER_TOO_SMALL: i32 = 9;
-/// An engine error of a kind this header does not know yet.
+/// An engine error of no other kind (the poller thread could not start).
 pub const KVPOLL_ERR_OTHER: i32 = 10;
 /// A bug: the call panicked (the message says where). The engine may be
 /// unusable; free it.
@@ -226,12 +228,6 @@ pub struct kvpoll_engine {
 /// An error inside a call: status and message.
 struct Fail(i32, String);
 
-impl From<EngineError> for Fail {
-    fn from(e: EngineError) -> Self {
-        Fail(status_of(&e), e.to_string())
-    }
-}
-
 impl From<BuildError> for Fail {
     fn from(e: BuildError) -> Self {
         let status = match e {
@@ -252,40 +248,59 @@ fn arg(msg: impl Into<String>) -> Fail {
     Fail(KVPOLL_ERR_ARGUMENT, msg.into())
 }
 
-/// The status of an engine error. Variants added to kvpoll later give
-/// `KVPOLL_ERR_OTHER`, except those known by name.
-fn status_of(e: &EngineError) -> i32 {
-    #[allow(unreachable_patterns)]
-    match e {
-        EngineError::Duplicate(_)
-        | EngineError::TooManyHandles(_)
-        | EngineError::BadPairing { .. }
-        | EngineError::TooManyBlocks { .. }
-        | EngineError::BlockOutOfRange { .. }
-        | EngineError::TooManyBytes { .. }
-        | EngineError::NothingToAwait
-        | EngineError::UnknownRequest(_) => KVPOLL_ERR_REQUEST,
-        EngineError::UnknownPeer(_) | EngineError::Metadata(_) => KVPOLL_ERR_PEER,
-        EngineError::Full(_) | EngineError::RingFull(_) => KVPOLL_ERR_BUSY,
-        EngineError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-        EngineError::BadRegion { .. }
-        | EngineError::NoRegions
-        | EngineError::NoSuchRegion { .. }
-        | EngineError::NotWholeBlocks { .. } => KVPOLL_ERR_REGION,
-        EngineError::Shutdown => KVPOLL_ERR_SHUTDOWN,
-        other => {
-            let debug = format!("{other:?}");
-            match debug
-                .split(|c: char| !c.is_ascii_alphanumeric())
-                .next()
-                .unwrap_or("")
-            {
-                "PollerDied" => KVPOLL_ERR_SHUTDOWN,
-                "RequestTooLarge" => KVPOLL_ERR_REQUEST,
-                "RegionsFrozen" => KVPOLL_ERR_REGION,
-                _ => KVPOLL_ERR_OTHER,
+/// The status of each phase's errors, exhaustively: a new variant in
+/// kvpoll must be given its status here.
+impl From<RegionError> for Fail {
+    fn from(e: RegionError) -> Self {
+        let status = match e {
+            RegionError::BadSize { .. }
+            | RegionError::Uneven { .. }
+            | RegionError::NullMemory { .. }
+            | RegionError::NotWholeBlocks { .. }
+            | RegionError::Frozen
+            | RegionError::NoSuchRegion { .. } => KVPOLL_ERR_REGION,
+            RegionError::TooManyBytes { .. } | RegionError::BlockOutOfRange { .. } => {
+                KVPOLL_ERR_REQUEST
             }
-        }
+            RegionError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
+            RegionError::Stopped(_) => KVPOLL_ERR_SHUTDOWN,
+        };
+        Fail(status, e.to_string())
+    }
+}
+
+impl From<PeerError> for Fail {
+    fn from(e: PeerError) -> Self {
+        let status = match e {
+            PeerError::Metadata(_) | PeerError::Busy(_) | PeerError::Unknown(_) => KVPOLL_ERR_PEER,
+            PeerError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
+            PeerError::Stopped(_) => KVPOLL_ERR_SHUTDOWN,
+        };
+        Fail(status, e.to_string())
+    }
+}
+
+impl From<SubmitError> for Fail {
+    fn from(e: SubmitError) -> Self {
+        let status = match e {
+            SubmitError::Duplicate(_)
+            | SubmitError::UnknownRequest(_)
+            | SubmitError::NoHandles
+            | SubmitError::TooManyHandles(_)
+            | SubmitError::BadPairing { .. }
+            | SubmitError::TooManyBlocks { .. }
+            | SubmitError::BlockOutOfRange { .. }
+            | SubmitError::NothingToAwait
+            | SubmitError::TooManyConsumers(_)
+            | SubmitError::BadIncarnation { .. }
+            | SubmitError::BadPart { .. }
+            | SubmitError::RequestTooLarge { .. } => KVPOLL_ERR_REQUEST,
+            SubmitError::UnknownPeer { .. } => KVPOLL_ERR_PEER,
+            SubmitError::NoRegions => KVPOLL_ERR_REGION,
+            SubmitError::Full(_) | SubmitError::RingFull(_) => KVPOLL_ERR_BUSY,
+            SubmitError::Stopped(_) => KVPOLL_ERR_SHUTDOWN,
+        };
+        Fail(status, e.to_string())
     }
 }
 
@@ -771,7 +786,7 @@ unsafe fn expose(
     incarnation: *mut u64,
     err: *mut c_char,
     err_len: usize,
-    f: impl FnOnce(&mut Engine, &[BlockId]) -> Result<Incarnation, EngineError>,
+    f: impl FnOnce(&mut Engine, &[BlockId]) -> Result<Incarnation, SubmitError>,
 ) -> i32 {
     // SAFETY: caller's contract.
     unsafe {

@@ -306,7 +306,7 @@ impl Lender {
     /// Lends up to `ahead` past what was released, printing `LENT <id>
     /// <incarnation, hex>` for each: the reader reads each id with that
     /// incarnation.
-    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::EngineError> {
+    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::SubmitError> {
         let mut lent = String::new();
         while self.next < self.released + self.ahead {
             let mut ids = std::mem::take(&mut self.ids);
