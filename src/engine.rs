@@ -37,7 +37,9 @@ use crate::metrics::{MetricsSnapshot, PollerMetrics, RejectedInputs, RingMetrics
 use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::ContextOptions;
 
-pub use crate::error::{BuildError, Error, PeerError, RegionError, Stopped, SubmitError};
+pub use crate::error::{
+    BuildError, Error, ErrorKind, PeerError, RegionError, Stopped, SubmitError,
+};
 pub use crate::placement::IdlePolicy;
 /// Faults the poller can inject (the `fault-injection` feature).
 #[cfg(feature = "fault-injection")]

@@ -285,14 +285,6 @@ pub enum SubmitError {
     Stopped(#[from] Stopped),
 }
 
-impl SubmitError {
-    /// Whether the refusal is only for now (every slot in use, the command
-    /// ring full): poll, then the same call may succeed.
-    pub fn is_busy(&self) -> bool {
-        matches!(self, SubmitError::Full(_) | SubmitError::RingFull(_))
-    }
-}
-
 /// Any kvpoll error, for a caller that wants one type: each phase's error
 /// converts into it with `?`.
 #[derive(Debug, Error)]
@@ -311,7 +303,85 @@ pub enum Error {
     Submit(#[from] SubmitError),
 }
 
+/// What an error asks of the caller, across phases: the classes the C
+/// (`KVPOLL_ERR_*`) and Python (`kvpoll.*Error`) bindings report. A
+/// block of a region given too many bytes or out of range is a request's
+/// kind (the call's arguments are wrong, as for a read naming that block);
+/// a request before any region is registered is a region's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A setting of the engine (block size, rings, CPU, ledger sizes).
+    Config,
+    /// A region's size or layout, or no region registered yet.
+    Region,
+    /// A request's (or a block access's) arguments.
+    Request,
+    /// Peer metadata, or a peer not known.
+    Peer,
+    /// Only for now: poll, then retry.
+    Busy,
+    /// A UCX call.
+    Transport,
+    /// The engine takes nothing more.
+    Stopped,
+    /// None of these (the poller thread could not start).
+    Other,
+}
+
 impl Error {
+    /// What this error asks of the caller.
+    pub fn kind(&self) -> ErrorKind {
+        use ErrorKind as K;
+        match self {
+            Error::Build(e) => match e {
+                BuildError::BlockSize(_)
+                | BuildError::RingTooSmall { .. }
+                | BuildError::NoPoller
+                | BuildError::NoSuchCpu { .. }
+                | BuildError::Ledger(_)
+                | BuildError::Placement(_) => K::Config,
+                BuildError::Ucx(_) => K::Transport,
+                BuildError::Spawn(_) => K::Other,
+            },
+            Error::Region(e) => match e {
+                RegionError::BadSize { .. }
+                | RegionError::Uneven { .. }
+                | RegionError::NullMemory { .. }
+                | RegionError::NotWholeBlocks { .. }
+                | RegionError::Frozen
+                | RegionError::NoSuchRegion { .. } => K::Region,
+                RegionError::TooManyBytes { .. } | RegionError::BlockOutOfRange { .. } => {
+                    K::Request
+                }
+                RegionError::Ucx(_) => K::Transport,
+                RegionError::Stopped(_) => K::Stopped,
+            },
+            Error::Peer(e) => match e {
+                PeerError::Metadata(_) | PeerError::Busy(_) | PeerError::Unknown(_) => K::Peer,
+                PeerError::Ucx(_) => K::Transport,
+                PeerError::Stopped(_) => K::Stopped,
+            },
+            Error::Submit(e) => match e {
+                SubmitError::Duplicate(_)
+                | SubmitError::UnknownRequest(_)
+                | SubmitError::NoHandles
+                | SubmitError::TooManyHandles(_)
+                | SubmitError::BadPairing { .. }
+                | SubmitError::TooManyBlocks { .. }
+                | SubmitError::BlockOutOfRange { .. }
+                | SubmitError::NothingToAwait
+                | SubmitError::TooManyConsumers(_)
+                | SubmitError::BadIncarnation { .. }
+                | SubmitError::BadPart { .. }
+                | SubmitError::RequestTooLarge { .. } => K::Request,
+                SubmitError::UnknownPeer { .. } => K::Peer,
+                SubmitError::NoRegions => K::Region,
+                SubmitError::Full(_) | SubmitError::RingFull(_) => K::Busy,
+                SubmitError::Stopped(_) => K::Stopped,
+            },
+        }
+    }
+
     /// The engine stopped, whatever the call: `None` for every other error.
     pub fn stopped(&self) -> Option<Stopped> {
         match self {

@@ -5,8 +5,8 @@
 
 use kvpoll::transport::ucx::UcxError;
 use kvpoll::{
-    BlockId, BuildError, ContextOptions, Engine, Error, PeerError, RegionError, RequestId, Stopped,
-    SubmitError,
+    BlockId, BuildError, ContextOptions, Engine, Error, ErrorKind, PeerError, RegionError,
+    RequestId, Stopped, SubmitError,
 };
 
 fn engine() -> Engine {
@@ -262,9 +262,11 @@ fn a_shut_down_engine_says_so_in_every_phase() {
     assert_eq!(submit.to_string(), "the engine is shut down");
     for any in [Error::from(region), Error::from(peer), Error::from(submit)] {
         assert_eq!(any.stopped(), Some(Stopped::Shutdown), "{any:?}");
+        assert_eq!(any.kind(), ErrorKind::Stopped, "{any:?}");
     }
     let refused = Error::from(SubmitError::NoRegions);
     assert_eq!(refused.stopped(), None);
+    assert_eq!(refused.kind(), ErrorKind::Region);
 }
 
 /// A failure's transport status is typed: UCX's name and number, the

@@ -36,7 +36,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use kvpoll::engine::{
-    BuildError, Engine, IdlePolicy, Outcomes, PeerError, RegionError, SubmitError, Transfer,
+    BuildError, Engine, ErrorKind, IdlePolicy, Outcomes, PeerError, RegionError, SubmitError,
+    Transfer,
 };
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
@@ -228,81 +229,38 @@ pub struct kvpoll_engine {
 /// An error inside a call: status and message.
 struct Fail(i32, String);
 
-impl From<BuildError> for Fail {
-    fn from(e: BuildError) -> Self {
-        let status = match e {
-            BuildError::BlockSize(_)
-            | BuildError::RingTooSmall { .. }
-            | BuildError::NoPoller
-            | BuildError::NoSuchCpu { .. }
-            | BuildError::Ledger(_)
-            | BuildError::Placement(_) => KVPOLL_ERR_CONFIG,
-            BuildError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-            BuildError::Spawn(_) => KVPOLL_ERR_OTHER,
-        };
-        Fail(status, e.to_string())
-    }
-}
-
 fn arg(msg: impl Into<String>) -> Fail {
     Fail(KVPOLL_ERR_ARGUMENT, msg.into())
 }
 
-/// The status of each phase's errors, exhaustively: a new variant in
-/// kvpoll must be given its status here.
-impl From<RegionError> for Fail {
-    fn from(e: RegionError) -> Self {
-        let status = match e {
-            RegionError::BadSize { .. }
-            | RegionError::Uneven { .. }
-            | RegionError::NullMemory { .. }
-            | RegionError::NotWholeBlocks { .. }
-            | RegionError::Frozen
-            | RegionError::NoSuchRegion { .. } => KVPOLL_ERR_REGION,
-            RegionError::TooManyBytes { .. } | RegionError::BlockOutOfRange { .. } => {
-                KVPOLL_ERR_REQUEST
+/// The status of an engine error: its kind's.
+impl From<kvpoll::Error> for Fail {
+    fn from(e: kvpoll::Error) -> Self {
+        let status = match e.kind() {
+            ErrorKind::Config => KVPOLL_ERR_CONFIG,
+            ErrorKind::Region => KVPOLL_ERR_REGION,
+            ErrorKind::Request => KVPOLL_ERR_REQUEST,
+            ErrorKind::Peer => KVPOLL_ERR_PEER,
+            ErrorKind::Busy => KVPOLL_ERR_BUSY,
+            ErrorKind::Transport => KVPOLL_ERR_TRANSPORT,
+            ErrorKind::Stopped => KVPOLL_ERR_SHUTDOWN,
+            ErrorKind::Other => KVPOLL_ERR_OTHER,
+        };
+        Fail(status, e.to_string())
+    }
+}
+
+/// Each phase's error, through `?`.
+macro_rules! fail_from {
+    ($($phase:ty),*) => {$(
+        impl From<$phase> for Fail {
+            fn from(e: $phase) -> Self {
+                kvpoll::Error::from(e).into()
             }
-            RegionError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-            RegionError::Stopped(_) => KVPOLL_ERR_SHUTDOWN,
-        };
-        Fail(status, e.to_string())
-    }
+        }
+    )*};
 }
-
-impl From<PeerError> for Fail {
-    fn from(e: PeerError) -> Self {
-        let status = match e {
-            PeerError::Metadata(_) | PeerError::Busy(_) | PeerError::Unknown(_) => KVPOLL_ERR_PEER,
-            PeerError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-            PeerError::Stopped(_) => KVPOLL_ERR_SHUTDOWN,
-        };
-        Fail(status, e.to_string())
-    }
-}
-
-impl From<SubmitError> for Fail {
-    fn from(e: SubmitError) -> Self {
-        let status = match e {
-            SubmitError::Duplicate(_)
-            | SubmitError::UnknownRequest(_)
-            | SubmitError::NoHandles
-            | SubmitError::TooManyHandles(_)
-            | SubmitError::BadPairing { .. }
-            | SubmitError::TooManyBlocks { .. }
-            | SubmitError::BlockOutOfRange { .. }
-            | SubmitError::NothingToAwait
-            | SubmitError::TooManyConsumers(_)
-            | SubmitError::BadIncarnation { .. }
-            | SubmitError::BadPart { .. }
-            | SubmitError::RequestTooLarge { .. } => KVPOLL_ERR_REQUEST,
-            SubmitError::UnknownPeer { .. } => KVPOLL_ERR_PEER,
-            SubmitError::NoRegions => KVPOLL_ERR_REGION,
-            SubmitError::Full(_) | SubmitError::RingFull(_) => KVPOLL_ERR_BUSY,
-            SubmitError::Stopped(_) => KVPOLL_ERR_SHUTDOWN,
-        };
-        Fail(status, e.to_string())
-    }
-}
+fail_from!(BuildError, RegionError, PeerError, SubmitError);
 
 /// Writes `msg` into the caller's buffer, truncated on a UTF-8 boundary
 /// and NUL-terminated.

@@ -22,8 +22,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use kvpoll::engine::{
-    BuildError, Engine as RsEngine, IdlePolicy, Outcomes, PartTransfer, PeerError, RegionError,
-    SubmitError, Transfer as RsTransfer,
+    Engine as RsEngine, IdlePolicy, Outcomes, PartTransfer, SubmitError, Transfer as RsTransfer,
 };
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
 use kvpoll::transport::ucx::{Context, ContextOptions};
@@ -38,17 +37,8 @@ pyo3::create_exception!(
 );
 
 /// The kinds of kvpoll errors, one Python class each (all under
-/// `KvpollError`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Config,
-    Region,
-    Request,
-    Peer,
-    Busy,
-    Transport,
-    Shutdown,
-}
+/// `KvpollError`); `ErrorKind::Other` is `KvpollError` itself.
+use kvpoll::ErrorKind as Kind;
 
 /// Name, whether it is also a `ValueError`, and docstring of each kind, in
 /// `Kind` order.
@@ -91,7 +81,7 @@ const KINDS: [(Kind, &str, bool, &str); 7] = [
         "A UCX call failed.",
     ),
     (
-        Kind::Shutdown,
+        Kind::Stopped,
         "ShutdownError",
         false,
         "The engine is shut down (or its poller died).",
@@ -138,80 +128,11 @@ fn error(py: Python<'_>, kind: Option<Kind>, msg: String) -> PyErr {
     }
 }
 
-/// The class of each phase's errors, exhaustively: a new variant in kvpoll
-/// must be given its class here. The classes predate the phases (callers
-/// catch them), so a phase does not map to one class: a block of a region
-/// given too many bytes is a `RequestError`, as it always was.
-trait Classed: std::fmt::Display {
-    fn kind(&self) -> Option<Kind>;
-}
-
-impl Classed for BuildError {
-    fn kind(&self) -> Option<Kind> {
-        match self {
-            BuildError::BlockSize(_)
-            | BuildError::RingTooSmall { .. }
-            | BuildError::NoPoller
-            | BuildError::NoSuchCpu { .. }
-            | BuildError::Ledger(_)
-            | BuildError::Placement(_) => Some(Kind::Config),
-            BuildError::Ucx(_) => Some(Kind::Transport),
-            BuildError::Spawn(_) => None,
-        }
-    }
-}
-
-impl Classed for RegionError {
-    fn kind(&self) -> Option<Kind> {
-        Some(match self {
-            RegionError::BadSize { .. }
-            | RegionError::Uneven { .. }
-            | RegionError::NullMemory { .. }
-            | RegionError::NotWholeBlocks { .. }
-            | RegionError::Frozen
-            | RegionError::NoSuchRegion { .. } => Kind::Region,
-            RegionError::TooManyBytes { .. } | RegionError::BlockOutOfRange { .. } => Kind::Request,
-            RegionError::Ucx(_) => Kind::Transport,
-            RegionError::Stopped(_) => Kind::Shutdown,
-        })
-    }
-}
-
-impl Classed for PeerError {
-    fn kind(&self) -> Option<Kind> {
-        Some(match self {
-            PeerError::Metadata(_) | PeerError::Busy(_) | PeerError::Unknown(_) => Kind::Peer,
-            PeerError::Ucx(_) => Kind::Transport,
-            PeerError::Stopped(_) => Kind::Shutdown,
-        })
-    }
-}
-
-impl Classed for SubmitError {
-    fn kind(&self) -> Option<Kind> {
-        Some(match self {
-            SubmitError::Duplicate(_)
-            | SubmitError::UnknownRequest(_)
-            | SubmitError::NoHandles
-            | SubmitError::TooManyHandles(_)
-            | SubmitError::BadPairing { .. }
-            | SubmitError::TooManyBlocks { .. }
-            | SubmitError::BlockOutOfRange { .. }
-            | SubmitError::NothingToAwait
-            | SubmitError::TooManyConsumers(_)
-            | SubmitError::BadIncarnation { .. }
-            | SubmitError::BadPart { .. }
-            | SubmitError::RequestTooLarge { .. } => Kind::Request,
-            SubmitError::UnknownPeer { .. } => Kind::Peer,
-            SubmitError::NoRegions => Kind::Region,
-            SubmitError::Full(_) | SubmitError::RingFull(_) => Kind::Busy,
-            SubmitError::Stopped(_) => Kind::Shutdown,
-        })
-    }
-}
-
-fn engine_err(py: Python<'_>, e: impl Classed) -> PyErr {
-    error(py, e.kind(), e.to_string())
+/// The class of an engine error: its kind's.
+fn engine_err(py: Python<'_>, e: impl Into<kvpoll::Error>) -> PyErr {
+    let e: kvpoll::Error = e.into();
+    let kind = Some(e.kind()).filter(|&k| k != Kind::Other);
+    error(py, kind, e.to_string())
 }
 
 /// A refused request: named by the caller's id (`'req-B'`), not by its
@@ -223,7 +144,11 @@ fn request_err(py: Python<'_>, req_id: &Bound<'_, PyAny>, e: SubmitError) -> PyE
         _ => return engine_err(py, e),
     };
     match req_id.repr() {
-        Ok(repr) => error(py, e.kind(), format!("request {repr} is {state}")),
+        Ok(repr) => error(
+            py,
+            Some(Kind::Request),
+            format!("request {repr} is {state}"),
+        ),
         Err(_) => engine_err(py, e),
     }
 }
