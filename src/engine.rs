@@ -37,7 +37,9 @@ use crate::metrics::{MetricsSnapshot, PollerMetrics, RejectedInputs, RingMetrics
 use crate::ring::{self, CommandSender, EventReceiver};
 use crate::transport::ucx::ContextOptions;
 
-pub use crate::error::EngineError;
+pub use crate::error::{
+    BuildError, Error, ErrorKind, PeerError, RegionError, Stopped, SubmitError,
+};
 pub use crate::placement::IdlePolicy;
 /// Faults the poller can inject (the `fault-injection` feature).
 #[cfg(feature = "fault-injection")]
@@ -74,7 +76,7 @@ impl<'a> Transfer<'a> {
     /// non-empty, of equal length, and inside a block on their side; the
     /// read or write that takes it ([`Engine::read_parts`],
     /// [`Engine::write_parts`]) refuses them otherwise
-    /// ([`EngineError::BadPart`]).
+    /// ([`SubmitError::BadPart`]).
     pub fn part(
         self,
         local: std::ops::Range<u64>,
@@ -274,7 +276,7 @@ impl EngineBuilder {
     }
 
     /// Pin the poller to this CPU core (default: not pinned). A CPU the
-    /// machine does not have is refused ([`EngineError::NoSuchCpu`]). A
+    /// machine does not have is refused ([`BuildError::NoSuchCpu`]). A
     /// failure to pin is an error for a `Busy` poller; an `Adaptive` one
     /// runs unpinned, with a `tracing` warning, and
     /// [`Engine::poller_core`] says `None`. Take the core from a
@@ -287,11 +289,8 @@ impl EngineBuilder {
     /// Places the poller as a core map says: the first poller entry's core
     /// and idle policy (this engine runs one poller; further entries are
     /// for further engines). A map without pollers is refused.
-    pub fn core_map(mut self, map: &crate::placement::CoreMap) -> Result<Self, EngineError> {
-        let spec = map
-            .pollers()
-            .first()
-            .ok_or(EngineError::Config("the core map names no poller"))?;
+    pub fn core_map(mut self, map: &crate::placement::CoreMap) -> Result<Self, BuildError> {
+        let spec = map.pollers().first().ok_or(BuildError::NoPoller)?;
         self.core = Some(spec.core);
         self.idle = spec.idle;
         Ok(self)
@@ -373,17 +372,23 @@ impl EngineBuilder {
     }
 
     /// Starts the poller and returns the engine.
-    pub fn build(self) -> Result<Engine, EngineError> {
+    pub fn build(self) -> Result<Engine, BuildError> {
         if self.block_size == 0 {
-            return Err(EngineError::Config("block size 0"));
+            return Err(BuildError::BlockSize(0));
         }
-        if self.command_ring < 2 || self.event_ring < 1 {
-            return Err(EngineError::Config("rings need room"));
+        for (ring, entries, min) in [
+            ("command", self.command_ring, 2),
+            ("event", self.event_ring, 1),
+        ] {
+            if entries < min {
+                return Err(BuildError::RingTooSmall { ring, entries, min });
+            }
         }
         if let Some(core) = self.core {
             if let Some(cpus) = crate::placement::machine_cpus().filter(|c| !c.contains(&core)) {
-                return Err(EngineError::NoSuchCpu {
+                return Err(BuildError::NoSuchCpu {
                     core,
+                    count: cpus.len(),
                     cpus: crate::placement::format_cpu_list(&cpus),
                 });
             }
@@ -397,7 +402,7 @@ impl EngineBuilder {
         let (retire, retire_rx) = ring::commands::<RequestKey>(self.ledger.slots as usize);
         let (control, control_rx) = mpsc::channel();
         let shared = Arc::new(
-            Shared::new().map_err(|e| EngineError::Spawn(format!("wake-up eventfd: {e}")))?,
+            Shared::new().map_err(|e| BuildError::Spawn(format!("wake-up eventfd: {e}")))?,
         );
         let (ready_tx, ready_rx) = mpsc::channel();
         let config = driver::Config {
@@ -434,7 +439,7 @@ impl EngineBuilder {
                     ready_tx,
                 )
             })
-            .map_err(|e| EngineError::Spawn(e.to_string()))?;
+            .map_err(|e| BuildError::Spawn(e.to_string()))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -443,7 +448,9 @@ impl EngineBuilder {
             }
             Err(_) => {
                 let _ = thread.join();
-                return Err(EngineError::Shutdown);
+                return Err(BuildError::Spawn(
+                    "the poller thread ended before it was ready".into(),
+                ));
             }
         }
         Ok(Engine {
@@ -556,9 +563,9 @@ impl Tokens {
 }
 
 /// A lend's incarnation must name one: [`Incarnation::NONE`] is refused.
-fn lendable(token: Incarnation) -> Result<(), EngineError> {
+fn lendable(token: Incarnation) -> Result<(), SubmitError> {
     if token.is_none() {
-        return Err(EngineError::BadIncarnation {
+        return Err(SubmitError::BadIncarnation {
             handle: 0,
             why: "a lend needs an incarnation (Incarnation::draw)",
         });
@@ -685,10 +692,10 @@ impl Engine {
         EngineBuilder::default()
     }
 
-    fn control<T>(
+    fn control<T, E: From<Stopped>>(
         &self,
-        make: impl FnOnce(mpsc::Sender<Result<T, EngineError>>) -> Control,
-    ) -> Result<T, EngineError> {
+        make: impl FnOnce(mpsc::Sender<Result<T, E>>) -> Control,
+    ) -> Result<T, E> {
         self.alive()?;
         let (tx, rx) = mpsc::channel();
         self.control.send(make(tx)).map_err(|_| self.gone())?;
@@ -698,23 +705,23 @@ impl Engine {
     }
 
     /// Whether the engine still takes requests.
-    fn alive(&self) -> Result<(), EngineError> {
+    fn alive(&self) -> Result<(), Stopped> {
         if self.shared.dead.load(Ordering::Acquire) {
-            return Err(EngineError::PollerDied);
+            return Err(Stopped::PollerDied);
         }
         match &self.thread {
-            None => Err(EngineError::Shutdown),
+            None => Err(Stopped::Shutdown),
             Some(t) if t.is_finished() => Err(self.gone()),
             Some(_) => Ok(()),
         }
     }
 
     /// Why the poller is not there.
-    fn gone(&self) -> EngineError {
+    fn gone(&self) -> Stopped {
         if self.shared.dead.load(Ordering::Acquire) {
-            EngineError::PollerDied
+            Stopped::PollerDied
         } else {
-            EngineError::Shutdown
+            Stopped::Shutdown
         }
     }
 
@@ -723,7 +730,7 @@ impl Engine {
     /// one-sided). For memory the serving engine already has, see
     /// [`Engine::register_memory`]. Every region must hold the same
     /// number of blocks. Returns the region's index.
-    pub fn register(&mut self, blocks: u64) -> Result<usize, EngineError> {
+    pub fn register(&mut self, blocks: u64) -> Result<usize, RegionError> {
         self.register_region(blocks, None)
     }
 
@@ -739,15 +746,12 @@ impl Engine {
         &mut self,
         base: *mut u8,
         len: usize,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<usize, RegionError> {
         if base.is_null() {
-            return Err(EngineError::BadRegion {
-                blocks: len as u64 / self.block_size,
-                why: "caller memory is a null pointer",
-            });
+            return Err(RegionError::NullMemory { len });
         }
         if len as u64 % self.block_size != 0 {
-            return Err(EngineError::NotWholeBlocks {
+            return Err(RegionError::NotWholeBlocks {
                 len,
                 block_size: self.block_size,
             });
@@ -755,28 +759,24 @@ impl Engine {
         self.register_region(len as u64 / self.block_size, Some(base as usize))
     }
 
-    fn register_region(&mut self, blocks: u64, user: Option<usize>) -> Result<usize, EngineError> {
+    fn register_region(&mut self, blocks: u64, user: Option<usize>) -> Result<usize, RegionError> {
+        let bad = |why| RegionError::BadSize {
+            blocks,
+            block_size: self.block_size,
+            why,
+        };
         if blocks == 0 || blocks > u64::from(u32::MAX) {
-            return Err(EngineError::BadRegion {
-                blocks,
-                why: "must hold 1..=u32::MAX blocks",
-            });
+            return Err(bad("a region holds 1..=u32::MAX blocks"));
         }
-        if let Some(b) = self.region_blocks {
-            if b != blocks {
-                return Err(EngineError::BadRegion {
-                    blocks,
-                    why: "every region must hold the same number of blocks",
-                });
+        if let Some(first) = self.region_blocks {
+            if first != blocks {
+                return Err(RegionError::Uneven { blocks, first });
             }
         }
         let len = blocks
             .checked_mul(self.block_size)
             .filter(|&l| l <= 1 << 40)
-            .ok_or(EngineError::BadRegion {
-                blocks,
-                why: "too large",
-            })?;
+            .ok_or_else(|| bad("more than the 1 TiB a region may map"))?;
         let (base, len) = self.control(|reply| Control::Register {
             blocks,
             len: len as usize,
@@ -795,7 +795,7 @@ impl Engine {
         region: usize,
         block: BlockId,
         data: &[u8],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), RegionError> {
         let dst = self.block_ptr(region, block, data.len())?;
         // SAFETY: dst..dst+len lies inside a registered region (checked),
         // which stays mapped until the engine is dropped.
@@ -809,27 +809,28 @@ impl Engine {
         region: usize,
         block: BlockId,
         out: &mut [u8],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), RegionError> {
         let src = self.block_ptr(region, block, out.len())?;
         // SAFETY: as in write_block.
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 
-    fn block_ptr(&self, region: usize, block: BlockId, len: usize) -> Result<*mut u8, EngineError> {
-        let r = self.regions.get(region).ok_or(EngineError::NoSuchRegion {
+    fn block_ptr(&self, region: usize, block: BlockId, len: usize) -> Result<*mut u8, RegionError> {
+        let r = self.regions.get(region).ok_or(RegionError::NoSuchRegion {
             region,
             regions: self.regions.len(),
         })?;
         if len as u64 > self.block_size {
-            return Err(EngineError::TooManyBytes {
+            return Err(RegionError::TooManyBytes {
                 given: len,
                 block_size: self.block_size,
             });
         }
         let off = u64::from(block.0) * self.block_size;
         if off + self.block_size > r.len as u64 {
-            return Err(EngineError::BlockOutOfRange {
+            return Err(RegionError::BlockOutOfRange {
+                region,
                 block,
                 blocks: self.region_blocks.unwrap_or(0),
             });
@@ -844,12 +845,12 @@ impl Engine {
 
     /// This engine's metadata for its peers: worker address, region rkeys
     /// and layout, versioned and checksummed.
-    pub fn local_metadata(&self) -> Result<Vec<u8>, EngineError> {
+    pub fn local_metadata(&self) -> Result<Vec<u8>, PeerError> {
         self.control(|reply| Control::Metadata { reply })
     }
 
     /// Adds a peer from its metadata. Bad metadata changes nothing.
-    pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, EngineError> {
+    pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, PeerError> {
         let meta = crate::metadata::PeerMetadata::decode(metadata)?;
         meta.check_compatible(crate::metadata::BlockLayout {
             block_size: self.block_size,
@@ -862,7 +863,7 @@ impl Engine {
     /// block's heads). Whole-block transfers to it are refused while the
     /// sizes differ; part transfers ([`Transfer::part`]) address its blocks
     /// at its own size.
-    pub fn add_peer_any_block_size(&mut self, metadata: &[u8]) -> Result<PeerId, EngineError> {
+    pub fn add_peer_any_block_size(&mut self, metadata: &[u8]) -> Result<PeerId, PeerError> {
         let meta = crate::metadata::PeerMetadata::decode(metadata)?;
         self.add_decoded_peer(meta)
     }
@@ -870,7 +871,7 @@ impl Engine {
     fn add_decoded_peer(
         &mut self,
         meta: crate::metadata::PeerMetadata,
-    ) -> Result<PeerId, EngineError> {
+    ) -> Result<PeerId, PeerError> {
         let block_size = meta.layout.block_size;
         let peer = self.control(|reply| Control::AddPeer { meta, reply })?;
         let i = peer.0 as usize;
@@ -888,11 +889,11 @@ impl Engine {
         i: usize,
         peer: PeerId,
         bytes: Option<(std::ops::Range<u64>, std::ops::Range<u64>)>,
-    ) -> Result<Option<BlockBytes>, EngineError> {
+    ) -> Result<Option<BlockBytes>, SubmitError> {
         let theirs = self.peer_block_sizes.get(peer.0 as usize).copied();
         let Some((local, remote)) = bytes else {
             return match theirs {
-                Some(bs) if bs != 0 && bs != self.block_size => Err(EngineError::BadPart {
+                Some(bs) if bs != 0 && bs != self.block_size => Err(SubmitError::BadPart {
                     handle: i,
                     local: 0..self.block_size,
                     remote: 0..bs,
@@ -901,7 +902,7 @@ impl Engine {
                 _ => Ok(None),
             };
         };
-        let bad = |why| EngineError::BadPart {
+        let bad = |why| SubmitError::BadPart {
             handle: i,
             local: local.clone(),
             remote: remote.clone(),
@@ -922,7 +923,7 @@ impl Engine {
                     return Err(bad("the remote range ends past the peer's block size"));
                 }
             }
-            _ => return Err(EngineError::UnknownPeer(peer)),
+            _ => return Err(SubmitError::UnknownPeer { handle: i, peer }),
         }
         Ok(Some(BlockBytes {
             local_offset: local.start,
@@ -933,19 +934,19 @@ impl Engine {
 
     /// Removes a peer: its handles in flight fail (deferred, as always), its
     /// endpoint is closed. Removing a peer again is fine; an id this engine
-    /// never gave out is [`EngineError::UnknownPeer`].
-    pub fn remove_peer(&mut self, peer: PeerId) -> Result<(), EngineError> {
+    /// never gave out is [`PeerError::Unknown`].
+    pub fn remove_peer(&mut self, peer: PeerId) -> Result<(), PeerError> {
         self.control(|reply| Control::RemovePeer { peer, reply })
     }
 
     fn check_blocks<'a>(
         &self,
         blocks: impl Iterator<Item = &'a BlockId>,
-    ) -> Result<(), EngineError> {
-        let n = self.region_blocks.ok_or(EngineError::NoRegions)?;
+    ) -> Result<(), SubmitError> {
+        let n = self.region_blocks.ok_or(SubmitError::NoRegions)?;
         for &b in blocks {
             if u64::from(b.0) >= n {
-                return Err(EngineError::BlockOutOfRange {
+                return Err(SubmitError::BlockOutOfRange {
                     block: b,
                     blocks: n,
                 });
@@ -954,13 +955,13 @@ impl Engine {
         Ok(())
     }
 
-    fn admit(&self, id: RequestId) -> Result<(), EngineError> {
+    fn admit(&self, id: RequestId) -> Result<(), SubmitError> {
         self.alive()?;
         if self.in_flight.contains_key(&id) {
-            return Err(EngineError::Duplicate(id));
+            return Err(SubmitError::Duplicate(id));
         }
         if self.in_flight.len() >= self.capacity as usize {
-            return Err(EngineError::Full(self.capacity));
+            return Err(SubmitError::Full(self.capacity));
         }
         Ok(())
     }
@@ -971,10 +972,10 @@ impl Engine {
         kind: Kind,
         handles: &[H],
         expires_in: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         self.admit(id)?;
         if handles.len() > MAX_HANDLES {
-            return Err(EngineError::TooManyHandles(handles.len()));
+            return Err(SubmitError::TooManyHandles(handles.len()));
         }
         let mut total = 0usize;
         let mut parts: arrayvec::ArrayVec<Option<BlockBytes>, MAX_HANDLES> =
@@ -983,7 +984,7 @@ impl Engine {
         for (i, handle) in handles.iter().enumerate() {
             let h = handle.transfer();
             if h.local.len() != h.remote.len() || h.local.is_empty() {
-                return Err(EngineError::BadPairing {
+                return Err(SubmitError::BadPairing {
                     handle: i,
                     local: h.local.len(),
                     remote: h.remote.len(),
@@ -991,7 +992,7 @@ impl Engine {
             }
             self.check_blocks(h.local.iter())?;
             if guarded && h.lend.is_none() {
-                return Err(EngineError::BadIncarnation {
+                return Err(SubmitError::BadIncarnation {
                     handle: i,
                     why: "no incarnation: pass the token the remote engine's lend returned",
                 });
@@ -1001,7 +1002,7 @@ impl Engine {
                 .map(|g| g.transfer())
                 .any(|g| g.peer == h.peer && g.lend != h.lend)
             {
-                return Err(EngineError::BadIncarnation {
+                return Err(SubmitError::BadIncarnation {
                     handle: i,
                     why: "handles to one peer name different incarnations (one request reads one lend of each peer)",
                 });
@@ -1010,7 +1011,7 @@ impl Engine {
             total += h.local.len();
         }
         if total > self.max_blocks as usize {
-            return Err(EngineError::TooManyBlocks {
+            return Err(SubmitError::TooManyBlocks {
                 given: total,
                 max: self.max_blocks,
             });
@@ -1047,18 +1048,18 @@ impl Engine {
     }
 
     /// Refuses a batch the command ring can never hold.
-    fn fits(&self, entries: usize) -> Result<(), EngineError> {
+    fn fits(&self, entries: usize) -> Result<(), SubmitError> {
         let capacity = self.commands.capacity();
         if entries > capacity {
-            return Err(EngineError::RequestTooLarge { entries, capacity });
+            return Err(SubmitError::RequestTooLarge { entries, capacity });
         }
         Ok(())
     }
 
-    fn send(&mut self, id: RequestId, kind: Kind) -> Result<(), EngineError> {
+    fn send(&mut self, id: RequestId, kind: Kind) -> Result<(), SubmitError> {
         self.commands
             .send_all(&self.scratch)
-            .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
+            .map_err(|_| SubmitError::RingFull(self.scratch.len()))?;
         if kind != Kind::NotifyOnly {
             self.in_flight.insert(id, (kind, std::time::Instant::now()));
         }
@@ -1073,7 +1074,7 @@ impl Engine {
     /// at once.
     ///
     /// Several handles may name the same producer rank: it is notified once.
-    pub fn read(&mut self, id: RequestId, handles: &[Transfer<'_>]) -> Result<(), EngineError> {
+    pub fn read(&mut self, id: RequestId, handles: &[Transfer<'_>]) -> Result<(), SubmitError> {
         self.read_with_deadline(id, handles, self.read_deadline)
     }
 
@@ -1087,7 +1088,7 @@ impl Engine {
         id: RequestId,
         handles: &[Transfer<'_>],
         deadline: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         let kind = if handles.is_empty() {
             Kind::PrefixHit
         } else {
@@ -1105,13 +1106,9 @@ impl Engine {
         id: RequestId,
         handles: &[PartTransfer<'_>],
         deadline: Option<Duration>,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         if handles.is_empty() {
-            return Err(EngineError::BadPairing {
-                handle: 0,
-                local: 0,
-                remote: 0,
-            });
+            return Err(SubmitError::NoHandles);
         }
         let deadline = deadline.unwrap_or(self.read_deadline);
         self.submit_transfers(id, Kind::Read, handles, deadline)
@@ -1127,13 +1124,13 @@ impl Engine {
         &mut self,
         id: RequestId,
         producers: &[(PeerId, Incarnation)],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         self.alive()?;
         if producers.len() > MAX_HANDLES {
-            return Err(EngineError::TooManyHandles(producers.len()));
+            return Err(SubmitError::TooManyHandles(producers.len()));
         }
         if let Some(i) = producers.iter().position(|p| p.1.is_none()) {
-            return Err(EngineError::BadIncarnation {
+            return Err(SubmitError::BadIncarnation {
                 handle: i,
                 why: "no incarnation: pass the token the remote engine's lend returned",
             });
@@ -1170,7 +1167,7 @@ impl Engine {
         handles: &[Transfer<'_>],
         expected_acks: u32,
         lease: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         self.submit_write(id, handles, expected_acks, lease)
     }
 
@@ -1180,16 +1177,12 @@ impl Engine {
         handles: &[H],
         expected_acks: u32,
         lease: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         if handles.is_empty() {
-            return Err(EngineError::BadPairing {
-                handle: 0,
-                local: 0,
-                remote: 0,
-            });
+            return Err(SubmitError::NoHandles);
         }
         if expected_acks as usize > MAX_CONSUMERS {
-            return Err(EngineError::TooManyConsumers(expected_acks));
+            return Err(SubmitError::TooManyConsumers(expected_acks));
         }
         self.submit_transfers(
             id,
@@ -1209,7 +1202,7 @@ impl Engine {
         handles: &[PartTransfer<'_>],
         expected_acks: u32,
         lease: Duration,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         self.submit_write(id, handles, expected_acks, lease)
     }
 
@@ -1230,7 +1223,7 @@ impl Engine {
         blocks: &[BlockId],
         readers: u32,
         lease: Duration,
-    ) -> Result<Incarnation, EngineError> {
+    ) -> Result<Incarnation, SubmitError> {
         let token = Incarnation::draw();
         self.lend_with(id, blocks, readers, lease, token)?;
         Ok(token)
@@ -1249,7 +1242,7 @@ impl Engine {
         readers: u32,
         lease: Duration,
         token: Incarnation,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         let kind = Kind::Lend {
             notifications: readers,
         };
@@ -1271,7 +1264,7 @@ impl Engine {
         blocks: &[BlockId],
         writers: u32,
         lease: Duration,
-    ) -> Result<Incarnation, EngineError> {
+    ) -> Result<Incarnation, SubmitError> {
         let token = Incarnation::draw();
         self.receive_with(id, blocks, writers, lease, token)?;
         Ok(token)
@@ -1286,7 +1279,7 @@ impl Engine {
         writers: u32,
         lease: Duration,
         token: Incarnation,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         let kind = Kind::Receive { writers };
         self.expose(id, blocks, writers, kind, lease, token)
     }
@@ -1300,18 +1293,18 @@ impl Engine {
         kind: Kind,
         lease: Duration,
         token: Incarnation,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         lendable(token)?;
         self.admit(id)?;
         if n == 0 {
-            return Err(EngineError::NothingToAwait);
+            return Err(SubmitError::NothingToAwait);
         }
         if n as usize > MAX_CONSUMERS {
-            return Err(EngineError::TooManyConsumers(n));
+            return Err(SubmitError::TooManyConsumers(n));
         }
         self.check_blocks(blocks.iter())?;
         if blocks.len() > self.max_blocks as usize {
-            return Err(EngineError::TooManyBlocks {
+            return Err(SubmitError::TooManyBlocks {
                 given: blocks.len(),
                 max: self.max_blocks,
             });
@@ -1348,7 +1341,7 @@ impl Engine {
         blocks: &[BlockId],
         writers: &[PeerId],
         lease: Duration,
-    ) -> Result<Incarnation, EngineError> {
+    ) -> Result<Incarnation, SubmitError> {
         let token = Incarnation::draw();
         self.receive_from_with(id, blocks, writers, lease, token)?;
         Ok(token)
@@ -1363,7 +1356,7 @@ impl Engine {
         writers: &[PeerId],
         lease: Duration,
         token: Incarnation,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), SubmitError> {
         lendable(token)?;
         self.admit(id)?;
         let mut distinct: arrayvec::ArrayVec<PeerId, MAX_HANDLES> = arrayvec::ArrayVec::new();
@@ -1371,15 +1364,15 @@ impl Engine {
             if !distinct.contains(&w) {
                 distinct
                     .try_push(w)
-                    .map_err(|_| EngineError::TooManyConsumers(writers.len() as u32))?;
+                    .map_err(|_| SubmitError::TooManyConsumers(writers.len() as u32))?;
             }
         }
         if distinct.is_empty() {
-            return Err(EngineError::NothingToAwait);
+            return Err(SubmitError::NothingToAwait);
         }
         self.check_blocks(blocks.iter())?;
         if blocks.len() > self.max_blocks as usize {
-            return Err(EngineError::TooManyBlocks {
+            return Err(SubmitError::TooManyBlocks {
                 given: blocks.len(),
                 max: self.max_blocks,
             });
@@ -1410,7 +1403,7 @@ impl Engine {
 
     /// Extends the leases of these writes or lends to `extend` from now
     /// (never shortening). Unknown ids are ignored (and counted).
-    pub fn heartbeat(&mut self, ids: &[RequestId], extend: Duration) -> Result<(), EngineError> {
+    pub fn heartbeat(&mut self, ids: &[RequestId], extend: Duration) -> Result<(), SubmitError> {
         self.alive()?;
         self.fits(ids.len())?;
         self.scratch.clear();
@@ -1421,7 +1414,7 @@ impl Engine {
         );
         self.commands
             .send_all(&self.scratch)
-            .map_err(|_| EngineError::RingFull(self.scratch.len()))?;
+            .map_err(|_| SubmitError::RingFull(self.scratch.len()))?;
         self.wake();
         Ok(())
     }
@@ -1432,14 +1425,14 @@ impl Engine {
     /// is reported failed (`Cause::Aborted`) once quiescent. If its posted
     /// operations outlive its deadline or lease, its peers are judged
     /// stalled as for any request.
-    pub fn abort(&mut self, id: RequestId) -> Result<(), EngineError> {
+    pub fn abort(&mut self, id: RequestId) -> Result<(), SubmitError> {
         self.alive()?;
         if !self.in_flight.contains_key(&id) {
-            return Err(EngineError::UnknownRequest(id));
+            return Err(SubmitError::UnknownRequest(id));
         }
         self.commands
             .send_all(&[Command::Abort(id)])
-            .map_err(|_| EngineError::RingFull(1))?;
+            .map_err(|_| SubmitError::RingFull(1))?;
         self.wake();
         Ok(())
     }
@@ -1447,11 +1440,11 @@ impl Engine {
     /// Fault injection: the poller stops progressing for `d` (as a hung
     /// rank would). Its peers see nothing but silence.
     #[cfg(feature = "fault-injection")]
-    pub fn stall(&mut self, d: Duration) -> Result<(), EngineError> {
+    pub fn stall(&mut self, d: Duration) -> Result<(), SubmitError> {
         let ns = nanos(d);
         self.commands
             .send_all(&[Command::Stall { ns }])
-            .map_err(|_| EngineError::RingFull(1))?;
+            .map_err(|_| SubmitError::RingFull(1))?;
         self.wake();
         Ok(())
     }

@@ -52,8 +52,8 @@ pub(crate) mod wake;
 pub mod wire;
 
 pub use engine::{
-    Engine, EngineBuilder, EngineError, EngineWaker, FailedRecv, IdlePolicy, Outcomes, PollerStats,
-    Transfer,
+    BuildError, Engine, EngineBuilder, EngineWaker, Error, ErrorKind, FailedRecv, IdlePolicy,
+    Outcomes, PeerError, PollerStats, RegionError, Stopped, SubmitError, Transfer,
 };
 pub use ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId, Status};
 pub use placement::CoreMap;

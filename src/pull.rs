@@ -28,7 +28,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use kvpoll::{BlockId, Engine, EngineError, Outcomes, RequestId, Transfer};
+//! use kvpoll::{BlockId, Engine, Error, Outcomes, RequestId, Transfer};
 //!
 //! let mut prefill = Engine::builder().block_size(4096).build()?;
 //! let mut decode = Engine::builder().block_size(4096).build()?;
@@ -57,7 +57,7 @@
 //!     prefill.wait(&mut freed, Duration::from_millis(10));
 //! }
 //! assert_eq!(freed.finished_sending, [id]);
-//! # Ok::<(), EngineError>(())
+//! # Ok::<(), Error>(())
 //! ```
 
 #[allow(unused_imports)] // the links above

@@ -26,7 +26,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use kvpoll::{BlockId, Engine, EngineError, Outcomes, RequestId, Transfer};
+//! use kvpoll::{BlockId, Engine, Error, Outcomes, RequestId, Transfer};
 //!
 //! let mut prefill = Engine::builder().block_size(4096).build()?;
 //! let mut decode = Engine::builder().block_size(4096).build()?;
@@ -55,7 +55,7 @@
 //! let mut kv = [0u8; 4096];
 //! decode.read_block(0, BlockId(5), &mut kv)?;
 //! assert_eq!(kv, [9u8; 4096]);
-//! # Ok::<(), EngineError>(())
+//! # Ok::<(), Error>(())
 //! ```
 
 #[allow(unused_imports)] // the links above

@@ -18,7 +18,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
+use kvpoll::engine::{Engine, Outcomes, PeerError, RegionError, SubmitError, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -320,7 +320,7 @@ fn a_read_with_several_handles_to_one_producer_counts_as_one_reader() {
         // The contract allows refusing several handles to one rank with a typed
         // error instead; then read the same blocks in one handle, and the
         // rest of the contract (one consumer rank counts once) still holds.
-        Err(e @ (EngineError::RingFull(_) | EngineError::Shutdown)) => {
+        Err(e @ (SubmitError::RingFull(_) | SubmitError::Stopped(_))) => {
             panic!("a read with 3 handles to one producer was refused with {e:?}")
         }
         Err(_) => c1
@@ -855,7 +855,7 @@ fn a_poller_that_dies_is_visible() {
     let mut problems = Vec::new();
     let mut out = Outcomes::default();
     match d.add_peer(&bad) {
-        Err(e @ (EngineError::Shutdown | EngineError::RingFull(_))) => {
+        Err(e @ PeerError::Stopped(_)) => {
             problems.push(format!("overflowing rkey: add_peer said {e:?}"))
         }
         Err(_) => {} // refused with a typed error: fine
@@ -947,7 +947,7 @@ fn register_after_add_peer_is_refused_or_keeps_working() {
     assert_eq!(out.finished_recving, vec![before], "{out:?}");
     assert!(holds(&a, 1, 1, 8, 11));
     let registered = a.register(BLOCKS);
-    if let Err(e @ (EngineError::Shutdown | EngineError::RingFull(_))) = &registered {
+    if let Err(e @ RegionError::Stopped(_)) = &registered {
         panic!("register after add_peer: {e:?}");
     }
     let id = RequestId(1);
@@ -987,7 +987,7 @@ fn a_request_larger_than_the_command_ring_gets_a_typed_error_not_ring_full() {
     let mut result = d.read(id, &one_handle(peer, &blocks, &blocks));
     // "Retry after polling", as RingFull says: it never fits.
     for _ in 0..20 {
-        if !matches!(result, Err(EngineError::RingFull(_))) {
+        if !matches!(result, Err(SubmitError::RingFull(_))) {
             break;
         }
         let mut out = Outcomes::default();
@@ -996,7 +996,7 @@ fn a_request_larger_than_the_command_ring_gets_a_typed_error_not_ring_full() {
         result = d.read(id, &one_handle(peer, &blocks, &blocks));
     }
     assert!(
-        !matches!(result, Err(EngineError::RingFull(_))),
+        !matches!(result, Err(SubmitError::RingFull(_))),
         "a 100-block read on a 64-entry command ring: {result:?} after 20 retries (it can never fit)"
     );
     if result.is_ok() {

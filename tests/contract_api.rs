@@ -3,7 +3,7 @@
 //! This file names what does not exist before the fix —
 //! `Engine::read_with_deadline`, `Engine::notify_only`,
 //! `Outcomes::failed_sending`, `Cause::PeerStalled`, `Cause::Shutdown`,
-//! `EngineError::RequestTooLarge` and `EngineError::RegionsFrozen` — so on
+//! `SubmitError::RequestTooLarge` and `RegionError::Frozen` — so on
 //! the old code it does not compile; that is expected. The behaviours
 //! themselves are in `tests/contract.rs`, which compiles on both.
 
@@ -11,7 +11,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
+use kvpoll::engine::{Engine, Outcomes, RegionError, SubmitError, Transfer};
 #[cfg(feature = "fault-injection")]
 use kvpoll::ledger::Cause;
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, RequestId};
@@ -245,14 +245,14 @@ fn a_request_larger_than_the_command_ring_is_request_too_large() {
     let blocks: Vec<BlockId> = (0..100).map(BlockId).collect();
     let r = d.read(RequestId(7), &one(peer, &blocks, &blocks));
     assert!(
-        matches!(r, Err(EngineError::RequestTooLarge { .. })),
+        matches!(r, Err(SubmitError::RequestTooLarge { .. })),
         "{r:?}"
     );
     assert_eq!(d.in_flight(), 0);
 }
 
 /// Registering after a peer was added would leave that peer's view of our
-/// regions (and ours of its) stale: `RegionsFrozen`, and nothing changes.
+/// regions (and ours of its) stale: `RegionError::Frozen`, and nothing changes.
 #[test]
 fn register_after_add_peer_is_regions_frozen() {
     let mut p = Engine::builder()
@@ -271,7 +271,7 @@ fn register_after_add_peer_is_regions_frozen() {
     d.register(BLOCKS).unwrap();
     let peer = connect(&mut d, &p);
     let r = d.register(BLOCKS);
-    assert!(matches!(r, Err(EngineError::RegionsFrozen)), "{r:?}");
+    assert!(matches!(r, Err(RegionError::Frozen)), "{r:?}");
     // Nothing changed: a read from the peer still works.
     let id = RequestId(8);
     d.read(id, &one(peer, &ids(&[4]), &ids(&[14]))).unwrap();
@@ -295,7 +295,7 @@ fn fill_one(e: &Engine) {
 /// A poller that dies (here: a panic injected at
 /// its second post) is visible. Its requests in flight are reported failed
 /// with `Cause::PollerDied`, exactly once, and every later call says
-/// `EngineError::PollerDied` instead of returning `Ok` into the void.
+/// `Stopped::PollerDied` instead of returning `Ok` into the void.
 #[test]
 fn a_dead_poller_reports_its_requests_failed_and_refuses_further_calls() {
     let p = engine();
@@ -332,8 +332,17 @@ fn a_dead_poller_reports_its_requests_failed_and_refuses_further_calls() {
     assert_eq!(out.failed_recving[0].reason.cause, Cause::PollerDied);
     assert_eq!(d.in_flight(), 0);
     let again = d.read(RequestId(3), &one(peer, &l, &r));
-    assert!(matches!(again, Err(EngineError::PollerDied)), "{again:?}");
-    assert!(matches!(d.local_metadata(), Err(EngineError::PollerDied)));
+    assert!(
+        matches!(
+            again,
+            Err(SubmitError::Stopped(kvpoll::Stopped::PollerDied))
+        ),
+        "{again:?}"
+    );
+    assert!(matches!(
+        d.local_metadata(),
+        Err(kvpoll::PeerError::Stopped(kvpoll::Stopped::PollerDied))
+    ));
     d.poll(&mut out);
     assert_eq!(out.failed_recving.len(), 1, "reported twice: {out:?}");
 }

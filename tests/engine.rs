@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
+use kvpoll::engine::{Engine, Outcomes, PeerError, RegionError, SubmitError, Transfer};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -465,7 +465,7 @@ fn abort_fails_the_request_only_after_its_operations_were_cancelled() {
     });
     assert_eq!(out.failed_recving[0].id, id);
     assert_eq!(out.failed_recving[0].reason.cause, Cause::Aborted);
-    assert!(matches!(d.abort(id), Err(EngineError::UnknownRequest(_))));
+    assert!(matches!(d.abort(id), Err(SubmitError::UnknownRequest(_))));
 }
 
 #[test]
@@ -473,16 +473,16 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
     let mut d = engine("tcp", GUARD);
     assert!(matches!(
         d.add_peer(b"not metadata"),
-        Err(EngineError::Metadata(_))
+        Err(PeerError::Metadata(_))
     ));
     let mut meta = engine("tcp", GUARD).local_metadata().unwrap();
     let n = meta.len();
     meta[n / 2] ^= 0x10;
-    assert!(matches!(d.add_peer(&meta), Err(EngineError::Metadata(_))));
+    assert!(matches!(d.add_peer(&meta), Err(PeerError::Metadata(_))));
     let other = Engine::builder().block_size(8192).build().unwrap();
     assert!(matches!(
         d.add_peer(&other.local_metadata().unwrap()),
-        Err(EngineError::Metadata(
+        Err(PeerError::Metadata(
             kvpoll::metadata::MetadataError::IncompatibleLayout { .. }
         ))
     ));
@@ -497,7 +497,7 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
                 lend: Incarnation(0x1d1e),
             }]
         ),
-        Err(EngineError::BadPairing { .. })
+        Err(SubmitError::BadPairing { .. })
     ));
     assert!(matches!(
         d.read(
@@ -509,7 +509,7 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
                 lend: Incarnation(0x1d1e),
             }]
         ),
-        Err(EngineError::BlockOutOfRange { .. })
+        Err(SubmitError::BlockOutOfRange { .. })
     ));
     assert_eq!(d.in_flight(), 0);
     // No peer was added by the refused metadata: PeerId(0) is unknown.
@@ -534,7 +534,7 @@ fn malformed_metadata_and_bad_requests_give_typed_errors_and_change_nothing() {
                 lend: Incarnation(0x1d1e),
             }]
         ),
-        Err(EngineError::Duplicate(_))
+        Err(SubmitError::Duplicate(_))
     ));
     let mut out = Outcomes::default();
     wait_for(&mut d, &mut out, "the setup failure", |o| {
@@ -571,7 +571,7 @@ fn shutdown_reports_requests_in_flight_and_is_idempotent() {
     assert_eq!(out.failed_recving[0].id, id);
     assert!(matches!(
         d.read(RequestId(52), &[]),
-        Err(EngineError::Shutdown)
+        Err(SubmitError::Stopped(kvpoll::Stopped::Shutdown))
     ));
 }
 
@@ -721,7 +721,7 @@ fn a_small_ledger_reuses_its_slots_without_losing_a_request() {
             d.read(RequestId(1000), &[]).unwrap();
             d.read(RequestId(1001), &[])
         },
-        Err(EngineError::Full(1))
+        Err(SubmitError::Full(1))
     ));
 }
 
@@ -769,7 +769,7 @@ fn reads_land_in_caller_registered_memory() {
     // SAFETY: as above; a length that is not whole blocks is refused.
     assert!(matches!(
         unsafe { d.register_memory(layers[0].as_mut_ptr(), 100) },
-        Err(EngineError::NotWholeBlocks { len: 100, .. })
+        Err(RegionError::NotWholeBlocks { len: 100, .. })
     ));
     let peer = connect(&mut d, &p);
     let lend = Incarnation(0x1d1e); // nothing was lent under this incarnation

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, Outcomes, Transfer};
+use kvpoll::engine::{Engine, Outcomes, SubmitError, Transfer};
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -271,7 +271,7 @@ fn bad_parts_are_refused_and_change_nothing() {
             None,
         );
         match got {
-            Err(EngineError::BadPart {
+            Err(SubmitError::BadPart {
                 handle: 0,
                 local: gl,
                 remote: gr,
@@ -284,7 +284,7 @@ fn bad_parts_are_refused_and_change_nothing() {
     }
     assert!(matches!(
         d.read(RequestId(20), &[t]),
-        Err(EngineError::BadPart { handle: 0, .. })
+        Err(SubmitError::BadPart { handle: 0, .. })
     ));
     let stranger = Transfer {
         peer: PeerId(peer.0 + 1),
@@ -292,11 +292,11 @@ fn bad_parts_are_refused_and_change_nothing() {
     };
     assert!(matches!(
         d.read_parts(RequestId(21), &[stranger.part(0..HEAD, 0..HEAD)], None),
-        Err(EngineError::UnknownPeer(_))
+        Err(SubmitError::UnknownPeer { handle: 0, .. })
     ));
     assert!(matches!(
         d.read_parts(RequestId(22), &[], None),
-        Err(EngineError::BadPairing { .. })
+        Err(SubmitError::NoHandles)
     ));
     // Nothing was started: the same ids are free, a valid part goes in.
     assert_eq!(d.in_flight(), 0);

@@ -8,7 +8,7 @@ mod ucx_common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes, Transfer};
+use kvpoll::engine::{Engine, IdlePolicy, Outcomes, PeerError, Transfer};
 use kvpoll::ledger::{BlockId, PeerId, RequestId};
 use kvpoll::metadata::MetadataError;
 use kvpoll::transport::ucx::{
@@ -128,7 +128,7 @@ fn a_worker_address_of_an_unknown_version_is_refused_and_the_engine_still_reads(
     let (mut d, p) = (engine(), engine());
     let bad = rewrite(&p.local_metadata().unwrap(), bad_version, |_| {});
     match d.add_peer(&bad) {
-        Err(EngineError::Metadata(MetadataError::Address(e))) => {
+        Err(PeerError::Metadata(MetadataError::Address(e))) => {
             assert!(e.to_string().contains("version 15"), "{e}")
         }
         other => panic!("damaged address accepted or refused for another reason: {other:?}"),
@@ -149,7 +149,7 @@ fn a_remote_key_of_an_unknown_memory_type_is_refused() {
         "memory type 238",
     )] {
         match d.add_peer(&rewrite(&meta, |_| {}, edit)) {
-            Err(EngineError::Metadata(MetadataError::RemoteKey { region: 0, error })) => {
+            Err(PeerError::Metadata(MetadataError::RemoteKey { region: 0, error })) => {
                 assert!(error.to_string().contains(what), "{error}")
             }
             other => panic!("damaged rkey ({what}) accepted or refused otherwise: {other:?}"),

@@ -114,7 +114,7 @@
 #define KVPOLL_ERR_BUFFER_TOO_SMALL 9
 
 /**
- * An engine error of a kind this header does not know yet.
+ * An engine error of no other kind (the poller thread could not start).
  */
 #define KVPOLL_ERR_OTHER 10
 

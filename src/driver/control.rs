@@ -7,12 +7,13 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 
 use super::Driver;
-use crate::error::EngineError;
+use crate::error::{PeerError, RegionError};
 use crate::ledger::PeerId;
 use crate::transport::peer::PeerMetadata;
+use crate::transport::ucx::{UcxError, UcxStatus};
 use crate::transport::Transport;
 
-type Reply<T> = mpsc::Sender<Result<T, EngineError>>;
+type Reply<T, E> = mpsc::Sender<Result<T, E>>;
 
 /// Rare requests from the engine thread, answered on a reply channel.
 pub(crate) enum Control {
@@ -21,18 +22,18 @@ pub(crate) enum Control {
         len: usize,
         /// Caller memory to map (its address), or `None` to let UCX allocate.
         user: Option<usize>,
-        reply: Reply<(usize, usize)>,
+        reply: Reply<(usize, usize), RegionError>,
     },
     Metadata {
-        reply: Reply<Vec<u8>>,
+        reply: Reply<Vec<u8>, PeerError>,
     },
     AddPeer {
         meta: PeerMetadata,
-        reply: Reply<PeerId>,
+        reply: Reply<PeerId, PeerError>,
     },
     RemovePeer {
         peer: PeerId,
-        reply: Reply<()>,
+        reply: Reply<(), PeerError>,
     },
     Shutdown,
 }
@@ -60,7 +61,7 @@ impl Driver {
                 }
                 Control::Metadata { reply } => {
                     let instance = self.cfg.instance;
-                    let _ = reply.send(self.ucx().metadata(instance).map_err(EngineError::from));
+                    let _ = reply.send(self.ucx().metadata(instance).map_err(PeerError::from));
                 }
                 Control::AddPeer { meta, reply } => {
                     self.drain_commands(&mut None);
@@ -75,7 +76,7 @@ impl Driver {
                     let _ = reply.send(if known {
                         Ok(())
                     } else {
-                        Err(EngineError::UnknownPeer(peer))
+                        Err(PeerError::Unknown(peer))
                     });
                 }
                 Control::Shutdown => self.shared.stop.store(true, Ordering::Release),
@@ -87,7 +88,7 @@ impl Driver {
     /// Adds a peer; the same engine's metadata again is a refresh: the
     /// same peer if nothing changed, a new entry if nothing uses the old
     /// one, refused while something does.
-    fn add_peer(&mut self, meta: &PeerMetadata) -> Result<PeerId, EngineError> {
+    fn add_peer(&mut self, meta: &PeerMetadata) -> Result<PeerId, PeerError> {
         if let Some(old) = self.core.peer_of(meta.instance) {
             if self.ucx().peer_metadata(old) == Some(meta) {
                 return Ok(old);
@@ -96,12 +97,17 @@ impl Driver {
         let peer = self
             .core
             .add_peer(meta.instance, meta.regions.len(), region_blocks(meta))
-            .map_err(EngineError::PeerBusy)?;
+            .map_err(PeerError::Busy)?;
         self.execute(self.now());
         self.wire
             .add_peer(peer, meta)
             .map(|()| peer)
-            .map_err(|_| EngineError::UnknownPeer(peer))
+            .map_err(|status| {
+                PeerError::Ucx(UcxError::Call {
+                    op: "taking the peer's metadata",
+                    status: UcxStatus(status),
+                })
+            })
     }
 }
 

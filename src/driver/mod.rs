@@ -31,7 +31,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use crate::core::{Command, Core, CoreConfig};
-use crate::error::EngineError;
+use crate::error::BuildError;
 use crate::ledger::{Event, Ledger, Nanos, RequestKey};
 use crate::ring::{CommandReceiver, EventPublisher};
 use crate::transport::ucx::UcxTransport;
@@ -62,7 +62,7 @@ pub(crate) fn run(
     cfg: Config,
     ledger: Ledger,
     channels: Channels,
-    ready: mpsc::Sender<Result<(), EngineError>>,
+    ready: mpsc::Sender<Result<(), BuildError>>,
 ) {
     let mut driver = match Driver::new(cfg, ledger, channels) {
         Ok(d) => d,
@@ -82,7 +82,7 @@ pub(crate) fn run(
 }
 
 impl Driver {
-    fn new(cfg: Config, ledger: Ledger, channels: Channels) -> Result<Self, EngineError> {
+    fn new(cfg: Config, ledger: Ledger, channels: Channels) -> Result<Self, BuildError> {
         let Channels {
             commands,
             retire,

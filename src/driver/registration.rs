@@ -3,7 +3,7 @@
 //! hold this engine's rkeys.
 
 use super::Driver;
-use crate::error::EngineError;
+use crate::error::RegionError;
 use crate::transport::ucx::UcxTransport;
 
 impl Driver {
@@ -19,9 +19,9 @@ impl Driver {
         blocks: u64,
         len: usize,
         user: Option<usize>,
-    ) -> Result<(usize, usize), EngineError> {
+    ) -> Result<(usize, usize), RegionError> {
         if self.core.has_peers() {
-            return Err(EngineError::RegionsFrozen);
+            return Err(RegionError::Frozen);
         }
         // SAFETY: Engine::register_memory's caller guarantees the range
         // stays valid, writable and in place for the engine's lifetime.

@@ -35,7 +35,10 @@ use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-use kvpoll::engine::{Engine, EngineError, IdlePolicy, Outcomes, Transfer};
+use kvpoll::engine::{
+    BuildError, Engine, ErrorKind, IdlePolicy, Outcomes, PeerError, RegionError, SubmitError,
+    Transfer,
+};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, PeerId, RequestId};
 use kvpoll::transport::ucx::ContextOptions;
 
@@ -120,7 +123,7 @@ pub const KVPOLL_ERR_CONFIG: i32 = 7;
 pub const KVPOLL_ERR_SHUTDOWN: i32 = 8;
 /// The output buffer is too small; the size needed was written back.
 pub const KVPOLL_ERR_BUFFER_TOO_SMALL: i32 = 9;
-/// An engine error of a kind this header does not know yet.
+/// An engine error of no other kind (the poller thread could not start).
 pub const KVPOLL_ERR_OTHER: i32 = 10;
 /// A bug: the call panicked (the message says where). The engine may be
 /// unusable; free it.
@@ -226,53 +229,38 @@ pub struct kvpoll_engine {
 /// An error inside a call: status and message.
 struct Fail(i32, String);
 
-impl From<EngineError> for Fail {
-    fn from(e: EngineError) -> Self {
-        Fail(status_of(&e), e.to_string())
-    }
-}
-
 fn arg(msg: impl Into<String>) -> Fail {
     Fail(KVPOLL_ERR_ARGUMENT, msg.into())
 }
 
-/// The status of an engine error. Variants added to kvpoll later give
-/// `KVPOLL_ERR_OTHER`, except those known by name.
-fn status_of(e: &EngineError) -> i32 {
-    #[allow(unreachable_patterns)]
-    match e {
-        EngineError::Duplicate(_)
-        | EngineError::TooManyHandles(_)
-        | EngineError::BadPairing { .. }
-        | EngineError::TooManyBlocks { .. }
-        | EngineError::BlockOutOfRange { .. }
-        | EngineError::TooManyBytes { .. }
-        | EngineError::NothingToAwait
-        | EngineError::UnknownRequest(_) => KVPOLL_ERR_REQUEST,
-        EngineError::UnknownPeer(_) | EngineError::Metadata(_) => KVPOLL_ERR_PEER,
-        EngineError::Full(_) | EngineError::RingFull(_) => KVPOLL_ERR_BUSY,
-        EngineError::Ucx(_) => KVPOLL_ERR_TRANSPORT,
-        EngineError::BadRegion { .. }
-        | EngineError::NoRegions
-        | EngineError::NoSuchRegion { .. }
-        | EngineError::NotWholeBlocks { .. } => KVPOLL_ERR_REGION,
-        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => KVPOLL_ERR_CONFIG,
-        EngineError::Shutdown => KVPOLL_ERR_SHUTDOWN,
-        other => {
-            let debug = format!("{other:?}");
-            match debug
-                .split(|c: char| !c.is_ascii_alphanumeric())
-                .next()
-                .unwrap_or("")
-            {
-                "PollerDied" => KVPOLL_ERR_SHUTDOWN,
-                "RequestTooLarge" => KVPOLL_ERR_REQUEST,
-                "RegionsFrozen" => KVPOLL_ERR_REGION,
-                _ => KVPOLL_ERR_OTHER,
-            }
-        }
+/// The status of an engine error: its kind's.
+impl From<kvpoll::Error> for Fail {
+    fn from(e: kvpoll::Error) -> Self {
+        let status = match e.kind() {
+            ErrorKind::Config => KVPOLL_ERR_CONFIG,
+            ErrorKind::Region => KVPOLL_ERR_REGION,
+            ErrorKind::Request => KVPOLL_ERR_REQUEST,
+            ErrorKind::Peer => KVPOLL_ERR_PEER,
+            ErrorKind::Busy => KVPOLL_ERR_BUSY,
+            ErrorKind::Transport => KVPOLL_ERR_TRANSPORT,
+            ErrorKind::Stopped => KVPOLL_ERR_SHUTDOWN,
+            ErrorKind::Other => KVPOLL_ERR_OTHER,
+        };
+        Fail(status, e.to_string())
     }
 }
+
+/// Each phase's error, through `?`.
+macro_rules! fail_from {
+    ($($phase:ty),*) => {$(
+        impl From<$phase> for Fail {
+            fn from(e: $phase) -> Self {
+                kvpoll::Error::from(e).into()
+            }
+        }
+    )*};
+}
+fail_from!(BuildError, RegionError, PeerError, SubmitError);
 
 /// Writes `msg` into the caller's buffer, truncated on a UTF-8 boundary
 /// and NUL-terminated.
@@ -756,7 +744,7 @@ unsafe fn expose(
     incarnation: *mut u64,
     err: *mut c_char,
     err_len: usize,
-    f: impl FnOnce(&mut Engine, &[BlockId]) -> Result<Incarnation, EngineError>,
+    f: impl FnOnce(&mut Engine, &[BlockId]) -> Result<Incarnation, SubmitError>,
 ) -> i32 {
     // SAFETY: caller's contract.
     unsafe {

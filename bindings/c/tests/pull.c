@@ -169,12 +169,32 @@ int main(void) {
     kvpoll_transfer out_of_range = {peer, far, far, 1, lend};
     s = kvpoll_read(consumer, 9, &out_of_range, 1, err, sizeof err);
     CHECK(s == KVPOLL_ERR_REQUEST, "a block out of range: KVPOLL_ERR_REQUEST (\"%s\")", err);
+    CHECK(strstr(err, "block 64 ") && strstr(err, "64 blocks"),
+          "a block out of range names the block and the region's block count (\"%s\")", err);
     char tiny[8];
     s = kvpoll_add_peer(consumer, (const uint8_t *)"junk", 4, &peer, tiny, sizeof tiny);
     CHECK(s == KVPOLL_ERR_PEER && strlen(tiny) == sizeof tiny - 1,
           "a message is truncated to the caller's buffer and NUL-terminated");
     s = kvpoll_abort(consumer, 12345, err, sizeof err);
     CHECK(s == KVPOLL_ERR_REQUEST, "aborting an unknown request: KVPOLL_ERR_REQUEST");
+    CHECK(strstr(err, "request 12345 ") != NULL, "the unknown request is named by its id (\"%s\")",
+          err);
+
+    /* Settings the machine cannot meet name what was asked. */
+    kvpoll_config unmet = kvpoll_config_default();
+    unmet.block_size = BS;
+    unmet.tls = "nonsense_tl";
+    kvpoll_engine *none = NULL;
+    s = kvpoll_engine_new(&unmet, &none, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_TRANSPORT && none == NULL && strstr(err, "nonsense_tl") &&
+              strstr(err, "tcp"),
+          "an unusable transport list: KVPOLL_ERR_TRANSPORT naming it and what UCX offers (\"%s\")",
+          err);
+    unmet.tls = "tcp";
+    unmet.core = 999999;
+    s = kvpoll_engine_new(&unmet, &none, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_CONFIG && none == NULL && strstr(err, "CPU 999999"),
+          "a CPU the machine does not have: KVPOLL_ERR_CONFIG naming it (\"%s\")", err);
 
     MUST(kvpoll_shutdown(consumer, err, sizeof err));
     s = kvpoll_read(consumer, 10, &h, 1, err, sizeof err);

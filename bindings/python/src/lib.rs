@@ -22,7 +22,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PySet, PyString, PyTuple, PyType};
 
 use kvpoll::engine::{
-    Engine as RsEngine, EngineError, IdlePolicy, Outcomes, PartTransfer, Transfer as RsTransfer,
+    Engine as RsEngine, IdlePolicy, Outcomes, PartTransfer, SubmitError, Transfer as RsTransfer,
 };
 use kvpoll::ledger::{BlockId, Incarnation, PeerId, Reason, RequestId};
 use kvpoll::transport::ucx::{Context, ContextOptions};
@@ -37,17 +37,8 @@ pyo3::create_exception!(
 );
 
 /// The kinds of kvpoll errors, one Python class each (all under
-/// `KvpollError`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Config,
-    Region,
-    Request,
-    Peer,
-    Busy,
-    Transport,
-    Shutdown,
-}
+/// `KvpollError`); `ErrorKind::Other` is `KvpollError` itself.
+use kvpoll::ErrorKind as Kind;
 
 /// Name, whether it is also a `ValueError`, and docstring of each kind, in
 /// `Kind` order.
@@ -90,7 +81,7 @@ const KINDS: [(Kind, &str, bool, &str); 7] = [
         "A UCX call failed.",
     ),
     (
-        Kind::Shutdown,
+        Kind::Stopped,
         "ShutdownError",
         false,
         "The engine is shut down (or its poller died).",
@@ -137,65 +128,27 @@ fn error(py: Python<'_>, kind: Option<Kind>, msg: String) -> PyErr {
     }
 }
 
-/// The class of an engine error. Variants added to kvpoll after these
-/// bindings were written fall to the base class, except those known by
-/// name below.
-fn kind_of(e: &EngineError) -> Option<Kind> {
-    #[allow(unreachable_patterns)]
-    match e {
-        EngineError::Duplicate(_)
-        | EngineError::TooManyHandles(_)
-        | EngineError::BadPairing { .. }
-        | EngineError::TooManyBlocks { .. }
-        | EngineError::BlockOutOfRange { .. }
-        | EngineError::TooManyBytes { .. }
-        | EngineError::NothingToAwait
-        | EngineError::BadIncarnation { .. }
-        | EngineError::BadPart { .. }
-        | EngineError::UnknownRequest(_) => Some(Kind::Request),
-        EngineError::UnknownPeer(_) | EngineError::PeerBusy(_) | EngineError::Metadata(_) => {
-            Some(Kind::Peer)
-        }
-        EngineError::Full(_) | EngineError::RingFull(_) => Some(Kind::Busy),
-        EngineError::Ucx(_) => Some(Kind::Transport),
-        EngineError::BadRegion { .. }
-        | EngineError::NoRegions
-        | EngineError::NoSuchRegion { .. }
-        | EngineError::NotWholeBlocks { .. } => Some(Kind::Region),
-        EngineError::Config(_) | EngineError::NoSuchCpu { .. } => Some(Kind::Config),
-        EngineError::Shutdown => Some(Kind::Shutdown),
-        other => kind_by_name(other),
-    }
+/// The class of an engine error: its kind's.
+fn engine_err(py: Python<'_>, e: impl Into<kvpoll::Error>) -> PyErr {
+    let e: kvpoll::Error = e.into();
+    let kind = Some(e.kind()).filter(|&k| k != Kind::Other);
+    error(py, kind, e.to_string())
 }
 
-fn kind_by_name(e: &EngineError) -> Option<Kind> {
-    let debug = format!("{e:?}");
-    let name = debug
-        .split(|c: char| !c.is_ascii_alphanumeric())
-        .next()
-        .unwrap_or("");
-    match name {
-        "PollerDied" => Some(Kind::Shutdown),
-        "RequestTooLarge" => Some(Kind::Request),
-        "RegionsFrozen" => Some(Kind::Region),
-        _ => None,
-    }
-}
-
-fn engine_err(py: Python<'_>, e: EngineError) -> PyErr {
-    error(py, kind_of(&e), e.to_string())
-}
-
-/// An engine error of a call about `req_id`: the request is named by the
-/// caller's id (`'req-B'`), not by its 64-bit kvpoll id.
-fn request_err(py: Python<'_>, req_id: &Bound<'_, PyAny>, e: EngineError) -> PyErr {
+/// A refused request: named by the caller's id (`'req-B'`), not by its
+/// 64-bit kvpoll id.
+fn request_err(py: Python<'_>, req_id: &Bound<'_, PyAny>, e: SubmitError) -> PyErr {
     let state = match e {
-        EngineError::Duplicate(_) => "already in flight",
-        EngineError::UnknownRequest(_) => "not in flight",
+        SubmitError::Duplicate(_) => "already in flight",
+        SubmitError::UnknownRequest(_) => "not in flight",
         _ => return engine_err(py, e),
     };
     match req_id.repr() {
-        Ok(repr) => error(py, kind_of(&e), format!("request {repr} is {state}")),
+        Ok(repr) => error(
+            py,
+            Some(Kind::Request),
+            format!("request {repr} is {state}"),
+        ),
         Err(_) => engine_err(py, e),
     }
 }

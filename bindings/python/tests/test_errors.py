@@ -100,6 +100,25 @@ def test_refusals_name_the_callers_values():
         assert e.in_flight == 1
 
 
+def test_refusals_name_the_region_and_its_block_count():
+    with kvpoll.Engine(block_size=BS, tls="tcp") as e:
+        e.register(8)
+        e.register(8)
+        with pytest.raises(kvpoll.RequestError) as info:
+            e.write_block(1, 8, b"x")
+        assert "block 8 " in str(info.value) and "region 1 holds 8 blocks" in str(info.value)
+        with pytest.raises(kvpoll.RegionError) as info:
+            e.register(9)
+        assert "9 blocks" in str(info.value) and "first, 8" in str(info.value)
+        with pytest.raises(kvpoll.RequestError) as info:
+            e.lend("r", [9], readers=1)
+        assert "block 9 " in str(info.value) and "8 blocks" in str(info.value)
+        # Refusals that once fell to the base class have their kind.
+        with pytest.raises(kvpoll.RequestError, match="1000 remote engines"):
+            e.lend("r", [0], readers=1000)
+        assert e.in_flight == 0
+
+
 def test_a_transport_list_ucx_cannot_use_names_what_ucx_offers():
     with pytest.raises(kvpoll.TransportError) as info:
         kvpoll.Engine(block_size=BS, tls="nonsense_tl")
@@ -107,8 +126,14 @@ def test_a_transport_list_ucx_cannot_use_names_what_ucx_offers():
 
 
 def test_a_poller_cpu_the_machine_does_not_have_is_refused():
-    with pytest.raises(kvpoll.ConfigError, match="CPU 999999 does not exist"):
+    with pytest.raises(kvpoll.ConfigError, match="CPU 999999 does not exist") as info:
         kvpoll.Engine(block_size=BS, core=999999)
+    cpus = open("/sys/devices/system/cpu/possible").read().strip()
+    count = sum(
+        int(r.split("-")[1]) - int(r.split("-")[0]) + 1 if "-" in r else 1
+        for r in cpus.split(",")
+    )
+    assert f"it has {count} CPUs" in str(info.value)
 
 
 def test_engine_refusals_are_kvpoll_errors_of_their_kind_with_the_engine_message():

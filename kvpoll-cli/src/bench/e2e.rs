@@ -50,7 +50,7 @@ use kvpoll::transport::ucx::{
     UcxError, Worker, WorkerAddress, NOTIFY_AM_ID,
 };
 use kvpoll::wire::from_hex;
-use kvpoll::{BlockId, Engine, EngineError, Incarnation, Outcomes, PeerId, RequestId, Transfer};
+use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer};
 
 /// Blocks the peers serve (remote offsets wrap inside them).
 const PEER_BLOCKS: u64 = 64;
@@ -118,7 +118,7 @@ pub enum E2eError {
     },
     /// The engine refused something.
     #[error("engine: {0}")]
-    Engine(#[from] EngineError),
+    Engine(#[from] kvpoll::Error),
     /// UCX refused something in the raw loop.
     #[error("raw UCX: {0}")]
     Ucx(#[from] UcxError),
@@ -129,6 +129,8 @@ pub enum E2eError {
     #[error("bad bench shape: {0}")]
     Shape(&'static str),
 }
+
+crate::from_engine_errors!(E2eError, E2eError::Engine);
 
 /// Rates of one shape, kvpoll and raw.
 #[derive(Debug, Clone, Copy, PartialEq)]

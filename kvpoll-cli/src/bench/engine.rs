@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpoll::ledger::{Begun, HandleKey, Kind, Ledger, LedgerConfig, Nanos, Request};
-use kvpoll::{Engine, EngineError, IdlePolicy, Outcomes, PeerId, RequestId};
+use kvpoll::{Engine, IdlePolicy, Outcomes, PeerId, RequestId};
+
+use crate::RunError;
 
 /// The figures of one run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -378,7 +380,7 @@ pub fn handoff(rounds: usize, trips: u64, per_round: usize) -> Handoff {
 }
 
 /// `Engine::poll` with nothing new, ns a call, over `calls` calls.
-pub fn poll_idle(calls: u64) -> Result<f64, EngineError> {
+pub fn poll_idle(calls: u64) -> Result<f64, RunError> {
     let mut engine = Engine::builder().build()?;
     let mut out = Outcomes::default();
     for _ in 0..1000 {
@@ -398,7 +400,7 @@ pub fn poll_idle(calls: u64) -> Result<f64, EngineError> {
 /// Share of one core the poller thread of an engine with this idle policy
 /// uses over `quiet` with nothing to do (0.0–1.0); `None` where the
 /// poller's CPU time cannot be read.
-pub fn idle_cpu(idle: IdlePolicy, quiet: Duration) -> Result<Option<f64>, EngineError> {
+pub fn idle_cpu(idle: IdlePolicy, quiet: Duration) -> Result<Option<f64>, RunError> {
     let mut engine = Engine::builder().idle(idle).build()?;
     // Let it settle into its idle state first.
     std::thread::sleep(Duration::from_millis(50));
@@ -417,7 +419,7 @@ pub fn idle_cpu(idle: IdlePolicy, quiet: Duration) -> Result<Option<f64>, Engine
 /// spell long enough for the poller to park, a request with nothing to
 /// move (a prefix hit) is submitted and the time until [`Engine::poll`]
 /// reports it is one sample (engine → poller → engine).
-pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
+pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, RunError> {
     let mut engine = Engine::builder().idle(IdlePolicy::Adaptive).build()?;
     let mut out = Outcomes::default();
     let mut samples = Vec::with_capacity(n);
@@ -435,7 +437,7 @@ pub fn wake_up(n: usize, quiet: Duration) -> Result<Vec<u64>, EngineError> {
             std::thread::yield_now();
             if t.elapsed() > Duration::from_secs(10) {
                 engine.shutdown();
-                return Err(EngineError::Config("a prefix hit was not reported in 10 s"));
+                return Err(RunError::Stuck("a prefix hit was not reported in 10 s"));
             }
         }
         samples.push(t.elapsed().as_nanos() as u64);
@@ -488,7 +490,7 @@ pub fn park_unpark(n: usize, quiet: Duration) -> Vec<u64> {
 /// P's report. Two wake-ups, so an upper bound of the remote one. (A busy
 /// C would leave only P's, but on a 2-core machine its spinning thread and
 /// the measuring one starve P's poller.)
-pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, EngineError> {
+pub fn remote_wake_up(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, RunError> {
     let options = kvpoll::ContextOptions::with_transports(tls);
     let mut p = Engine::builder()
         .idle(IdlePolicy::Adaptive)
@@ -532,13 +534,13 @@ fn wait_released(
     t: Instant,
     guard: Duration,
     mut also: impl FnMut(),
-) -> Result<(), EngineError> {
+) -> Result<(), RunError> {
     while !out.finished_sending.contains(&id) {
         also();
         p.poll(out);
         std::thread::yield_now();
         if t.elapsed() > guard {
-            return Err(EngineError::Config("a lend was not released in 10 s"));
+            return Err(RunError::Stuck("a lend was not released in 10 s"));
         }
     }
     Ok(())
@@ -555,11 +557,7 @@ fn wait_released(
 /// submit, then P's). Over tcp UCX's async thread relays the event to the
 /// worker's fd (adaptive progress; kvpoll turns it off on shared-memory
 /// transport lists): a thread wake-up that is UCX's.
-pub fn remote_wake_up_direct(
-    n: usize,
-    quiet: Duration,
-    tls: &str,
-) -> Result<Vec<u64>, EngineError> {
+pub fn remote_wake_up_direct(n: usize, quiet: Duration, tls: &str) -> Result<Vec<u64>, RunError> {
     use kvpoll::notification::{NoteKind, Notification};
     use kvpoll::transport::ucx::{Context, Endpoint, Worker, NOTIFY_AM_ID};
     let options = kvpoll::ContextOptions::with_transports(tls);
@@ -569,8 +567,8 @@ pub fn remote_wake_up_direct(
         .build()?;
     p.register(4)?;
     let meta = kvpoll::metadata::PeerMetadata::decode(&p.local_metadata()?)
-        .map_err(|_| EngineError::Config("own metadata does not decode"))?;
-    let ucx = |_| EngineError::Config("raw UCX sender could not start");
+        .map_err(|_| RunError::Stuck("own metadata does not decode"))?;
+    let ucx = |_| RunError::Stuck("raw UCX sender could not start");
     let ctx = Context::new(&options).map_err(ucx)?;
     let worker = Worker::new(&ctx).map_err(ucx)?;
     let ep = Endpoint::connect(&worker, &meta.worker, 1).map_err(ucx)?;
@@ -597,7 +595,7 @@ pub fn remote_wake_up_direct(
         out.clear();
         let t = Instant::now();
         ep.send_active_message(NOTIFY_AM_ID, &note, i)
-            .map_err(|_| EngineError::Config("raw UCX send failed"))?;
+            .map_err(|_| RunError::Stuck("raw UCX send failed"))?;
         // Progress the sender (a send over tcp may need it), then look.
         wait_released(&mut p, &mut out, id, t, guard, || {
             worker.progress();
@@ -622,7 +620,7 @@ pub fn quantile(samples: &[u64], p: f64) -> f64 {
 
 /// Every figure, in one run: the hand-off figures in `rounds` rounds of
 /// 2 000 round trips and `per_round` completions ([`handoff`]).
-pub fn measure(rounds: usize, per_round: usize) -> Result<EngineFigures, EngineError> {
+pub fn measure(rounds: usize, per_round: usize) -> Result<EngineFigures, RunError> {
     let h = handoff(rounds, 2_000, per_round);
     let mut lat = h.samples();
     lat.sort_unstable();

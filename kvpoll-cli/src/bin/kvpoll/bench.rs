@@ -654,7 +654,7 @@ impl Suite {
 fn remote_wake_row(
     key: &'static str,
     figure: &'static str,
-    samples: Result<Vec<u64>, kvpoll::EngineError>,
+    samples: Result<Vec<u64>, kvpoll_cli::RunError>,
     what: &str,
     tls: &str,
     park50: f64,

@@ -37,13 +37,13 @@ impl BuilderFaults for kvpoll::EngineBuilder {
 /// `Engine::stall` where the feature is off: refused.
 #[cfg(not(feature = "fault-injection"))]
 pub trait EngineStall {
-    fn stall(&mut self, d: std::time::Duration) -> Result<(), kvpoll::EngineError>;
+    fn stall(&mut self, d: std::time::Duration) -> Result<(), kvpoll_cli::RunError>;
 }
 
 #[cfg(not(feature = "fault-injection"))]
 impl EngineStall for kvpoll::Engine {
-    fn stall(&mut self, _d: std::time::Duration) -> Result<(), kvpoll::EngineError> {
-        Err(kvpoll::EngineError::Config(
+    fn stall(&mut self, _d: std::time::Duration) -> Result<(), kvpoll_cli::RunError> {
+        Err(kvpoll_cli::RunError::Stuck(
             "built without fault-injection: no stalls",
         ))
     }

@@ -125,7 +125,9 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         memory,
     } = *args;
     let regions = usize::from(regions);
-    let fail = |e: kvpoll::EngineError| CliError::Failed(e.to_string());
+    fn fail(e: impl std::fmt::Display) -> CliError {
+        CliError::Failed(e.to_string())
+    }
     let mut builder = kvpoll::Engine::builder()
         .block_size(block_size)
         .ucx(ContextOptions::with_transports(tls));
@@ -304,7 +306,7 @@ impl Lender {
     /// Lends up to `ahead` past what was released, printing `LENT <id>
     /// <incarnation, hex>` for each: the reader reads each id with that
     /// incarnation.
-    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::EngineError> {
+    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::SubmitError> {
         let mut lent = String::new();
         while self.next < self.released + self.ahead {
             let mut ids = std::mem::take(&mut self.ids);

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 #[allow(unused_imports)]
 use crate::faults::*;
 use hdrhistogram::Histogram;
-use kvpoll::{BlockId, ContextOptions, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
+use kvpoll::{BlockId, ContextOptions, Engine, Outcomes, PeerId, RequestId, Transfer};
+use kvpoll_cli::RunError;
 
 use kvpoll::Cause;
 use kvpoll_cli::control;
@@ -316,7 +317,7 @@ pub fn run(
     registry: &Registry,
     progress: &AtomicU64,
     stop: &dyn Fn() -> bool,
-) -> Result<DecodeReport, EngineError> {
+) -> Result<DecodeReport, RunError> {
     let mut engine = Engine::builder()
         .block_size(cfg.block_size)
         .ucx(ContextOptions::with_transports(&cfg.tls))
@@ -345,9 +346,9 @@ pub fn run(
         rx,
 
         buf: vec![0u8; cfg.block_size as usize],
-        hist: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
-        hist_transfer: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
-        hist_control: Histogram::new(3).map_err(|_| EngineError::Config("latency histogram"))?,
+        hist: Histogram::new(3).map_err(|_| RunError::Stuck("latency histogram"))?,
+        hist_transfer: Histogram::new(3).map_err(|_| RunError::Stuck("latency histogram"))?,
+        hist_control: Histogram::new(3).map_err(|_| RunError::Stuck("latency histogram"))?,
         rng: seed_now(),
         run_tag: mix(seed_now()) & !((1 << RUN_TAG_SHIFT) - 1),
     };

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 #[allow(unused_imports)]
 use crate::faults::*;
 use kvpoll::metrics::MetricsSnapshot;
-use kvpoll::{BlockId, ContextOptions, Engine, EngineError, Outcomes, PeerId, RequestId, Transfer};
+use kvpoll::{BlockId, ContextOptions, Engine, Outcomes, PeerId, RequestId, Transfer};
+use kvpoll_cli::RunError;
 
 use super::door::{self, ToEngine};
 use super::pool::{seed, Pool};
@@ -57,7 +58,7 @@ pub fn serve(
     cfg: ServeConfig,
     stop: impl Fn() -> bool,
     ready: impl FnOnce(),
-) -> Result<(), EngineError> {
+) -> Result<(), RunError> {
     let mut engine = Engine::builder()
         .block_size(cfg.block_size)
         .ucx(ContextOptions::with_transports(&cfg.tls))
@@ -73,12 +74,12 @@ pub fn serve(
         blocks: cfg.blocks,
     };
     if Msg::Meta(meta.clone()).encode().is_err() {
-        return Err(EngineError::Config(
+        return Err(RunError::Stuck(
             "engine metadata does not fit in a control frame: fewer layers",
         ));
     }
     let door = door::start(listener, ours, meta, cfg.testing, cfg.limits, cfg.rank)
-        .map_err(|_| EngineError::Config("the control port cannot be served"))?;
+        .map_err(|_| RunError::Stuck("the control port cannot be served"))?;
 
     let mut pool = Pool::new(cfg.blocks);
     // The peer of each connection that sent its metadata.
