@@ -73,6 +73,13 @@ pub enum EngineError {
         /// Bytes per block.
         block_size: u64,
     },
+    /// Device memory that cannot be registered (feature `cuda`): no CUDA
+    /// driver or GPU here, memory CUDA does not know as one device
+    /// allocation, or a UCX without CUDA transports. The variant inside
+    /// says which.
+    #[cfg(feature = "cuda")]
+    #[error("device memory: {0}")]
+    Device(#[from] crate::gpu::GpuError),
     /// A poller CPU that this machine does not have.
     #[error("poller CPU {core} does not exist on this machine (CPUs: {cpus})")]
     NoSuchCpu {
