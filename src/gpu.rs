@@ -151,8 +151,8 @@ impl DeviceMemory {
             return Err(not("a null or empty range".into()));
         }
         use sys::CUpointer_attribute::*;
-        // SAFETY (each call): the type read is the one the driver writes
-        // for the attribute; the driver was found above.
+        // SAFETY: the memory type is written as a c_uint; the driver was
+        // found above (and likewise for each attribute below, of its type).
         let kind: u32 = unsafe { pointer_attribute(base, CU_POINTER_ATTRIBUTE_MEMORY_TYPE) }
             .map_err(|e| not(format!("CUDA does not know the address ({e})")))?;
         if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
@@ -161,13 +161,17 @@ impl DeviceMemory {
                  as host memory)"
             )));
         }
+        // SAFETY: a c_uint flag.
         let managed: u32 = unsafe { pointer_attribute(base, CU_POINTER_ATTRIBUTE_IS_MANAGED) }?;
         if managed != 0 {
             return Err(not("managed (unified) memory is not supported".into()));
         }
+        // SAFETY: a c_int.
         let ordinal: i32 = unsafe { pointer_attribute(base, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) }?;
+        // SAFETY: a CUdeviceptr.
         let start: sys::CUdeviceptr =
             unsafe { pointer_attribute(base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR) }?;
+        // SAFETY: a size_t.
         let size: usize = unsafe { pointer_attribute(base, CU_POINTER_ATTRIBUTE_RANGE_SIZE) }?;
         let alloc_end = start.checked_add(size as u64);
         let end = base.checked_add(len as u64);

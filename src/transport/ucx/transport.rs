@@ -197,10 +197,12 @@ impl UcxTransport {
         user: Option<UserMemory>,
     ) -> Result<(usize, usize), UcxError> {
         let region = match user {
-            // SAFETY (both): the caller's promise, passed on.
+            // SAFETY: the caller's promise, passed on.
             Some(UserMemory::Host(base)) => unsafe {
                 MemoryRegion::map(&self.context, base as *mut u8, len)?
             },
+            // SAFETY: the caller's promise (device memory, its context
+            // current here), passed on.
             Some(UserMemory::Cuda(base)) => unsafe {
                 MemoryRegion::map_device(&self.context, base, len)?
             },
