@@ -929,7 +929,11 @@ impl Engine {
     fn register_device(&mut self, py: Python<'_>, addr: u64, len: usize) -> PyResult<usize> {
         // device_memory_refusal refuses every CUDA array without the feature.
         let _ = (addr, len);
-        Err(error(py, Some(Kind::Region), "built without the cuda feature".into()))
+        Err(error(
+            py,
+            Some(Kind::Region),
+            "built without the cuda feature".into(),
+        ))
     }
 
     fn register_raw(&mut self, py: Python<'_>, addr: usize, len: usize) -> PyResult<usize> {
@@ -1570,14 +1574,19 @@ fn device_memory_refusal(py: Python<'_>) -> Option<String> {
         missing.push("no CUDA driver on this machine (libcuda.so cannot be loaded)".to_owned());
     }
     let ucx = ucx_sys::Version::runtime();
+    let at = match ucx_sys::BUILT_LIBDIR {
+        dir if dir.starts_with('(') => "the system's".to_owned(),
+        dir => format!("from {dir}"),
+    };
     match py.allow_threads(ucx_has_cuda) {
         Ok(true) => {}
         Ok(false) => missing.push(format!(
-            "the loaded UCX {ucx} ({}) has no CUDA memory type: no CUDA transports \
-             (cuda_copy, cuda_ipc) loaded, or no driver for them",
-            ucx_sys::BUILT_LIBDIR
+            "the loaded UCX {ucx} ({at}) has no CUDA memory type: no CUDA transports \
+             (cuda_copy, cuda_ipc) loaded, or no driver for them"
         )),
-        Err(e) => missing.push(format!("UCX {ucx} could not be asked about CUDA memory: {e}")),
+        Err(e) => missing.push(format!(
+            "UCX {ucx} could not be asked about CUDA memory: {e}"
+        )),
     }
     (!missing.is_empty()).then(|| missing.join("; "))
 }
