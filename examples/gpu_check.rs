@@ -363,6 +363,9 @@ fn main() -> ExitCode {
         };
     }
     println!("cuda driver library present: {}", driver_present());
+    println!("{}", kvpoll::transport::ucx::version_line());
+    // Every stage runs, so that one failure does not hide the others.
+    let mut failed = false;
     match loopback_check(o.ordinal, o.block_size) {
         Ok(report) if report.host_to_gpu && report.gpu_to_host => {
             println!(
@@ -372,7 +375,7 @@ fn main() -> ExitCode {
         }
         Ok(report) => {
             println!("stage loopback: FAILED: bytes differ ({report:?})");
-            return ExitCode::from(1);
+            failed = true;
         }
         Err(e @ (GpuError::NoDriver | GpuError::NoDevice { .. } | GpuError::UcxWithoutCuda)) => {
             println!("unavailable: {e}");
@@ -380,10 +383,9 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             println!("stage loopback: FAILED: {e}");
-            return ExitCode::from(1);
+            failed = true;
         }
     }
-    let mut failed = false;
     for (name, stage) in [
         (
             "pull/push",
