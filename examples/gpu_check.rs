@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use kvpoll::gpu::{driver_present, loopback_check, GpuError};
-use kvpoll::{BlockId, Engine, EngineError, Incarnation, Outcomes, RequestId, Transfer};
+use kvpoll::{BlockId, Engine, EngineError, Incarnation, Outcomes, PeerId, RequestId, Transfer};
 
 /// KV layers per engine and blocks per layer.
 const LAYERS: usize = 2;
@@ -156,6 +156,21 @@ fn check(
     Ok(())
 }
 
+/// One handle: `local` of this engine paired with `remote` of `peer`.
+fn one<'a>(
+    peer: PeerId,
+    local: &'a [BlockId],
+    remote: &'a [BlockId],
+    lend: Incarnation,
+) -> [Transfer<'a>; 1] {
+    [Transfer {
+        peer,
+        local,
+        remote,
+        lend,
+    }]
+}
+
 fn blocks(ids: &[u32]) -> Vec<BlockId> {
     ids.iter().map(|&b| BlockId(b)).collect()
 }
@@ -185,15 +200,7 @@ fn in_process(o: &Options) -> Result<(), String> {
     let id = RequestId(1);
     let lend = prefill.lend(id, &src_ids, 1, PATIENCE).map_err(e)?;
     decode
-        .read(
-            id,
-            &[Transfer {
-                peer: to_prefill,
-                local: &dst_ids,
-                remote: &src_ids,
-                lend,
-            }],
-        )
+        .read(id, &one(to_prefill, &dst_ids, &src_ids, lend))
         .map_err(e)?;
     wait_for(&mut decode, "pull read", |o| {
         o.finished_recving.contains(&id)
@@ -212,17 +219,7 @@ fn in_process(o: &Options) -> Result<(), String> {
     let id = RequestId(2);
     let recv = decode.receive(id, &dst_ids, 1, PATIENCE).map_err(e)?;
     prefill
-        .write(
-            id,
-            &[Transfer {
-                peer: to_decode,
-                local: &src_ids,
-                remote: &dst_ids,
-                lend: recv,
-            }],
-            1,
-            PATIENCE,
-        )
+        .write(id, &one(to_decode, &src_ids, &dst_ids, recv), 1, PATIENCE)
         .map_err(e)?;
     wait_for(&mut prefill, "push write", |o| {
         o.finished_sending.contains(&id)
@@ -301,17 +298,7 @@ fn two_process(o: &Options) -> Result<(), String> {
         let peer = decode.add_peer(&meta).map_err(e)?;
         let id = RequestId(3);
         let ids = blocks(&MOVED);
-        decode
-            .read(
-                id,
-                &[Transfer {
-                    peer,
-                    local: &ids,
-                    remote: &ids,
-                    lend,
-                }],
-            )
-            .map_err(e)?;
+        decode.read(id, &one(peer, &ids, &ids, lend)).map_err(e)?;
         wait_for(&mut decode, "two-process read", |o| {
             o.finished_recving.contains(&id)
         })?;
