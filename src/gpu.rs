@@ -1,19 +1,22 @@
-//! KV regions in GPU memory (feature `cuda`): device memory allocated with
-//! cudarc and registered with UCX as `UCS_MEMORY_TYPE_CUDA`, so UCX moves
-//! blocks straight to and from the GPU (GPUDirect RDMA where the NIC allows,
-//! staged through host memory by `cuda_copy` otherwise).
+//! KV regions in GPU memory (feature `cuda`): device memory registered with
+//! UCX as `UCS_MEMORY_TYPE_CUDA`, so UCX moves blocks straight to and from
+//! the GPU (GPUDirect RDMA where the NIC allows, `cuda_ipc` between
+//! processes of one host, staged through host memory by `cuda_copy`
+//! otherwise). [`DeviceMemory`] is the caller's device memory as
+//! [`crate::Engine::register_device_memory`] checks and keeps it;
+//! [`GpuRegion`] allocates device memory for a transport-level region.
 //!
 //! Two things must be present, and each absence is a typed error, never a
 //! panic: the CUDA driver with a device ([`GpuError::NoDriver`],
-//! [`GpuError::NoDevice`]), and a UCX built with CUDA support
-//! ([`GpuError::UcxWithoutCuda`]; point `PKG_CONFIG_PATH` and
-//! `LD_LIBRARY_PATH` at one). The driver is loaded at run time, so this
-//! feature builds on machines without CUDA.
+//! [`GpuError::NoDevice`]), and a UCX with CUDA transports
+//! ([`GpuError::UcxWithoutCuda`]; the `libucx-cu12` wheel's UCX has them,
+//! `KVPOLL_UCX_HOME` builds against it). The driver is loaded at run time,
+//! so this feature builds on machines without CUDA.
 //!
-//! A [`GpuRegion`] is not a [`MemoryRegion`] to its users: the latter's
-//! `read`/`write` copy with `memcpy` through host pointers, which would fault
-//! on device memory. `GpuRegion` copies with the CUDA driver instead and
-//! hands the UCX registration only to the transport inside the crate.
+//! Neither is a [`MemoryRegion`] to its users: the latter's `read`/`write`
+//! copy with `memcpy` through host pointers, which would fault on device
+//! memory. Both copy with the CUDA driver instead, and the UCX
+//! registration stays inside the crate.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -43,8 +46,10 @@ pub enum GpuError {
     },
     /// The UCX library in use cannot register CUDA memory.
     #[error(
-        "this UCX has no CUDA support (ucp_context_query lists no CUDA memory type): \
-         build UCX --with-cuda and point PKG_CONFIG_PATH / LD_LIBRARY_PATH at it"
+        "this UCX has no CUDA support (ucp_context_query lists no CUDA memory type: UCX \
+         built without CUDA, its CUDA transports not loaded, or left out of the transport \
+         list): use one with cuda_copy/cuda_ipc, such as the libucx-cu12 wheel's \
+         (KVPOLL_UCX_HOME), and leave them in UCX_TLS"
     )]
     UcxWithoutCuda,
     /// A CUDA driver call failed.

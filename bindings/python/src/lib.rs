@@ -1040,6 +1040,8 @@ impl Engine {
     #[pyo3(signature = (obj))]
     fn register_buffer(&mut self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
         if is_cuda_object(obj) {
+            // A malformed array is refused as such first, on any machine.
+            let (addr, len) = cuda_range(obj)?;
             if let Some(why) = device_memory_refusal(py) {
                 return Err(error(
                     py,
@@ -1047,7 +1049,6 @@ impl Engine {
                     format!("a CUDA array cannot be registered: {why}"),
                 ));
             }
-            let (addr, len) = cuda_range(obj)?;
             let region = self.register_device(py, addr, len)?;
             self.views.push(obj.clone().unbind());
             return Ok(region);

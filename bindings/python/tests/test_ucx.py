@@ -85,3 +85,35 @@ def test_a_cuda_array_is_refused_naming_what_is_missing_and_nothing_is_registere
         assert ("has no CUDA memory type" in said) == (not support["ucx_cuda"]), said
         # Nothing was registered: the first region is still region 0.
         assert e.register(4) == 0
+
+
+def cuda_array(**fields):
+    iface = {"shape": (2, 2048), "typestr": "<f2", "data": (0x7F0000000000, False), "version": 3}
+    iface.update(fields)
+    return type("CudaArray", (), {"__cuda_array_interface__": iface})()
+
+
+@pytest.mark.parametrize(
+    "fields, said",
+    [
+        ({"data": (0x7F0000000000, True)}, "read-only"),
+        ({"strides": (2, 4)}, "not C-contiguous"),
+        ({"typestr": "<f"}, "names no item size"),
+        ({"shape": (0,)}, "empty"),
+        ({"data": "nowhere"}, "'data' is not a"),
+    ],
+)
+def test_a_malformed_cuda_array_is_refused_as_such_on_any_machine(fields, said):
+    with kvpoll.Engine(block_size=4096) as e:
+        with pytest.raises(ValueError, match=said):
+            e.register_buffer(cuda_array(**fields))
+        assert e.register(4) == 0
+
+
+def test_a_c_contiguous_cuda_array_with_its_strides_given_is_read_as_one_range():
+    # Strides (4096, 2) are C order for shape (2, 2048) of 2-byte items:
+    # what follows the parse is the refusal (or, with a GPU, the driver's
+    # check of the address), not a layout error.
+    with kvpoll.Engine(block_size=4096) as e:
+        with pytest.raises(kvpoll.RegionError, match="CUDA array cannot be registered|not CUDA device memory"):
+            e.register_buffer(cuda_array(strides=(4096, 2)))
