@@ -1575,14 +1575,10 @@ fn device_memory_refusal(py: Python<'_>) -> Option<String> {
         missing.push("no CUDA driver on this machine (libcuda.so cannot be loaded)".to_owned());
     }
     let ucx = ucx_sys::Version::runtime();
-    let at = match ucx_sys::BUILT_LIBDIR {
-        dir if dir.starts_with('(') => "the system's".to_owned(),
-        dir => format!("from {dir}"),
-    };
     match py.allow_threads(ucx_has_cuda) {
         Ok(true) => {}
         Ok(false) => missing.push(format!(
-            "the loaded UCX {ucx} ({at}) has no CUDA memory type: no CUDA transports \
+            "the loaded UCX {ucx} has no CUDA memory type: no CUDA transports \
              (cuda_copy, cuda_ipc) loaded, or no driver for them"
         )),
         Err(e) => missing.push(format!(
