@@ -17,7 +17,7 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 C_STATIC_LIBS := -lucp -luct -lucs -lucm -lhwloc -ludev -lgcc_s -lutil -lrt -lpthread -lm -ldl
 C_FLAGS := -std=c11 -Wall -Wextra -Werror -D_POSIX_C_SOURCE=200809L -Ibindings/c
 
-.PHONY: deps test-deps demo test loom bench bench-peers compare fmt clippy c-test header soak sim-soak fuzz fuzz-build wheel wheel-test
+.PHONY: deps test-deps demo test loom bench bench-peers compare fmt clippy c-test header soak sim-soak fuzz fuzz-build wheel wheel-test gpu-check
 
 deps:
 	@./scripts/deps.sh $(PKGS)
@@ -47,6 +47,12 @@ wheel:
 # to be the libucx wheel's.
 wheel-test: wheel
 	./scripts/wheel-test.sh $(WHEEL_DIR)
+
+# On a machine with an NVIDIA GPU: device memory registered and moved
+# through UCX 1.22 (the libucx-cu12 wheel's) by two engines, in one process
+# and in two; one PASS/FAIL line. Not part of `make test`.
+gpu-check:
+	./scripts/gpu-check.sh
 
 # loom explores every interleaving of the bitmap-and-publish protocol. It uses
 # its own target dir so that the `--cfg loom` build does not evict the normal one.

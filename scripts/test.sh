@@ -64,6 +64,9 @@ step "$CARGO" test --workspace --exclude kvpoll --doc
 # at run time) and must give typed errors, not panics, without a GPU.
 step "$CARGO" build --workspace --features cuda
 step "$CARGO" test --features cuda --test gpu
+# The GPU check's program (scripts/gpu-check.sh runs it on GPU machines)
+# must build here too.
+step "$CARGO" build --features cuda --example gpu_check
 step "${CARGO_TARGET_DIR:-target}/debug/kvpoll" --version
 # The real-UCX suites (in-process, two-process, the drills, the fencing and
 # reader-kill tests, the demo) once more against the UCX that Python users

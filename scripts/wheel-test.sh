@@ -38,5 +38,11 @@ print("libucp loaded:", ", ".join(sorted(loaded)))
 assert loaded and all(os.path.dirname(p) == wheel_lib for p in loaded), (loaded, wheel_lib)
 assert ucx["compatible"] and ucx["source"] == "wheel", ucx
 assert ucx["loaded"].split(".")[:2] == libucx.__version__.split(".")[:2], (ucx, libucx.__version__)
+# The wheel carries the cuda feature: CUDA tensors register where a GPU
+# and the wheel UCX's CUDA transports are (refused, saying why, elsewhere).
+device = kvpoll.device_memory()
+print("device memory:", device)
+assert device["cuda_build"] and device["ucx_cuda"] == ucx["cuda"], device
+assert (device["refusal"] is None) == (device["driver"] and device["ucx_cuda"]), device
 print("wheel test: 1 passed, 0 failed")
 PY

@@ -594,10 +594,13 @@ type InFlight = HashMap<
 >;
 
 /// A registered region as the engine thread sees it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Region {
     base: usize,
     len: usize,
+    /// Device memory: blocks are copied through the CUDA driver.
+    #[cfg(feature = "cuda")]
+    device: Option<crate::gpu::DeviceMemory>,
 }
 
 /// The engine: submit transfers, poll for reports. See the module docs.
@@ -731,7 +734,7 @@ impl Engine {
     /// [`Engine::register_memory`]. Every region must hold the same
     /// number of blocks. Returns the region's index.
     pub fn register(&mut self, blocks: u64) -> Result<usize, RegionError> {
-        self.register_region(blocks, None)
+        self.register_region(blocks, None, None)
     }
 
     /// Registers caller memory as a region of `len / block_size` blocks
@@ -747,7 +750,42 @@ impl Engine {
         base: *mut u8,
         len: usize,
     ) -> Result<usize, RegionError> {
-        if base.is_null() {
+        let blocks = self.caller_blocks(base as usize, len)?;
+        self.register_region(blocks, Some(base as usize), None)
+    }
+
+    /// Registers CUDA device memory the caller owns (a serving engine's KV
+    /// layer on the GPU) as a region of `len / block_size` blocks, *as*
+    /// device memory: UCX moves its blocks over its CUDA transports
+    /// (GPUDirect RDMA where the NIC allows, `cuda_ipc` between GPUs of
+    /// one host, staged by `cuda_copy` otherwise). `read_block` and
+    /// `write_block` copy through the CUDA driver.
+    ///
+    /// Refused with [`RegionError::Device`], changing nothing, when this
+    /// machine has no CUDA driver or GPU ([`crate::gpu::GpuError::NoDriver`],
+    /// [`crate::gpu::GpuError::NoDevice`]), when CUDA does not report
+    /// `base..base+len` as inside one device allocation
+    /// ([`crate::gpu::GpuError::NotDeviceMemory`]), or when the UCX loaded
+    /// has no CUDA transports ([`crate::gpu::GpuError::UcxWithoutCuda`]).
+    ///
+    /// # Safety
+    /// `base..base+len` must stay allocated on the device, in place, until
+    /// the engine is dropped (after [`Engine::shutdown`]), and the caller
+    /// must not rely on its contents while transfers into it are in flight.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn register_device_memory(
+        &mut self,
+        base: u64,
+        len: usize,
+    ) -> Result<usize, RegionError> {
+        let blocks = self.caller_blocks(base as usize, len)?;
+        let device = crate::gpu::DeviceMemory::probe(base, len)?;
+        self.register_region(blocks, Some(base as usize), Some(device))
+    }
+
+    /// The blocks in `len` bytes of caller memory at `base`.
+    fn caller_blocks(&self, base: usize, len: usize) -> Result<u64, RegionError> {
+        if base == 0 {
             return Err(RegionError::NullMemory { len });
         }
         if len as u64 % self.block_size != 0 {
@@ -756,10 +794,15 @@ impl Engine {
                 block_size: self.block_size,
             });
         }
-        self.register_region(len as u64 / self.block_size, Some(base as usize))
+        Ok(len as u64 / self.block_size)
     }
 
-    fn register_region(&mut self, blocks: u64, user: Option<usize>) -> Result<usize, RegionError> {
+    fn register_region(
+        &mut self,
+        blocks: u64,
+        user: Option<usize>,
+        device: Option<crate::driver::DeviceMemory>,
+    ) -> Result<usize, RegionError> {
         let bad = |why| RegionError::BadSize {
             blocks,
             block_size: self.block_size,
@@ -777,14 +820,22 @@ impl Engine {
             .checked_mul(self.block_size)
             .filter(|&l| l <= 1 << 40)
             .ok_or_else(|| bad("more than the 1 TiB a region may map"))?;
+        #[cfg(feature = "cuda")]
+        let copies = device.clone();
         let (base, len) = self.control(|reply| Control::Register {
             blocks,
             len: len as usize,
             user,
+            device,
             reply,
         })?;
         self.region_blocks = Some(blocks);
-        self.regions.push(Region { base, len });
+        self.regions.push(Region {
+            base,
+            len,
+            #[cfg(feature = "cuda")]
+            device: copies,
+        });
         Ok(self.regions.len() - 1)
     }
 
@@ -797,6 +848,10 @@ impl Engine {
         data: &[u8],
     ) -> Result<(), RegionError> {
         let dst = self.block_ptr(region, block, data.len())?;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.regions[region].device {
+            return Ok(device.write(dst as u64, data)?);
+        }
         // SAFETY: dst..dst+len lies inside a registered region (checked),
         // which stays mapped until the engine is dropped.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
@@ -811,6 +866,10 @@ impl Engine {
         out: &mut [u8],
     ) -> Result<(), RegionError> {
         let src = self.block_ptr(region, block, out.len())?;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.regions[region].device {
+            return Ok(device.read(src as u64, out)?);
+        }
         // SAFETY: as in write_block.
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
         Ok(())

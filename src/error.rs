@@ -116,6 +116,13 @@ pub enum RegionError {
         /// Bytes per block.
         block_size: u64,
     },
+    /// Device memory that cannot be registered (feature `cuda`): no CUDA
+    /// driver or GPU here, memory CUDA does not know as one device
+    /// allocation, or a UCX without CUDA transports. The variant inside
+    /// says which.
+    #[cfg(feature = "cuda")]
+    #[error("device memory: {0}")]
+    Device(#[from] crate::gpu::GpuError),
     /// Memory registered after a peer was added: that peer holds metadata
     /// without the new region, and every later transfer with it would fail.
     #[error("register every region before adding peers (peers hold the metadata sent them)")]
@@ -350,6 +357,8 @@ impl Error {
                 | RegionError::NotWholeBlocks { .. }
                 | RegionError::Frozen
                 | RegionError::NoSuchRegion { .. } => K::Region,
+                #[cfg(feature = "cuda")]
+                RegionError::Device(_) => K::Region,
                 RegionError::TooManyBytes { .. } | RegionError::BlockOutOfRange { .. } => {
                     K::Request
                 }

@@ -17,8 +17,97 @@ fn ucx_context_lists_host_memory_among_its_memory_types() {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use kvpoll::gpu::{driver_present, loopback_check, GpuError, GpuRegion};
+    use kvpoll::gpu::{driver_present, loopback_check, DeviceMemory, GpuError, GpuRegion};
     use kvpoll::transport::ucx::{Context, ContextOptions};
+    use kvpoll::{BlockId, Engine, RegionError};
+
+    const BS: u64 = 4096;
+
+    fn engine() -> Engine {
+        Engine::builder()
+            .block_size(BS)
+            .ucx(ContextOptions::with_transports("tcp"))
+            .build()
+            .unwrap()
+    }
+
+    /// What registering `base..base+len` as device memory must say on a
+    /// machine with this driver: no driver, or (with one) not device memory.
+    fn assert_refused_as_not_device(err: &GpuError) {
+        match err {
+            GpuError::NoDriver => assert!(!driver_present(), "{err}"),
+            GpuError::NoDevice { .. } | GpuError::NotDeviceMemory { .. } => {
+                assert!(driver_present(), "{err}")
+            }
+            other => panic!("unexpected: {other}"),
+        }
+    }
+
+    #[test]
+    fn host_memory_given_as_device_memory_is_refused_and_registers_nothing() {
+        let mut e = engine();
+        let mut host = vec![0u8; 4 * BS as usize];
+        // SAFETY: the engine refuses it (asserted), so nothing keeps it.
+        let err =
+            unsafe { e.register_device_memory(host.as_mut_ptr() as u64, host.len()) }.unwrap_err();
+        match &err {
+            RegionError::Device(inner) => assert_refused_as_not_device(inner),
+            other => panic!("unexpected: {other}"),
+        }
+        assert!(err.to_string().starts_with("device memory: "), "{err}");
+        // Nothing was registered: the next region is region 0, of any size.
+        assert_eq!(e.register(8).unwrap(), 0);
+        e.write_block(0, BlockId(7), &[9u8; BS as usize]).unwrap();
+        let mut back = [0u8; BS as usize];
+        e.read_block(0, BlockId(7), &mut back).unwrap();
+        assert_eq!(back, [9u8; BS as usize]);
+    }
+
+    #[test]
+    fn device_memory_of_a_partial_block_or_at_null_is_refused_before_cuda_is_asked() {
+        let mut e = engine();
+        // SAFETY: both are refused before anything is mapped.
+        let partial = unsafe { e.register_device_memory(0x7f00_0000_0000, BS as usize + 1) };
+        assert!(
+            matches!(partial, Err(RegionError::NotWholeBlocks { .. })),
+            "{partial:?}"
+        );
+        let null = unsafe { e.register_device_memory(0, BS as usize) };
+        assert!(
+            matches!(null, Err(RegionError::NullMemory { .. })),
+            "{null:?}"
+        );
+    }
+
+    #[test]
+    fn probing_an_address_cuda_does_not_own_is_a_typed_error_not_a_crash() {
+        let host = vec![1u8; 8192];
+        for (base, len) in [(host.as_ptr() as u64, host.len()), (0x10, 4096), (0, 0)] {
+            let err = DeviceMemory::probe(base, len).unwrap_err();
+            assert_refused_as_not_device(&err);
+            if let GpuError::NotDeviceMemory {
+                base: b, len: l, ..
+            } = err
+            {
+                assert_eq!((b, l), (base, len));
+            }
+        }
+    }
+
+    #[test]
+    fn without_a_driver_the_refusal_says_there_is_no_gpu() {
+        if driver_present() {
+            return; // a GPU machine: gpu-check.sh covers it
+        }
+        let mut e = engine();
+        // SAFETY: refused (asserted).
+        let err = unsafe { e.register_device_memory(0x7f00_0000_0000, BS as usize) }.unwrap_err();
+        assert!(
+            matches!(err, RegionError::Device(GpuError::NoDriver)),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("no GPU"), "{err}");
+    }
 
     #[test]
     fn gpu_region_without_a_gpu_or_cuda_ucx_is_a_typed_error_not_a_panic() {

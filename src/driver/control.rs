@@ -15,6 +15,15 @@ use crate::transport::Transport;
 
 type Reply<T, E> = mpsc::Sender<Result<T, E>>;
 
+/// Device memory to register (feature `cuda`); without the feature there
+/// is none to give.
+#[cfg(feature = "cuda")]
+pub(crate) type DeviceMemory = crate::gpu::DeviceMemory;
+/// Device memory to register (feature `cuda`); without the feature there
+/// is none to give.
+#[cfg(not(feature = "cuda"))]
+pub(crate) type DeviceMemory = std::convert::Infallible;
+
 /// Rare requests from the engine thread, answered on a reply channel.
 pub(crate) enum Control {
     Register {
@@ -22,6 +31,8 @@ pub(crate) enum Control {
         len: usize,
         /// Caller memory to map (its address), or `None` to let UCX allocate.
         user: Option<usize>,
+        /// The caller memory is this device memory (`user` is its address).
+        device: Option<DeviceMemory>,
         reply: Reply<(usize, usize), RegionError>,
     },
     Metadata {
@@ -55,9 +66,10 @@ impl Driver {
                     blocks,
                     len,
                     user,
+                    device,
                     reply,
                 } => {
-                    let _ = reply.send(self.register(blocks, len, user));
+                    let _ = reply.send(self.register(blocks, len, user, device));
                 }
                 Control::Metadata { reply } => {
                     let instance = self.cfg.instance;

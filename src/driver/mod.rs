@@ -37,7 +37,7 @@ use crate::ring::{CommandReceiver, EventPublisher};
 use crate::transport::ucx::UcxTransport;
 use crate::transport::Transport;
 
-pub(crate) use control::Control;
+pub(crate) use control::{Control, DeviceMemory};
 pub(crate) use shared::{Channels, Config, Shared};
 
 #[cfg(feature = "fault-injection")]

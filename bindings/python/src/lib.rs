@@ -869,6 +869,26 @@ impl Engine {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn register_device(&mut self, py: Python<'_>, addr: u64, len: usize) -> PyResult<usize> {
+        let inner = self.inner.get();
+        // SAFETY: the object exporting the device memory is kept by the
+        // engine (views) until it is dropped, so the memory stays allocated.
+        py.allow_threads(move || unsafe { inner.register_device_memory(addr, len) })
+            .map_err(|e| engine_err(py, e))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn register_device(&mut self, py: Python<'_>, addr: u64, len: usize) -> PyResult<usize> {
+        // device_memory_refusal refuses every CUDA array without the feature.
+        let _ = (addr, len);
+        Err(error(
+            py,
+            Some(Kind::Region),
+            "built without the cuda feature".into(),
+        ))
+    }
+
     fn register_raw(&mut self, py: Python<'_>, addr: usize, len: usize) -> PyResult<usize> {
         let inner = self.inner.get();
         // SAFETY: the caller of register_buffer vouches for addr..addr+len
@@ -962,11 +982,29 @@ impl Engine {
     ///   t.element_size())`` for a torch tensor in host memory: the caller
     ///   must keep that memory allocated until the engine is shut down.
     ///
+    /// - a contiguous CUDA tensor or array (torch, or anything with
+    ///   ``__cuda_array_interface__``): registered as device memory, so UCX
+    ///   moves it over its CUDA transports; the engine keeps the object.
+    ///   Refused with ``RegionError``, naming what is missing, unless this
+    ///   build has the cuda feature, the CUDA driver loads and the loaded
+    ///   UCX has CUDA transports (``device_memory()``).
+    ///
     /// Returns the region's index.
     #[pyo3(signature = (obj))]
     fn register_buffer(&mut self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
-        if obj.hasattr("__cuda_array_interface__")? {
-            return Err(error(py, Some(Kind::Region), cuda_refusal(py)));
+        if is_cuda_object(obj) {
+            // A malformed array is refused as such first, on any machine.
+            let (addr, len) = cuda_range(obj)?;
+            if let Some(why) = device_memory_refusal(py) {
+                return Err(error(
+                    py,
+                    Some(Kind::Region),
+                    format!("a CUDA array cannot be registered: {why}"),
+                ));
+            }
+            let region = self.register_device(py, addr, len)?;
+            self.views.push(obj.clone().unbind());
+            return Ok(region);
         }
         if let Ok(t) = obj.downcast::<PyTuple>() {
             if t.len() != 2 {
@@ -1390,19 +1428,132 @@ fn ucx_has_cuda() -> Result<bool, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Why a CUDA array is refused, with what this UCX can do.
-fn cuda_refusal(py: Python<'_>) -> String {
-    let why = match py.allow_threads(ucx_has_cuda) {
-        Ok(true) => "this UCX can register CUDA memory, but the engine's regions are host \
-                     memory (read_block / write_block copy through them); device memory is \
-                     registered through kvpoll::gpu (Rust, feature cuda)"
-            .to_owned(),
-        Ok(false) => "this UCX has no CUDA memory type (no CUDA transport loaded, or no CUDA \
-                      driver): it cannot register device memory"
-            .to_owned(),
-        Err(e) => format!("UCX could not be asked about CUDA memory: {e}"),
-    };
-    format!("a CUDA array (it has __cuda_array_interface__) cannot be registered: {why}")
+/// Whether `obj` is device memory: a torch tensor on a CUDA device, or
+/// an object with `__cuda_array_interface__` (cupy, numba, torch). An
+/// interface that raises when read (torch's for bfloat16) still says so.
+fn is_cuda_object(obj: &Bound<'_, PyAny>) -> bool {
+    let on_cuda = obj
+        .getattr("is_cuda")
+        .and_then(|v| v.extract::<bool>())
+        .unwrap_or(false);
+    on_cuda || obj.hasattr("__cuda_array_interface__").unwrap_or(true)
+}
+
+/// The device address and length of a CUDA array: a torch tensor's
+/// `data_ptr()` and size (whatever its dtype), or what
+/// `__cuda_array_interface__` (version 2 or 3) describes. It must be
+/// contiguous, writable and not empty.
+fn cuda_range(obj: &Bound<'_, PyAny>) -> PyResult<(u64, usize)> {
+    let bad = |why: String| PyValueError::new_err(format!("a CUDA array: {why}"));
+    if obj.hasattr("data_ptr")? && obj.hasattr("element_size")? {
+        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(bad("the tensor is not contiguous".into()));
+        }
+        let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
+        let numel: usize = obj.call_method0("numel")?.extract()?;
+        let size: usize = obj.call_method0("element_size")?.extract()?;
+        let len = numel
+            .checked_mul(size)
+            .ok_or_else(|| bad("its size overflows".into()))?;
+        if addr == 0 || len == 0 {
+            return Err(bad("the tensor is empty".into()));
+        }
+        return Ok((addr, len));
+    }
+    let iface = obj.getattr("__cuda_array_interface__")?;
+    let item = |k: &str| iface.get_item(k);
+    let (addr, readonly): (u64, bool) = item("data")?
+        .extract()
+        .map_err(|_| bad("'data' is not a (ptr, readonly) pair".into()))?;
+    if readonly {
+        return Err(bad("it is read-only".into()));
+    }
+    let shape: Vec<usize> = item("shape")?
+        .extract()
+        .map_err(|_| bad("'shape' is not a tuple of sizes".into()))?;
+    let typestr: String = item("typestr")?.extract()?;
+    let itemsize: usize = typestr
+        .get(2..)
+        .and_then(|n| n.parse().ok())
+        .filter(|&n| n > 0)
+        .ok_or_else(|| bad(format!("typestr {typestr:?} names no item size")))?;
+    let mut len = itemsize;
+    for &d in &shape {
+        len = len
+            .checked_mul(d)
+            .ok_or_else(|| bad("its size overflows".into()))?;
+    }
+    // C order: each stride is the product of the item size and the sizes
+    // after it (strides None means exactly that).
+    if let Ok(strides) = item("strides") {
+        if !strides.is_none() {
+            let strides: Vec<usize> = strides
+                .extract()
+                .map_err(|_| bad("'strides' is not a tuple of byte strides".into()))?;
+            let mut expect = itemsize;
+            for (i, &d) in shape.iter().enumerate().rev() {
+                if d > 1 && strides.get(i) != Some(&expect) {
+                    return Err(bad("it is not C-contiguous".into()));
+                }
+                expect *= d;
+            }
+        }
+    }
+    if addr == 0 || len == 0 {
+        return Err(bad("it is empty".into()));
+    }
+    Ok((addr, len))
+}
+
+/// Whether the CUDA driver library loads (only asked in a cuda build).
+fn cuda_driver_present() -> bool {
+    #[cfg(feature = "cuda")]
+    return kvpoll::gpu::driver_present();
+    #[cfg(not(feature = "cuda"))]
+    return false;
+}
+
+/// Why a CUDA array cannot be registered here, naming every missing
+/// piece: this build's cuda feature, the CUDA driver, the loaded UCX's
+/// CUDA transports. `None` when all are there.
+fn device_memory_refusal(py: Python<'_>) -> Option<String> {
+    let mut missing = Vec::new();
+    if !cfg!(feature = "cuda") {
+        missing.push(
+            "this kvpoll was built without the cuda feature (the wheel from `make wheel` has it; \
+             from source: pip install ./bindings/python, whose build turns it on)"
+                .to_owned(),
+        );
+    } else if !cuda_driver_present() {
+        missing.push("no CUDA driver on this machine (libcuda.so cannot be loaded)".to_owned());
+    }
+    let ucx = ucx_sys::Version::runtime();
+    match py.allow_threads(ucx_has_cuda) {
+        Ok(true) => {}
+        Ok(false) => missing.push(format!(
+            "the loaded UCX {ucx} has no CUDA memory type: no CUDA transports \
+             (cuda_copy, cuda_ipc) loaded, or no driver for them"
+        )),
+        Err(e) => missing.push(format!(
+            "UCX {ucx} could not be asked about CUDA memory: {e}"
+        )),
+    }
+    (!missing.is_empty()).then(|| missing.join("; "))
+}
+
+/// Whether CUDA tensors can be registered here: ``cuda_build`` (the
+/// extension has the cuda feature), ``driver`` (the CUDA driver loads; only
+/// asked in a cuda build), ``ucx_cuda`` (the loaded UCX has CUDA
+/// transports) and ``refusal`` (why ``register_buffer`` refuses a CUDA
+/// array, naming what is missing; ``None`` when it accepts them).
+#[pyfunction]
+fn device_memory(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("cuda_build", cfg!(feature = "cuda"))?;
+    d.set_item("driver", cuda_driver_present())?;
+    d.set_item("ucx_cuda", py.allow_threads(ucx_has_cuda).unwrap_or(false))?;
+    d.set_item("refusal", device_memory_refusal(py))?;
+    Ok(d.unbind())
 }
 
 /// The UCX in use: ``loaded`` (the version the loaded library reports),
@@ -1434,6 +1585,7 @@ fn _kvpoll(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PollResult>()?;
     m.add_function(wrap_pyfunction!(request_id, m)?)?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
+    m.add_function(wrap_pyfunction!(device_memory, m)?)?;
     m.add("KvpollError", py.get_type::<KvpollError>())?;
     for ((_, name, _, _), class) in KINDS.iter().zip(classes(py)?) {
         m.add(*name, class.bind(py))?;

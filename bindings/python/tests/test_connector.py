@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvpoll import draw_incarnation
+from kvpoll import device_memory, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 from kvpoll_remote import BLOCKS, BS, REGIONS, pattern
 
@@ -247,9 +247,28 @@ def test_register_kv_caches_refuses_a_tensor_on_a_device_and_says_why():
         def is_contiguous(self) -> bool:
             return True
 
+    refusal = device_memory()["refusal"]
+    if refusal is None:
+        pytest.skip("CUDA memory can be registered here: scripts/gpu-check.sh moves it")
     with KvConnectorWorker(block_size=BS, tls="tcp") as w:
-        with pytest.raises(ValueError, match="'layer.0'.*cuda:0.*host memory"):
+        with pytest.raises(ValueError, match="'layer.0'.*cuda:0 cannot be registered") as err:
             w.register_kv_caches({"layer.0": DeviceTensor()})
+        assert refusal in str(err.value)
+
+
+def test_register_kv_caches_refuses_a_tensor_on_another_kind_of_device():
+    class XpuTensor:
+        class device:
+            type = "xpu"
+
+            def __str__(self) -> str:
+                return "xpu:0"
+
+        device = device()
+
+    with KvConnectorWorker(block_size=BS, tls="tcp") as w:
+        with pytest.raises(ValueError, match="'layer.0'.*xpu:0.*host and CUDA memory only"):
+            w.register_kv_caches({"layer.0": XpuTensor()})
 
 
 def test_a_read_submitted_before_its_lend_finishes_once_the_lend_arrives(make_producer):

@@ -82,6 +82,30 @@ impl MemoryRegion {
         Ok(region)
     }
 
+    /// Registers `len` bytes of CUDA device memory at the device address
+    /// `base` *as* device memory (`UCS_MEMORY_TYPE_CUDA`), so that UCX
+    /// moves it over its CUDA transports. The region's `read` and `write`
+    /// must not be used on it: they copy through host pointers.
+    ///
+    /// # Safety
+    /// `base..base+len` must be one CUDA device allocation that stays
+    /// allocated until this region is dropped, and the thread must have a
+    /// CUDA context current in which it is valid.
+    pub unsafe fn map_device(context: &Context, base: u64, len: usize) -> Result<Self, UcxError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE) as u64,
+            address: base as usize as *mut c_void,
+            length: len,
+            memory_type: sys::UCS_MEMORY_TYPE_CUDA,
+            ..Default::default()
+        };
+        // SAFETY: the caller's promise; the memory type tells UCX not to
+        // touch it as host memory.
+        unsafe { Self::map_params(context, &params) }
+    }
+
     /// # Safety
     /// If `params` names caller memory, it must satisfy [`MemoryRegion::map`].
     pub(crate) unsafe fn map_params(

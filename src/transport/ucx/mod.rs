@@ -30,9 +30,9 @@ pub use endpoint::{BlockOp, Endpoint, PostError};
 pub use error::{UcxError, UcxStatus};
 pub use layout::LayoutError;
 pub use memory::{MemoryRegion, PackedRkey, RemoteKey};
-pub use transport::UcxTransport;
 #[doc(hidden)]
 pub use transport::NOTIFY_AM_ID;
+pub use transport::{UcxTransport, UserMemory};
 pub use worker::{ActiveMessage, Completion, EndpointFailure, Worker, WorkerAddress};
 
 /// Largest active-message payload kvpoll sends or accepts (notifications are

@@ -104,6 +104,18 @@ pub struct UcxTransport {
     word_reads: Vec<(u64, u32, Ep, u64)>,
     /// Progress calls so far.
     progresses: u64,
+    /// What registered device memory needs until the context is gone.
+    owners: Vec<Box<dyn std::any::Any>>,
+}
+
+/// Caller memory to register: host memory at an address, or CUDA device
+/// memory at a device address (registered as `UCS_MEMORY_TYPE_CUDA`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UserMemory {
+    /// Host memory.
+    Host(usize),
+    /// CUDA device memory.
+    Cuda(u64),
 }
 
 impl UcxTransport {
@@ -142,6 +154,7 @@ impl UcxTransport {
             free_cells: (0..WORD_CELLS as u32).rev().collect(),
             word_reads: Vec::with_capacity(WORD_CELLS),
             progresses: 0,
+            owners: Vec::new(),
         })
     }
 
@@ -175,16 +188,24 @@ impl UcxTransport {
     ///
     /// # Safety
     /// With `user`, the range must stay valid, writable and in place for the
-    /// transport's lifetime.
+    /// transport's lifetime; device memory must be valid in the CUDA
+    /// context current on this thread.
     pub unsafe fn register(
         &mut self,
         blocks: u64,
         len: usize,
-        user: Option<usize>,
+        user: Option<UserMemory>,
     ) -> Result<(usize, usize), UcxError> {
         let region = match user {
             // SAFETY: the caller's promise, passed on.
-            Some(base) => unsafe { MemoryRegion::map(&self.context, base as *mut u8, len)? },
+            Some(UserMemory::Host(base)) => unsafe {
+                MemoryRegion::map(&self.context, base as *mut u8, len)?
+            },
+            // SAFETY: the caller's promise (device memory, its context
+            // current here), passed on.
+            Some(UserMemory::Cuda(base)) => unsafe {
+                MemoryRegion::map_device(&self.context, base, len)?
+            },
             None => MemoryRegion::allocate(&self.context, len)?,
         };
         let rkey = region.pack_rkey()?;
@@ -193,6 +214,17 @@ impl UcxTransport {
         self.regions.push(region);
         self.region_rkeys.push(rkey);
         Ok(out)
+    }
+
+    /// Whether this transport's UCX can register and move CUDA memory.
+    pub fn supports_cuda(&self) -> Result<bool, UcxError> {
+        self.context.supports_cuda()
+    }
+
+    /// Keeps `owner` (what device memory needs while registered: its CUDA
+    /// context) until the regions, worker and context are gone.
+    pub fn keep_until_drop(&mut self, owner: Box<dyn std::any::Any>) {
+        self.owners.push(owner);
     }
 
     /// Regions registered.

@@ -54,6 +54,13 @@ def ucx_version() -> Dict[str, object]:
     (whether engines can start on it) and ``cuda`` (whether it can
     register CUDA memory)."""
 
+def device_memory() -> Dict[str, object]:
+    """Whether CUDA tensors can be registered here: ``cuda_build`` (the
+    extension has the cuda feature), ``driver`` (the CUDA driver loads),
+    ``ucx_cuda`` (the loaded UCX has CUDA transports) and ``refusal`` (why
+    ``register_buffer`` refuses a CUDA array, naming what is missing;
+    ``None`` when it accepts them)."""
+
 class Transfer:
     """One handle: ``local[i]`` of this engine pairs with ``remote[i]`` of
     ``peer``, in the remote lend of incarnation ``lend``; with
@@ -129,8 +136,11 @@ class Engine:
     def register(self, n_blocks: int) -> int:
         """Registers a UCX-allocated region of ``n_blocks`` blocks; returns its index."""
     def register_buffer(self, obj: Union[object, Tuple[int, int]]) -> int:
-        """Registers a writable C-contiguous buffer, or a ``(ptr, nbytes)``
-        pair, as a region; returns its index."""
+        """Registers a writable C-contiguous buffer, a ``(ptr, nbytes)``
+        pair, or a contiguous CUDA tensor or array (registered as device
+        memory; refused, saying what is missing, unless
+        ``device_memory()["refusal"]`` is ``None``) as a region; returns
+        its index."""
     def local_metadata(self) -> bytes:
         """This engine's metadata, for the peers' ``add_peer``."""
     def add_peer(self, metadata: bytes, any_block_size: bool = False) -> int:

@@ -44,7 +44,7 @@ from typing import (
     Union,
 )
 
-from ._kvpoll import BusyError, Engine, KvpollError
+from ._kvpoll import BusyError, Engine, KvpollError, device_memory
 
 RequestId = Union[str, int]
 #: One handle of a load: (remote, local block ids, remote block ids, lend
@@ -64,21 +64,30 @@ logger = logging.getLogger(__name__)
 
 def region_of(layer: Any) -> Union[Any, Tuple[int, int]]:
     """What ``Engine.register_buffer`` takes for one KV layer: a torch tensor
-    becomes ``(data_ptr, nbytes)`` (it must be contiguous and in host
-    memory); anything else (a numpy array, a ``(ptr, nbytes)`` tuple) is
-    passed as it is. Raises ``ValueError`` for memory that is not host
-    memory: a tensor on a device, an object exporting only a device array
-    interface, or a ``(ptr, nbytes)`` range this process has not mapped
-    readable and writable. Registering such memory would make UCX's host
-    transports fault on the first transfer, far from the cause."""
+    in host memory becomes ``(data_ptr, nbytes)`` (it must be contiguous);
+    a CUDA tensor or array is passed as it is, where CUDA memory can be
+    registered (``kvpoll.device_memory()``); anything else (a numpy array,
+    a ``(ptr, nbytes)`` tuple) is passed as it is. Raises ``ValueError``
+    for memory that cannot be registered: device memory where this build,
+    driver or UCX cannot register it (saying which is missing), a tensor
+    on another kind of device, or a ``(ptr, nbytes)`` range this process
+    has not mapped readable and writable. Registering such memory would
+    make UCX's host transports fault on the first transfer, far from the
+    cause."""
     device = getattr(layer, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
+    device_type = getattr(device, "type", "cpu") if device is not None else "cpu"
+    cuda_array = hasattr(layer, "__cuda_array_interface__") and not hasattr(layer, "__array_interface__")
+    if device_type == "cuda" or cuda_array:
+        refusal = device_memory()["refusal"]
+        if refusal is not None:
+            what = f"a tensor on {device}" if device_type == "cuda" else "a CUDA array"
+            raise ValueError(f"{what} cannot be registered: {refusal}")
+        return layer
+    if device_type != "cpu":
         raise ValueError(
-            f"a tensor on {device}: kvpoll registers host memory only "
+            f"a tensor on {device}: kvpoll registers host and CUDA memory only "
             "(put the KV cache in host memory, e.g. vLLM's CPU backend)"
         )
-    if hasattr(layer, "__cuda_array_interface__") and not hasattr(layer, "__array_interface__"):
-        raise ValueError("a device array (__cuda_array_interface__): kvpoll registers host memory only")
     if hasattr(layer, "data_ptr") and hasattr(layer, "element_size"):
         if hasattr(layer, "is_contiguous") and not layer.is_contiguous():
             raise ValueError("a KV layer tensor must be contiguous")
