@@ -31,7 +31,8 @@ def test_connector_and_core_lines_come_out_of_vllms_handler_in_its_format_and_le
     env.pop("VLLM_LOGGING_CONFIG_PATH", None)
     here = os.path.dirname(os.path.abspath(__file__))
     # The harness, and the helpers it imports (see conftest.py).
-    env["PYTHONPATH"] = os.pathsep.join([here, os.path.join(here, "..", "..", "bindings", "python", "tests")])
+    paths = [here, os.path.join(here, "..", "..", "bindings", "python", "tests"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, model_dir],
         env=env,
