@@ -66,7 +66,9 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("serve")
     procs = [
         server(model_dir, p_port, kv_config(free_port()), str(logs / "prefill.log")),
-        server(model_dir, d_port, kv_config(free_port(), "fail"), str(logs / "decode.log")),
+        # A read may take long on a starved CI machine: the decode waits
+        # up to 90 s, within the prefill's default lease (120 s).
+        server(model_dir, d_port, kv_config(free_port(), "fail", read_deadline_s=90.0), str(logs / "decode.log")),
     ]
     proxy = serve(f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}", "127.0.0.1", 0)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
