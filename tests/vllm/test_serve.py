@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any, Dict, List
 
@@ -57,9 +58,20 @@ def healthy(port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> None
     raise TimeoutError(f"the server on port {port} did not come up")
 
 
+def kvpoll_lines(logs: Any) -> str:
+    """The connector's lines of both instances' logs (failed loads carry
+    their reason)."""
+    out = []
+    for name in ("prefill.log", "decode.log"):
+        with open(logs / name, errors="replace") as f:
+            out += [f"{name}: {line.rstrip()}" for line in f if "kvpoll" in line and "non-default args" not in line]
+    return "\n".join(out[-40:])
+
+
 @pytest.fixture(scope="module")
 def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    """(proxy URL, decode URL) of a prefill and a decode `vllm serve`."""
+    """(proxy URL, decode URL, logs folder) of a prefill and a decode
+    `vllm serve`."""
     from kvpoll.vllm.proxy import serve
 
     p_port, d_port = free_port(), free_port()
@@ -75,7 +87,7 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     try:
         healthy(p_port, procs[0])
         healthy(d_port, procs[1])
-        yield f"http://127.0.0.1:{proxy.server_address[1]}", f"http://127.0.0.1:{d_port}"
+        yield f"http://127.0.0.1:{proxy.server_address[1]}", f"http://127.0.0.1:{d_port}", logs
     finally:
         proxy.shutdown()
         for proc in procs:
@@ -91,11 +103,14 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_completions_through_the_proxy_are_token_for_token_the_decode_alone_and_metrics_count_them(served, model_dir):
-    proxy, decode = served
+    proxy, decode, logs = served
     prompts: List[List[int]] = [[(11 * n + 3 * i) % 500 + 3 for i in range(9 + 7 * n)] for n in range(N)]
     for p in prompts:
         body = {"model": model_dir, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True}
-        dis = post(proxy + "/v1/completions", body)["choices"][0]
+        try:
+            dis = post(proxy + "/v1/completions", body)["choices"][0]
+        except urllib.error.HTTPError as e:
+            pytest.fail(f"disaggregated completion: HTTP {e.code}; the connector's lines:\n{kvpoll_lines(logs)}")
         alone = post(decode + "/v1/completions", body)["choices"][0]
         assert dis["finish_reason"] == "length", dis
         assert len(dis["token_ids"]) == MAX_TOKENS
