@@ -83,3 +83,13 @@ def test_decode_requests_aborted_before_and_while_loading_release_the_prefill_an
     run_until_empty(p, pw, d, dw)
     assert_scheduler_empty(p)
     assert_scheduler_empty(d)
+
+
+def test_the_default_lease_outlasts_a_read_started_after_a_handshake_and_run_to_its_deadline():
+    # A decode that fetches the prefill's handshake first (up to its
+    # timeout) and then reads until its deadline must still find the lend
+    # live: a lease that ends first turns a slow read into a failed load.
+    from kvpoll.vllm.config import KvpollConfig
+
+    c = KvpollConfig.from_extra({})
+    assert c.lease_s > c.handshake_timeout_s + c.read_deadline_s, c

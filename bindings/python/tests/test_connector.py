@@ -102,17 +102,25 @@ def test_a_failed_load_is_in_recving_once_and_its_blocks_in_the_load_errors_once
         )
         seen = Counter()
         errors = []
+        reasons = {}
         end = time.monotonic() + 30
-        while len(seen) < 2 and time.monotonic() < end:
+
+        def step():
             _, r = w.get_finished(())
             seen.update(r or ())
+            assert w.failed == set(w.failure_reasons) <= set(r or ())
+            reasons.update(w.failure_reasons)
             errors.append(w.get_block_ids_with_load_errors())
+
+        while len(seen) < 2 and time.monotonic() < end:
+            step()
             time.sleep(0.001)
         for _ in range(20):
-            _, r = w.get_finished(())
-            seen.update(r or ())
-            errors.append(w.get_block_ids_with_load_errors())
+            step()
         assert seen == Counter({"ok": 1, "bad": 1})
+        # The failed one with the engine's cause (its second handle names
+        # a peer that does not exist).
+        assert list(reasons) == ["bad"] and reasons["bad"][0] == "setup", reasons
         assert [e for e in errors if e] == [{3, 4}]
         assert w.engine.read_block(0, 1) == pattern(12, 0, 5)
         assert w.engine.read_block(1, 2) == pattern(12, 1, 6)

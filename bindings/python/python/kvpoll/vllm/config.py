@@ -13,8 +13,11 @@ class KvpollConfig:
     #: Where this instance's workers answer handshakes: rank r on port + r.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5700
-    #: How long a prefill's lent blocks wait for their decode (seconds).
-    lease_s: float = 30.0
+    #: How long a prefill's lent blocks wait for their decode (seconds):
+    #: from the prefill's response through the decode's queueing, its
+    #: handshake and its read, so longer than ``handshake_timeout_s +
+    #: read_deadline_s`` (a lease that ends first fails the load).
+    lease_s: float = 120.0
     #: UCX transports (UCX_TLS), e.g. "tcp"; None lets UCX choose.
     ucx_tls: Optional[str] = None
     #: How long a read may take before its prefill is judged stalled and

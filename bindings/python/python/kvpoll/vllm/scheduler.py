@@ -4,7 +4,6 @@ tie the two."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from kvpoll import draw_incarnation
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-
-logger = logging.getLogger(__name__)
 
 
 class KvpollScheduler:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import os
 import socket
 import struct
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .log import get_logger
 
 MAGIC = b"KVPH"
 VERSION = 2
@@ -34,7 +35,7 @@ HEADER = struct.Struct(">4sHI")
 MAX_FRAME = 64 * 1024
 _REQUEST_MAX = 64
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class HandshakeError(Exception):

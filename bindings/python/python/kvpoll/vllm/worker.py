@@ -7,7 +7,6 @@ was read under, and loads that failed before reaching the engine."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
@@ -16,6 +15,7 @@ from kvpoll import KvpollError, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 
 from .config import KvpollConfig
+from .log import get_logger
 from .metadata import KvpollConnectorMetadata, LoadSpec, RemotePrefill
 from .side_channel import (
     Handshake,
@@ -30,7 +30,7 @@ from .side_channel import (
 #: Push requests a prefill worker holds before its requests finish.
 MAX_PENDING_PUSH_REQUESTS = 4096
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def kv_cache_regions(kv_caches: Mapping[str, Any], num_blocks: int) -> Tuple[Dict[str, list], int]:
@@ -226,6 +226,7 @@ class KvpollWorker:
             if handles is not None:
                 reads[spec.remote.request_id] = handles
         for req_id, send in sends.items():
+            logger.debug("kvpoll: lending %s (blocks %s, %d readers)", req_id, send[0], send[1])
             try:
                 self.core.start_load_kv(reqs_to_send={req_id: send})
             except KvpollError as e:
@@ -235,6 +236,7 @@ class KvpollWorker:
                 logger.error("kvpoll: lend of %s refused, its blocks are freed: %s", req_id, e)
                 self._unlent.add(req_id)
         for remote_id, handles in reads.items():
+            logger.debug("kvpoll: reading %s from %d ranks", remote_id, len(handles))
             try:
                 self.core.start_load_kv(reqs_to_recv={remote_id: handles})
             except (KvpollError, KeyError, ValueError) as e:
@@ -418,6 +420,8 @@ class KvpollWorker:
         assert self.core is not None
         self._write_asked()
         sending, recving = self.core.get_finished(finished_req_ids)
+        if sending:
+            logger.debug("kvpoll: blocks of %s free", sorted(sending))
         if self._unlent:
             sending = (sending or set()) | self._unlent
             self._unlent = set()
@@ -426,11 +430,17 @@ class KvpollWorker:
         for remote_id in recving or ():
             local_id, engine_id, _ = self._loads.pop(remote_id, (remote_id, "", []))
             done.add(local_id)
-            if remote_id in self.core.failed:
+            reason = self.core.failure_reasons.get(remote_id)
+            if reason is not None:
+                logger.warning(
+                    "kvpoll: load of %s (%s at engine %s) failed: %s (transport status %d)",
+                    local_id, remote_id, engine_id, *reason,
+                )
                 self._stats.failed(remote_id)
                 # The remote may be a new instance now: ask again next time.
                 self._handshakes.forget(engine_id)
             else:
+                logger.debug("kvpoll: load of %s (%s) finished", local_id, remote_id)
                 self._stats.finished(remote_id)
         return sending, (done or None)
 
