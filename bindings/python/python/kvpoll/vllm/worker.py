@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from kvpoll import KvpollError, draw_incarnation
+from kvpoll import KvpollError, device_memory, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 
 from .config import KvpollConfig
@@ -42,8 +42,13 @@ def kv_cache_regions(kv_caches: Mapping[str, Any], num_blocks: int) -> Tuple[Dic
     regions: Dict[str, list] = {}
     block_bytes = None
     for name, t in kv_caches.items():
-        if getattr(t.device, "type", "cpu") != "cpu":
-            raise ValueError(f"KV layer {name!r} is on {t.device}: kvpoll registers host memory only")
+        device_type = getattr(t.device, "type", "cpu")
+        if device_type == "cuda":
+            refusal = device_memory()["refusal"]
+            if refusal is not None:
+                raise ValueError(f"KV layer {name!r} is on {t.device} and cannot be registered: {refusal}")
+        elif device_type != "cpu":
+            raise ValueError(f"KV layer {name!r} is on {t.device}: kvpoll registers host and CUDA memory only")
         if not t.is_contiguous():
             raise ValueError(f"KV layer {name!r} is not contiguous")
         shape = list(t.shape)
