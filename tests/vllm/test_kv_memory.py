@@ -32,5 +32,5 @@ def test_a_cuda_layer_is_refused_with_what_is_missing_where_device_memory_cannot
 
 
 def test_a_layer_on_another_device_is_refused():
-    with pytest.raises(ValueError, match="host and CUDA memory only"):
+    with pytest.raises(ValueError, match="host memory and CUDA device memory only"):
         kv_cache_regions({"l0": torch.empty(8, 4, device="meta")}, 8)

@@ -48,7 +48,9 @@ def kv_cache_regions(kv_caches: Mapping[str, Any], num_blocks: int) -> Tuple[Dic
             if refusal is not None:
                 raise ValueError(f"KV layer {name!r} is on {t.device} and cannot be registered: {refusal}")
         elif device_type != "cpu":
-            raise ValueError(f"KV layer {name!r} is on {t.device}: kvpoll registers host and CUDA memory only")
+            raise ValueError(
+                f"KV layer {name!r} is on {t.device}: kvpoll registers host memory and CUDA device memory only"
+            )
         if not t.is_contiguous():
             raise ValueError(f"KV layer {name!r} is not contiguous")
         shape = list(t.shape)
