@@ -311,6 +311,58 @@ def test_kv_connector_stats_aggregation_over_workers():
     assert stats.reduce()["Avg xfer time (ms)"] == pytest.approx(1000 * (1 + 1 + 6) / 6)
 
 
+def test_multi_connector_stats_keep_kvpoll_totals_apart_from_another_connectors():
+    from dataclasses import dataclass
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorStats
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    @dataclass
+    class OtherStats(KVConnectorStats):
+        def reset(self):
+            self.data = {"n": 0}
+
+        def is_empty(self) -> bool:
+            return self.data.get("n", 0) == 0
+
+        def aggregate(self, other: "OtherStats") -> "OtherStats":
+            self.data["n"] = self.data.get("n", 0) + other.data.get("n", 0)
+            return self
+
+        def reduce(self):
+            return {"n": self.data.get("n", 0)}
+
+    # (kvpoll transfers, the other connector's) per worker, as vLLM's
+    # MultiConnector reports them: a connector with none is left out.
+    per_worker = [(2, 1), (3, 0), (0, 5)]
+    outs = []
+    for i, (mine, theirs) in enumerate(per_worker):
+        data = {}
+        if mine:
+            data["KvpollConnector"] = KvpollConnector.build_kv_connector_stats(
+                {"num_transfers": mine, "num_failed": 0, "bytes": 10 * mine, "durations_s": [0.5] * mine}
+            )
+        if theirs:
+            data["OtherConnector"] = OtherStats(data={"n": theirs})
+        outs.append(
+            ModelRunnerOutput(
+                req_ids=[f"r{i}"],
+                req_id_to_index={f"r{i}": 0},
+                sampled_token_ids=[[1]],
+                kv_connector_output=KVConnectorOutput(kv_connector_stats=MultiKVConnectorStats(data=data)),
+            )
+        )
+    agg = KVOutputAggregator(expected_finished_count=3).aggregate(outs, output_rank=0)
+    stats = agg.kv_connector_output.kv_connector_stats
+    assert isinstance(stats, MultiKVConnectorStats)
+    assert isinstance(stats["KvpollConnector"], KvpollStats)
+    assert stats["KvpollConnector"].data["num_transfers"] == 5 and stats["KvpollConnector"].data["bytes"] == 50
+    assert stats["OtherConnector"].data["n"] == 6
+    assert stats.reduce()["KvpollConnector"]["Avg xfer time (ms)"] == pytest.approx(500.0)
+
+
 def test_shutdown_is_idempotent(model_dir):
     conn, _ = worker_connector(model_dir, free_port())
     conn.shutdown()
