@@ -442,7 +442,7 @@ impl KvpollSide {
                 )?;
                 submitted += 1;
             }
-            if !poll_some(&mut self.engine, &mut self.out, t0, done, n)? {
+            if !poll_some(&mut self.engine, &mut self.out, Waiting::Yield, t0, done, n)? {
                 continue;
             }
             let now = Instant::now();
@@ -486,25 +486,45 @@ pub(crate) fn lend_of(
     }
 }
 
+/// How the bench's engine thread waits for outcomes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Waiting {
+    /// Poll, and yield the core when nothing is new: the latency figures'
+    /// engine thread, which picks an outcome up as soon as it is out.
+    Yield,
+    /// Block in [`Engine::wait`] (1 ms at most) when nothing is new: an
+    /// engine thread with nothing else to do until its transfers end, which
+    /// leaves the cores to the pollers and the peer.
+    Block,
+}
+
 /// Polls `engine` into `out` (cleared first). `Ok(false)`: nothing new,
-/// and the core was yielded (on a small machine the poller and the peer
-/// need it). Errors: a failed read or write, an expired one, or no
-/// progress since `t0` within a minute (`done` of `n` finished).
+/// after yielding the core or blocking a while (`waiting`; on a small
+/// machine the poller and the peer need the core). Errors: a failed read
+/// or write, an expired one, or no progress since `t0` within a minute
+/// (`done` of `n` finished).
 pub(crate) fn poll_some(
     engine: &mut Engine,
     out: &mut Outcomes,
+    waiting: Waiting,
     t0: Instant,
     done: u32,
     n: u32,
 ) -> Result<bool, E2eError> {
     out.clear();
-    if engine.poll(out) == 0 {
+    let got = match waiting {
+        Waiting::Yield => engine.poll(out),
+        Waiting::Block => engine.wait(out, Duration::from_millis(1)),
+    };
+    if got == 0 {
         if t0.elapsed() > GUARD {
             return Err(E2eError::Failed(format!(
                 "kvpoll: {done} of {n} requests after {GUARD:?}"
             )));
         }
-        std::thread::yield_now();
+        if waiting == Waiting::Yield {
+            std::thread::yield_now();
+        }
         return Ok(false);
     }
     if let Some(f) = out.failed_recving.first() {

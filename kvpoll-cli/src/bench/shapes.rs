@@ -42,7 +42,9 @@ use kvpoll::transport::ucx::{
 use kvpoll::wire::from_hex;
 use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer};
 
-use super::e2e::{lend_of, lent_line, median, poll_some, raw_completion, E2eError, PeerProcess};
+use super::e2e::{
+    lend_of, lent_line, median, poll_some, raw_completion, E2eError, PeerProcess, Waiting,
+};
 use super::memory::{cpu_ns, CallerMemory};
 use crate::pattern;
 
@@ -540,7 +542,6 @@ impl KvpollRunner {
         ucx: &[(String, String)],
     ) -> Result<Self, E2eError> {
         let s = g.shape;
-        let lends = confirm || g.op == Op::Write;
         let mut args: Vec<String> = vec![
             "--tls".into(),
             g.tls.clone(),
@@ -550,16 +551,16 @@ impl KvpollRunner {
             mem_arg(g.memory).into(),
         ];
         args.extend(blocks_args(s.peer_blocks, s.block_size));
-        if lends {
-            // Enough ahead that a read never outruns its lend.
-            let ahead = (4 * g.requests).clamp(64, 8192);
-            args.extend([
-                "--lend-ahead".into(),
-                ahead.to_string(),
-                "--lend-blocks".into(),
-                s.blocks.to_string(),
-            ]);
-        }
+        // Every system lends (with confirmation off too: its reads tell
+        // their lender afterwards, as a serving engine's would), enough
+        // ahead that a read never outruns its lend.
+        let ahead = (4 * g.requests).clamp(64, 8192);
+        args.extend([
+            "--lend-ahead".into(),
+            ahead.to_string(),
+            "--lend-blocks".into(),
+            s.blocks.to_string(),
+        ]);
         if g.op == Op::Write {
             args.extend([
                 "--lend-to".into(),
@@ -641,7 +642,7 @@ impl KvpollRunner {
             op: g.op,
             out: Outcomes::default(),
             next_id: 0,
-            lent: lends.then_some(lent),
+            lent: Some(lent),
             checks,
             buf,
             peer_pid: peer.child.id(),
@@ -704,7 +705,7 @@ impl Runner for KvpollRunner {
                 slots.of[submitted as usize] = slot;
                 submitted += 1;
             }
-            if !poll_some(&mut self.engine, &mut self.out, t0, done, n)? {
+            if !poll_some(&mut self.engine, &mut self.out, Waiting::Block, t0, done, n)? {
                 continue;
             }
             let ended = match self.op {
