@@ -802,13 +802,14 @@ fn metrics_count_what_was_reported_the_operations_and_the_bytes() {
     fill(&p, 4);
     let peer = connect(&mut d, &p);
     let id = RequestId(120);
-    let lend = p.lend(id, &ids(&[1, 2]), 1, GUARD).unwrap();
+    // Not consecutive on the remote side: one operation per block.
+    let lend = p.lend(id, &ids(&[1, 3]), 1, GUARD).unwrap();
     d.read(
         id,
         &[Transfer {
             peer,
             local: &ids(&[7, 8]),
-            remote: &ids(&[1, 2]),
+            remote: &ids(&[1, 3]),
             lend,
         }],
     )
@@ -1017,5 +1018,99 @@ fn a_read_answered_before_the_lenders_poller_took_the_lend_is_confirmed_not_refu
         wait_for(&mut p, &mut po, "the release", |o| {
             !o.finished_sending.is_empty()
         });
+    }
+}
+
+/// Block pairs consecutive on both sides (local `l, l+1, …` from remote
+/// `r, r+1, …`) travel as one operation per region, in reads and in
+/// pushes alike; a pair that breaks the run starts a new one. Every block
+/// still lands where its pair says, over shared memory and over tcp.
+#[test]
+fn consecutive_blocks_travel_as_one_operation_per_region_and_land_where_their_pairs_say() {
+    for tls in ["posix,sysv,cma", "tcp"] {
+        // Runs: 7..=9 <- 1..=3; 5 <- 20; 10 <- 21 (the remote side follows
+        // 20, the local side does not follow 5); 11 <- 40 (the local side
+        // follows 10, the remote side does not follow 21).
+        let local = ids(&[7, 8, 9, 5, 10, 11]);
+        let remote = ids(&[1, 2, 3, 20, 21, 40]);
+        let runs = 4u64;
+
+        let mut p = engine(tls, GUARD);
+        let mut d = engine(tls, GUARD);
+        fill(&p, 6);
+        let peer = connect(&mut d, &p);
+        lend_and_read(&mut p, &mut d, peer, RequestId(1), &local, &remote);
+        let mut out = Outcomes::default();
+        wait_for(&mut d, &mut out, "the read", |o| {
+            !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
+        });
+        assert_eq!(out.finished_recving, [RequestId(1)], "{tls}: {out:?}");
+        for (l, r) in local.iter().zip(&remote) {
+            assert!(
+                holds(&d, l.0, 6, r.0),
+                "{tls}: local block {} from {}",
+                l.0,
+                r.0
+            );
+        }
+        d.shutdown();
+        let m = d.metrics();
+        assert_eq!(
+            m.pollers[0].ops_posted,
+            runs * REGIONS as u64,
+            "{tls}: read ops"
+        );
+        assert_eq!(m.pollers[0].ops_completed, runs * REGIONS as u64, "{tls}");
+        assert_eq!(
+            m.pollers[0].bytes,
+            local.len() as u64 * REGIONS as u64 * BS,
+            "{tls}"
+        );
+        p.shutdown();
+
+        // The same pairs pushed: the writer's local blocks are the sources.
+        let mut w = engine(tls, GUARD);
+        let mut c = engine(tls, GUARD);
+        fill(&w, 7);
+        let to_c = connect(&mut w, &c);
+        let _to_w = connect(&mut c, &w);
+        let id = RequestId(2);
+        let lend = c.receive(id, &remote, 1, GUARD).unwrap();
+        w.write(
+            id,
+            &[Transfer {
+                peer: to_c,
+                local: &local,
+                remote: &remote,
+                lend,
+            }],
+            1,
+            GUARD,
+        )
+        .unwrap();
+        let mut wo = Outcomes::default();
+        wait_for(&mut w, &mut wo, "the push", |o| {
+            !o.finished_sending.is_empty() || !o.failed_sending.is_empty()
+        });
+        assert_eq!(wo.finished_sending, [id], "{tls}: {wo:?}");
+        let mut co = Outcomes::default();
+        wait_for(&mut c, &mut co, "the arrival", |o| {
+            !o.finished_recving.is_empty()
+        });
+        for (l, r) in local.iter().zip(&remote) {
+            assert!(
+                holds(&c, r.0, 7, l.0),
+                "{tls}: remote block {} from {}",
+                r.0,
+                l.0
+            );
+        }
+        w.shutdown();
+        let m = w.metrics();
+        assert_eq!(
+            m.pollers[0].ops_posted,
+            runs * REGIONS as u64,
+            "{tls}: put ops"
+        );
     }
 }

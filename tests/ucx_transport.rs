@@ -38,7 +38,8 @@ fn a_force_closed_connection_keeps_its_rkeys_until_the_close_completed() {
         peer,
         generation: 1,
     };
-    let pairs: Vec<(BlockId, BlockId)> = (0..32).map(|i| (BlockId(i), BlockId(i))).collect();
+    // Remote blocks apart, so that every pair is an operation of its own.
+    let pairs: Vec<(BlockId, BlockId)> = (0..32).map(|i| (BlockId(i), BlockId(2 * i))).collect();
     let posted = a.post(ep, Direction::Get, &pairs, 42).unwrap();
     assert_eq!(posted, 32);
     a.close(ep);

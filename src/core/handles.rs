@@ -10,6 +10,9 @@ pub(super) struct Progress {
     pub(super) generation: u32,
     /// Operations outstanding (data, then the flush).
     pub(super) remaining: u32,
+    /// Blocks it moves (pairs × regions; the transport may post fewer
+    /// operations for them).
+    pub(super) blocks: u32,
     /// The first failure, if any.
     pub(super) failure: Option<Reason>,
     pub(super) peer: PeerId,
@@ -36,6 +39,7 @@ impl Default for Progress {
             lend: Incarnation::NONE,
             generation: u32::MAX,
             remaining: 0,
+            blocks: 0,
             failure: None,
             peer: PeerId(0),
             ep_generation: 0,
@@ -72,6 +76,7 @@ impl Core {
             generation: key.generation(),
             peer: peer_id,
             lend,
+            blocks: range.1.saturating_mul(self.local_regions as u32),
             ..Progress::default()
         };
         if self.slots.posting(hk).is_err() {
@@ -229,9 +234,6 @@ impl Core {
         }
         self.ops_in_flight = self.ops_in_flight.saturating_sub(1);
         self.stats.ops_completed += 1;
-        if kind == T_DATA && status == 0 {
-            self.stats.blocks_moved += 1;
-        }
         let hk = HandleKey::from_u64(token & !KIND_MASK);
         let idx = Self::index(hk);
         let Some(p) = self.progress.get(idx).copied() else {
@@ -249,6 +251,9 @@ impl Core {
             return;
         }
         let p = self.progress[idx];
+        if kind == T_DATA && p.failure.is_none() {
+            self.stats.blocks_moved += u64::from(p.blocks);
+        }
         if kind == T_DATA && self.is_write(hk) {
             // Puts completed: flush the endpoint they travelled on before
             // anyone is told (a completed put only frees the source), even

@@ -285,8 +285,9 @@ pub struct CoreStats {
     pub ops_posted: u64,
     /// Operations completed (data and flush).
     pub ops_completed: u64,
-    /// Data operations (one block of one region each) that completed
-    /// successfully.
+    /// Blocks (one block of one region each) of handles whose data
+    /// operations all completed successfully (a run of consecutive blocks
+    /// may travel as one operation).
     pub blocks_moved: u64,
     /// Endpoints force-closed because a peer was judged stalled.
     pub stall_closes: u64,

@@ -271,9 +271,12 @@ pub trait Transport {
     /// drops what it knew of it once nothing can use it any more.
     fn forget_peer(&mut self, peer: PeerId, drain: bool);
 
-    /// Posts one operation per block pair and registered region, moving
-    /// `block_size` bytes each, all completing with `token`. Returns the
-    /// number of operations posted.
+    /// Posts operations moving every block pair in every registered
+    /// region, `block_size` bytes each, all completing with `token`: one
+    /// per pair and region, or one per run of pairs that are consecutive on
+    /// both sides (local `l, l+1, …` with remote `r, r+1, …`) and region,
+    /// as the transport chooses. Returns the number of operations posted
+    /// (the completions to expect).
     fn post(
         &mut self,
         ep: Ep,

@@ -378,14 +378,34 @@ impl UcxTransport {
             Ok(conn) => {
                 let mut posted = 0u32;
                 let mut failure = None;
+                // Whole blocks of the same size on both sides: a run of
+                // pairs consecutive on both sides is one operation (one
+                // `process_vm_readv` over cma, one get request over tcp).
+                let whole = part.local_offset == 0
+                    && part.remote_offset == 0
+                    && part.len == bs
+                    && remote_bs == bs;
                 for (region, rkey) in self.regions.iter().zip(&conn.rkeys) {
                     ops.clear();
-                    ops.extend(pairs.iter().map(|&(l, r)| BlockOp {
-                        local_offset: u64::from(l.0) * bs + part.local_offset,
-                        remote_offset: u64::from(r.0) * remote_bs + part.remote_offset,
-                        len: part.len as usize,
-                        token,
-                    }));
+                    let mut last: Option<(BlockId, BlockId)> = None;
+                    for &(l, r) in pairs {
+                        let follows = last.is_some_and(|(pl, pr)| {
+                            pl.0.checked_add(1) == Some(l.0) && pr.0.checked_add(1) == Some(r.0)
+                        });
+                        last = Some((l, r));
+                        if whole && follows {
+                            if let Some(op) = ops.last_mut() {
+                                op.len += part.len as usize;
+                                continue;
+                            }
+                        }
+                        ops.push(BlockOp {
+                            local_offset: u64::from(l.0) * bs + part.local_offset,
+                            remote_offset: u64::from(r.0) * remote_bs + part.remote_offset,
+                            len: part.len as usize,
+                            token,
+                        });
+                    }
                     let res = match dir {
                         Direction::Get => conn.ep.get_batch(region, rkey, &ops),
                         Direction::Put => conn.ep.put_batch(region, rkey, &ops),
