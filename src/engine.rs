@@ -728,9 +728,13 @@ impl Engine {
         }
     }
 
-    /// Registers a region of `blocks` blocks (one KV layer), allocated and
-    /// registered by UCX in host memory (on one host, shared memory: truly
-    /// one-sided). For memory the serving engine already has, see
+    /// Registers a region of `blocks` blocks (one KV layer) of host memory
+    /// the engine allocates, zeroed: UCX's shared memory (on one host,
+    /// read and written one-sidedly from the mapped segment), or, where
+    /// UCX moves one-sided operations on one host through `cma`
+    /// ([`crate::transport::ucx::Context::reads_by_cma`]), anonymous memory
+    /// on huge pages (`cma` copies from them faster). For memory the
+    /// serving engine already has, see
     /// [`Engine::register_memory`]. Every region must hold the same
     /// number of blocks. Returns the region's index.
     pub fn register(&mut self, blocks: u64) -> Result<usize, RegionError> {

@@ -141,3 +141,64 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
     }
     assert_eq!(out.finished_sending, vec![id]);
 }
+
+/// The mapping of `/proc/self/smaps` that holds `addr`: its header line
+/// (range, permissions, … path) and its fields.
+fn mapping_of(addr: usize) -> (String, String) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut current: Option<(String, String)> = None;
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = head.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                if let Some(found) = current.take() {
+                    return found;
+                }
+                if (lo..hi).contains(&addr) {
+                    current = Some((line.to_owned(), String::new()));
+                }
+                continue;
+            }
+        }
+        if let Some((_, fields)) = current.as_mut() {
+            fields.push_str(line);
+            fields.push('\n');
+        }
+    }
+    current.expect("the region's mapping")
+}
+
+/// Where UCX moves one-sided operations on one host through cma (UCX 1.20
+/// and later, with rendezvous off), a region the engine allocates is
+/// anonymous memory asked to be on huge pages: cma pins every page it
+/// copies. Elsewhere it is UCX's shared-memory segment, which a reader on
+/// the host maps and reads directly.
+#[test]
+fn a_region_the_engine_allocates_is_anonymous_huge_page_memory_where_cma_moves_it() {
+    let options = ContextOptions::with_transports("posix,sysv,cma");
+    let by_cma = kvpoll::transport::ucx::Context::new(&options)
+        .unwrap()
+        .reads_by_cma();
+    assert_eq!(by_cma, cfg!(ucx_cma_with_peer_errors));
+    let mut t = UcxTransport::new(&options, BS).unwrap();
+    // SAFETY: no caller memory: the transport allocates the region.
+    let (base, len) = unsafe { t.register(BLOCKS, (BLOCKS * BS) as usize, None).unwrap() };
+    assert!(len >= (BLOCKS * BS) as usize);
+    let (head, fields) = mapping_of(base);
+    let path = head.split_whitespace().nth(5).unwrap_or("");
+    if by_cma {
+        assert_eq!(path, "", "not an anonymous mapping: {head}");
+        // `hg`: the mapping carries MADV_HUGEPAGE (proc(5), VmFlags).
+        let flags = fields
+            .lines()
+            .find_map(|l| l.strip_prefix("VmFlags:"))
+            .unwrap_or("");
+        assert!(
+            flags.split_whitespace().any(|f| f == "hg"),
+            "huge pages not asked for: {head}\n{fields}"
+        );
+    } else {
+        assert_ne!(path, "", "UCX's shared memory has a name: {head}");
+    }
+}

@@ -173,6 +173,7 @@ impl Drop for ContextInner {
 pub struct Context {
     pub(crate) inner: Rc<ContextInner>,
     wakeup: bool,
+    reads_by_cma: bool,
 }
 
 struct Config(*mut sys::ucp_config_t);
@@ -366,10 +367,11 @@ impl Context {
         // In peer error mode UCX 1.20+ asks a high-bandwidth RMA lane for
         // memory invalidation only while rendezvous is on
         // (`ucp_wireup_add_rma_bw_lanes`), and cma has none.
-        if options.rendezvous_off_for_cma(
+        let reads_by_cma = options.rendezvous_off_for_cma(
             ucx_sys::Version::runtime(),
             std::env::var_os("UCX_RNDV_THRESH").is_some(),
-        ) {
+        );
+        if reads_by_cma {
             cfg.set("RNDV_THRESH", "inf")?;
         }
         for (name, value) in &options.extra {
@@ -407,7 +409,17 @@ impl Context {
         Ok(Self {
             inner: Rc::new(ContextInner { handle }),
             wakeup: options.wakeup,
+            reads_by_cma,
         })
+    }
+
+    /// Whether this context turned rendezvous off so that cma serves gets
+    /// and puts on one host (UCX ≥ 1.20 with cma in the transport list;
+    /// see [`ContextOptions::cma_with_error_handling`]). Every one-sided
+    /// operation between processes then goes through cma, UCX-allocated
+    /// memory included, and moves faster from huge pages.
+    pub fn reads_by_cma(&self) -> bool {
+        self.reads_by_cma
     }
 
     /// Whether the context was created with `UCP_FEATURE_WAKEUP` (its

@@ -116,6 +116,14 @@ pub enum UcxError {
         /// Size of the region.
         region_len: usize,
     },
+    /// The memory of a region could not be mapped.
+    #[error("mapping {len} bytes for a region failed: {why}")]
+    Allocate {
+        /// Bytes asked for.
+        len: usize,
+        /// What the kernel said.
+        why: String,
+    },
     /// An active message payload over [`super::MAX_AM_PAYLOAD`].
     #[error("active message of {0} bytes exceeds the {max}-byte limit", max = super::MAX_AM_PAYLOAD)]
     MessageTooLong(usize),

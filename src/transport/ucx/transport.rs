@@ -20,6 +20,7 @@ use crate::transport::{
 };
 use crate::transport::{T_TRANSPORT, T_WORD};
 
+use super::memory::HugePages;
 use super::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
     PackedRkey, RemoteKey, UcxError, Worker,
@@ -206,6 +207,19 @@ impl UcxTransport {
             Some(UserMemory::Cuda(base)) => unsafe {
                 MemoryRegion::map_device(&self.context, base, len)?
             },
+            // Where cma carries one-sided operations, pages it pins fast
+            // beat UCX's shared-memory segments, which nothing maps then.
+            None if self.context.reads_by_cma() => {
+                let pages = HugePages::map(len).map_err(|e| UcxError::Allocate {
+                    len,
+                    why: e.to_string(),
+                })?;
+                // SAFETY: the mapping is kept in `owners`, which drop after
+                // the regions.
+                let region = unsafe { MemoryRegion::map(&self.context, pages.as_ptr(), len)? };
+                self.owners.push(Box::new(pages));
+                region
+            }
             None => MemoryRegion::allocate(&self.context, len)?,
         };
         let rkey = region.pack_rkey()?;
