@@ -1045,27 +1045,11 @@ fn consecutive_blocks_travel_as_one_operation_per_region_and_land_where_their_pa
             !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
         });
         assert_eq!(out.finished_recving, [RequestId(1)], "{tls}: {out:?}");
-        for (l, r) in local.iter().zip(&remote) {
-            assert!(
-                holds(&d, l.0, 6, r.0),
-                "{tls}: local block {} from {}",
-                l.0,
-                r.0
-            );
-        }
-        d.shutdown();
-        let m = d.metrics();
-        assert_eq!(
-            m.pollers[0].ops_posted,
-            runs * REGIONS as u64,
-            "{tls}: read ops"
-        );
-        assert_eq!(m.pollers[0].ops_completed, runs * REGIONS as u64, "{tls}");
-        assert_eq!(
-            m.pollers[0].bytes,
-            local.len() as u64 * REGIONS as u64 * BS,
-            "{tls}"
-        );
+        let pairs: Vec<(u32, u32)> = local.iter().zip(&remote).map(|(l, r)| (l.0, r.0)).collect();
+        let n = local.len() as u64;
+        landed_in_runs(&mut d, &pairs, 6, n, runs, &format!("{tls} read"));
+        let completed = d.metrics().pollers[0].ops_completed;
+        assert_eq!(completed, runs * REGIONS as u64, "{tls} read: completions");
         p.shutdown();
 
         // The same pairs pushed: the writer's local blocks are the sources.
@@ -1097,20 +1081,39 @@ fn consecutive_blocks_travel_as_one_operation_per_region_and_land_where_their_pa
         wait_for(&mut c, &mut co, "the arrival", |o| {
             !o.finished_recving.is_empty()
         });
-        for (l, r) in local.iter().zip(&remote) {
-            assert!(
-                holds(&c, r.0, 7, l.0),
-                "{tls}: remote block {} from {}",
-                r.0,
-                l.0
-            );
+        let pairs: Vec<(u32, u32)> = remote.iter().zip(&local).map(|(r, l)| (r.0, l.0)).collect();
+        // The destination holds the bytes; the writer counts the operations.
+        for &(dst, src) in &pairs {
+            assert!(holds(&c, dst, 7, src), "{tls} push: block {dst} from {src}");
         }
-        w.shutdown();
-        let m = w.metrics();
-        assert_eq!(
-            m.pollers[0].ops_posted,
-            runs * REGIONS as u64,
-            "{tls}: put ops"
-        );
+        landed_in_runs(&mut w, &[], 7, n, runs, &format!("{tls} push"));
     }
+}
+
+/// Checks that each `(local, remote)` block of `pairs` holds `rank`'s
+/// pattern of the remote block, then shuts `e` down and checks that it
+/// moved `blocks` blocks of each region in `runs` operations per region.
+fn landed_in_runs(
+    e: &mut Engine,
+    pairs: &[(u32, u32)],
+    rank: u64,
+    blocks: u64,
+    runs: u64,
+    what: &str,
+) {
+    for &(dst, src) in pairs {
+        assert!(holds(e, dst, rank, src), "{what}: block {dst} from {src}");
+    }
+    e.shutdown();
+    let m = e.metrics();
+    assert_eq!(
+        m.pollers[0].ops_posted,
+        runs * REGIONS as u64,
+        "{what}: operations"
+    );
+    assert_eq!(
+        m.pollers[0].bytes,
+        blocks * REGIONS as u64 * BS,
+        "{what}: bytes"
+    );
 }
