@@ -462,3 +462,110 @@ fn a_core_map_over_the_size_cap_is_refused_without_reading_it_all() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("larger than"), "{err}");
 }
+
+/// A prefill rank's engine thread takes the control messages and gives
+/// back the blocks of the writes that ended. Pushes that keep arriving
+/// while it fills the blocks of the last one must not keep it from giving
+/// blocks back: a destination that refills its window as each push lands
+/// (as `connect` does) never finds the rank's pool short. Here the
+/// destination is an engine in this process that checks nothing, so it
+/// refills at once and the rank always has a push waiting.
+#[test]
+fn pushes_that_keep_arriving_do_not_keep_serve_from_giving_blocks_back() {
+    use kvpoll::{BlockId, ContextOptions, Engine, Outcomes, RequestId};
+    const WINDOW: u64 = 16;
+    const PUSHES: u64 = 400;
+    // 1 MiB to fill a push: the rank's engine thread is the slow side.
+    let layout = Layout {
+        block_size: 65536,
+        layers: 2,
+        blocks: 256,
+    };
+    let per_push = 8u32;
+    let serve = Serve::start(&[
+        "--rank",
+        "0",
+        "--tls",
+        "tcp",
+        "--block-size",
+        "65536",
+        "--layers",
+        "2",
+        "--blocks",
+        "256",
+    ]);
+    let mut dest = Engine::builder()
+        .block_size(layout.block_size)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .build()
+        .unwrap();
+    for _ in 0..layout.layers {
+        dest.register(u64::from(layout.blocks)).unwrap();
+    }
+    let (mut s, mut r) = procs::hello(&serve.addr, layout);
+    assert_eq!(r.read_msg().unwrap(), Msg::Hello(layout));
+    let Msg::Meta(meta) = r.read_msg().unwrap() else {
+        panic!("serve sent no META");
+    };
+    let writer = dest.add_peer(&meta).unwrap();
+    let ours = dest.local_metadata().unwrap();
+    s.write_all(&Msg::Meta(ours).encode().unwrap()).unwrap();
+    // The rank's answers, as they come.
+    let (tx, answers) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        while let Ok(m) = r.read_msg() {
+            if tx.send(m).is_err() {
+                return;
+            }
+        }
+    });
+    let (mut issued, mut finished, mut failed) = (0u64, 0u64, 0u64);
+    let mut refused = Vec::new();
+    let mut out = Outcomes::default();
+    let t = Instant::now();
+    while finished + failed < PUSHES {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "{finished} finished, {failed} failed, {issued} pushed in 120 s"
+        );
+        // Each request takes its own blocks: a window's requests never share
+        // one.
+        while issued < PUSHES && issued - finished - failed < WINDOW {
+            let first =
+                (issued % (u64::from(layout.blocks) / u64::from(per_push))) as u32 * per_push;
+            let blocks: Vec<BlockId> = (first..first + per_push).map(BlockId).collect();
+            let lend = dest
+                .receive_from(
+                    RequestId(issued),
+                    &blocks,
+                    &[writer],
+                    Duration::from_secs(30),
+                )
+                .unwrap();
+            let push = Msg::Push {
+                req: issued,
+                lend: lend.0,
+                blocks: blocks.iter().map(|b| b.0).collect(),
+            };
+            s.write_all(&push.encode().unwrap()).unwrap();
+            issued += 1;
+        }
+        while let Ok(m) = answers.try_recv() {
+            if let Msg::Pushed { req, done: false } = m {
+                refused.push(req);
+                let _ = dest.abort(RequestId(req));
+            }
+        }
+        out.clear();
+        dest.wait(&mut out, Duration::from_millis(1));
+        finished += out.finished_recving.len() as u64;
+        failed += out.failed_recving.len() as u64;
+    }
+    assert!(
+        refused.is_empty() && failed == 0,
+        "{} of {PUSHES} pushes not done (the first: request {:?}), {failed} failed",
+        refused.len(),
+        refused.first()
+    );
+    dest.shutdown();
+}

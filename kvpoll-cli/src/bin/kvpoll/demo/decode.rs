@@ -171,6 +171,9 @@ pub struct DecodeReport {
     /// Why the first request that a prefill rank answered wrongly (or not
     /// at all) failed.
     pub first_bad_answer: Option<String>,
+    /// The first request the engine reported failed: its id, cause and
+    /// the transport's status, and what a writer said of it (push).
+    pub first_failure: Option<String>,
     /// Poller stalls and engine-thread sleeps this rank went through.
     pub stalls: u32,
     /// Injected faults that fired on this rank.
@@ -285,6 +288,8 @@ struct Req {
     t_ready: Option<Instant>,
     /// The transfer started (read submitted; PUSH sent).
     t_transfer: Option<Instant>,
+    /// Push: a writer answered that its write was refused or failed.
+    writer_said: Option<String>,
 }
 
 struct Decoder<'a> {
@@ -598,6 +603,7 @@ impl Decoder<'_> {
             t0: Instant::now(),
             t_ready: None,
             t_transfer: None,
+            writer_said: None,
         };
         match self.cfg.mode {
             Mode::Pull => {
@@ -702,7 +708,10 @@ impl Decoder<'_> {
                 ) => self.ready(t % 2, req, lease_ms, kvpoll::Incarnation(lend), blocks),
                 Incoming::Line(_, Msg::Busy { req }) => self.abandon(req),
                 // A writer that refused or failed: nothing more comes.
-                Incoming::Line(_, Msg::Pushed { req, done: false }) => self.abandon(req),
+                Incoming::Line(t, Msg::Pushed { req, done: false }) => {
+                    self.said_not_pushed(t % 2, req);
+                    self.abandon(req)
+                }
                 Incoming::Line(t, Msg::Refused(why)) => {
                     let i = t % 2;
                     tracing::warn!(rank = self.cfg.prefill[i], "prefill rank refused: {why}");
@@ -733,6 +742,16 @@ impl Decoder<'_> {
             .collect();
         for id in waiting {
             self.abandon(id);
+        }
+    }
+
+    /// Prefill rank `i` answered that its write of request `id` was
+    /// refused or failed: the request's failure says so.
+    fn said_not_pushed(&mut self, i: usize, id: u64) {
+        let rank = self.cfg.prefill[i];
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.writer_said
+                .get_or_insert_with(|| format!(" (prefill rank {rank} answered PUSHED not done)"));
         }
     }
 
@@ -983,6 +1002,15 @@ impl Decoder<'_> {
             progress.fetch_add(1, Ordering::Relaxed);
             self.report.failed += 1;
             self.report.causes.count(f.reason.cause);
+            let why = format!(
+                "request {:#x}: {:?}, status {}{}",
+                f.id.0,
+                f.reason.cause,
+                f.reason.status.name(),
+                r.writer_said.as_deref().unwrap_or("")
+            );
+            tracing::debug!(rank = self.cfg.rank, "{why}");
+            self.report.first_failure.get_or_insert(why);
             if !r.freed {
                 // Safe: every handle stopped; nothing can land any more.
                 self.pool.release(&r.blocks);

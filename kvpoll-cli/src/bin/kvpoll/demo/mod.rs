@@ -1105,7 +1105,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 raw.error.as_deref().map_or("null".to_owned(), json_str),
             );
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"first_failure\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -1122,6 +1122,10 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 r.decode
                     .iter()
                     .find_map(|d| d.first_bad_answer.as_deref())
+                    .map_or("null".to_owned(), json_str),
+                r.decode
+                    .iter()
+                    .find_map(|d| d.first_failure.as_deref())
                     .map_or("null".to_owned(), json_str),
                 t.expired,
                 t.refused,
@@ -1266,8 +1270,12 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
             .first_bad_answer
             .as_ref()
             .map_or(String::new(), |w| format!("; the first wrong answer: {w}"));
+        let failure = report.decode[0]
+            .first_failure
+            .as_ref()
+            .map_or(String::new(), |w| format!("; the first failure: {w}"));
         return Err(CliError::Failed(format!(
-            "transferred {} of {} requests: {} failed, {} expired, {} refused{first}",
+            "transferred {} of {} requests: {} failed, {} expired, {} refused{first}{failure}",
             t.finished, t.requests, t.failed, t.expired, t.refused
         )));
     }

@@ -105,10 +105,20 @@ pub fn serve(
             door.publish(stats(&engine, &pool));
             stats_at = Some(Instant::now());
         }
-        // Everything that arrived, then the engine; wait a little only when
-        // there was nothing.
-        let mut first = door.rx.recv_timeout(Duration::from_micros(500)).ok();
-        while let Some(inc) = first.take().or_else(|| door.rx.try_recv().ok()) {
+        // What arrived, up to a turn's worth, then the engine; wait a little
+        // only when there was nothing. Bounded: messages that keep
+        // arriving while one is handled (a destination refilling its
+        // window as each push lands, while this thread fills the next
+        // push's blocks) would otherwise keep the engine from being
+        // polled, and the blocks of the writes that ended from coming
+        // back, until the pool ran dry.
+        let mut next = door.rx.recv_timeout(Duration::from_micros(500)).ok();
+        let mut taken = 0;
+        while let Some(inc) = next.take() {
+            taken += 1;
+            if taken < MESSAGES_PER_TURN {
+                next = door.rx.try_recv().ok();
+            }
             match inc {
                 ToEngine::Closed(tag) => {
                     if let Some(p) = peers.remove(&tag) {
@@ -136,6 +146,7 @@ pub fn serve(
         out.clear();
         engine.poll(&mut out);
         tally.count(&out);
+        log_outcomes(cfg.rank, &out);
         // Done, or not (expired, failed): either way the source blocks are
         // free again.
         let failed = out.failed_sending.iter().map(|f| f.id);
@@ -169,6 +180,27 @@ pub fn serve(
     engine.shutdown();
     Ok(())
 }
+
+/// What went wrong in `out`, at debug level: failed writes and lends with
+/// their reason, handle failures, lost peers.
+fn log_outcomes(rank: u32, out: &Outcomes) {
+    for f in &out.failed_sending {
+        tracing::debug!(rank, "request {:#x} failed: {:?}", f.id.0, f.reason);
+    }
+    for id in &out.expired {
+        tracing::debug!(rank, "request {:#x} expired", id.0);
+    }
+    for (id, h, why) in &out.handle_failures {
+        tracing::debug!(rank, "request {:#x}: handle {h} failed: {why:?}", id.0);
+    }
+    for (peer, why) in &out.peers_lost {
+        tracing::debug!(rank, "peer {peer:?} lost: {why:?}");
+    }
+}
+
+/// Control messages the engine thread handles before it polls the engine
+/// again.
+const MESSAGES_PER_TURN: usize = 8;
 
 /// How often the figures STATS answers with are refreshed when nothing
 /// moved the pool.
@@ -275,6 +307,12 @@ impl Rank<'_> {
                 let Some(peer) =
                     peer.filter(|_| !held.contains_key(&req) && pool.alloc(blocks.len(), alloc))
                 else {
+                    tracing::debug!(
+                        rank = cfg.rank,
+                        conn = tag,
+                        "push of request {req:#x} refused: peer {peer:?}, held {}",
+                        held.contains_key(&req)
+                    );
                     return Some(Msg::Pushed { req, done: false });
                 };
                 fill(engine, cfg, req, alloc, buf);
@@ -297,7 +335,8 @@ impl Rank<'_> {
                         );
                         None
                     }
-                    Err(_) => {
+                    Err(e) => {
+                        tracing::debug!(rank = cfg.rank, "write of request {req:#x} refused: {e}");
                         pool.release(alloc);
                         Some(Msg::Pushed { req, done: false })
                     }
