@@ -201,7 +201,27 @@ fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
         let _ = r.wait();
         lenders_took_back(&lenders, k, &format!("{tls} {mode}"));
     }
+    if let Kill::InsideSend = how {
+        lender_rebuilt(&lenders, &format!("{tls} {mode}"));
+    }
     next_reader_served(&lenders, tls, mode, kills);
+}
+
+/// A lender was deafened by the kill inside a send (else the case proves
+/// nothing) and replaced its engine: it says so in its log. Waited for,
+/// since the dead reader's lends may all have ended already, and a reader
+/// connecting before the lender found out would be cut off by the rebuild.
+fn lender_rebuilt(lenders: &[Lender; 2], case: &str) {
+    let t = Instant::now();
+    while !lenders.iter().any(|l| {
+        std::fs::read_to_string(&l.log).is_ok_and(|t| t.contains("serving from a new engine"))
+    }) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{case}: no lender was deafened by the kill (or none said it replaced its engine)"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// After kill `k`: every lender lives and gets the dead reader's blocks

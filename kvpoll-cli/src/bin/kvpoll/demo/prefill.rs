@@ -199,7 +199,7 @@ fn rebuild(
         rank = cfg.rank,
         lent = held.len(),
         "the engine's UCX worker stopped hearing (a reader died inside a shared-memory send \
-         to it): serving from a new engine"
+         to it): replacing the engine"
     );
     let (engine, meta) = start_engine(cfg)?;
     door.renew(meta);
@@ -217,6 +217,10 @@ fn rebuild(
         }
     }
     door.publish(stats(&engine, pool));
+    tracing::warn!(
+        rank = cfg.rank,
+        "serving from a new engine; clients reconnect for its metadata"
+    );
     Ok(engine)
 }
 
