@@ -100,8 +100,11 @@ fn sizes() -> Vec<String> {
 }
 
 fn lender(rank: u32, tls: &str) -> Lender {
+    // One file per lender: cases over the same transports run at once.
+    static LENDERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = LENDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let log = std::env::temp_dir().join(format!(
-        "kvpoll-reader-kill-{}-{tls}-{rank}.err",
+        "kvpoll-reader-kill-{}-{tls}-{rank}-{n}.err",
         std::process::id()
     ));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
@@ -164,8 +167,8 @@ fn free_blocks(addr: &str) -> Option<(u64, u64)> {
 enum Kill {
     /// SIGKILL 200 to 700 ms into its run, wherever it is.
     MidRead,
-    /// SIGKILL inside a shared-memory message send, 200 ms or more into
-    /// its run (see [`procs::kill_inside_send`]).
+    /// SIGKILL inside a shared-memory message send, once it reads from
+    /// both lenders (see [`procs::kill_inside_send`]).
     InsideSend,
 }
 
@@ -190,7 +193,19 @@ fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
                 let _ = r.kill();
             }
             Kill::InsideSend => {
-                std::thread::sleep(Duration::from_millis(200));
+                // Reading (both lenders lent to it): its wire-up, and its
+                // engine's with its own probe worker, are behind it.
+                let t = Instant::now();
+                while !lenders
+                    .iter()
+                    .all(|l| free_blocks(&l.addr).is_some_and(|(free, total)| free < total))
+                {
+                    assert!(
+                        t.elapsed() < Duration::from_secs(20),
+                        "the reader never read"
+                    );
+                    std::thread::sleep(Duration::from_millis(20));
+                }
                 if let Err(why) = procs::kill_inside_send(r.id()) {
                     let _ = r.kill();
                     let _ = r.wait();
@@ -218,7 +233,13 @@ fn lender_rebuilt(lenders: &[Lender; 2], case: &str) {
     }) {
         assert!(
             t.elapsed() < Duration::from_secs(20),
-            "{case}: no lender was deafened by the kill (or none said it replaced its engine)"
+            "{case}: no lender was deafened by the kill (or none said it replaced its engine); \
+             their logs:\n{}",
+            lenders
+                .iter()
+                .map(|l| std::fs::read_to_string(&l.log).unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join("\n--\n")
         );
         std::thread::sleep(Duration::from_millis(50));
     }
