@@ -712,11 +712,29 @@ impl Engine {
         if self.shared.dead.load(Ordering::Acquire) {
             return Err(Stopped::PollerDied);
         }
+        if self.is_deaf() {
+            return Err(Stopped::Deaf);
+        }
         match &self.thread {
             None => Err(Stopped::Shutdown),
             Some(t) if t.is_finished() => Err(self.gone()),
             Some(_) => Ok(()),
         }
+    }
+
+    /// Whether the poller found this engine's UCX worker deaf: it receives
+    /// no message again (a peer killed inside a shared-memory send to it
+    /// left its receive queue stopped; docs/design.md §4). Found by a probe
+    /// the poller sends itself over the transports its peers use, within
+    /// about a second of poller time. From then on every call that would
+    /// start something fails with [`Stopped::Deaf`]; [`Engine::poll`] still
+    /// reports what was in flight as it ends (each lend at its lease, each
+    /// read or write at its deadline or lease), once. The engine cannot
+    /// recover: build a new one and give peers its
+    /// [`Engine::local_metadata`] (`kvpoll serve` does). Always `false`
+    /// without a shared-memory transport.
+    pub fn is_deaf(&self) -> bool {
+        self.shared.deaf.load(Ordering::Acquire)
     }
 
     /// Why the poller is not there.

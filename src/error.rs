@@ -76,6 +76,15 @@ pub enum Stopped {
     /// failed (`Cause::PollerDied`).
     #[error("the poller thread died; requests in flight were reported failed")]
     PollerDied,
+    /// The engine's UCX worker receives no message again: a peer was
+    /// killed inside a shared-memory send to it and left the worker's
+    /// receive queue stopped (docs/design.md §4). Nothing new is started;
+    /// what is in flight ends on its own and is reported once, as ever
+    /// (lends at their leases, reads and writes at their deadlines or
+    /// leases). Build a new engine (a new worker, at a new address) and
+    /// give its peers its metadata ([`crate::Engine::is_deaf`] tells when).
+    #[error("the engine's UCX worker hears no more messages (a peer died inside a shared-memory send to it): build a new engine")]
+    Deaf,
 }
 
 /// Registering memory, or reading or writing a block of it, failed

@@ -86,6 +86,7 @@ impl Driver {
     /// Blocks until the transport has an event, the engine pushed
     /// something, or the core's next deadline; see [`crate::wake`].
     pub(super) fn block(&mut self) {
+        self.hear();
         let wake = &self.shared.wake;
         // The eventfd signal of the last wake-up is consumed here, before
         // announcing, not on waking: a wake-up then costs no syscall on its

@@ -158,6 +158,7 @@ impl Driver {
             }
             if turn % 1024 == 0 {
                 self.publish_counters(&mut counts);
+                self.hear();
             }
         }
         self.publish_counters(&mut counts);
@@ -196,5 +197,27 @@ impl Driver {
         self.advance_if_due(turn, *now);
         work += self.publish() as u32;
         Some(work)
+    }
+
+    /// Asks the transport whether it still hears (it probes now and then:
+    /// a clock reading and a branch when nothing is due). Called every
+    /// 1024 turns and before each block or nap. Once deaf, the engine is
+    /// told (its calls fail `Stopped::Deaf`, and `Engine::is_deaf` says
+    /// so) and the driver runs on: leases and deadlines still end what is
+    /// in flight, and each end is reported as before.
+    fn hear(&mut self) {
+        if self.shared.deaf.load(Ordering::Relaxed) {
+            return;
+        }
+        let now = self.now();
+        if !self.wire.hearing(now) {
+            tracing::error!(
+                "this engine's UCX worker receives no more messages (a peer was killed inside \
+                 a shared-memory send to it): build a new engine and give its peers the new \
+                 metadata"
+            );
+            self.shared.deaf.store(true, Ordering::Release);
+            self.shared.reports.notify();
+        }
     }
 }

@@ -30,6 +30,10 @@ pub(crate) struct Shared {
     /// Set once the driver thread died (panicked): every engine call then
     /// fails with `PollerDied`.
     pub(crate) dead: AtomicBool,
+    /// Set once the driver found its transport deaf (it receives no
+    /// message again): every engine call that would start something then
+    /// fails with `Deaf`; what is in flight ends on its own.
+    pub(crate) deaf: AtomicBool,
     pub(crate) busy_iterations: AtomicU64,
     pub(crate) idle_iterations: AtomicU64,
     /// Nanoseconds spent in busy and in idle runs (blocked time is idle).
@@ -64,6 +68,7 @@ impl Shared {
             stop: AtomicBool::new(false),
             control_pending: AtomicBool::new(false),
             dead: AtomicBool::new(false),
+            deaf: AtomicBool::new(false),
             busy_iterations: AtomicU64::new(0),
             idle_iterations: AtomicU64::new(0),
             busy_ns: AtomicU64::new(0),

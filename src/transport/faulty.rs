@@ -174,6 +174,10 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.arm()
     }
 
+    fn hearing(&mut self, now: crate::ledger::Nanos) -> bool {
+        self.inner.hearing(now)
+    }
+
     /// Releases a handle's resources: fails once for every n-th handle.
     fn release(&mut self, handle: HandleKey) -> bool {
         if let Some(i) = self.held.iter().position(|&h| h == handle) {

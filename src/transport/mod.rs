@@ -25,7 +25,7 @@ pub mod ucx;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::ledger::{BlockId, HandleKey, Incarnation, PeerId};
+use crate::ledger::{BlockId, HandleKey, Incarnation, Nanos, PeerId};
 use peer::PeerMetadata;
 
 /// The token kind a transport uses for operations of its own (closes):
@@ -363,6 +363,15 @@ pub trait Transport {
     /// fd): progress first, do not block.
     fn arm(&mut self) -> bool {
         false
+    }
+
+    /// Whether the transport still receives messages, checked now and
+    /// then by the poller with its clock: `false` once it found that it
+    /// never will again (UCX: a shared-memory receive queue that a peer
+    /// killed inside its send left stopped; see `ucx`'s probe). Sticky.
+    /// The default (a transport that cannot tell) always hears.
+    fn hearing(&mut self, _now: Nanos) -> bool {
+        true
     }
 
     /// Releases what the transport holds for a handle whose operations all

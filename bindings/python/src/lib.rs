@@ -1383,6 +1383,15 @@ impl Engine {
         self.inner.get().in_flight()
     }
 
+    /// Whether the poller found the engine's UCX worker deaf: it receives
+    /// no message again (a peer killed inside a shared-memory send to it).
+    /// New requests then fail with the ``Stopped`` kind's error; what is in
+    /// flight is still reported as it ends. Build a new engine.
+    #[getter]
+    fn is_deaf(&mut self) -> bool {
+        self.inner.get().is_deaf()
+    }
+
     /// Whether ``shutdown()`` was called.
     #[getter]
     fn is_shut_down(&self) -> bool {

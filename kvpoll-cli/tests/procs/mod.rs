@@ -134,3 +134,85 @@ impl Drop for Serve {
         let _ = self.child.wait();
     }
 }
+
+/// SIGKILLs process `pid` (a `kvpoll` child) inside a shared-memory
+/// active-message send: stopped by gdb on the instruction after the one
+/// that takes a slot of the receiver's FIFO (the `cmpxchg` on its head in
+/// `uct_mm_ep_am_short`, `_short_iov` and `_bcopy`), before the send
+/// marks the slot written — where a SIGKILL at a random time lands now
+/// and then on a loaded machine. Sends whose callers include the
+/// engine's probe (`hearing`, `Probe`) are passed over: their receiver is
+/// the process itself.
+pub fn kill_inside_send(pid: u32) -> Result<(), String> {
+    let pid = pid.to_string();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| e.to_string())?;
+    let uct = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("libuct.so"))
+        .ok_or("the process has no libuct.so mapped")?
+        .to_owned();
+    // Bounded: a process that sent nothing for a minute fails the test.
+    let gdb = |args: &[String]| {
+        Command::new("timeout")
+            .args([
+                "60",
+                "gdb",
+                "-batch",
+                "-nx",
+                "-ex",
+                "set debuginfod enabled off",
+            ])
+            .args(args)
+            .output()
+            .map_err(|e| format!("gdb: {e}"))
+    };
+    let mut breaks = Vec::new();
+    for f in [
+        "uct_mm_ep_am_short",
+        "uct_mm_ep_am_short_iov",
+        "uct_mm_ep_am_bcopy",
+    ] {
+        let out = gdb(&["-ex".into(), format!("disassemble {f}"), uct.clone()])?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.contains("cmpxchg"))
+            .and_then(|i| lines.get(i + 1))
+            .and_then(|l| l.split('<').nth(1)?.split('>').next())
+            .ok_or(format!("no cmpxchg in {f} of {uct}:\n{text}"))?
+            .to_owned();
+        // Not a send of the process's own deafness probe (to itself):
+        // killed there, it deafens nobody but itself.
+        breaks.extend([
+            "-ex".to_owned(),
+            format!("break *({f}{at}) if !$_any_caller_matches(\"hearing|Probe\", 40)"),
+        ]);
+    }
+    // C: stopped in Rust code, gdb would read the names as Rust ones and
+    // find none.
+    let mut args = ["-p", &pid, "-ex", "set language c"]
+        .map(str::to_owned)
+        .to_vec();
+    args.extend(breaks);
+    args.extend(["-ex", "continue", "-ex", "kill"].map(str::to_owned));
+    let out = gdb(&args)?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !said.contains("hit Breakpoint") {
+        return Err(format!("gdb never stopped {pid} in a send:\n{said}"));
+    }
+    Ok(())
+}
+
+/// Whether gdb runs here (Debian package `gdb`, a test-only package).
+pub fn have_gdb() -> bool {
+    Command::new("gdb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}

@@ -77,7 +77,7 @@ impl ContextOptions {
     /// Whether the transport list can include a shared-memory (mm) transport;
     /// only then is `MM_ERROR_HANDLING` set (UCX warns about an option that
     /// no selected transport reads).
-    fn may_use_shared_memory(&self) -> bool {
+    pub(crate) fn may_use_shared_memory(&self) -> bool {
         self.may_use(|t| t == "all" || is_mm_transport(t))
     }
 

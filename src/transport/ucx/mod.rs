@@ -21,6 +21,7 @@ mod endpoint;
 mod error;
 mod layout;
 mod memory;
+mod probe;
 mod request;
 mod transport;
 mod worker;

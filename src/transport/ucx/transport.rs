@@ -1,5 +1,7 @@
 //! The [`Transport`] over real UCX: one context, one worker, the registered
-//! regions, and one endpoint per peer at a time.
+//! regions, and one endpoint per peer at a time; where shared memory may
+//! carry messages, a second worker that probes whether the first still
+//! hears ([`super::probe`]).
 //!
 //! Endpoint generations: the core names the endpoint it wants with an
 //! [`Ep`]. A newer generation than the open one closes the open one and
@@ -21,13 +23,18 @@ use crate::transport::{
 use crate::transport::{T_TRANSPORT, T_WORD};
 
 use super::memory::HugePages;
+use super::probe::{Hearing, Step};
 use super::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
     PackedRkey, RemoteKey, UcxError, Worker,
 };
+use crate::ledger::Nanos;
 
 /// The active-message id kvpoll's notifications travel on.
 pub const NOTIFY_AM_ID: u16 = 0x6b76;
+/// The active-message id of the probes a worker sends itself from its
+/// probe worker (8 bytes: the probe's number).
+const PROBE_AM_ID: u16 = 0x6b77;
 
 /// Lend words an engine announces: 1 MiB of UCX-allocated shared memory,
 /// so that a reader on the same host reads them one-sidedly. With
@@ -69,6 +76,37 @@ struct Conn {
     generation: u32,
 }
 
+/// The probe worker and its endpoint to this transport's worker, made as
+/// a peer's endpoint is (field order is drop order: the endpoint first).
+struct Probe {
+    ep: Endpoint,
+    worker: Worker,
+    hearing: Hearing,
+    /// The probe worker's completions, dropped.
+    done: Vec<Completion>,
+}
+
+impl Probe {
+    fn new(context: &Context, to: &Worker) -> Result<Self, UcxError> {
+        let worker = Worker::new(context)?;
+        let ep = Endpoint::connect(&worker, &to.address()?, u64::MAX)?;
+        Ok(Probe {
+            ep,
+            worker,
+            hearing: Hearing::default(),
+            done: Vec::with_capacity(4),
+        })
+    }
+
+    /// Progresses the probe worker (its send, its wire-up), dropping what
+    /// completed.
+    fn progress(&mut self) {
+        self.worker.progress();
+        self.worker.take_completions(&mut self.done);
+        self.done.clear();
+    }
+}
+
 struct Peer {
     meta: PeerMetadata,
     conn: Option<Conn>,
@@ -78,7 +116,10 @@ struct Peer {
 
 /// The UCX transport. Single-threaded: it lives on the poller thread.
 pub struct UcxTransport {
-    // Drop order: connections (live, then closing), regions, worker, context.
+    // Drop order: the probe, connections (live, then closing), regions,
+    // worker, context.
+    /// `None` where no shared-memory transport may carry messages.
+    probe: Option<Probe>,
     peers: Vec<Option<Peer>>,
     /// Force-closed connections waiting for their close to complete, by
     /// close token.
@@ -136,7 +177,20 @@ impl UcxTransport {
         let event_fd = worker.event_fd();
         let words = Self::allocate_words(&context)?;
         let cells = MemoryRegion::allocate(&context, WORD_CELLS * 8)?;
+        let probe = if options.may_use_shared_memory() {
+            worker.listen_active_messages(PROBE_AM_ID)?;
+            match Probe::new(&context, &worker) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no deafness probe: a stopped receive queue goes unnoticed");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(UcxTransport {
+            probe,
             peers: Vec::new(),
             closing: Vec::new(),
             regions: Vec::new(),
@@ -580,7 +634,13 @@ impl Transport for UcxTransport {
 
     fn progress(&mut self) -> u32 {
         self.progresses += 1;
-        self.worker.progress()
+        let events = self.worker.progress();
+        if let Some(p) = self.probe.as_mut().filter(|p| p.hearing.waiting()) {
+            // A probe in flight may wait in the probe worker's queue (the
+            // FIFO was full): retried here, not only at the next check.
+            p.progress();
+        }
+        events
     }
 
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
@@ -633,7 +693,14 @@ impl Transport for UcxTransport {
             });
         }
         self.completions.clear();
+        let probe = &mut self.probe;
         self.worker.take_active_messages(|m| {
+            if m.id == PROBE_AM_ID {
+                if let (Some(p), Ok(seq)) = (probe.as_mut(), <[u8; 8]>::try_from(m.payload)) {
+                    p.hearing.heard(u64::from_le_bytes(seq));
+                }
+                return;
+            }
             sink(TransportEvent::Message {
                 payload: m.payload,
                 reply: m.reply,
@@ -654,6 +721,24 @@ impl Transport for UcxTransport {
 
     fn wait_fd(&mut self) -> Option<std::os::fd::RawFd> {
         self.event_fd
+    }
+
+    fn hearing(&mut self, now: Nanos) -> bool {
+        let Some(p) = self.probe.as_mut() else {
+            return true;
+        };
+        match p.hearing.step(now, self.progresses) {
+            Step::Wait => true,
+            Step::Send(seq) => {
+                if let Err(e) = p.ep.send_active_message(PROBE_AM_ID, &seq.to_le_bytes(), 0) {
+                    tracing::debug!(error = %e, "deafness probe not sent");
+                    p.hearing.unsent();
+                }
+                p.progress();
+                true
+            }
+            Step::Deaf => false,
+        }
     }
 
     fn arm(&mut self) -> bool {

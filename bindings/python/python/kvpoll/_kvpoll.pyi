@@ -205,6 +205,11 @@ class Engine:
     @property
     def in_flight(self) -> int: ...
     @property
+    def is_deaf(self) -> bool:
+        """Whether the engine's UCX worker receives no message again (a peer
+        killed inside a shared-memory send to it): new requests fail; build
+        a new engine."""
+    @property
     def is_shut_down(self) -> bool: ...
     def __enter__(self) -> "Engine": ...
     def __exit__(

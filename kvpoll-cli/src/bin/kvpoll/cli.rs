@@ -46,6 +46,9 @@ pub enum Command {
     Demo(DemoArgs),
     /// One prefill rank: listens for decode ranks (prints `LISTEN addr`
     /// once it serves) and serves until SIGINT, SIGTERM or SIGHUP (exit 0).
+    /// An engine whose UCX worker stops hearing (a reader killed inside a
+    /// shared-memory send to it) is replaced by a new one; connections
+    /// are closed so that clients reconnect for its new metadata.
     Serve(ServeArgs),
     /// One decode rank reading from two prefill ranks started with `serve`.
     Connect(ConnectArgs),

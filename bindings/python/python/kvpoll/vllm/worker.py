@@ -170,6 +170,8 @@ class KvpollWorker:
         self._failed_blocks: Set[int] = set()
         # Lends the engine refused: free at once.
         self._unlent: Set[str] = set()
+        # The engine was found deaf and that was logged (once).
+        self._deaf_logged = False
         self.instance = new_instance()
         # Push mode, prefill side: finished requests' blocks awaiting their
         # decode ranks' push requests (until the lease ends), and push
@@ -426,6 +428,12 @@ class KvpollWorker:
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self.core is not None
         self._write_asked()
+        if not self._deaf_logged and self.core.engine.is_deaf:
+            self._deaf_logged = True
+            logger.error(
+                "kvpoll: this worker's engine hears no more messages (a peer was killed inside a "
+                "shared-memory send to it): its transfers fail from now on; restart this worker"
+            )
         sending, recving = self.core.get_finished(finished_req_ids)
         if sending:
             logger.debug("kvpoll: blocks of %s free", sorted(sending))

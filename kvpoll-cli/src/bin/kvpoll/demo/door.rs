@@ -78,6 +78,9 @@ pub struct Stats {
 pub struct EngineSide {
     pub rx: Receiver<ToEngine>,
     replies: std::sync::mpsc::Sender<(usize, Msg)>,
+    /// New engine metadata (the engine was rebuilt): handed to every
+    /// handshake from then on.
+    renewals: std::sync::mpsc::Sender<Vec<u8>>,
     wake: Arc<OwnedFd>,
     pub stats: Arc<Mutex<Stats>>,
     done: Arc<AtomicBool>,
@@ -88,6 +91,15 @@ impl EngineSide {
     /// Sends `msg` to connection `tag` (dropped if it is gone).
     pub fn reply(&self, tag: usize, msg: Msg) {
         if self.replies.send((tag, msg)).is_ok() {
+            wake(&self.wake);
+        }
+    }
+
+    /// The engine was rebuilt with metadata `meta`: new connections get
+    /// it, and every connection past its handshake is told why and closed,
+    /// so that its client connects again and learns it.
+    pub fn renew(&self, meta: Vec<u8>) {
+        if self.renewals.send(meta).is_ok() {
             wake(&self.wake);
         }
     }
@@ -137,16 +149,13 @@ pub fn start(
     let wake = Arc::new(eventfd()?);
     let (to_engine, rx) = std::sync::mpsc::sync_channel(TO_ENGINE_CAP);
     let (replies, from_engine) = std::sync::mpsc::channel();
+    let (renewals, renewed) = std::sync::mpsc::channel();
     let stats = Arc::new(Mutex::new(Stats::default()));
     let done = Arc::new(AtomicBool::new(false));
     let mut door = Door {
         listener,
         ours,
-        hello: [Msg::Hello(ours).encode(), Msg::Meta(meta).encode()]
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
-            .concat(),
+        hello: hello(ours, meta)?,
         testing,
         limits,
         rank,
@@ -154,6 +163,7 @@ pub fn start(
         next_tag: 0,
         to_engine,
         from_engine,
+        renewed,
         wake: wake.clone(),
         stats: stats.clone(),
         spare: std::fs::File::open("/dev/null").ok(),
@@ -165,11 +175,21 @@ pub fn start(
     Ok(EngineSide {
         rx,
         replies,
+        renewals,
         wake,
         stats,
         done,
         thread: Some(thread),
     })
+}
+
+/// Our HELLO and META frames, as every handshake gets them.
+fn hello(ours: Layout, meta: Vec<u8>) -> io::Result<Vec<u8>> {
+    Ok([Msg::Hello(ours).encode(), Msg::Meta(meta).encode()]
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
+        .concat())
 }
 
 struct Conn {
@@ -199,6 +219,7 @@ struct Door {
     next_tag: usize,
     to_engine: SyncSender<ToEngine>,
     from_engine: Receiver<(usize, Msg)>,
+    renewed: Receiver<Vec<u8>>,
     wake: Arc<OwnedFd>,
     stats: Arc<Mutex<Stats>>,
     /// Given up to accept (and refuse) one connection when out of fds.
@@ -251,6 +272,9 @@ impl Door {
             }
             while let Ok((tag, msg)) = self.from_engine.try_recv() {
                 self.send(tag, &msg);
+            }
+            while let Ok(meta) = self.renewed.try_recv() {
+                self.renew(meta);
             }
             if last_sweep.elapsed() >= Duration::from_millis(50) {
                 self.sweep();
@@ -542,6 +566,30 @@ impl Door {
                 // bounded: the engine thread drains this channel.
                 let _ = self.to_engine.send(ToEngine::Closed(tag));
             }
+        }
+    }
+
+    /// New engine metadata: handshakes from now on carry it, and every
+    /// connection past its handshake (whose client holds the old one) is
+    /// told and closed.
+    fn renew(&mut self, meta: Vec<u8>) {
+        match hello(self.ours, meta) {
+            Ok(h) => self.hello = h,
+            Err(e) => {
+                tracing::warn!(rank = self.rank, "new engine metadata not sent: {e}");
+                return;
+            }
+        }
+        let greeted: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.greeted)
+            .map(|(&tag, _)| tag)
+            .collect();
+        for tag in greeted {
+            let why = "the engine was rebuilt (its UCX worker stopped hearing): \
+                       connect again for its new metadata";
+            self.close(tag, Some(why.into()));
         }
     }
 

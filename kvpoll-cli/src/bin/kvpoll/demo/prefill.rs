@@ -59,15 +59,7 @@ pub fn serve(
     stop: impl Fn() -> bool,
     ready: impl FnOnce(),
 ) -> Result<(), RunError> {
-    let mut engine = Engine::builder()
-        .block_size(cfg.block_size)
-        .ucx(ContextOptions::with_transports(&cfg.tls))
-        .faults(cfg.faults)
-        .build()?;
-    for _ in 0..cfg.layers {
-        engine.register(u64::from(cfg.blocks))?;
-    }
-    let meta = engine.local_metadata()?;
+    let (mut engine, meta) = start_engine(&cfg)?;
     let ours = Layout {
         block_size: cfg.block_size,
         layers: cfg.layers as u32,
@@ -143,6 +135,10 @@ pub fn serve(
                 }
             }
         }
+        if engine.is_deaf() {
+            engine = rebuild(engine, &cfg, &door, &mut pool, &mut peers, &mut held)?;
+            continue;
+        }
         out.clear();
         engine.poll(&mut out);
         tally.count(&out);
@@ -201,6 +197,64 @@ fn log_outcomes(rank: u32, out: &Outcomes) {
 /// Control messages the engine thread handles before it polls the engine
 /// again.
 const MESSAGES_PER_TURN: usize = 8;
+
+/// A rank's engine with its layers registered, and its metadata.
+fn start_engine(cfg: &ServeConfig) -> Result<(Engine, Vec<u8>), RunError> {
+    let mut engine = Engine::builder()
+        .block_size(cfg.block_size)
+        .ucx(ContextOptions::with_transports(&cfg.tls))
+        .faults(cfg.faults)
+        .build()?;
+    for _ in 0..cfg.layers {
+        engine.register(u64::from(cfg.blocks))?;
+    }
+    let meta = engine.local_metadata()?;
+    Ok((engine, meta))
+}
+
+/// Replaces a deaf engine (its UCX worker receives nothing more: a reader
+/// was killed inside a shared-memory send to it) with a new one, at a new
+/// address: the control port hands out the new metadata and closes every
+/// connection, whose clients connect again and learn it. What the old
+/// engine held ends with it: it is shut down (a reader still reading one
+/// of its lends fails, as from a lender gone), then their blocks go back
+/// to the pool and each push still waiting is answered not done.
+fn rebuild(
+    old: Engine,
+    cfg: &ServeConfig,
+    door: &door::EngineSide,
+    pool: &mut Pool,
+    peers: &mut HashMap<usize, PeerId>,
+    held: &mut HashMap<u64, Held>,
+) -> Result<Engine, RunError> {
+    tracing::warn!(
+        rank = cfg.rank,
+        lent = held.len(),
+        "the engine's UCX worker stopped hearing (a reader died inside a shared-memory send \
+         to it): replacing the engine"
+    );
+    let (engine, meta) = start_engine(cfg)?;
+    door.renew(meta);
+    // Its writes stop before their destinations hear they were not done
+    // (bounded: its poller force-closes what it has open).
+    let mut old = old;
+    old.shutdown();
+    drop(old);
+    // The old engine's peers and requests were its own.
+    peers.clear();
+    for (req, h) in held.drain() {
+        pool.release(&h.blocks);
+        if let Some(tag) = h.push_conn {
+            door.reply(tag, Msg::Pushed { req, done: false });
+        }
+    }
+    door.publish(stats(&engine, pool));
+    tracing::warn!(
+        rank = cfg.rank,
+        "serving from a new engine; clients reconnect for its metadata"
+    );
+    Ok(engine)
+}
 
 /// How often the figures STATS answers with are refreshed when nothing
 /// moved the pool.
