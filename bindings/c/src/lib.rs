@@ -433,7 +433,8 @@ pub unsafe extern "C" fn kvpoll_engine_free(e: *mut kvpoll_engine) {
 }
 
 /// Registers a region of `n_blocks` blocks (one KV layer) in host memory
-/// allocated by UCX; writes its index to `*region`.
+/// the engine allocates (UCX's shared memory, or huge pages where UCX
+/// moves one-sided operations through cma); writes its index to `*region`.
 ///
 /// # Safety
 /// `e` from `kvpoll_engine_new`; `region` valid for a write; `err` NULL or

@@ -134,7 +134,7 @@ class Engine:
         confirm_reads: bool = True,
     ) -> None: ...
     def register(self, n_blocks: int) -> int:
-        """Registers a UCX-allocated region of ``n_blocks`` blocks; returns its index."""
+        """Registers a region of ``n_blocks`` blocks the engine allocates; returns its index."""
     def register_buffer(self, obj: Union[object, Tuple[int, int]]) -> int:
         """Registers a writable C-contiguous buffer, a ``(ptr, nbytes)``
         pair, or a contiguous CUDA tensor or array (registered as device
