@@ -5,82 +5,53 @@
 
 use std::io;
 
-/// An anonymous private mapping, faulted in (every page touched), unmapped
-/// on drop. Registered with [`kvpoll::Engine::register_memory`] it is
-/// caller memory: UCX did not allocate it.
+use kvpoll::transport::ucx::HugePages;
+
+/// An anonymous private mapping ([`HugePages`]: huge pages asked for,
+/// whole 2 MiB), faulted in (every page touched), unmapped on drop.
+/// Registered with [`kvpoll::Engine::register_memory`] it is caller
+/// memory: the engine did not allocate it.
 pub struct CallerMemory {
-    ptr: *mut u8,
-    len: usize,
+    pages: HugePages,
 }
 
-// SAFETY: a plain mapping owned by this value; nothing is tied to a thread.
-unsafe impl Send for CallerMemory {}
-
 impl CallerMemory {
-    /// `len` bytes (rounded up to whole 2 MiB), huge pages asked for with
-    /// `madvise(MADV_HUGEPAGE)`, every page written once.
+    /// `len` bytes (rounded up to whole 2 MiB), every page written once.
     pub fn new(len: usize) -> io::Result<Self> {
-        let len = len.max(1).div_ceil(2 << 20) * (2 << 20);
-        // SAFETY: a fresh anonymous mapping; no existing memory is named.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: ptr..ptr+len is the mapping just made. A refusal (no THP
-        // in this kernel) leaves 4 KiB pages, which is what it says.
-        unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
-        // SAFETY: as above; writing faults every page in now, not inside a
-        // measured transfer.
-        unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, len) };
-        Ok(CallerMemory {
-            ptr: ptr as *mut u8,
-            len,
-        })
+        let pages = HugePages::map(len)?;
+        // SAFETY: the whole mapping just made; writing faults every page
+        // in now, not inside a measured transfer.
+        unsafe { std::ptr::write_bytes(pages.as_ptr(), 0, pages.len()) };
+        Ok(CallerMemory { pages })
     }
 
     /// The mapping's first byte.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.pages.as_ptr()
     }
 
     /// Its length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.pages.len()
     }
 
     /// Never empty; for clippy.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.pages.is_empty()
     }
 
     /// The bytes at `offset..offset + len`, which must lie inside.
     pub fn slice(&self, offset: usize, len: usize) -> &[u8] {
-        assert!(offset + len <= self.len, "slice outside the mapping");
+        assert!(offset + len <= self.len(), "slice outside the mapping");
         // SAFETY: inside the mapping (checked), which lives as long as self.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(offset), len) }
+        unsafe { std::slice::from_raw_parts(self.as_ptr().add(offset), len) }
     }
 
     /// The bytes at `offset..offset + len`, writable.
     pub fn slice_mut(&mut self, offset: usize, len: usize) -> &mut [u8] {
-        assert!(offset + len <= self.len, "slice outside the mapping");
+        assert!(offset + len <= self.len(), "slice outside the mapping");
         // SAFETY: as in slice, and &mut self makes it the only view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset), len) }
-    }
-}
-
-impl Drop for CallerMemory {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in new, unmapped once.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr().add(offset), len) }
     }
 }
 

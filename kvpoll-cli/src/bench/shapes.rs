@@ -493,7 +493,7 @@ struct KvpollRunner {
     op: Op,
     out: Outcomes,
     next_id: u64,
-    lent: Option<mpsc::Receiver<(u64, Incarnation)>>,
+    lent: mpsc::Receiver<(u64, Incarnation)>,
     checks: mpsc::Receiver<bool>,
     buf: Vec<u8>,
     peer_pid: u32,
@@ -642,7 +642,7 @@ impl KvpollRunner {
             op: g.op,
             out: Outcomes::default(),
             next_id: 0,
-            lent: Some(lent),
+            lent,
             checks,
             buf,
             peer_pid: peer.child.id(),
@@ -688,7 +688,7 @@ impl Runner for KvpollRunner {
                         Op::Write => remote[j],
                     };
                 }
-                let lend = lend_of(self.lent.as_ref(), id)?;
+                let lend = lend_of(Some(&self.lent), id)?;
                 let t = [Transfer {
                     peer: self.peer,
                     local: &local,

@@ -62,7 +62,20 @@ impl HugePages {
     pub fn as_ptr(&self) -> *mut u8 {
         self.base
     }
+
+    /// Its length in bytes (whole 2 MiB).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never empty; for clippy.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
+
+// SAFETY: a plain mapping owned by this value; nothing is tied to a thread.
+unsafe impl Send for HugePages {}
 
 impl Drop for HugePages {
     fn drop(&mut self) {

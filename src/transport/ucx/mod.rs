@@ -30,7 +30,7 @@ pub use context::{check_version, version_line, Context, ContextOptions, KnownUcx
 pub use endpoint::{BlockOp, Endpoint, PostError};
 pub use error::{UcxError, UcxStatus};
 pub use layout::LayoutError;
-pub use memory::{MemoryRegion, PackedRkey, RemoteKey};
+pub use memory::{HugePages, MemoryRegion, PackedRkey, RemoteKey};
 #[doc(hidden)]
 pub use transport::NOTIFY_AM_ID;
 pub use transport::{UcxTransport, UserMemory};
