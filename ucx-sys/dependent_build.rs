@@ -8,8 +8,6 @@
 //! - cfgs naming what the UCX built against (and, through that rpath, run)
 //!   no longer gets wrong, so tests of a UCX failure run where it is fixed
 //!   (docs/design.md, UCX facts):
-//!   - `ucx_survives_tcp_reader_death`: over tcp, a lender whose reader is
-//!     killed mid-read lives (UCX 1.13 aborts it in `ucp_get_req_handler`).
 //!   - `ucx_cma_with_peer_errors`: an endpoint in peer error mode can have
 //!     a `cma` lane (with rendezvous off), so a get from memory the caller
 //!     registered is one-sided over shared memory.
@@ -18,10 +16,7 @@
 //! says it of the UCX loaded at run time.
 
 /// The first UCX release (major, minor) without each failure.
-const FIXED_IN: &[(&str, (u32, u32))] = &[
-    ("ucx_survives_tcp_reader_death", (1, 22)),
-    ("ucx_cma_with_peer_errors", (1, 20)),
-];
+const FIXED_IN: &[(&str, (u32, u32))] = &[("ucx_cma_with_peer_errors", (1, 20))];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_UCP_RPATH");

@@ -4,18 +4,14 @@
 //! lenders must still run, get every block of the dead reader back, and
 //! serve the next reader.
 //!
-//! Over tcp in pull mode this fails now and then on UCX 1.13: a get's target
-//! answers a get request with an active message sent from inside
-//! `ucp_get_req_handler` (`ucp_progress_get_reply`, `src/ucp/rma/rma_sw.c`);
-//! when the reader's connection is already reset, `uct_ep_am_bcopy` returns
-//! `UCS_ERR_ENDPOINT_TIMEOUT`, which `ucp_request_try_send`
-//! (`src/ucp/core/ucp_request.inl`) turns into `ucs_fatal` — an abort of the
-//! lender's process that no endpoint option or error-handling mode reaches
-//! (see docs/design.md, UCX facts). No lender died in 400 kills on UCX
-//! 1.22, so that case runs against 1.22 and later
-//! (`cfg(ucx_survives_tcp_reader_death)`, ucx-sys/dependent_build.rs) and
-//! is `#[ignore]`d with this reason before; `cargo test --test reader_kill
-//! -- --ignored` runs it there.
+//! Over tcp UCX emulates a get: the lender's worker answers the reader's
+//! request from inside UCX (`ucp_get_req_handler`, `src/ucp/rma/rma_sw.c`),
+//! and on UCX before 1.22 a reply that fails because the reader's
+//! connection was reset is a fatal error (`ucp_request_try_send`: an abort
+//! no endpoint option reaches). kvpoll does not use that path there: its
+//! gets over tcp are soft reads, which the lender answers with sends of its
+//! own that fail like any send (`src/transport/ucx/soft.rs`). The tcp pull
+//! case runs on every UCX version kvpoll supports.
 //!
 //! Over shared memory a reader killed inside an active-message send (after
 //! it took a slot of its lender's receive FIFO, before it marked the slot
@@ -324,12 +320,6 @@ fn exited(child: &Child) -> Option<String> {
 }
 
 #[test]
-#[cfg_attr(
-    not(ucx_survives_tcp_reader_death),
-    ignore = "UCX before 1.22 aborts a get's target over tcp when the reader dies mid-read \
-              (ucp_get_req_handler -> ucp_request_try_send: ucs_fatal on Endpoint timeout); \
-              see the module docs and docs/design.md"
-)]
 fn over_tcp_in_pull_mode_fifty_killed_readers_leave_every_lender_serving() {
     kill_readers("tcp", "pull", 50, Kill::MidRead);
 }

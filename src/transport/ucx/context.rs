@@ -301,8 +301,9 @@ pub struct KnownUcxLimits {
     /// Over tcp, a put's target aborts when its writer dies mid-put
     /// (`ucp_put_handler`: "Fatal: unexpected error: Endpoint timeout").
     pub tcp_target_dies_with_its_writer: bool,
-    /// Over tcp, a get's target (the lender) aborts when its reader dies
-    /// mid-read (`ucp_get_req_handler`).
+    /// Over tcp, UCX's emulated get aborts its target (the lender) when
+    /// the reader dies mid-read (`ucp_get_req_handler`). kvpoll's transport
+    /// reads softly over tcp on such a UCX, so its lenders live.
     pub tcp_lender_dies_with_its_reader: bool,
 }
 

@@ -163,6 +163,31 @@ impl Endpoint {
         (f != 0).then_some(UcxStatus(f))
     }
 
+    /// UCX's description of the endpoint (`ucp_ep_print_info`): its
+    /// configuration and lanes, one per line. Empty for a closed endpoint.
+    pub fn describe(&self) -> String {
+        let Ok(ep) = self.inner.live_handle() else {
+            return String::new();
+        };
+        let mut buf: *mut std::ffi::c_char = ptr::null_mut();
+        let mut len = 0;
+        // SAFETY: buf and len are valid out-parameters; the stream owns buf
+        // until fclose, which sets them to the text written.
+        let stream = unsafe { libc::open_memstream(&mut buf, &mut len) };
+        if stream.is_null() {
+            return String::new();
+        }
+        // SAFETY: the endpoint is live and the stream open; fclose flushes
+        // it into buf (NUL-terminated), which is ours to free after.
+        unsafe {
+            sys::ucp_ep_print_info(ep, stream.cast());
+            libc::fclose(stream);
+            let text = std::ffi::CStr::from_ptr(buf).to_string_lossy().into_owned();
+            libc::free(buf.cast());
+            text
+        }
+    }
+
     /// Whether the endpoint was closed ([`Endpoint::force_close`]).
     pub fn is_closed(&self) -> bool {
         self.inner.handle.get().is_null()
@@ -377,6 +402,55 @@ pub(crate) fn send_am_on(
             0,
             data as *const c_void,
             payload.len(),
+            &params,
+        )
+    };
+    request::finish(sink, ret, token, buffer).map_err(|status| {
+        sink.return_send_buffer(buffer);
+        UcxError::Call {
+            op: "ucp_am_send_nbx",
+            status,
+        }
+    })
+}
+
+/// Sends an eager active message to `id` on raw endpoint `ep` of
+/// `worker`: `header` copied into a send buffer that lives until the send
+/// completes, then the `len` bytes at `data`, sent from where they are.
+///
+/// # Safety
+/// `ep` is a live endpoint of `worker`; `data..data + len` stays readable
+/// until the send completes.
+pub(crate) unsafe fn send_am_with_data(
+    worker: &WorkerInner,
+    ep: sys::ucp_ep_h,
+    id: u16,
+    header: &[u8],
+    data: *const u8,
+    len: usize,
+    token: u64,
+) -> Result<(), UcxError> {
+    if header.len() > MAX_AM_PAYLOAD {
+        return Err(UcxError::MessageTooLong(header.len()));
+    }
+    let sink = &*worker.sink;
+    // UCX before 1.14 reads the header until the send completes (there is
+    // no UCP_AM_SEND_FLAG_COPY_HEADER): it lives in a send buffer.
+    let (buffer, head) = sink.take_send_buffer(header);
+    let mut params = request::params(sink, ptr::null_mut());
+    params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+    params.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+    // SAFETY: the caller's promises (live endpoint, data readable until
+    // completion); the header buffer stays allocated and untouched until
+    // the completion gives it back; params point at the worker's sink.
+    let ret = unsafe {
+        sys::ucp_am_send_nbx(
+            ep,
+            id.into(),
+            head as *const c_void,
+            header.len(),
+            data as *const c_void,
+            len,
             &params,
         )
     };

@@ -23,6 +23,7 @@ mod layout;
 mod memory;
 mod probe;
 mod request;
+mod soft;
 mod transport;
 mod worker;
 

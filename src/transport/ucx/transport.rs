@@ -24,9 +24,10 @@ use crate::transport::{T_TRANSPORT, T_WORD};
 
 use super::memory::HugePages;
 use super::probe::{Hearing, Step};
+use super::soft::{self, Piece, Request, PIECE, PIECE_AM_ID, REQUEST_AM_ID};
 use super::{
-    BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
-    PackedRkey, RemoteKey, UcxError, Worker,
+    BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, KnownUcxLimits,
+    MemoryRegion, PackedRkey, RemoteKey, UcxError, UcxStatus, Worker,
 };
 use crate::ledger::Nanos;
 
@@ -35,6 +36,12 @@ pub const NOTIFY_AM_ID: u16 = 0x6b76;
 /// The active-message id of the probes a worker sends itself from its
 /// probe worker (8 bytes: the probe's number).
 const PROBE_AM_ID: u16 = 0x6b77;
+
+/// Token bits of a soft read's request send (with [`T_TRANSPORT`]; the
+/// slot above bit 32, the sequence below bit 30).
+const T_SOFT_REQUEST: u64 = 1 << 63;
+/// Token bit of the pieces a lender sends to answer soft reads.
+const T_SOFT_PIECE: u64 = 1 << 62;
 
 /// Lend words an engine announces: 1 MiB of UCX-allocated shared memory,
 /// so that a reader on the same host reads them one-sidedly. With
@@ -72,7 +79,12 @@ struct Conn {
     /// completes a word's get when it is posted on UCX 1.13, and in the
     /// next progress on 1.22.)
     words_slow: std::cell::Cell<bool>,
+    /// Gets on this connection are soft reads ([`super::soft`]): UCX would
+    /// emulate them over tcp in a way that can abort the lender.
+    soft: bool,
     ep: Endpoint,
+    /// The endpoint's id ([`Ep::to_u64`]), which its soft reads carry.
+    id: u64,
     generation: u32,
 }
 
@@ -148,6 +160,12 @@ pub struct UcxTransport {
     progresses: u64,
     /// What registered device memory needs until the context is gone.
     owners: Vec<Box<dyn std::any::Any>>,
+    /// Whether this UCX can abort a lender whose reader dies while UCX
+    /// answers its get over tcp: connections whose gets would go that way
+    /// read softly instead.
+    soft_over_tcp: bool,
+    /// Read requests received, served after the messages were taken.
+    requests: Vec<(Request, Option<u32>)>,
 }
 
 /// Caller memory to register: host memory at an address, or CUDA device
@@ -174,6 +192,10 @@ impl UcxTransport {
         let context = Context::new(options)?;
         let worker = Worker::new(&context)?;
         worker.listen_active_messages(NOTIFY_AM_ID)?;
+        // Both sides of soft reads, whatever this UCX: a reader on an older
+        // one may ask.
+        worker.listen_active_messages(REQUEST_AM_ID)?;
+        worker.listen_pieces(PIECE_AM_ID)?;
         let event_fd = worker.event_fd();
         let words = Self::allocate_words(&context)?;
         let cells = MemoryRegion::allocate(&context, WORD_CELLS * 8)?;
@@ -210,6 +232,8 @@ impl UcxTransport {
             word_reads: Vec::with_capacity(WORD_CELLS),
             progresses: 0,
             owners: Vec::new(),
+            soft_over_tcp: KnownUcxLimits::loaded().tcp_lender_dies_with_its_reader,
+            requests: Vec::with_capacity(64),
         })
     }
 
@@ -377,11 +401,20 @@ impl UcxTransport {
                 Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
                 None => None,
             };
+            let soft = self.soft_over_tcp && soft::gets_ride_tcp_messages(&ep_conn.describe());
+            if soft {
+                tracing::debug!(
+                    peer = ep.peer.0,
+                    "gets over tcp are soft reads: the lender answers with sends of its own"
+                );
+            }
             p.conn = Some(Conn {
                 rkeys,
                 words,
                 words_slow: std::cell::Cell::new(false),
+                soft,
                 ep: ep_conn,
+                id: ep.to_u64(),
                 generation: ep.generation,
             });
         }
@@ -475,6 +508,9 @@ impl UcxTransport {
                         });
                     }
                     let res = match dir {
+                        Direction::Get if conn.soft => {
+                            soft_get_batch(&self.worker, conn, region, &self.regions, &ops)
+                        }
                         Direction::Get => conn.ep.get_batch(region, rkey, &ops),
                         Direction::Put => conn.ep.put_batch(region, rkey, &ops),
                     };
@@ -496,6 +532,115 @@ impl UcxTransport {
         self.ops = ops;
         result
     }
+}
+
+impl UcxTransport {
+    /// Answers the soft reads asked since the last progress from this
+    /// engine's regions: the bytes in pieces, or a refusal for a request
+    /// that names no region or bytes outside it. A piece that cannot be
+    /// sent ends the answer (the reader's endpoint failed: it learns so).
+    fn serve_requests(&mut self) {
+        if self.requests.is_empty() {
+            return;
+        }
+        let regions: Vec<(usize, usize)> = self
+            .regions
+            .iter()
+            .map(|r| (r.as_ptr() as usize, r.len()))
+            .collect();
+        for (req, reply) in self.requests.drain(..) {
+            let Some(to) = reply else {
+                continue;
+            };
+            let mut piece = Piece {
+                slot: req.slot,
+                seq: req.seq,
+                offset: 0,
+                status: 0,
+            };
+            let Some((base, len)) = soft::source(&req, &regions) else {
+                piece.status = INVALID_PARAM;
+                // SAFETY: no data.
+                let _ = unsafe {
+                    self.worker.reply_with_data(
+                        to,
+                        PIECE_AM_ID,
+                        &piece.encode(),
+                        std::ptr::null(),
+                        0,
+                        T_TRANSPORT | T_SOFT_PIECE,
+                    )
+                };
+                continue;
+            };
+            let mut off = 0usize;
+            while off < len {
+                let n = PIECE.min(len - off);
+                piece.offset = off as u64;
+                // SAFETY: base + off .. + n lies inside a registered region
+                // (checked by `source`), mapped until the transport drops,
+                // after the worker last progresses.
+                let sent = unsafe {
+                    self.worker.reply_with_data(
+                        to,
+                        PIECE_AM_ID,
+                        &piece.encode(),
+                        (base + off) as *const u8,
+                        n,
+                        T_TRANSPORT | T_SOFT_PIECE,
+                    )
+                };
+                if sent.is_err() {
+                    break;
+                }
+                off += n;
+            }
+        }
+    }
+}
+
+/// Asks `conn`'s peer for each of `ops` as a soft read ([`super::soft`])
+/// into `local` (one of `regions`, whose index names the peer's region of
+/// the same place).
+fn soft_get_batch(
+    worker: &Worker,
+    conn: &Conn,
+    local: &MemoryRegion,
+    regions: &[MemoryRegion],
+    ops: &[BlockOp],
+) -> Result<(), super::PostError> {
+    let region = regions
+        .iter()
+        .position(|r| std::ptr::eq(r, local))
+        .unwrap_or(0) as u32;
+    for (i, op) in ops.iter().enumerate() {
+        let fail = |error| Err(super::PostError { posted: i, error });
+        let dest = match local.range_ptr(op.local_offset, op.len) {
+            Ok(p) => p,
+            Err(e) => return fail(e),
+        };
+        // SAFETY: dest..dest + len lies in a registered region, mapped
+        // until the transport drops; the core does not reuse it before the
+        // operation's completion.
+        let (slot, seq) = unsafe { worker.open_soft_read(dest, op.len, op.token, conn.id) };
+        let req = Request {
+            slot,
+            seq,
+            region,
+            offset: op.remote_offset,
+            len: op.len as u64,
+        };
+        let token = T_TRANSPORT | T_SOFT_REQUEST | u64::from(slot) << 32 | u64::from(seq);
+        if let Err(e) = conn
+            .ep
+            .send_active_message_with_reply(REQUEST_AM_ID, &req.encode(), token)
+        {
+            // Not posted: the slot ends here, not through a completion.
+            worker.forget_soft_read(slot, seq);
+            return fail(e);
+        }
+    }
+    Ok(())
 }
 
 impl Transport for UcxTransport {
@@ -602,7 +747,12 @@ impl Transport for UcxTransport {
         };
         self.connect(ep)?;
         let conn = self.open(ep).ok_or(INVALID_PARAM)?;
-        let Some(rkey) = conn.words.as_ref().filter(|_| !conn.words_slow.get()) else {
+        // Soft reads have no one-sided word read: readers ask.
+        let Some(rkey) = conn
+            .words
+            .as_ref()
+            .filter(|_| !conn.words_slow.get() && !conn.soft)
+        else {
             return Err(UNSUPPORTED);
         };
         let count = (rkey.remote_len() / 8) as usize;
@@ -644,13 +794,36 @@ impl Transport for UcxTransport {
     }
 
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
+        self.worker.take_endpoint_failures(&mut self.failures);
+        for f in &self.failures {
+            // Its soft reads end with it (their completions come below).
+            self.worker.fail_soft_reads_of(f.endpoint, f.status);
+        }
         self.worker.take_completions(&mut self.completions);
-        for i in 0..self.completions.len() {
+        // Completions may add completions (a close ends its soft reads):
+        // taken until none is left, so none waits for the next progress.
+        let mut i = 0;
+        while i < self.completions.len() {
             let c = self.completions[i];
+            i += 1;
             if c.token & T_TRANSPORT == T_TRANSPORT {
-                // A close completed: now its rkeys and endpoint may go.
-                if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
-                    self.closing.swap_remove(pos);
+                if c.token & T_SOFT_REQUEST != 0 {
+                    if c.status.0 != 0 {
+                        // The request never reached the lender.
+                        let slot = ((c.token & !T_SOFT_REQUEST) >> 32) as u32;
+                        let seq = (c.token & 0x3fff_ffff) as u32;
+                        self.worker.fail_soft_read(slot, seq, c.status);
+                    }
+                } else if c.token & T_SOFT_PIECE == 0 {
+                    // A close completed: now its rkeys and endpoint may go,
+                    // and the soft reads still asked on it end.
+                    if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
+                        let (_, conn) = self.closing.swap_remove(pos);
+                        self.worker.fail_soft_reads_of(conn.id, UcxStatus(CANCELED));
+                    }
+                }
+                if i == self.completions.len() {
+                    self.worker.take_completions(&mut self.completions);
                 }
                 continue;
             }
@@ -691,10 +864,21 @@ impl Transport for UcxTransport {
                 token: c.token,
                 status: c.status.0,
             });
+            if i == self.completions.len() {
+                self.worker.take_completions(&mut self.completions);
+            }
         }
         self.completions.clear();
         let probe = &mut self.probe;
+        let requests = &mut self.requests;
         self.worker.take_active_messages(|m| {
+            if m.id == REQUEST_AM_ID {
+                // Outside bytes: a request of another length is dropped.
+                if let Some(r) = Request::decode(m.payload) {
+                    requests.push((r, m.reply));
+                }
+                return;
+            }
             if m.id == PROBE_AM_ID {
                 if let (Some(p), Ok(seq)) = (probe.as_mut(), <[u8; 8]>::try_from(m.payload)) {
                     p.hearing.heard(u64::from_le_bytes(seq));
@@ -706,7 +890,7 @@ impl Transport for UcxTransport {
                 reply: m.reply,
             })
         });
-        self.worker.take_endpoint_failures(&mut self.failures);
+        self.serve_requests();
         for f in self.failures.drain(..) {
             sink(TransportEvent::EndpointFailed {
                 ep: Ep::from_u64(f.endpoint),

@@ -8,6 +8,7 @@ use ucx_sys as sys;
 use super::context::Context;
 use super::error::{check, UcxError, UcxStatus};
 use super::layout;
+use super::soft::{Landed, Piece, Slots};
 use super::MAX_AM_PAYLOAD;
 use crate::wire::{self, Kind};
 
@@ -65,6 +66,12 @@ pub(crate) struct Sink {
     am_handlers: RefCell<Vec<Box<AmHandler>>>,
     send_buffers: RefCell<Vec<Box<[u8]>>>,
     free_buffers: RefCell<Vec<u32>>,
+    /// Reads answered by the lender's own messages, in flight
+    /// ([`super::soft`]).
+    soft: RefCell<Slots>,
+    /// Pieces of such answers dropped: for no read in flight, or outside
+    /// the read's bytes.
+    pieces_dropped: Cell<u64>,
 }
 
 /// A received message in the sink: its id, where its bytes are in
@@ -169,6 +176,55 @@ unsafe extern "C" fn am_callback(
     }
 }
 
+/// Lands a piece of an answer to one of this worker's soft reads
+/// ([`super::soft`]): the header names the read, the data is its bytes.
+unsafe extern "C" fn piece_callback(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::Status {
+    // SAFETY: arg is the boxed AmHandler registered with this worker, alive
+    // as long as the worker; header, data and param are valid for the
+    // duration of the call (UCX's), for the lengths given.
+    unsafe {
+        let handler = &*(arg as *const AmHandler);
+        let sink = &*handler.sink;
+        let attr = (*param).recv_attr;
+        let piece = (attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 == 0
+            && !header.is_null()
+            && (length == 0 || !data.is_null()))
+        .then(|| {
+            Piece::decode(std::slice::from_raw_parts(
+                header as *const u8,
+                header_length,
+            ))
+        })
+        .flatten();
+        let Some(piece) = piece else {
+            // Not an answer kvpoll sends (see am_callback on rendezvous).
+            sink.am_rejected.set(sink.am_rejected.get() + 1);
+            return sys::ucs_status_t::UCS_OK;
+        };
+        let bytes = if length == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(data as *const u8, length)
+        };
+        // SAFETY: every live slot's destination is registered memory the
+        // read owns until its slot ends (Worker::open_soft_read's promise).
+        let landed = sink.soft.borrow_mut().land(piece, bytes);
+        match landed {
+            Landed::Partly => {}
+            Landed::Ended { token, status } => sink.complete(token, UcxStatus(status), 0),
+            Landed::Dropped => sink.pieces_dropped.set(sink.pieces_dropped.get() + 1),
+        }
+        sys::ucs_status_t::UCS_OK
+    }
+}
+
 pub(crate) struct WorkerInner {
     pub(crate) handle: sys::ucp_worker_h,
     pub(crate) sink: Box<Sink>,
@@ -213,6 +269,8 @@ impl Worker {
             am_handlers: RefCell::new(Vec::new()),
             send_buffers: RefCell::new(Vec::new()),
             free_buffers: RefCell::new(Vec::new()),
+            soft: RefCell::new(Slots::default()),
+            pieces_dropped: Cell::new(0),
         });
         Ok(Self {
             inner: Rc::new(WorkerInner {
@@ -276,6 +334,85 @@ impl Worker {
         )
     }
 
+    /// Answers a message received since the last progress (its
+    /// [`ActiveMessage::reply`]) with an eager active message to `id` whose
+    /// header is `header` (copied) and whose data are the `len` bytes at
+    /// `data`, sent from where they are.
+    ///
+    /// # Safety
+    /// `data..data + len` stays readable until the send completes.
+    pub(crate) unsafe fn reply_with_data(
+        &self,
+        to: u32,
+        id: u16,
+        header: &[u8],
+        data: *const u8,
+        len: usize,
+        token: u64,
+    ) -> Result<(), UcxError> {
+        let sink = &self.inner.sink;
+        let ep = {
+            let eps = sink.am_reply.borrow();
+            let fresh = (to >> 16) as u16 == sink.am_epoch.get();
+            match eps.get((to & 0xffff) as usize) {
+                Some(&ep) if fresh => ep,
+                _ => return Err(UcxError::EndpointClosed(None)),
+            }
+        };
+        // SAFETY: the endpoint is UCX's, alive until the next progress;
+        // the data's promise is the caller's.
+        unsafe { super::endpoint::send_am_with_data(&self.inner, ep, id, header, data, len, token) }
+    }
+
+    /// Takes a slot for a soft read of `len` bytes into `dest`, completing
+    /// with `token`, asked on the endpoint of id `ep`. Returns (slot, seq)
+    /// for its request.
+    ///
+    /// # Safety
+    /// `dest..dest + len` stays writable until the read's completion is
+    /// taken ([`Worker::take_completions`]).
+    pub(crate) unsafe fn open_soft_read(
+        &self,
+        dest: *mut u8,
+        len: usize,
+        token: u64,
+        ep: u64,
+    ) -> (u32, u32) {
+        self.inner.sink.soft.borrow_mut().open(dest, len, token, ep)
+    }
+
+    /// Ends soft read (slot, seq) with `status` if it is still in flight
+    /// (its request failed), completing it.
+    pub(crate) fn fail_soft_read(&self, slot: u32, seq: u32, status: UcxStatus) {
+        let sink = &self.inner.sink;
+        let ended = sink.soft.borrow_mut().fail(slot, seq, status.0);
+        if let Some((token, status)) = ended {
+            sink.complete(token, UcxStatus(status), 0);
+        }
+    }
+
+    /// Gives back the slot of soft read (slot, seq), whose request was
+    /// never posted: it completes with nothing.
+    pub(crate) fn forget_soft_read(&self, slot: u32, seq: u32) {
+        let _ = self.inner.sink.soft.borrow_mut().fail(slot, seq, 0);
+    }
+
+    /// Ends every soft read asked on the endpoint of id `ep` with
+    /// `status`, completing each.
+    pub(crate) fn fail_soft_reads_of(&self, ep: u64, status: UcxStatus) {
+        let sink = &self.inner.sink;
+        sink.soft
+            .borrow_mut()
+            .fail_endpoint(ep, status.0, |token, st| {
+                sink.complete(token, UcxStatus(st), 0)
+            });
+    }
+
+    /// Accepts the pieces of answers to this worker's soft reads.
+    pub(crate) fn listen_pieces(&self, id: u16) -> Result<(), UcxError> {
+        self.listen_with(id, Some(piece_callback))
+    }
+
     /// The fd that becomes readable when this worker has new events, once
     /// armed with [`Worker::arm`]; `None` when the context was created
     /// without `UCP_FEATURE_WAKEUP`. UCX owns the fd (do not close it).
@@ -336,6 +473,10 @@ impl Worker {
     /// Accepts active messages sent to `id` on this worker; read them with
     /// [`Worker::take_active_messages`].
     pub fn listen_active_messages(&self, id: u16) -> Result<(), UcxError> {
+        self.listen_with(id, Some(am_callback))
+    }
+
+    fn listen_with(&self, id: u16, cb: sys::ucp_am_recv_callback_t) -> Result<(), UcxError> {
         let handler = Box::new(AmHandler {
             sink: &*self.inner.sink,
             id,
@@ -345,7 +486,7 @@ impl Worker {
                 | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
                 | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64,
             id: id.into(),
-            cb: Some(am_callback),
+            cb,
             arg: &*handler as *const AmHandler as *mut c_void,
             ..Default::default()
         };
