@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, IdlePolicy, Outcomes, PeerError, Transfer};
 use kvpoll::ledger::{BlockId, PeerId, RequestId};
-use kvpoll::metadata::MetadataError;
+use kvpoll::metadata::{MetadataError, PeerMetadata};
 use kvpoll::transport::ucx::{
     Context, ContextOptions, Endpoint, MemoryRegion, PackedRkey, RemoteKey, UcxError, Worker,
-    WorkerAddress,
+    WorkerAddress, SOFT_PIECE_AM_ID, SOFT_REQUEST_AM_ID,
 };
 use kvpoll::wire::{self, Kind};
 
@@ -277,4 +277,61 @@ fn any_single_byte_flip_of_a_real_remote_key_is_refused_or_unpacks_without_abort
             payload.len() - 16
         );
     }
+}
+
+/// A soft read request as a reader sends it (`src/transport/ucx/soft.rs`):
+/// slot, sequence, region, 4 bytes of padding, offset, length.
+fn soft_request(region: u32, offset: u64, len: u64) -> Vec<u8> {
+    let mut b = Vec::with_capacity(32);
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&region.to_le_bytes());
+    b.extend_from_slice(&[0; 4]);
+    b.extend_from_slice(&offset.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b
+}
+
+#[test]
+fn soft_read_requests_a_peer_forges_are_answered_or_refused_and_the_lender_still_serves() {
+    let (mut d, p) = (engine(), engine());
+    let meta = PeerMetadata::decode(&p.local_metadata().unwrap()).unwrap();
+    let ctx = Context::new(&ContextOptions::with_transports("tcp")).unwrap();
+    let w = Worker::new(&ctx).unwrap();
+    let ep = Endpoint::connect(&w, &meta.worker, 7).unwrap();
+    let region = BS * BLOCKS;
+    let answered = [
+        soft_request(9, 0, 8),          // no such region
+        soft_request(0, region - 4, 8), // past its end
+        soft_request(0, u64::MAX, 2),   // an offset that wraps
+        soft_request(0, 0, 0),          // nothing
+        soft_request(0, BS, BS),        // a real block: its bytes
+    ];
+    let short = &soft_request(0, 0, 8)[..31]; // no request at all
+    ep.send_active_message_with_reply(SOFT_REQUEST_AM_ID, short, 1)
+        .unwrap();
+    for (i, r) in answered.iter().enumerate() {
+        ep.send_active_message_with_reply(SOFT_REQUEST_AM_ID, r, 2 + i as u64)
+            .unwrap();
+    }
+    // Each answer (a refusal, or the bytes) is a message with a header,
+    // which a plain listener counts as foreign and drops.
+    w.listen_active_messages(SOFT_PIECE_AM_ID).unwrap();
+    let t = Instant::now();
+    while w.rejected_active_messages() < answered.len() as u64 {
+        w.progress();
+        assert!(
+            t.elapsed() < GUARD,
+            "the lender did not answer every request"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for _ in 0..200 {
+        w.progress();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(w.rejected_active_messages(), answered.len() as u64);
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    read_and_check(&mut d, peer, 1);
+    drop(ep);
 }

@@ -414,9 +414,99 @@ pub(crate) fn send_am_on(
     })
 }
 
+/// A generic UCX datatype whose bytes are packed by copying them from
+/// where they are: UCX never sends it zero-copy (its protocol selection
+/// gives generic datatypes no zero-copy threshold), and over tcp UCX 1.13
+/// completes a zero-copy send to a peer that died twice over
+/// (`uct_iface.h:884 Assertion 'comp->count > 0'`, seen in
+/// `tests/teardown.rs`). Created once per process; `None` if UCX refused.
+fn copied_bytes() -> Option<sys::ucp_datatype_t> {
+    static DT: std::sync::OnceLock<Option<sys::ucp_datatype_t>> = std::sync::OnceLock::new();
+    *DT.get_or_init(|| {
+        let ops = sys::ucp_generic_dt_ops_t {
+            start_pack: Some(dt_start_pack),
+            start_unpack: Some(dt_start_unpack),
+            packed_size: Some(dt_packed_size),
+            pack: Some(dt_pack),
+            unpack: Some(dt_unpack),
+            finish: Some(dt_finish),
+        };
+        let mut dt: sys::ucp_datatype_t = 0;
+        // SAFETY: ops is read during the call (UCX copies it); dt is a
+        // valid out-parameter.
+        let status = unsafe { sys::ucp_dt_create_generic(&ops, ptr::null_mut(), &mut dt) };
+        (status == sys::ucs_status_t::UCS_OK).then_some(dt)
+    })
+}
+
+/// A pack's state: where the bytes are and how many.
+struct Packing {
+    from: *const u8,
+    len: usize,
+}
+
+unsafe extern "C" fn dt_start_pack(
+    _context: *mut c_void,
+    buffer: *const c_void,
+    count: usize,
+) -> *mut c_void {
+    Box::into_raw(Box::new(Packing {
+        from: buffer as *const u8,
+        len: count,
+    })) as *mut c_void
+}
+
+unsafe extern "C" fn dt_start_unpack(
+    _context: *mut c_void,
+    _buffer: *mut c_void,
+    _count: usize,
+) -> *mut c_void {
+    // kvpoll never receives into this datatype.
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn dt_packed_size(state: *mut c_void) -> usize {
+    // SAFETY: state is a Packing made by dt_start_pack, live until finish.
+    unsafe { (*(state as *const Packing)).len }
+}
+
+unsafe extern "C" fn dt_pack(
+    state: *mut c_void,
+    offset: usize,
+    dest: *mut c_void,
+    max_length: usize,
+) -> usize {
+    // SAFETY: state is a live Packing; UCX asks for bytes inside the
+    // packed size and gives `max_length` writable bytes at dest; the
+    // sender keeps the source readable until the send completes.
+    unsafe {
+        let p = &*(state as *const Packing);
+        let n = max_length.min(p.len.saturating_sub(offset));
+        ptr::copy_nonoverlapping(p.from.add(offset), dest as *mut u8, n);
+        n
+    }
+}
+
+unsafe extern "C" fn dt_unpack(
+    _state: *mut c_void,
+    _offset: usize,
+    _src: *const c_void,
+    _length: usize,
+) -> sys::Status {
+    sys::ucs_status_t::UCS_ERR_UNSUPPORTED
+}
+
+unsafe extern "C" fn dt_finish(state: *mut c_void) {
+    if !state.is_null() {
+        // SAFETY: made by dt_start_pack with Box::into_raw, finished once.
+        drop(unsafe { Box::from_raw(state as *mut Packing) });
+    }
+}
+
 /// Sends an eager active message to `id` on raw endpoint `ep` of
 /// `worker`: `header` copied into a send buffer that lives until the send
-/// completes, then the `len` bytes at `data`, sent from where they are.
+/// completes, then the `len` bytes at `data`, copied by UCX as it sends
+/// them ([`copied_bytes`]: never zero-copy).
 ///
 /// # Safety
 /// `ep` is a live endpoint of `worker`; `data..data + len` stays readable
@@ -433,13 +523,20 @@ pub(crate) unsafe fn send_am_with_data(
     if header.len() > MAX_AM_PAYLOAD {
         return Err(UcxError::MessageTooLong(header.len()));
     }
+    let Some(datatype) = copied_bytes() else {
+        return Err(UcxError::Call {
+            op: "ucp_dt_create_generic",
+            status: UcxStatus(sys::ucs_status_t::UCS_ERR_NO_MEMORY),
+        });
+    };
     let sink = &*worker.sink;
     // UCX before 1.14 reads the header until the send completes (there is
     // no UCP_AM_SEND_FLAG_COPY_HEADER): it lives in a send buffer.
     let (buffer, head) = sink.take_send_buffer(header);
     let mut params = request::params(sink, ptr::null_mut());
-    params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+    params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS | sys::UCP_OP_ATTR_FIELD_DATATYPE;
     params.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+    params.datatype = datatype;
     // SAFETY: the caller's promises (live endpoint, data readable until
     // completion); the header buffer stays allocated and untouched until
     // the completion gives it back; params point at the worker's sink.

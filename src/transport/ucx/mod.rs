@@ -33,6 +33,8 @@ pub use error::{UcxError, UcxStatus};
 pub use layout::LayoutError;
 pub use memory::{HugePages, MemoryRegion, PackedRkey, RemoteKey};
 #[doc(hidden)]
+pub use soft::{PIECE_AM_ID as SOFT_PIECE_AM_ID, REQUEST_AM_ID as SOFT_REQUEST_AM_ID};
+#[doc(hidden)]
 pub use transport::NOTIFY_AM_ID;
 pub use transport::{UcxTransport, UserMemory};
 pub use worker::{ActiveMessage, Completion, EndpointFailure, Worker, WorkerAddress};

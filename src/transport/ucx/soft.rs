@@ -28,18 +28,14 @@
 //! what it copied was the lend's.
 
 /// The active-message id of read requests (reader → lender).
-pub(crate) const REQUEST_AM_ID: u16 = 0x6b78;
+pub const REQUEST_AM_ID: u16 = 0x6b78;
 /// The active-message id of answers' pieces (lender → reader).
-pub(crate) const PIECE_AM_ID: u16 = 0x6b79;
+pub const PIECE_AM_ID: u16 = 0x6b79;
 
-/// The most bytes one answer's message carries: with its header, under
-/// UCX's eager-short limit over tcp (8 185 bytes with UCX's default 8 KiB
-/// segments), so that UCX copies it into its socket buffer as it sends,
-/// and the reader's handler gets it as it arrived. Larger messages would
-/// go zero-copy, and UCX 1.13 fails a zero-copy send to a reader that
-/// died twice over (`uct_iface.h:884 Assertion 'comp->count > 0'`, seen
-/// in `tests/teardown.rs`).
-pub(crate) const PIECE: usize = 8 * 1024 - 256;
+/// The most bytes one answer's message carries. UCX sends it in buffer
+/// copies of its segments (never zero-copy: see the endpoint's
+/// `send_am_with_data`) and hands it to the reader's handler whole.
+pub(crate) const PIECE: usize = 64 * 1024;
 
 /// Sequence numbers of a slot wrap within 30 bits (a request's send token
 /// carries one).
