@@ -32,10 +32,12 @@ pub const REQUEST_AM_ID: u16 = 0x6b78;
 /// The active-message id of answers' pieces (lender → reader).
 pub const PIECE_AM_ID: u16 = 0x6b79;
 
-/// The most bytes one answer's message carries. UCX sends it in buffer
+/// The most bytes one answer's message carries: with its header, one
+/// 64 KiB tcp send segment (`kvpoll` sets `UCX_TCP_TX_SEG_SIZE=64K`;
+/// with UCX's 8 KiB default it goes in several). UCX sends it in buffer
 /// copies of its segments (never zero-copy: see the endpoint's
 /// `send_am_with_data`) and hands it to the reader's handler whole.
-pub(crate) const PIECE: usize = 64 * 1024;
+pub(crate) const PIECE: usize = 64 * 1024 - 256;
 
 /// Sequence numbers of a slot wrap within 30 bits (a request's send token
 /// carries one).
