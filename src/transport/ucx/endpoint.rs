@@ -405,13 +405,7 @@ pub(crate) fn send_am_on(
             &params,
         )
     };
-    request::finish(sink, ret, token, buffer).map_err(|status| {
-        sink.return_send_buffer(buffer);
-        UcxError::Call {
-            op: "ucp_am_send_nbx",
-            status,
-        }
-    })
+    finish_am(sink, ret, token, buffer)
 }
 
 /// A generic UCX datatype whose bytes are packed by copying them from
@@ -551,6 +545,17 @@ pub(crate) unsafe fn send_am_with_data(
             &params,
         )
     };
+    finish_am(sink, ret, token, buffer)
+}
+
+/// Finishes an active-message send posted with send buffer `buffer`,
+/// giving the buffer back if nothing was posted.
+fn finish_am(
+    sink: &Sink,
+    ret: sys::ucs_status_ptr_t,
+    token: u64,
+    buffer: u32,
+) -> Result<(), UcxError> {
     request::finish(sink, ret, token, buffer).map_err(|status| {
         sink.return_send_buffer(buffer);
         UcxError::Call {

@@ -310,18 +310,22 @@ impl Worker {
         unsafe { sys::ucp_worker_progress(self.inner.handle) }
     }
 
+    /// UCX's endpoint behind reply handle `to`, if no progress ran since
+    /// its message arrived (a later progress may have destroyed it).
+    fn reply_endpoint(&self, to: u32) -> Result<sys::ucp_ep_h, UcxError> {
+        let sink = &self.inner.sink;
+        let eps = sink.am_reply.borrow();
+        let fresh = (to >> 16) as u16 == sink.am_epoch.get();
+        match eps.get((to & 0xffff) as usize) {
+            Some(&ep) if fresh => Ok(ep),
+            _ => Err(UcxError::EndpointClosed(None)),
+        }
+    }
+
     /// Answers a message received since the last progress (its
     /// [`ActiveMessage::reply`]) with an eager active message to `id`.
     pub fn reply(&self, to: u32, id: u16, payload: &[u8], token: u64) -> Result<(), UcxError> {
-        let sink = &self.inner.sink;
-        let ep = {
-            let eps = sink.am_reply.borrow();
-            let fresh = (to >> 16) as u16 == sink.am_epoch.get();
-            match eps.get((to & 0xffff) as usize) {
-                Some(&ep) if fresh => ep,
-                _ => return Err(UcxError::EndpointClosed(None)),
-            }
-        };
+        let ep = self.reply_endpoint(to)?;
         // The endpoint is UCX's, alive until the next progress (none ran
         // since the message arrived).
         super::endpoint::send_am_on(
@@ -337,7 +341,7 @@ impl Worker {
     /// Answers a message received since the last progress (its
     /// [`ActiveMessage::reply`]) with an eager active message to `id` whose
     /// header is `header` (copied) and whose data are the `len` bytes at
-    /// `data`, sent from where they are.
+    /// `data`, which UCX copies as it sends them (never zero-copy).
     ///
     /// # Safety
     /// `data..data + len` stays readable until the send completes.
@@ -350,15 +354,7 @@ impl Worker {
         len: usize,
         token: u64,
     ) -> Result<(), UcxError> {
-        let sink = &self.inner.sink;
-        let ep = {
-            let eps = sink.am_reply.borrow();
-            let fresh = (to >> 16) as u16 == sink.am_epoch.get();
-            match eps.get((to & 0xffff) as usize) {
-                Some(&ep) if fresh => ep,
-                _ => return Err(UcxError::EndpointClosed(None)),
-            }
-        };
+        let ep = self.reply_endpoint(to)?;
         // SAFETY: the endpoint is UCX's, alive until the next progress;
         // the data's promise is the caller's.
         unsafe { super::endpoint::send_am_with_data(&self.inner, ep, id, header, data, len, token) }
