@@ -803,7 +803,13 @@ impl Transport for UcxTransport {
         // Completions may add completions (a close ends its soft reads):
         // taken until none is left, so none waits for the next progress.
         let mut i = 0;
-        while i < self.completions.len() {
+        loop {
+            if i == self.completions.len() {
+                self.worker.take_completions(&mut self.completions);
+                if i == self.completions.len() {
+                    break;
+                }
+            }
             let c = self.completions[i];
             i += 1;
             if c.token & T_TRANSPORT == T_TRANSPORT {
@@ -821,9 +827,6 @@ impl Transport for UcxTransport {
                         let (_, conn) = self.closing.swap_remove(pos);
                         self.worker.fail_soft_reads_of(conn.id, UcxStatus(CANCELED));
                     }
-                }
-                if i == self.completions.len() {
-                    self.worker.take_completions(&mut self.completions);
                 }
                 continue;
             }
@@ -864,9 +867,6 @@ impl Transport for UcxTransport {
                 token: c.token,
                 status: c.status.0,
             });
-            if i == self.completions.len() {
-                self.worker.take_completions(&mut self.completions);
-            }
         }
         self.completions.clear();
         let probe = &mut self.probe;
