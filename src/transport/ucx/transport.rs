@@ -137,6 +137,9 @@ pub struct UcxTransport {
     /// close token.
     closing: Vec<(u64, Conn)>,
     regions: Vec<MemoryRegion>,
+    /// Whether a region is device memory: soft reads copy with the CPU,
+    /// so they neither land in nor answer from one.
+    device_regions: bool,
     region_rkeys: Vec<PackedRkey>,
     region_blocks: u64,
     block_size: u64,
@@ -216,6 +219,7 @@ impl UcxTransport {
             peers: Vec::new(),
             closing: Vec::new(),
             regions: Vec::new(),
+            device_regions: false,
             region_rkeys: Vec::new(),
             region_blocks: 0,
             block_size,
@@ -303,6 +307,7 @@ impl UcxTransport {
         let rkey = region.pack_rkey()?;
         let out = (region.as_ptr() as usize, region.len());
         self.region_blocks = blocks;
+        self.device_regions |= matches!(user, Some(UserMemory::Cuda(_)));
         self.regions.push(region);
         self.region_rkeys.push(rkey);
         Ok(out)
@@ -401,7 +406,10 @@ impl UcxTransport {
                 Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
                 None => None,
             };
-            let soft = self.soft_over_tcp && soft::gets_ride_tcp_messages(&ep_conn.describe());
+            // Device memory keeps UCX's gets (soft reads copy with the CPU).
+            let soft = self.soft_over_tcp
+                && !self.device_regions
+                && soft::gets_ride_tcp_messages(&ep_conn.describe());
             if soft {
                 tracing::debug!(
                     peer = ep.peer.0,
@@ -558,8 +566,13 @@ impl UcxTransport {
                 offset: 0,
                 status: 0,
             };
-            let Some((base, len)) = soft::source(&req, &regions) else {
-                piece.status = INVALID_PARAM;
+            let found = soft::source(&req, &regions).filter(|_| !self.device_regions);
+            let Some((base, len)) = found else {
+                piece.status = if self.device_regions {
+                    UNSUPPORTED
+                } else {
+                    INVALID_PARAM
+                };
                 // SAFETY: no data.
                 let _ = unsafe {
                     self.worker.reply_with_data(
