@@ -137,6 +137,9 @@ pub struct UcxTransport {
     /// close token.
     closing: Vec<(u64, Conn)>,
     regions: Vec<MemoryRegion>,
+    /// Each region's (base, length), which soft-read requests are checked
+    /// against without walking the regions on the poller's path.
+    spans: Vec<(usize, usize)>,
     /// Whether a region is device memory: soft reads copy with the CPU,
     /// so they neither land in nor answer from one.
     device_regions: bool,
@@ -219,6 +222,7 @@ impl UcxTransport {
             peers: Vec::new(),
             closing: Vec::new(),
             regions: Vec::new(),
+            spans: Vec::new(),
             device_regions: false,
             region_rkeys: Vec::new(),
             region_blocks: 0,
@@ -308,6 +312,7 @@ impl UcxTransport {
         let out = (region.as_ptr() as usize, region.len());
         self.region_blocks = blocks;
         self.device_regions |= matches!(user, Some(UserMemory::Cuda(_)));
+        self.spans.push(out);
         self.regions.push(region);
         self.region_rkeys.push(rkey);
         Ok(out)
@@ -551,11 +556,6 @@ impl UcxTransport {
         if self.requests.is_empty() {
             return;
         }
-        let regions: Vec<(usize, usize)> = self
-            .regions
-            .iter()
-            .map(|r| (r.as_ptr() as usize, r.len()))
-            .collect();
         for (req, reply) in self.requests.drain(..) {
             let Some(to) = reply else {
                 continue;
@@ -566,7 +566,7 @@ impl UcxTransport {
                 offset: 0,
                 status: 0,
             };
-            let found = soft::source(&req, &regions).filter(|_| !self.device_regions);
+            let found = soft::source(&req, &self.spans).filter(|_| !self.device_regions);
             let Some((base, len)) = found else {
                 piece.status = if self.device_regions {
                     UNSUPPORTED

@@ -69,9 +69,6 @@ pub(crate) struct Sink {
     /// Reads answered by the lender's own messages, in flight
     /// ([`super::soft`]).
     soft: RefCell<Slots>,
-    /// Pieces of such answers dropped: for no read in flight, or outside
-    /// the read's bytes.
-    pieces_dropped: Cell<u64>,
 }
 
 /// A received message in the sink: its id, where its bytes are in
@@ -217,9 +214,9 @@ unsafe extern "C" fn piece_callback(
         // read owns until its slot ends (Worker::open_soft_read's promise).
         let landed = sink.soft.borrow_mut().land(piece, bytes);
         match landed {
-            Landed::Partly => {}
+            // A dropped piece was for no read in flight: nothing to do.
+            Landed::Partly | Landed::Dropped => {}
             Landed::Ended { token, status } => sink.complete(token, UcxStatus(status), 0),
-            Landed::Dropped => sink.pieces_dropped.set(sink.pieces_dropped.get() + 1),
         }
         sys::ucs_status_t::UCS_OK
     }
@@ -270,7 +267,6 @@ impl Worker {
             send_buffers: RefCell::new(Vec::new()),
             free_buffers: RefCell::new(Vec::new()),
             soft: RefCell::new(Slots::default()),
-            pieces_dropped: Cell::new(0),
         });
         Ok(Self {
             inner: Rc::new(WorkerInner {
