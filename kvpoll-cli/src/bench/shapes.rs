@@ -27,6 +27,7 @@
 //!   `benches/peers/peer_bench.py`, when a Python that imports them is
 //!   given ([`Peers`]); otherwise they are listed as not measured.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -494,7 +495,10 @@ struct KvpollRunner {
     out: Outcomes,
     next_id: u64,
     lent: mpsc::Receiver<(u64, Incarnation)>,
-    checks: mpsc::Receiver<bool>,
+    /// A push destination's checks: (request id, whether its bytes were right).
+    checks: mpsc::Receiver<(u64, bool)>,
+    /// Checks that arrived before their round looked for them.
+    early_checks: HashMap<u64, bool>,
     buf: Vec<u8>,
     peer_pid: u32,
     _mem: Vec<CallerMemory>,
@@ -507,10 +511,30 @@ impl Drop for KvpollRunner {
     }
 }
 
+/// How long a writer waits, after its round, for the destination's
+/// report on a push it checked.
+const DESTINATION_CHECK_WAIT: Duration = Duration::from_secs(10);
+
+/// A destination's `CHECKED <id> ok|bad` line.
+fn checked_line(line: &str) -> Option<(u64, bool)> {
+    let (id, verdict) = line.trim().strip_prefix("CHECKED ")?.split_once(' ')?;
+    let ok = match verdict {
+        "ok" => true,
+        "bad" => false,
+        _ => return None,
+    };
+    Some((id.parse().ok()?, ok))
+}
+
+/// A lending peer's lends (id, incarnation) and a destination's checks
+/// (id, whether the bytes were right), as they arrive.
+type PeerLines = (
+    mpsc::Receiver<(u64, Incarnation)>,
+    mpsc::Receiver<(u64, bool)>,
+);
+
 /// Reads a lending peer's output: `LENT` lines and `CHECKED` lines.
-fn read_peer_lines(
-    p: &mut PeerProcess,
-) -> (mpsc::Receiver<(u64, Incarnation)>, mpsc::Receiver<bool>) {
+fn read_peer_lines(p: &mut PeerProcess) -> PeerLines {
     let (ltx, lrx) = mpsc::channel();
     let (ctx, crx) = mpsc::channel();
     for &l in &p.lent {
@@ -522,8 +546,8 @@ fn read_peer_lines(
             while matches!(out.read_line(&mut line), Ok(n) if n > 0) {
                 if let Some(l) = lent_line(&line) {
                     let _ = ltx.send(l);
-                } else if let Some(rest) = line.trim().strip_prefix("CHECKED ") {
-                    let _ = ctx.send(rest.ends_with(" ok"));
+                } else if let Some(c) = checked_line(&line) {
+                    let _ = ctx.send(c);
                 }
                 line.clear();
             }
@@ -644,11 +668,34 @@ impl KvpollRunner {
             next_id: 0,
             lent,
             checks,
+            early_checks: HashMap::new(),
             buf,
             peer_pid: peer.child.id(),
             _mem: mem,
             _peer: peer,
         })
+    }
+
+    /// What the push destination found in request `id`'s blocks, waiting
+    /// for its line as long as [`DESTINATION_CHECK_WAIT`].
+    fn destination_check(&mut self, id: u64) -> Result<bool, E2eError> {
+        let deadline = Instant::now() + DESTINATION_CHECK_WAIT;
+        loop {
+            if let Some(ok) = self.early_checks.remove(&id) {
+                return Ok(ok);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.checks.recv_timeout(left) {
+                Ok((i, ok)) => {
+                    self.early_checks.insert(i, ok);
+                }
+                Err(_) => {
+                    return Err(E2eError::Failed(format!(
+                        "the push destination did not report its check of request {id} within {DESTINATION_CHECK_WAIT:?} of its end"
+                    )))
+                }
+            }
+        }
     }
 
     /// Whether the local blocks of a read hold what the producer wrote.
@@ -737,10 +784,16 @@ impl Runner for KvpollRunner {
         let cpu = (self_cpu() + cpu_ns(self.peer_pid)).saturating_sub(cpu0);
         self.next_id = first + u64::from(n);
         let mut round = checks.round(n, t0, cpu);
-        // A push destination checks what landed and says so.
-        while let Ok(ok) = self.checks.try_recv() {
-            round.checked += 1;
-            round.bad += u64::from(!ok);
+        if self.op == Op::Write {
+            // A push destination checks what landed and says so, after
+            // the writer saw its push end: wait for this round's.
+            let every = u64::from(s.check_every);
+            let ids = (first..first + u64::from(n)).filter(|id| id % every == 0);
+            for id in ids {
+                let ok = self.destination_check(id)?;
+                round.checked += 1;
+                round.bad += u64::from(!ok);
+            }
         }
         Ok(round)
     }
@@ -1437,4 +1490,24 @@ pub fn run_group(
         systems,
         absent,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::checked_line;
+
+    #[test]
+    fn a_destination_check_line_names_its_request_and_verdict() {
+        assert_eq!(checked_line("CHECKED 16 ok\n"), Some((16, true)));
+        assert_eq!(checked_line("CHECKED 8 bad"), Some((8, false)));
+        for wrong in [
+            "CHECKED 8",
+            "CHECKED x ok",
+            "CHECKED 8 fine",
+            "LENT 8 ok",
+            "",
+        ] {
+            assert_eq!(checked_line(wrong), None, "{wrong:?}");
+        }
+    }
 }
