@@ -14,15 +14,20 @@
 //! u32  words_rkey_len (0: no lend words), then the framed packed rkey of
 //!      the lend words (a power of two of 64-bit words, at most
 //!      `MAX_LEND_WORDS`)
+//! u8   direct (0: none; 1: then the direct-read offer:)
+//!      16 bytes boot id, u64 pid namespace inode, u32 pid,
+//!      u64 probe address, u64 probe value,
+//!      u16 count, then count × u32 ids of regions readable directly
 //! ```
-//! (Frame version 2; version 1 had no lend words.)
+//! (Frame version 3; version 2 had no direct-read offer, version 1 no
+//! lend words.)
 //! All integers little endian. Every length is checked against what is
 //! left, every inner frame is checked, and nothing is kept from bytes that
 //! fail.
 
 use thiserror::Error;
 
-pub use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
+pub use crate::transport::peer::{BlockLayout, DirectReads, Host, PeerMetadata, RegionDescriptor};
 use crate::transport::ucx::{PackedRkey, UcxError, WorkerAddress};
 use crate::wire::{self, FrameError, Kind};
 
@@ -70,6 +75,9 @@ pub enum MetadataError {
         "peer metadata lend words: {0} bytes is not a power of two of 8-byte words up to the limit"
     )]
     BadLendWords(u64),
+    /// The direct-read offer is malformed or names regions not announced.
+    #[error("peer metadata direct-read offer: {0}")]
+    BadDirectReads(String),
     /// The peer's block size differs from ours.
     #[error("peer block size {theirs} is incompatible with ours ({ours})")]
     IncompatibleLayout {
@@ -100,6 +108,21 @@ impl PeerMetadata {
         let words = self.words.as_ref().map_or(&[][..], |k| k.as_bytes());
         p.extend_from_slice(&(words.len() as u32).to_le_bytes());
         p.extend_from_slice(words);
+        match &self.direct {
+            None => p.push(0),
+            Some(d) => {
+                p.push(1);
+                p.extend_from_slice(&d.host.boot);
+                p.extend_from_slice(&d.host.pid_ns.to_le_bytes());
+                p.extend_from_slice(&d.host.pid.to_le_bytes());
+                p.extend_from_slice(&d.probe_addr.to_le_bytes());
+                p.extend_from_slice(&d.probe.to_le_bytes());
+                p.extend_from_slice(&(d.regions.len() as u16).to_le_bytes());
+                for id in &d.regions {
+                    p.extend_from_slice(&id.to_le_bytes());
+                }
+            }
+        }
         wire::encode(Kind::PeerMetadata, &p)
     }
 
@@ -165,6 +188,37 @@ impl PeerMetadata {
                 Some(rkey)
             }
         };
+        let direct = match r.take(1, "direct-read flag")?[0] {
+            0 => None,
+            1 => {
+                let mut boot = [0u8; 16];
+                boot.copy_from_slice(r.take(16, "boot id")?);
+                let pid_ns = r.u64("pid namespace")?;
+                let pid = r.u32("pid")?;
+                let probe_addr = r.u64("probe address")?;
+                let probe = r.u64("probe value")?;
+                let n = r.u16("direct region count")? as usize;
+                let mut ids = Vec::with_capacity(n.min(MAX_REGIONS));
+                for _ in 0..n {
+                    let id = r.u32("direct region id")?;
+                    if !regions.iter().any(|x| x.id == id) || ids.contains(&id) {
+                        return Err(MetadataError::BadDirectReads(format!(
+                            "region {id} is not announced, or named twice"
+                        )));
+                    }
+                    ids.push(id);
+                }
+                Some(DirectReads {
+                    host: Host { boot, pid_ns, pid },
+                    probe_addr,
+                    probe,
+                    regions: ids,
+                })
+            }
+            f => {
+                return Err(MetadataError::BadDirectReads(format!("flag {f}")));
+            }
+        };
         if !r.0.is_empty() {
             return Err(MetadataError::TrailingBytes(r.0.len()));
         }
@@ -178,6 +232,7 @@ impl PeerMetadata {
             worker,
             regions,
             words,
+            direct,
         })
     }
 

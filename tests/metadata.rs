@@ -3,9 +3,11 @@
 
 mod ucx_common;
 
-use kvpoll::metadata::{BlockLayout, MetadataError, PeerMetadata, RegionDescriptor};
+use kvpoll::metadata::{
+    BlockLayout, DirectReads, Host, MetadataError, PeerMetadata, RegionDescriptor,
+};
 use kvpoll::transport::ucx::MemoryRegion;
-use kvpoll::wire::{fnv1a64, FrameError};
+use kvpoll::wire::{fnv1a64, FrameError, Kind};
 use proptest::prelude::*;
 
 fn real_metadata(regions: &[(u32, u64)]) -> PeerMetadata {
@@ -27,6 +29,7 @@ fn real_metadata(regions: &[(u32, u64)]) -> PeerMetadata {
         worker: w.address().unwrap(),
         regions,
         words: None,
+        direct: None,
     }
 }
 
@@ -186,4 +189,71 @@ fn lend_words_that_are_not_a_power_of_two_of_words_are_refused() {
             "{bytes} bytes"
         );
     }
+}
+
+fn with_direct(ids: Vec<u32>) -> PeerMetadata {
+    PeerMetadata {
+        direct: Some(DirectReads {
+            host: Host {
+                boot: *b"0123456789abcdef",
+                pid_ns: 4026531836,
+                pid: 4242,
+            },
+            probe_addr: 0x7f00_0000_1000,
+            probe: 0x1234_5678_9abc_def1,
+            regions: ids,
+        }),
+        ..real_metadata(&[(0, 16), (5, 16)])
+    }
+}
+
+#[test]
+fn metadata_round_trips_with_a_direct_read_offer() {
+    let m = with_direct(vec![5, 0]);
+    assert_eq!(PeerMetadata::decode(&m.encode()), Ok(m));
+}
+
+#[test]
+fn a_direct_read_offer_naming_a_region_not_announced_or_twice_is_refused() {
+    for ids in [vec![7], vec![0, 0]] {
+        let bytes = with_direct(ids.clone()).encode();
+        assert!(
+            matches!(
+                PeerMetadata::decode(&bytes),
+                Err(MetadataError::BadDirectReads(_))
+            ),
+            "{ids:?}"
+        );
+    }
+}
+
+#[test]
+fn a_direct_read_offer_cut_short_or_of_an_unknown_flag_is_refused() {
+    let full = with_direct(vec![0]).encode();
+    let payload = kvpoll::wire::decode(&full, Kind::PeerMetadata)
+        .unwrap()
+        .to_vec();
+    // Every cut inside the offer, whose flag byte is 51 bytes before the
+    // end (flag, 16 + 8 + 4 + 8 + 8, a count of 2 and one id of 4).
+    let offer = payload.len() - 51;
+    for cut in offer..payload.len() {
+        let bytes = kvpoll::wire::encode(Kind::PeerMetadata, &payload[..cut]);
+        assert!(
+            matches!(
+                PeerMetadata::decode(&bytes),
+                Err(MetadataError::Truncated(_))
+            ),
+            "cut at {cut}: {:?}",
+            PeerMetadata::decode(&bytes)
+        );
+    }
+    let mut none = kvpoll::wire::decode(&real_metadata(&[(0, 16)]).encode(), Kind::PeerMetadata)
+        .unwrap()
+        .to_vec();
+    *none.last_mut().unwrap() = 2;
+    let bytes = kvpoll::wire::encode(Kind::PeerMetadata, &none);
+    assert!(matches!(
+        PeerMetadata::decode(&bytes),
+        Err(MetadataError::BadDirectReads(_))
+    ));
 }

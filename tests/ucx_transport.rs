@@ -202,3 +202,103 @@ fn a_region_the_engine_allocates_is_anonymous_huge_page_memory_where_cma_moves_i
         assert_ne!(path, "", "UCX's shared memory has a name: {head}");
     }
 }
+
+/// Posts `pairs` as a get on `t` and collects the statuses of its
+/// completions, progressing `t` alone, for `within` at most.
+fn get_alone(
+    t: &mut UcxTransport,
+    ep: Ep,
+    pairs: &[(BlockId, BlockId)],
+    within: Duration,
+) -> (u32, Vec<i8>) {
+    let posted = t.post(ep, Direction::Get, pairs, 42).unwrap();
+    let mut statuses = Vec::new();
+    let start = Instant::now();
+    while statuses.len() < posted as usize && start.elapsed() < within {
+        t.progress();
+        t.drain(&mut |ev| {
+            if let TransportEvent::Completion { token: 42, status } = ev {
+                statuses.push(status);
+            }
+        });
+    }
+    (posted, statuses)
+}
+
+/// A lender on this host offers the memory it registered (not UCX's) to
+/// direct reads: a reader's get of it completes while the lender never
+/// progresses, with the lender's bytes; bytes past its region are refused
+/// with `INVALID_PARAM`. On a UCX that gives `cma` no lane beside peer
+/// error handling, the same get without direct reads waits for the
+/// lender's progress (UCX emulates it there), so it is the direct read
+/// that completed it.
+#[test]
+fn a_get_of_caller_memory_on_this_host_completes_while_its_lender_never_progresses() {
+    use kvpoll::transport::ucx::UserMemory;
+    use kvpoll::transport::INVALID_PARAM;
+    let len = (BLOCKS * BS) as usize;
+    let mut mem: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+    let run = |direct: bool, within: Duration, mem: &mut Vec<u8>| {
+        let options = ContextOptions::with_transports("posix,sysv,cma").direct_reads(direct);
+        let mut lender = UcxTransport::new(&options, BS).unwrap();
+        // SAFETY: `mem` outlives the lender, which drops at the end of
+        // this closure.
+        let host = UserMemory::Host(mem.as_mut_ptr() as usize);
+        unsafe { lender.register(BLOCKS, len, Some(host)).unwrap() };
+        let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
+        assert_eq!(meta.direct.is_some(), direct, "offered only when asked");
+        let mut reader = UcxTransport::new(&options, BS).unwrap();
+        // SAFETY: no caller memory.
+        let (base, rlen) = unsafe { reader.register(BLOCKS, len, None).unwrap() };
+        reader.add_peer(PeerId(0), &meta).unwrap();
+        let ep = Ep {
+            peer: PeerId(0),
+            generation: 1,
+        };
+        let pairs = [
+            (BlockId(0), BlockId(5)),
+            (BlockId(1), BlockId(6)),
+            (BlockId(9), BlockId(2)),
+        ];
+        let (posted, statuses) = get_alone(&mut reader, ep, &pairs, within);
+        // SAFETY: the reader's region, mapped while it lives; its gets
+        // completed (or are checked not to have).
+        let got = unsafe { std::slice::from_raw_parts(base as *const u8, rlen) };
+        let same = |l: u64, r: u64| {
+            got[(l * BS) as usize..((l + 1) * BS) as usize]
+                == mem[(r * BS) as usize..((r + 1) * BS) as usize]
+        };
+        let landed = statuses.len() == posted as usize
+            && statuses.iter().all(|&s| s == 0)
+            && pairs
+                .iter()
+                .all(|&(l, r)| same(u64::from(l.0), u64::from(r.0)));
+        let past = reader
+            .post(
+                ep,
+                Direction::Get,
+                &[(BlockId(3), BlockId(BLOCKS as u32))],
+                43,
+            )
+            .map_err(|f| f.status);
+        // What is still out is cancelled before the transports go.
+        reader.close(ep);
+        let t = Instant::now();
+        while reader.closing() && t.elapsed() < GUARD {
+            reader.progress();
+            reader.drain(&mut |_| {});
+        }
+        (landed, past)
+    };
+    let (landed, past) = run(true, GUARD, &mut mem);
+    assert!(landed, "the direct read did not land the lender's bytes");
+    assert_eq!(past, Err(INVALID_PARAM), "a read past the region");
+    if !cfg!(ucx_cma_with_peer_errors) {
+        let (landed, past) = run(false, Duration::from_millis(300), &mut mem);
+        assert!(
+            !landed,
+            "without direct reads this UCX emulates the get through the lender's progress"
+        );
+        assert_eq!(past, Err(INVALID_PARAM), "UCX refuses it too");
+    }
+}

@@ -45,8 +45,15 @@ impl Lender {
     /// A peer over `tls` lending ids 0..`ahead` (one reader each, an hour's
     /// lease), and one more each time one ends.
     fn spawn(tls: &str, ahead: u32) -> Lender {
+        Self::spawn_in(tls, ahead, "ucx")
+    }
+
+    /// [`Lender::spawn`] with its blocks in `memory`: `ucx` (UCX-allocated)
+    /// or `caller` (memory the peer mapped itself).
+    fn spawn_in(tls: &str, ahead: u32, memory: &str) -> Lender {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
             .args(["engine-peer", "--tls", tls, "--blocks", "16"])
+            .args(["--memory", memory])
             .args(["--block-size", &BS.to_string(), "--regions", "1"])
             .args(["--seed", &SEED.to_string()])
             .args(["--lend-ahead", &ahead.to_string()])
@@ -147,7 +154,19 @@ fn holds_the_lent_block(e: &Engine, local: u32) -> bool {
 /// the lender is stopped (asking it would wait for it to resume).
 #[test]
 fn over_shared_memory_a_read_is_confirmed_from_the_lend_word_while_its_lender_is_stopped() {
-    let lender = Lender::spawn(SHM, 4);
+    read_while_the_lender_is_stopped("ucx");
+}
+
+/// The same of memory the lender mapped itself, which UCX 1.13 reads only
+/// through the lender's progress: kvpoll reads it directly
+/// (`process_vm_readv`), one-sided on every UCX version.
+#[test]
+fn over_shared_memory_a_read_of_caller_memory_is_confirmed_while_its_lender_is_stopped() {
+    read_while_the_lender_is_stopped("caller");
+}
+
+fn read_while_the_lender_is_stopped(memory: &str) {
+    let lender = Lender::spawn_in(SHM, 4, memory);
     let mut e = reader(SHM);
     let peer = e.add_peer(&lender.metadata).unwrap();
     // Connected and warm: one read while the lender runs.
@@ -185,7 +204,19 @@ fn over_shared_memory_a_read_is_confirmed_from_the_lend_word_while_its_lender_is
 /// naming it finds no word, asks, and is refused.
 #[test]
 fn over_shared_memory_a_read_of_a_consumed_lend_fails() {
-    let mut lender = Lender::spawn(SHM, 4);
+    read_of_a_consumed_lend("ucx");
+}
+
+/// The same when the lender's blocks are its own memory, read directly:
+/// the data is read, the word is not the lend's any more, and the read
+/// fails.
+#[test]
+fn over_shared_memory_a_direct_read_of_a_consumed_lend_fails() {
+    read_of_a_consumed_lend("caller");
+}
+
+fn read_of_a_consumed_lend(memory: &str) {
+    let mut lender = Lender::spawn_in(SHM, 4, memory);
     let mut e = reader(SHM);
     let peer = e.add_peer(&lender.metadata).unwrap();
     let inc = lender.incarnation(0);

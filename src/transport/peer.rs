@@ -37,4 +37,33 @@ pub struct PeerMetadata {
     /// The lend words readers read to confirm a read without asking
     /// ([`LendWords`](crate::transport::LendWords)), if the engine has them.
     pub words: Option<PackedRkey>,
+    /// What a reader on the same host needs to read regions directly
+    /// (`process_vm_readv`), if the engine lets it.
+    pub direct: Option<DirectReads>,
+}
+
+/// A process's host and pid namespace, and its pid there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Host {
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`).
+    pub boot: [u8; 16],
+    /// The pid namespace's inode (`/proc/self/ns/pid`).
+    pub pid_ns: u64,
+    /// The process id in that namespace.
+    pub pid: u32,
+}
+
+/// An engine's offer to readers on its host: read these regions with
+/// `process_vm_readv` from its pid, checking the probe word at
+/// `probe_addr` holds `probe` in the same call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectReads {
+    /// Where the engine runs.
+    pub host: Host,
+    /// The probe word's address in the engine's process.
+    pub probe_addr: u64,
+    /// Its value (random per engine).
+    pub probe: u64,
+    /// Ids of the regions that may be read directly.
+    pub regions: Vec<u32>,
 }

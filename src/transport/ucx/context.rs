@@ -31,6 +31,14 @@ pub struct ContextOptions {
     /// error mode: a dead peer still fails them (docs/design.md §4).
     /// Default on.
     pub cma_with_error_handling: bool,
+    /// Read a lender on the same host with `process_vm_readv` directly,
+    /// and offer readers the same, where the transport list may hold
+    /// `cma` ([`super::direct`]: one system call for a post's blocks of a
+    /// region, from the poller, on every UCX version; the endpoint still
+    /// carries everything else and detects the peer's failure). Only host
+    /// memory not allocated by UCX is offered; an engine with device
+    /// memory registered neither offers nor reads so. Default on.
+    pub direct_reads: bool,
     /// Further `(name, value)` pairs, names without the `UCX_` prefix.
     pub extra: Vec<(String, String)>,
     /// Ask for `UCP_FEATURE_WAKEUP`, so that an idle poller can block on
@@ -58,6 +66,7 @@ impl Default for ContextOptions {
             transports: None,
             shared_memory_error_handling: true,
             cma_with_error_handling: true,
+            direct_reads: true,
             extra: Vec::new(),
             wakeup: true,
             adaptive_progress: None,
@@ -82,7 +91,7 @@ impl ContextOptions {
     }
 
     /// Whether the transport list can include `cma`.
-    fn may_use_cma(&self) -> bool {
+    pub(crate) fn may_use_cma(&self) -> bool {
         self.may_use(|t| matches!(t, "all" | "cma" | "sm" | "shm"))
     }
 
@@ -135,6 +144,18 @@ impl ContextOptions {
     pub fn adaptive_progress(mut self, on: bool) -> Self {
         self.adaptive_progress = Some(on);
         self
+    }
+
+    /// With or without direct reads (see [`ContextOptions::direct_reads`]).
+    pub fn direct_reads(mut self, on: bool) -> Self {
+        self.direct_reads = on;
+        self
+    }
+
+    /// Whether this engine reads and offers direct reads: asked for, and
+    /// a transport list that may hold `cma`.
+    pub(crate) fn reads_directly(&self) -> bool {
+        self.direct_reads && self.may_use_cma()
     }
 
     /// With or without `UCP_FEATURE_WAKEUP` (see [`ContextOptions::wakeup`]).

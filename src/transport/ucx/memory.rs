@@ -321,6 +321,12 @@ impl PackedRkey {
         self.parts().1
     }
 
+    /// The region's base address in its owner's process, and its length.
+    pub fn span(&self) -> (u64, u64) {
+        let (base, len, _) = self.parts();
+        (base, len)
+    }
+
     fn parts(&self) -> (u64, u64, &[u8]) {
         // Checked at construction.
         let p = wire::decode(&self.0, Kind::RemoteKey).unwrap_or(&[0; 17]);

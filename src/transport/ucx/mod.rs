@@ -17,6 +17,7 @@
 //! [`Worker::take_completions`] after [`Worker::progress`].
 
 mod context;
+mod direct;
 mod endpoint;
 mod error;
 mod layout;

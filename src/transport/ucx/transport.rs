@@ -18,10 +18,11 @@ use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
 use crate::transport::BlockBytes;
 use crate::transport::{
     lend_word_of, Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, CANCELED,
-    INVALID_PARAM, NO_RESOURCE, UNSUPPORTED,
+    INVALID_PARAM, IO_ERROR, NO_RESOURCE, UNSUPPORTED,
 };
 use crate::transport::{T_TRANSPORT, T_WORD};
 
+use super::direct;
 use super::memory::HugePages;
 use super::probe::{Hearing, Step};
 use super::soft::{self, Piece, Request, PIECE, PIECE_AM_ID, REQUEST_AM_ID};
@@ -82,6 +83,9 @@ struct Conn {
     /// Gets on this connection are soft reads ([`super::soft`]): UCX would
     /// emulate them over tcp in a way that can abort the lender.
     soft: bool,
+    /// Direct reads of the peer ([`super::direct`]), where it offered them
+    /// and runs on this host.
+    direct: Option<direct::Peer>,
     ep: Endpoint,
     /// The endpoint's id ([`Ep::to_u64`]), which its soft reads carry.
     id: u64,
@@ -172,6 +176,15 @@ pub struct UcxTransport {
     soft_over_tcp: bool,
     /// Read requests received, served after the messages were taken.
     requests: Vec<(Request, Option<u32>)>,
+    /// This engine's side of direct reads (`None`: it neither reads nor
+    /// offers them), the ids of its regions it offers, the completions of
+    /// direct reads made since the last drain, and the scratch lists of
+    /// their system calls.
+    direct: Option<direct::Local>,
+    direct_regions: Vec<u32>,
+    direct_done: Vec<Completion>,
+    direct_ops: Vec<direct::Op>,
+    iov: (Vec<libc::iovec>, Vec<libc::iovec>),
 }
 
 /// Caller memory to register: host memory at an address, or CUDA device
@@ -242,6 +255,11 @@ impl UcxTransport {
             owners: Vec::new(),
             soft_over_tcp: KnownUcxLimits::loaded().tcp_lender_dies_with_its_reader,
             requests: Vec::with_capacity(64),
+            direct: options.reads_directly().then(direct::Local::new).flatten(),
+            direct_regions: Vec::new(),
+            direct_done: Vec::with_capacity(1024),
+            direct_ops: Vec::with_capacity(1024),
+            iov: (Vec::with_capacity(1024), Vec::with_capacity(1024)),
         })
     }
 
@@ -310,6 +328,13 @@ impl UcxTransport {
         };
         let rkey = region.pack_rkey()?;
         let out = (region.as_ptr() as usize, region.len());
+        // Host memory UCX did not allocate is offered to direct readers
+        // (UCX reads its own shared-memory segments with a plain copy).
+        let not_ucx_shm = matches!(user, Some(UserMemory::Host(_)))
+            || user.is_none() && self.context.reads_by_cma();
+        if not_ucx_shm {
+            self.direct_regions.push(self.regions.len() as u32);
+        }
         self.region_blocks = blocks;
         self.device_regions |= matches!(user, Some(UserMemory::Cuda(_)));
         self.spans.push(out);
@@ -353,6 +378,11 @@ impl UcxTransport {
                 })
                 .collect(),
             words: self.words.as_ref().map(|(_, k)| k.clone()),
+            direct: self
+                .direct
+                .as_ref()
+                .filter(|_| !self.device_regions && !self.direct_regions.is_empty())
+                .map(|d| d.announce(self.direct_regions.clone())),
         };
         Ok(meta.encode())
     }
@@ -421,11 +451,28 @@ impl UcxTransport {
                     "gets over tcp are soft reads: the lender answers with sends of its own"
                 );
             }
+            // Device memory here: direct reads land with the CPU, so no.
+            let direct = match (&self.direct, &p.meta.direct) {
+                (Some(ours), Some(theirs)) if !self.device_regions => {
+                    let ids: Vec<u32> = p.meta.regions.iter().map(|r| r.id).collect();
+                    let spans: Vec<(u64, u64)> =
+                        p.meta.regions.iter().map(|r| r.rkey.span()).collect();
+                    direct::Peer::connect(&ours.host, theirs, &ids, &spans)
+                }
+                _ => None,
+            };
+            if direct.is_some() {
+                tracing::debug!(
+                    peer = ep.peer.0,
+                    "the peer runs on this host: its offered regions are read with process_vm_readv"
+                );
+            }
             p.conn = Some(Conn {
                 rkeys,
                 words,
                 words_slow: std::cell::Cell::new(false),
                 soft,
+                direct,
                 ep: ep_conn,
                 id: ep.to_u64(),
                 generation: ep.generation,
@@ -486,6 +533,9 @@ impl UcxTransport {
     ) -> Result<u32, PostFailure> {
         let bs = self.block_size;
         let mut ops = std::mem::take(&mut self.ops);
+        let mut done = std::mem::take(&mut self.direct_done);
+        let mut dops = std::mem::take(&mut self.direct_ops);
+        let mut iov = std::mem::take(&mut self.iov);
         let connected = self.connect(ep);
         let result = match connected.and_then(|()| self.open(ep).ok_or(INVALID_PARAM)) {
             Err(status) => Err(PostFailure { posted: 0, status }),
@@ -499,7 +549,7 @@ impl UcxTransport {
                     && part.remote_offset == 0
                     && part.len == bs
                     && remote_bs == bs;
-                for (region, rkey) in self.regions.iter().zip(&conn.rkeys) {
+                for (i, (region, rkey)) in self.regions.iter().zip(&conn.rkeys).enumerate() {
                     ops.clear();
                     let mut last: Option<(BlockId, BlockId)> = None;
                     for &(l, r) in pairs {
@@ -519,6 +569,31 @@ impl UcxTransport {
                             len: part.len as usize,
                             token,
                         });
+                    }
+                    // Device memory here: direct reads land with the CPU.
+                    let direct = conn.direct.as_ref().filter(|d| {
+                        dir == Direction::Get
+                            && !self.device_regions
+                            && d.regions.get(i).is_some_and(|r| r.is_some())
+                    });
+                    if let Some(d) = direct {
+                        // One completion for the region's ops: the read is
+                        // done (or failed) when this returns. Bytes outside
+                        // either region are refused before any is read.
+                        match direct_get(d, i, region, &ops, &mut dops, &mut iov) {
+                            Ok(status) => {
+                                done.push(Completion {
+                                    token,
+                                    status: UcxStatus(status),
+                                });
+                                posted += 1;
+                                continue;
+                            }
+                            Err(status) => {
+                                failure = Some(status);
+                                break;
+                            }
+                        }
                     }
                     let res = match dir {
                         Direction::Get if conn.soft => {
@@ -543,7 +618,45 @@ impl UcxTransport {
             }
         };
         self.ops = ops;
+        self.direct_done = done;
+        self.direct_ops = dops;
+        self.iov = iov;
         result
+    }
+}
+
+/// Reads `ops` of region `i` from `d`'s peer into `local` directly;
+/// returns the read's status (`IO_ERROR` for a read that failed), or
+/// `Err(INVALID_PARAM)`, with nothing read, for bytes outside either
+/// region (as UCX refuses such a get when it is posted).
+fn direct_get(
+    d: &direct::Peer,
+    i: usize,
+    local: &MemoryRegion,
+    ops: &[BlockOp],
+    dops: &mut Vec<direct::Op>,
+    iov: &mut (Vec<libc::iovec>, Vec<libc::iovec>),
+) -> Result<i8, i8> {
+    dops.clear();
+    for op in ops {
+        let (Ok(dest), Some(remote)) = (
+            local.range_ptr(op.local_offset, op.len),
+            d.remote(i, op.remote_offset, op.len),
+        ) else {
+            return Err(INVALID_PARAM);
+        };
+        dops.push(direct::Op {
+            local: dest,
+            remote,
+            len: op.len,
+        });
+    }
+    match d.read(dops, &mut iov.0, &mut iov.1) {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            tracing::debug!(error = %e, "a direct read failed");
+            Ok(IO_ERROR)
+        }
     }
 }
 
@@ -812,6 +925,8 @@ impl Transport for UcxTransport {
             // Its soft reads end with it (their completions come below).
             self.worker.fail_soft_reads_of(f.endpoint, f.status);
         }
+        // Direct reads completed when they were posted.
+        self.completions.append(&mut self.direct_done);
         self.worker.take_completions(&mut self.completions);
         // Completions may add completions (a close ends its soft reads):
         // taken until none is left, so none waits for the next progress.
@@ -941,7 +1056,8 @@ impl Transport for UcxTransport {
     fn arm(&mut self) -> bool {
         // An arm that fails outright (not BUSY) is treated as "do not
         // block": the poller then naps on a timer, as without the fd.
-        self.event_fd.is_some() && self.worker.arm().unwrap_or(false)
+        // Direct reads' completions wait for the next drain, not an event.
+        self.direct_done.is_empty() && self.event_fd.is_some() && self.worker.arm().unwrap_or(false)
     }
 }
 
