@@ -104,6 +104,38 @@ impl Local {
     }
 }
 
+/// Why a direct read failed.
+#[derive(Debug)]
+pub struct ReadError {
+    /// The lender is gone as this reader knew it: no such process, its
+    /// memory no longer mapped there, the probe word another, or reads of
+    /// it refused now. Other failures (out of memory, a bad list) are the
+    /// read's own.
+    pub lost: bool,
+    /// What the call said.
+    pub why: std::io::Error,
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (peer lost: {})", self.why, self.lost)
+    }
+}
+
+impl ReadError {
+    fn of_call(why: std::io::Error) -> Self {
+        let lost = !matches!(why.raw_os_error(), Some(libc::ENOMEM | libc::EINVAL));
+        ReadError { lost, why }
+    }
+
+    fn lost(why: String) -> Self {
+        ReadError {
+            lost: true,
+            why: std::io::Error::other(why),
+        }
+    }
+}
+
 /// One block run to read: `len` bytes from the peer's `remote` address
 /// into `local`.
 #[derive(Debug, Clone, Copy)]
@@ -174,7 +206,7 @@ impl Peer {
         ops: &[Op],
         local: &mut Vec<libc::iovec>,
         remote: &mut Vec<libc::iovec>,
-    ) -> Result<(), std::io::Error> {
+    ) -> Result<(), ReadError> {
         let mut chunks = ops.chunks(OPS_PER_CALL);
         let mut first = true;
         loop {
@@ -222,14 +254,16 @@ impl Peer {
                 )
             };
             if n < 0 {
-                return Err(std::io::Error::last_os_error());
+                return Err(ReadError::of_call(std::io::Error::last_os_error()));
             }
             if n as usize != want {
-                return Err(std::io::Error::other(format!("{n} of {want} bytes read")));
+                // The kernel stops at the first address the peer does not
+                // map: its memory went.
+                return Err(ReadError::lost(format!("{n} of {want} bytes read")));
             }
             if word != self.probe {
-                return Err(std::io::Error::other(
-                    "the probe word is another: the pid is no longer the lender's",
+                return Err(ReadError::lost(
+                    "the probe word is another: the pid is no longer the lender's".into(),
                 ));
             }
             if chunk.len() < OPS_PER_CALL {
@@ -316,6 +350,6 @@ mod tests {
             remote: 8,
             len: 4096,
         }];
-        assert!(peer.read(&bad, &mut l, &mut r).is_err());
+        assert!(peer.read(&bad, &mut l, &mut r).is_err_and(|e| e.lost));
     }
 }

@@ -86,6 +86,10 @@ struct Conn {
     /// Direct reads of the peer ([`super::direct`]), where it offered them
     /// and runs on this host.
     direct: Option<direct::Peer>,
+    /// A direct read found the peer gone: the connection failed (as UCX
+    /// fails an endpoint whose `cma` transfer found its peer dead), and
+    /// later direct reads on it fail at once.
+    direct_lost: std::cell::Cell<bool>,
     ep: Endpoint,
     /// The endpoint's id ([`Ep::to_u64`]), which its soft reads carry.
     id: u64,
@@ -473,6 +477,7 @@ impl UcxTransport {
                 words_slow: std::cell::Cell::new(false),
                 soft,
                 direct,
+                direct_lost: std::cell::Cell::new(false),
                 ep: ep_conn,
                 id: ep.to_u64(),
                 generation: ep.generation,
@@ -536,6 +541,7 @@ impl UcxTransport {
         let mut done = std::mem::take(&mut self.direct_done);
         let mut dops = std::mem::take(&mut self.direct_ops);
         let mut iov = std::mem::take(&mut self.iov);
+        let mut lost = std::mem::take(&mut self.failures);
         let connected = self.connect(ep);
         let result = match connected.and_then(|()| self.open(ep).ok_or(INVALID_PARAM)) {
             Err(status) => Err(PostFailure { posted: 0, status }),
@@ -580,8 +586,19 @@ impl UcxTransport {
                         // One completion for the region's ops: the read is
                         // done (or failed) when this returns. Bytes outside
                         // either region are refused before any is read.
-                        match direct_get(d, i, region, &ops, &mut dops, &mut iov) {
+                        let read = if conn.direct_lost.get() {
+                            Ok(CONNECTION_RESET)
+                        } else {
+                            direct_get(d, i, region, &ops, &mut dops, &mut iov)
+                        };
+                        match read {
                             Ok(status) => {
+                                if status == CONNECTION_RESET && !conn.direct_lost.replace(true) {
+                                    lost.push(EndpointFailure {
+                                        endpoint: conn.id,
+                                        status: UcxStatus(status),
+                                    });
+                                }
                                 done.push(Completion {
                                     token,
                                     status: UcxStatus(status),
@@ -621,12 +638,14 @@ impl UcxTransport {
         self.direct_done = done;
         self.direct_ops = dops;
         self.iov = iov;
+        self.failures = lost;
         result
     }
 }
 
 /// Reads `ops` of region `i` from `d`'s peer into `local` directly;
-/// returns the read's status (`IO_ERROR` for a read that failed), or
+/// returns the read's status (`CONNECTION_RESET` for a read that found
+/// the peer gone, `IO_ERROR` for one that failed otherwise), or
 /// `Err(INVALID_PARAM)`, with nothing read, for bytes outside either
 /// region (as UCX refuses such a get when it is posted).
 fn direct_get(
@@ -655,7 +674,7 @@ fn direct_get(
         Ok(()) => Ok(0),
         Err(e) => {
             tracing::debug!(error = %e, "a direct read failed");
-            Ok(IO_ERROR)
+            Ok(if e.lost { CONNECTION_RESET } else { IO_ERROR })
         }
     }
 }
@@ -1060,6 +1079,10 @@ impl Transport for UcxTransport {
         self.direct_done.is_empty() && self.event_fd.is_some() && self.worker.arm().unwrap_or(false)
     }
 }
+
+/// `UCS_ERR_CONNECTION_RESET`: what a direct read that found its peer
+/// gone completes with (as UCX's `cma` does).
+const CONNECTION_RESET: i8 = -25;
 
 /// The status to record for a failed UCX call; `UCS_ERR_INVALID_PARAM`
 /// when kvpoll refused the operation before UCX saw it.
