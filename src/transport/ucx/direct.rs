@@ -24,8 +24,10 @@
 //! Every read also reads the probe word, after the data, in the same
 //! system call: the kernel resolves the pid once a call, so a matching
 //! word means every byte of that call came from the lender, not from a
-//! process that took its pid after it died. A read that fails, moves
-//! fewer bytes or finds another word completes with `IO_ERROR`.
+//! process that took its pid after it died. A read that finds no such
+//! process, moves fewer bytes or finds another word found its lender gone
+//! (the transport fails the connection, as UCX does when `cma` finds its
+//! peer dead); one that fails for itself completes with `IO_ERROR`.
 
 use std::os::unix::fs::MetadataExt;
 
