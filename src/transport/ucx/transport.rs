@@ -583,9 +583,10 @@ impl UcxTransport {
                             && d.regions.get(i).is_some_and(|r| r.is_some())
                     });
                     if let Some(d) = direct {
-                        // One completion for the region's ops: the read is
-                        // done (or failed) when this returns. Bytes outside
-                        // either region are refused before any is read.
+                        // One system call for the region's runs, done (or
+                        // failed) when this returns; a completion a run, as
+                        // UCX's path counts them. Bytes outside either
+                        // region are refused before any is read.
                         let read = if conn.direct_lost.get() {
                             Ok(CONNECTION_RESET)
                         } else {
@@ -599,11 +600,12 @@ impl UcxTransport {
                                         status: UcxStatus(status),
                                     });
                                 }
-                                done.push(Completion {
+                                let c = Completion {
                                     token,
                                     status: UcxStatus(status),
-                                });
-                                posted += 1;
+                                };
+                                done.extend(std::iter::repeat_n(c, ops.len()));
+                                posted += ops.len() as u32;
                                 continue;
                             }
                             Err(status) => {
