@@ -11,12 +11,18 @@
 //!   - `ucx_cma_with_peer_errors`: an endpoint in peer error mode can have
 //!     a `cma` lane (with rendezvous off), so a get from memory the caller
 //!     registered is one-sided over shared memory.
+//!   - `ucx_tcp_gets_without_soft_reads`: UCX's own get over tcp survives
+//!     the reader's death, so kvpoll does not read softly there (and soft
+//!     reads' answers on reply endpoints UCX may destroy are not sent).
 //!
 //! The same releases as `kvpoll::transport::ucx::KnownUcxLimits`, which
 //! says it of the UCX loaded at run time.
 
 /// The first UCX release (major, minor) without each failure.
-const FIXED_IN: &[(&str, (u32, u32))] = &[("ucx_cma_with_peer_errors", (1, 20))];
+const FIXED_IN: &[(&str, (u32, u32))] = &[
+    ("ucx_cma_with_peer_errors", (1, 20)),
+    ("ucx_tcp_gets_without_soft_reads", (1, 22)),
+];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_UCP_RPATH");
