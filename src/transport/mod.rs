@@ -316,7 +316,9 @@ pub trait Transport {
     fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8>;
 
     /// Answers a received message (its `reply` handle, before the next
-    /// `progress`), completing with `token`.
+    /// `progress`), completing with `token`. Over UCX the handle's endpoint
+    /// can already be gone if the peer failed in the progress that brought
+    /// the message (docs/design.md §4).
     fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8>;
 
     /// Reads, one-sidedly where the transport can, the lend word of `ep`'s

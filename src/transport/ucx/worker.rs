@@ -308,6 +308,13 @@ impl Worker {
 
     /// UCX's endpoint behind reply handle `to`, if no progress ran since
     /// its message arrived (a later progress may have destroyed it).
+    ///
+    /// Not a guarantee that it is alive: UCX destroys an endpoint it made
+    /// for a peer's connection inside the progress that finds the peer
+    /// failed (`ucp_ep_set_failed`), which can be the progress that brought
+    /// the message. A reply then goes to a freed endpoint (docs/design.md
+    /// §4, the tcp reader-kill row); the handle's epoch only refuses
+    /// handles older than the last progress.
     fn reply_endpoint(&self, to: u32) -> Result<sys::ucp_ep_h, UcxError> {
         let sink = &self.inner.sink;
         let eps = sink.am_reply.borrow();
@@ -322,8 +329,8 @@ impl Worker {
     /// [`ActiveMessage::reply`]) with an eager active message to `id`.
     pub fn reply(&self, to: u32, id: u16, payload: &[u8], token: u64) -> Result<(), UcxError> {
         let ep = self.reply_endpoint(to)?;
-        // The endpoint is UCX's, alive until the next progress (none ran
-        // since the message arrived).
+        // The endpoint is UCX's, alive unless the progress that brought the
+        // message also found its peer failed (`reply_endpoint`).
         super::endpoint::send_am_on(
             &self.inner,
             ep,
@@ -351,8 +358,10 @@ impl Worker {
         token: u64,
     ) -> Result<(), UcxError> {
         let ep = self.reply_endpoint(to)?;
-        // SAFETY: the endpoint is UCX's, alive until the next progress;
-        // the data's promise is the caller's.
+        // SAFETY: the endpoint is UCX's, alive unless the progress that
+        // brought the message also found its peer failed (`reply_endpoint`:
+        // a known hazard, not yet closed); the data's promise is the
+        // caller's.
         unsafe { super::endpoint::send_am_with_data(&self.inner, ep, id, header, data, len, token) }
     }
 
