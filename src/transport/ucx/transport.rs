@@ -181,13 +181,21 @@ pub struct UcxTransport {
     /// Read requests received, served after the messages were taken.
     requests: Vec<(Request, Option<u32>)>,
     /// This engine's side of direct reads (`None`: it neither reads nor
-    /// offers them), the ids of its regions it offers, the completions of
-    /// direct reads made since the last drain, and the scratch lists of
-    /// their system calls.
+    /// offers them), the ids of its regions it offers, and what its direct
+    /// reads left for the next drain.
     direct: Option<direct::Local>,
     direct_regions: Vec<u32>,
-    direct_done: Vec<Completion>,
-    direct_ops: Vec<direct::Op>,
+    direct_out: DirectOut,
+}
+
+/// What direct reads made since the last drain — their completions and
+/// the connections they found failed — and the scratch lists of their
+/// system calls (kept for their capacity).
+#[derive(Default)]
+struct DirectOut {
+    done: Vec<Completion>,
+    lost: Vec<EndpointFailure>,
+    ops: Vec<direct::Op>,
     iov: (Vec<libc::iovec>, Vec<libc::iovec>),
 }
 
@@ -261,9 +269,12 @@ impl UcxTransport {
             requests: Vec::with_capacity(64),
             direct: options.reads_directly().then(direct::Local::new).flatten(),
             direct_regions: Vec::new(),
-            direct_done: Vec::with_capacity(1024),
-            direct_ops: Vec::with_capacity(1024),
-            iov: (Vec::with_capacity(1024), Vec::with_capacity(1024)),
+            direct_out: DirectOut {
+                done: Vec::with_capacity(1024),
+                lost: Vec::new(),
+                ops: Vec::with_capacity(1024),
+                iov: (Vec::with_capacity(1024), Vec::with_capacity(1024)),
+            },
         })
     }
 
@@ -538,10 +549,7 @@ impl UcxTransport {
     ) -> Result<u32, PostFailure> {
         let bs = self.block_size;
         let mut ops = std::mem::take(&mut self.ops);
-        let mut done = std::mem::take(&mut self.direct_done);
-        let mut dops = std::mem::take(&mut self.direct_ops);
-        let mut iov = std::mem::take(&mut self.iov);
-        let mut lost = std::mem::take(&mut self.failures);
+        let mut out = std::mem::take(&mut self.direct_out);
         let connected = self.connect(ep);
         let result = match connected.and_then(|()| self.open(ep).ok_or(INVALID_PARAM)) {
             Err(status) => Err(PostFailure { posted: 0, status }),
@@ -590,12 +598,12 @@ impl UcxTransport {
                         let read = if conn.direct_lost.get() {
                             Ok(CONNECTION_RESET)
                         } else {
-                            direct_get(d, i, region, &ops, &mut dops, &mut iov)
+                            direct_get(d, i, region, &ops, &mut out.ops, &mut out.iov)
                         };
                         match read {
                             Ok(status) => {
                                 if status == CONNECTION_RESET && !conn.direct_lost.replace(true) {
-                                    lost.push(EndpointFailure {
+                                    out.lost.push(EndpointFailure {
                                         endpoint: conn.id,
                                         status: UcxStatus(status),
                                     });
@@ -604,7 +612,7 @@ impl UcxTransport {
                                     token,
                                     status: UcxStatus(status),
                                 };
-                                done.extend(std::iter::repeat_n(c, ops.len()));
+                                out.done.extend(std::iter::repeat_n(c, ops.len()));
                                 posted += ops.len() as u32;
                                 continue;
                             }
@@ -637,10 +645,7 @@ impl UcxTransport {
             }
         };
         self.ops = ops;
-        self.direct_done = done;
-        self.direct_ops = dops;
-        self.iov = iov;
-        self.failures = lost;
+        self.direct_out = out;
         result
     }
 }
@@ -941,13 +946,14 @@ impl Transport for UcxTransport {
     }
 
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
+        self.failures.append(&mut self.direct_out.lost);
         self.worker.take_endpoint_failures(&mut self.failures);
         for f in &self.failures {
             // Its soft reads end with it (their completions come below).
             self.worker.fail_soft_reads_of(f.endpoint, f.status);
         }
         // Direct reads completed when they were posted.
-        self.completions.append(&mut self.direct_done);
+        self.completions.append(&mut self.direct_out.done);
         self.worker.take_completions(&mut self.completions);
         // Completions may add completions (a close ends its soft reads):
         // taken until none is left, so none waits for the next progress.
@@ -1078,7 +1084,9 @@ impl Transport for UcxTransport {
         // An arm that fails outright (not BUSY) is treated as "do not
         // block": the poller then naps on a timer, as without the fd.
         // Direct reads' completions wait for the next drain, not an event.
-        self.direct_done.is_empty() && self.event_fd.is_some() && self.worker.arm().unwrap_or(false)
+        self.direct_out.done.is_empty()
+            && self.event_fd.is_some()
+            && self.worker.arm().unwrap_or(false)
     }
 }
 
