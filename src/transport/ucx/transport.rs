@@ -78,8 +78,12 @@ struct Conn {
     /// UCX serves it from the peer's progress, behind the data of other
     /// reads on its RMA lane), and reads ask instead. (Shared memory
     /// completes a word's get when it is posted on UCX 1.13, and in the
-    /// next progress on 1.22.)
+    /// next progress on 1.22.) The connection's first word read is not
+    /// judged: it may wait for the endpoint's wire-up, which a read that
+    /// moved its data directly ([`super::direct`]) did not wait for.
     words_slow: std::cell::Cell<bool>,
+    /// A word read on this connection completed (the next ones are judged).
+    words_read: std::cell::Cell<bool>,
     /// Gets on this connection are soft reads ([`super::soft`]): UCX would
     /// emulate them over tcp in a way that can abort the lender.
     soft: bool,
@@ -486,6 +490,7 @@ impl UcxTransport {
                 rkeys,
                 words,
                 words_slow: std::cell::Cell::new(false),
+                words_read: std::cell::Cell::new(false),
                 soft,
                 direct,
                 direct_lost: std::cell::Cell::new(false),
@@ -992,15 +997,17 @@ impl Transport for UcxTransport {
             };
             if let Some(pos) = pos {
                 let (_, cell, ep, posted) = self.word_reads.swap_remove(pos);
-                if self.progresses > posted + 1 {
-                    // Not one-sided on this connection. This read goes on;
-                    // the next ones ask (measured over tcp: a word's get
-                    // waits behind other reads' data, and 64-block requests
-                    // ran at half the rate of asking, whose answers
-                    // coalesce).
-                    if let Some(conn) = self.open(ep) {
+                let slow = self.progresses > posted + 1;
+                if let Some(conn) = self.open(ep) {
+                    if slow && conn.words_read.get() {
+                        // Not one-sided on this connection. This read goes
+                        // on; the next ones ask (measured over tcp: a
+                        // word's get waits behind other reads' data, and
+                        // 64-block requests ran at half the rate of asking,
+                        // whose answers coalesce).
                         conn.words_slow.set(true);
                     }
+                    conn.words_read.set(true);
                 }
                 self.free_cells.push(cell);
                 let ok = c.status.0 == 0;
