@@ -11,9 +11,13 @@
 //!   - `ucx_cma_with_peer_errors`: an endpoint in peer error mode can have
 //!     a `cma` lane (with rendezvous off), so a get from memory the caller
 //!     registered is one-sided over shared memory.
-//!   - `ucx_tcp_gets_without_soft_reads`: UCX's own get over tcp survives
-//!     the reader's death, so kvpoll does not read softly there (and soft
-//!     reads' answers on reply endpoints UCX may destroy are not sent).
+//!   - `ucx_wireup_reply_purged_quietly`: a wire-up reply still waiting
+//!     on a tcp endpoint whose peer died is dropped, not asserted against
+//!     (`ucp_request_send_state_ff`, `src/ucp/core/ucp_request.c`: UCX
+//!     1.13, built with assertions as Debian's is, aborts "got REP
+//!     message"; 1.14 removed the assertion). Before it, a reader killed
+//!     while its lender answers its connection's wire-up over tcp aborts
+//!     the lender inside UCX.
 //!
 //! The same releases as `kvpoll::transport::ucx::KnownUcxLimits`, which
 //! says it of the UCX loaded at run time.
@@ -21,7 +25,7 @@
 /// The first UCX release (major, minor) without each failure.
 const FIXED_IN: &[(&str, (u32, u32))] = &[
     ("ucx_cma_with_peer_errors", (1, 20)),
-    ("ucx_tcp_gets_without_soft_reads", (1, 22)),
+    ("ucx_wireup_reply_purged_quietly", (1, 14)),
 ];
 
 fn main() {
