@@ -4,7 +4,7 @@
 //! Over tcp UCX has no remote memory access and emulates a get: the
 //! reader sends a request, and the lender's worker answers it from inside
 //! UCX (`ucp_get_req_handler`) with a reply that has no error handling.
-//! On UCX before 1.22, a reply that fails because the reader died
+//! On 1.13 and on 1.22 alike, a reply that fails because the reader died
 //! meanwhile is a fatal error: the lender aborts (docs/design.md §4).
 //! Where an endpoint's gets would take that path, kvpoll asks instead:
 //!
