@@ -11,10 +11,13 @@
 //! unexpected error", `ucp_request.inl`, on 1.13 and on 1.22 alike). kvpoll
 //! does not use that path: its gets over tcp are soft reads, which the
 //! lender answers with sends of its own that fail like any send
-//! (`src/transport/ucx/soft.rs`), on endpoints of its own to the reader
-//! (`src/transport/ucx/returns.rs`), never on the reply endpoint UCX may
-//! destroy in the progress that brought the request (a lender died so,
-//! SIGSEGV in `ucp_am_send_nbx`, at kill 49 of 50 in one run of three).
+//! (`src/transport/ucx/soft.rs`). Those answers go out on the reply
+//! endpoint UCX made for the reader's connection, after the progress that
+//! brought the request, and UCX destroys such an endpoint inside the
+//! progress that finds its peer failed (`ucp_ep.c`: "destroy endpoint
+//! which is not exposed to a user due to peer failure"): a lender died so
+//! (SIGSEGV in `ucp_am_send_nbx`) at kill 49 of 50 in one run of three.
+//! That hazard is not closed yet.
 //!
 //! One abort is UCX's own and stays: UCX 1.13 (built with assertions, as
 //! Debian's is) aborts a lender whose wire-up reply to a new connection
@@ -367,8 +370,8 @@ fn over_tcp_in_pull_mode_fifty_killed_readers_leave_every_lender_serving() {
     not(ucx_wireup_reply_purged_quietly),
     ignore = "UCX before 1.14 asserts against a wire-up reply purged by a reader's death (module docs)"
 )]
-fn over_tcp_in_pull_mode_readers_killed_while_their_lenders_are_stopped_leave_every_lender_serving()
-{
+fn over_tcp_in_pull_mode_readers_killed_while_their_lenders_are_stopped_leave_every_lender_serving(
+) {
     kill_readers("tcp", "pull", 20, Kill::WhileLendersStopped);
 }
 

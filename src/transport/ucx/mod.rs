@@ -24,7 +24,6 @@ mod layout;
 mod memory;
 mod probe;
 mod request;
-mod returns;
 mod soft;
 mod transport;
 mod worker;

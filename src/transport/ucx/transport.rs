@@ -25,7 +25,6 @@ use crate::transport::{T_TRANSPORT, T_WORD};
 use super::direct;
 use super::memory::HugePages;
 use super::probe::{Hearing, Step};
-use super::returns::{self, Returns, RETURN_AM_ID};
 use super::soft::{self, Piece, Request, PIECE, PIECE_AM_ID, REQUEST_AM_ID};
 use super::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, KnownUcxLimits,
@@ -42,8 +41,7 @@ const PROBE_AM_ID: u16 = 0x6b77;
 /// Token bits of a soft read's request send (with [`T_TRANSPORT`]; the
 /// slot above bit 32, the sequence below bit 30).
 const T_SOFT_REQUEST: u64 = 1 << 63;
-/// Token bit of sends whose completion nothing waits for: the pieces a
-/// lender sends to answer soft reads, and return-path announcements.
+/// Token bit of the pieces a lender sends to answer soft reads.
 const T_SOFT_PIECE: u64 = 1 << 62;
 
 /// Lend words an engine announces: 1 MiB of UCX-allocated shared memory,
@@ -150,12 +148,6 @@ pub struct UcxTransport {
     /// Force-closed connections waiting for their close to complete, by
     /// close token.
     closing: Vec<(u64, Conn)>,
-    /// The endpoints this engine answers its askers on ([`super::returns`]).
-    returns: Returns,
-    /// This engine's return key and its announcement, sent first on every
-    /// connection (`None`: its address does not fit one message, and its
-    /// peers answer it on UCX's reply endpoints).
-    return_path: Option<(u64, Vec<u8>)>,
     regions: Vec<MemoryRegion>,
     /// Each region's (base, length), which soft-read requests are checked
     /// against without walking the regions on the poller's path.
@@ -239,9 +231,6 @@ impl UcxTransport {
         // one may ask.
         worker.listen_active_messages(REQUEST_AM_ID)?;
         worker.listen_pieces(PIECE_AM_ID)?;
-        worker.listen_active_messages(RETURN_AM_ID)?;
-        let key = direct::random_word().max(1);
-        let return_path = returns::announcement(key, &worker.address()?).map(|a| (key, a));
         let event_fd = worker.event_fd();
         let words = Self::allocate_words(&context)?;
         let cells = MemoryRegion::allocate(&context, WORD_CELLS * 8)?;
@@ -261,8 +250,6 @@ impl UcxTransport {
             probe,
             peers: Vec::new(),
             closing: Vec::new(),
-            returns: Returns::default(),
-            return_path,
             regions: Vec::new(),
             spans: Vec::new(),
             device_regions: false,
@@ -499,16 +486,6 @@ impl UcxTransport {
                     "the peer runs on this host: its offered regions are read with process_vm_readv"
                 );
             }
-            // First on the connection, so it arrives before anything that
-            // wants an answer. Not sent: the peer answers on UCX's reply
-            // endpoint instead.
-            if let Some((_, said)) = &self.return_path {
-                if let Err(e) =
-                    ep_conn.send_active_message(RETURN_AM_ID, said, T_TRANSPORT | T_SOFT_PIECE)
-                {
-                    tracing::debug!(error = %e, "return path not announced");
-                }
-            }
             p.conn = Some(Conn {
                 rkeys,
                 words,
@@ -652,8 +629,7 @@ impl UcxTransport {
                     }
                     let res = match dir {
                         Direction::Get if conn.soft => {
-                            let key = self.return_path.as_ref().map(|(k, _)| *k);
-                            soft_get_batch(&self.worker, conn, key, region, &self.regions, &ops)
+                            soft_get_batch(&self.worker, conn, region, &self.regions, &ops)
                         }
                         Direction::Get => conn.ep.get_batch(region, rkey, &ops),
                         Direction::Put => conn.ep.put_batch(region, rkey, &ops),
@@ -724,31 +700,9 @@ impl UcxTransport {
         if self.requests.is_empty() {
             return;
         }
-        let Self {
-            requests,
-            returns,
-            worker,
-            spans,
-            device_regions,
-            ..
-        } = self;
-        for (req, reply) in requests.drain(..) {
+        for (req, reply) in self.requests.drain(..) {
             let Some(to) = reply else {
                 continue;
-            };
-            // On this engine's own endpoint to the reader where it announced
-            // one, else on UCX's reply endpoint (`super::returns`).
-            let own = match worker.reply_key(to) {
-                Some(key) => returns.endpoint(worker, key),
-                None => None,
-            };
-            // SAFETY: the caller's promise, passed on.
-            let send = |header: &[u8], data: *const u8, len: usize| unsafe {
-                let token = T_TRANSPORT | T_SOFT_PIECE;
-                match own {
-                    Some(ep) => ep.send_with_data(PIECE_AM_ID, header, data, len, token),
-                    None => worker.reply_with_data(to, PIECE_AM_ID, header, data, len, token),
-                }
             };
             let mut piece = Piece {
                 slot: req.slot,
@@ -756,24 +710,44 @@ impl UcxTransport {
                 offset: 0,
                 status: 0,
             };
-            let found = soft::source(&req, spans).filter(|_| !*device_regions);
+            let found = soft::source(&req, &self.spans).filter(|_| !self.device_regions);
             let Some((base, len)) = found else {
-                piece.status = if *device_regions {
+                piece.status = if self.device_regions {
                     UNSUPPORTED
                 } else {
                     INVALID_PARAM
                 };
-                let _ = send(&piece.encode(), std::ptr::null(), 0);
+                // SAFETY: no data.
+                let _ = unsafe {
+                    self.worker.reply_with_data(
+                        to,
+                        PIECE_AM_ID,
+                        &piece.encode(),
+                        std::ptr::null(),
+                        0,
+                        T_TRANSPORT | T_SOFT_PIECE,
+                    )
+                };
                 continue;
             };
             let mut off = 0usize;
             while off < len {
                 let n = PIECE.min(len - off);
                 piece.offset = off as u64;
-                // base + off .. + n lies inside a registered region (checked
-                // by `source`), mapped until the transport drops, after the
-                // worker last progresses.
-                if send(&piece.encode(), (base + off) as *const u8, n).is_err() {
+                // SAFETY: base + off .. + n lies inside a registered region
+                // (checked by `source`), mapped until the transport drops,
+                // after the worker last progresses.
+                let sent = unsafe {
+                    self.worker.reply_with_data(
+                        to,
+                        PIECE_AM_ID,
+                        &piece.encode(),
+                        (base + off) as *const u8,
+                        n,
+                        T_TRANSPORT | T_SOFT_PIECE,
+                    )
+                };
+                if sent.is_err() {
                     break;
                 }
                 off += n;
@@ -788,7 +762,6 @@ impl UcxTransport {
 fn soft_get_batch(
     worker: &Worker,
     conn: &Conn,
-    key: Option<u64>,
     local: &MemoryRegion,
     regions: &[MemoryRegion],
     ops: &[BlockOp],
@@ -815,16 +788,10 @@ fn soft_get_batch(
             len: op.len as u64,
         };
         let token = T_TRANSPORT | T_SOFT_REQUEST | u64::from(slot) << 32 | u64::from(seq);
-        let sent = match key {
-            Some(key) => {
-                conn.ep
-                    .send_active_message_answerable(REQUEST_AM_ID, &req.encode(), key, token)
-            }
-            None => conn
-                .ep
-                .send_active_message_with_reply(REQUEST_AM_ID, &req.encode(), token),
-        };
-        if let Err(e) = sent {
+        if let Err(e) = conn
+            .ep
+            .send_active_message_with_reply(REQUEST_AM_ID, &req.encode(), token)
+        {
             // Not posted: the slot ends here, not through a completion.
             worker.forget_soft_read(slot, seq);
             return fail(e);
@@ -915,33 +882,20 @@ impl Transport for UcxTransport {
     }
 
     fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8> {
-        let key = self.return_path.as_ref().map(|(k, _)| *k);
         let conn = self.conn(ep)?;
-        let sent = match key {
-            Some(key) if want_reply => {
-                conn.ep
-                    .send_active_message_answerable(NOTIFY_AM_ID, payload, key, token)
-            }
-            None if want_reply => {
-                conn.ep
-                    .send_active_message_with_reply(NOTIFY_AM_ID, payload, token)
-            }
-            _ => conn.ep.send_active_message(NOTIFY_AM_ID, payload, token),
+        let sent = if want_reply {
+            conn.ep
+                .send_active_message_with_reply(NOTIFY_AM_ID, payload, token)
+        } else {
+            conn.ep.send_active_message(NOTIFY_AM_ID, payload, token)
         };
         sent.map_err(|e| status_of(&e))
     }
 
     fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8> {
-        let own = match self.worker.reply_key(to) {
-            Some(key) => self.returns.endpoint(&self.worker, key),
-            None => None,
-        };
-        match own {
-            Some(ep) => ep.send_active_message(NOTIFY_AM_ID, payload, token),
-            // No return path: UCX's reply endpoint (`super::returns`).
-            None => self.worker.reply(to, NOTIFY_AM_ID, payload, token),
-        }
-        .map_err(|e| status_of(&e))
+        self.worker
+            .reply(to, NOTIFY_AM_ID, payload, token)
+            .map_err(|e| status_of(&e))
     }
 
     fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
@@ -999,23 +953,6 @@ impl Transport for UcxTransport {
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
         self.failures.append(&mut self.direct_out.lost);
         self.worker.take_endpoint_failures(&mut self.failures);
-        if self
-            .failures
-            .iter()
-            .any(|f| returns::is_return_id(f.endpoint))
-        {
-            // A return endpoint's failure is this transport's own: it
-            // closes, and the next answer opens another.
-            let (returns, seq) = (&mut self.returns, &mut self.close_seq);
-            self.failures.retain(|f| {
-                if !returns::is_return_id(f.endpoint) {
-                    return true;
-                }
-                *seq += 1;
-                returns.failed(f.endpoint, T_TRANSPORT | *seq);
-                false
-            });
-        }
         for f in &self.failures {
             // Its soft reads end with it (their completions come below).
             self.worker.fail_soft_reads_of(f.endpoint, f.status);
@@ -1049,8 +986,6 @@ impl Transport for UcxTransport {
                     if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
                         let (_, conn) = self.closing.swap_remove(pos);
                         self.worker.fail_soft_reads_of(conn.id, UcxStatus(CANCELED));
-                    } else {
-                        self.returns.closed(c.token);
                     }
                 }
                 continue;
@@ -1098,13 +1033,7 @@ impl Transport for UcxTransport {
         self.completions.clear();
         let probe = &mut self.probe;
         let requests = &mut self.requests;
-        let returns = &mut self.returns;
         self.worker.take_active_messages(|m| {
-            if m.id == RETURN_AM_ID {
-                // Outside bytes: a malformed announcement is dropped.
-                returns.announce(m.payload);
-                return;
-            }
             if m.id == REQUEST_AM_ID {
                 // Outside bytes: a request of another length is dropped.
                 if let Some(r) = Request::decode(m.payload) {
