@@ -370,8 +370,8 @@ fn over_tcp_in_pull_mode_fifty_killed_readers_leave_every_lender_serving() {
     not(ucx_wireup_reply_purged_quietly),
     ignore = "UCX before 1.14 asserts against a wire-up reply purged by a reader's death (module docs)"
 )]
-fn over_tcp_in_pull_mode_readers_killed_while_their_lenders_are_stopped_leave_every_lender_serving(
-) {
+fn over_tcp_in_pull_mode_readers_killed_while_their_lenders_are_stopped_leave_every_lender_serving()
+{
     kill_readers("tcp", "pull", 20, Kill::WhileLendersStopped);
 }
 
