@@ -322,24 +322,16 @@ pub struct KnownUcxLimits {
     /// Over tcp, a put's target aborts when its writer dies mid-put
     /// (`ucp_put_handler`: "Fatal: unexpected error: Endpoint timeout").
     pub tcp_target_dies_with_its_writer: bool,
-    /// Over tcp, UCX's emulated get aborts its target (the lender) when
-    /// the reader dies mid-read (`ucp_get_req_handler` sends its reply
-    /// with `ucp_request_send`, which ends in "Fatal: unexpected error"
-    /// when the reply fails: seen on 1.13 and on 1.22, where the reply
-    /// found the reader's endpoint timed out). kvpoll's transport reads
-    /// softly over tcp wherever this holds, so its lenders live.
-    pub tcp_lender_dies_with_its_reader: bool,
 }
 
 impl KnownUcxLimits {
-    /// Those of UCX `version`: the writer's before 1.22 (seen on 1.13);
-    /// the reader's on every release kvpoll supports (the same code in
-    /// 1.13 and 1.22's `src/ucp/rma/rma_sw.c`).
+    /// Those of UCX `version`: the writer's before 1.22 (seen on 1.13).
+    /// (Over tcp UCX's emulated get aborts its lender when the reader dies
+    /// on every release kvpoll supports, 1.13 and 1.22 alike: kvpoll's
+    /// transport never uses it there, see `soft.rs`.)
     pub fn of(version: ucx_sys::Version) -> Self {
-        let before_1_22 = (version.major, version.minor) < (1, 22);
         Self {
-            tcp_target_dies_with_its_writer: before_1_22,
-            tcp_lender_dies_with_its_reader: true,
+            tcp_target_dies_with_its_writer: (version.major, version.minor) < (1, 22),
         }
     }
 

@@ -27,8 +27,8 @@ use super::memory::HugePages;
 use super::probe::{Hearing, Step};
 use super::soft::{self, Piece, Request, PIECE, PIECE_AM_ID, REQUEST_AM_ID};
 use super::{
-    BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, KnownUcxLimits,
-    MemoryRegion, PackedRkey, RemoteKey, UcxError, UcxStatus, Worker,
+    BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
+    PackedRkey, RemoteKey, UcxError, UcxStatus, Worker,
 };
 use crate::ledger::Nanos;
 
@@ -178,10 +178,6 @@ pub struct UcxTransport {
     progresses: u64,
     /// What registered device memory needs until the context is gone.
     owners: Vec<Box<dyn std::any::Any>>,
-    /// Whether this UCX can abort a lender whose reader dies while UCX
-    /// answers its get over tcp: connections whose gets would go that way
-    /// read softly instead.
-    soft_over_tcp: bool,
     /// Read requests received, served after the messages were taken.
     requests: Vec<(Request, Option<u32>)>,
     /// This engine's side of direct reads (`None`: it neither reads nor
@@ -269,7 +265,6 @@ impl UcxTransport {
             word_reads: Vec::with_capacity(WORD_CELLS),
             progresses: 0,
             owners: Vec::new(),
-            soft_over_tcp: KnownUcxLimits::loaded().tcp_lender_dies_with_its_reader,
             requests: Vec::with_capacity(64),
             direct: options.reads_directly().then(direct::Local::new).flatten(),
             direct_regions: Vec::new(),
@@ -460,10 +455,10 @@ impl UcxTransport {
                 Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
                 None => None,
             };
+            // UCX's emulated get over tcp can abort the lender when its
+            // reader dies, on every release kvpoll supports (`super::soft`).
             // Device memory keeps UCX's gets (soft reads copy with the CPU).
-            let soft = self.soft_over_tcp
-                && !self.device_regions
-                && soft::gets_ride_tcp_messages(&ep_conn.describe());
+            let soft = !self.device_regions && soft::gets_ride_tcp_messages(&ep_conn.describe());
             if soft {
                 tracing::debug!(
                     peer = ep.peer.0,
