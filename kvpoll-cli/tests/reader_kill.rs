@@ -11,13 +11,13 @@
 //! unexpected error", `ucp_request.inl`, on 1.13 and on 1.22 alike). kvpoll
 //! does not use that path: its gets over tcp are soft reads, which the
 //! lender answers with sends of its own that fail like any send
-//! (`src/transport/ucx/soft.rs`). Those answers go out on the reply
-//! endpoint UCX made for the reader's connection, after the progress that
-//! brought the request, and UCX destroys such an endpoint inside the
-//! progress that finds its peer failed (`ucp_ep.c`: "destroy endpoint
-//! which is not exposed to a user due to peer failure"): a lender died so
-//! (SIGSEGV in `ucp_am_send_nbx`) at kill 49 of 50 in one run of three.
-//! That hazard is not closed yet.
+//! (`src/transport/ucx/soft.rs`), on endpoints of its own to the reader
+//! (`src/transport/ucx/returns.rs`), never on the reply endpoint UCX may
+//! destroy in the progress that brought the request or found the reader
+//! dead (lenders died so, SIGSEGV in `ucp_am_send_nbx`: at kill 49 of 50
+//! in one run of three, and in the case that kills readers while their
+//! lenders are stopped, where an answer that could not open its return
+//! endpoint fell back to UCX's).
 //!
 //! One abort is UCX's own and stays: UCX 1.13 (built with assertions, as
 //! Debian's is) aborts a lender whose wire-up reply to a new connection

@@ -51,7 +51,7 @@ pub fn this_host() -> Option<Host> {
 
 /// A random word (`getrandom(2)`; where it fails, the time and pid mixed:
 /// the probe only has to differ from what another process holds there).
-fn random_word() -> u64 {
+pub(crate) fn random_word() -> u64 {
     let mut w = 0u64;
     // SAFETY: writes at most 8 bytes into `w`.
     let n = unsafe { libc::getrandom((&mut w as *mut u64).cast(), 8, 0) };

@@ -335,9 +335,49 @@ impl Endpoint {
         )
     }
 
+    /// Sends an eager active message asking for a reply, with return key
+    /// `key` as its 8-byte header: the receiver answers on an endpoint of
+    /// its own to the path announced under `key` (`super::returns`), or
+    /// else through [`Worker::reply`].
+    pub(crate) fn send_active_message_answerable(
+        &self,
+        id: u16,
+        payload: &[u8],
+        key: u64,
+        token: u64,
+    ) -> Result<(), UcxError> {
+        let ep = self.inner.live_handle()?;
+        send_am_on(
+            &self.inner.worker,
+            ep,
+            id,
+            (&key.to_le_bytes(), payload),
+            token,
+            sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
+        )
+    }
+
+    /// [`send_am_with_data`] on this endpoint.
+    ///
+    /// # Safety
+    /// `data..data + len` stays readable until the send completes.
+    pub(crate) unsafe fn send_with_data(
+        &self,
+        id: u16,
+        header: &[u8],
+        data: *const u8,
+        len: usize,
+        token: u64,
+    ) -> Result<(), UcxError> {
+        let ep = self.inner.live_handle()?;
+        // SAFETY: ep is live (checked above); the data's promise is the
+        // caller's.
+        unsafe { send_am_with_data(&self.inner.worker, ep, id, header, data, len, token) }
+    }
+
     fn send_am(&self, id: u16, payload: &[u8], token: u64, flags: u32) -> Result<(), UcxError> {
         let ep = self.inner.live_handle()?;
-        send_am_on(&self.inner.worker, ep, id, payload, token, flags)
+        send_am_on(&self.inner.worker, ep, id, (&[], payload), token, flags)
     }
 
     /// Force-closes the endpoint: UCX completes every outstanding operation
@@ -373,21 +413,27 @@ impl Endpoint {
     }
 }
 
-/// Sends `payload` (copied into a send buffer that lives until the send
-/// completes) as an active message to `id` on raw endpoint `ep` of `worker`.
+/// Sends `message`'s header (at most 8 bytes: a return key, or none) and
+/// payload, both copied into a send buffer that lives until the send
+/// completes, as an active message to `id` on raw endpoint `ep` of
+/// `worker`.
 pub(crate) fn send_am_on(
     worker: &WorkerInner,
     ep: sys::ucp_ep_h,
     id: u16,
-    payload: &[u8],
+    message: (&[u8], &[u8]),
     token: u64,
     flags: u32,
 ) -> Result<(), UcxError> {
-    if payload.len() > MAX_AM_PAYLOAD {
-        return Err(UcxError::MessageTooLong(payload.len()));
+    let (header, payload) = message;
+    if payload.len() > MAX_AM_PAYLOAD || header.len() > 8 {
+        return Err(UcxError::MessageTooLong(payload.len() + header.len()));
     }
     let sink = &*worker.sink;
-    let (buffer, data) = sink.take_send_buffer(payload);
+    let (buffer, head) = sink.take_send_buffer(header, payload);
+    // SAFETY: the payload was copied right after the header, inside the
+    // buffer.
+    let data = unsafe { head.add(header.len()) };
     let mut params = request::params(sink, ptr::null_mut());
     params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
     params.flags = flags;
@@ -398,8 +444,12 @@ pub(crate) fn send_am_on(
         sys::ucp_am_send_nbx(
             ep,
             id.into(),
-            ptr::null(),
-            0,
+            if header.is_empty() {
+                ptr::null()
+            } else {
+                head as *const c_void
+            },
+            header.len(),
             data as *const c_void,
             payload.len(),
             &params,
@@ -526,7 +576,7 @@ pub(crate) unsafe fn send_am_with_data(
     let sink = &*worker.sink;
     // UCX before 1.14 reads the header until the send completes (there is
     // no UCP_AM_SEND_FLAG_COPY_HEADER): it lives in a send buffer.
-    let (buffer, head) = sink.take_send_buffer(header);
+    let (buffer, head) = sink.take_send_buffer(&[], header);
     let mut params = request::params(sink, ptr::null_mut());
     params.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS | sys::UCP_OP_ATTR_FIELD_DATATYPE;
     params.flags = sys::UCP_AM_SEND_FLAG_EAGER;

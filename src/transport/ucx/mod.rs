@@ -24,6 +24,7 @@ mod layout;
 mod memory;
 mod probe;
 mod request;
+mod returns;
 mod soft;
 mod transport;
 mod worker;

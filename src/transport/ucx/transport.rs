@@ -25,10 +25,11 @@ use crate::transport::{T_TRANSPORT, T_WORD};
 use super::direct;
 use super::memory::HugePages;
 use super::probe::{Hearing, Step};
+use super::returns::{self, Returns, RETURN_AM_ID};
 use super::soft::{self, Piece, Request, PIECE, PIECE_AM_ID, REQUEST_AM_ID};
 use super::{
     BlockOp, Completion, Context, ContextOptions, Endpoint, EndpointFailure, MemoryRegion,
-    PackedRkey, RemoteKey, UcxError, UcxStatus, Worker,
+    PackedRkey, RemoteKey, UcxError, UcxStatus, Worker, WorkerAddress,
 };
 use crate::ledger::Nanos;
 
@@ -41,7 +42,8 @@ const PROBE_AM_ID: u16 = 0x6b77;
 /// Token bits of a soft read's request send (with [`T_TRANSPORT`]; the
 /// slot above bit 32, the sequence below bit 30).
 const T_SOFT_REQUEST: u64 = 1 << 63;
-/// Token bit of the pieces a lender sends to answer soft reads.
+/// Token bit of sends whose completion nothing waits for: the pieces a
+/// lender sends to answer soft reads, and return-path announcements.
 const T_SOFT_PIECE: u64 = 1 << 62;
 
 /// Lend words an engine announces: 1 MiB of UCX-allocated shared memory,
@@ -94,10 +96,53 @@ struct Conn {
     /// fails an endpoint whose `cma` transfer found its peer dead), and
     /// later direct reads on it fail at once.
     direct_lost: std::cell::Cell<bool>,
+    /// This engine's return key and this connection's announcement of it
+    /// (`None`: its address does not fit one message, and the peer answers
+    /// it on UCX's reply endpoints).
+    return_path: Option<(u64, Vec<u8>)>,
+    /// The announcement went out ([`Conn::return_key`]).
+    announced: std::cell::Cell<bool>,
     ep: Endpoint,
     /// The endpoint's id ([`Ep::to_u64`]), which its soft reads carry.
     id: u64,
     generation: u32,
+}
+
+impl Conn {
+    /// The return key this connection's messages that want an answer
+    /// carry, its announcement sent first if it has not gone out yet
+    /// (`super::returns`). `None`: it could not be announced, and the peer
+    /// answers on UCX's reply endpoint.
+    fn return_key(&self) -> Option<u64> {
+        let (key, said) = self.return_path.as_ref()?;
+        if !self.announced.get() {
+            // Nothing waits for its completion (`T_SOFT_PIECE`).
+            let token = T_TRANSPORT | T_SOFT_PIECE;
+            if let Err(e) = self.ep.send_active_message(RETURN_AM_ID, said, token) {
+                tracing::debug!(error = %e, "return path not announced");
+                return None;
+            }
+            self.announced.set(true);
+        }
+        Some(*key)
+    }
+}
+
+/// Where the answer to reply handle `to` goes (`super::returns`): on this
+/// engine's own endpoint to the sender (`Some`) where the sender announced
+/// a return path, on UCX's reply endpoint (`None`) where it announced none,
+/// or nowhere (`Err`) where it announced one that cannot be opened (the
+/// sender is gone: UCX may already have destroyed its reply endpoint, so
+/// that is no fallback).
+fn answer_on<'a>(
+    worker: &Worker,
+    returns: &'a mut Returns,
+    to: u32,
+) -> Result<Option<&'a Endpoint>, ()> {
+    match worker.reply_key(to) {
+        Some(key) => returns.endpoint(worker, key).map(Some).ok_or(()),
+        None => Ok(None),
+    }
 }
 
 /// The probe worker and its endpoint to this transport's worker, made as
@@ -148,6 +193,13 @@ pub struct UcxTransport {
     /// Force-closed connections waiting for their close to complete, by
     /// close token.
     closing: Vec<(u64, Conn)>,
+    /// The endpoints this engine answers its askers on ([`super::returns`]).
+    returns: Returns,
+    /// This engine's return key and its worker's address, which each
+    /// connection announces ([`Conn::return_key`]).
+    return_path: (u64, WorkerAddress),
+    /// The serial of the last connection opened (each announces its own).
+    conn_serial: u32,
     regions: Vec<MemoryRegion>,
     /// Each region's (base, length), which soft-read requests are checked
     /// against without walking the regions on the poller's path.
@@ -227,6 +279,9 @@ impl UcxTransport {
         // one may ask.
         worker.listen_active_messages(REQUEST_AM_ID)?;
         worker.listen_pieces(PIECE_AM_ID)?;
+        worker.listen_active_messages(RETURN_AM_ID)?;
+        let key = direct::random_word().max(1);
+        let return_path = (key, worker.address()?);
         let event_fd = worker.event_fd();
         let words = Self::allocate_words(&context)?;
         let cells = MemoryRegion::allocate(&context, WORD_CELLS * 8)?;
@@ -246,6 +301,9 @@ impl UcxTransport {
             probe,
             peers: Vec::new(),
             closing: Vec::new(),
+            returns: Returns::default(),
+            return_path,
+            conn_serial: 0,
             regions: Vec::new(),
             spans: Vec::new(),
             device_regions: false,
@@ -481,6 +539,10 @@ impl UcxTransport {
                     "the peer runs on this host: its offered regions are read with process_vm_readv"
                 );
             }
+            self.conn_serial = self.conn_serial.wrapping_add(1);
+            let (key, address) = &self.return_path;
+            let return_path =
+                returns::announcement(*key, self.conn_serial, address).map(|a| (*key, a));
             p.conn = Some(Conn {
                 rkeys,
                 words,
@@ -489,6 +551,8 @@ impl UcxTransport {
                 soft,
                 direct,
                 direct_lost: std::cell::Cell::new(false),
+                return_path,
+                announced: std::cell::Cell::new(false),
                 ep: ep_conn,
                 id: ep.to_u64(),
                 generation: ep.generation,
@@ -695,9 +759,30 @@ impl UcxTransport {
         if self.requests.is_empty() {
             return;
         }
-        for (req, reply) in self.requests.drain(..) {
+        let Self {
+            requests,
+            returns,
+            worker,
+            spans,
+            device_regions,
+            ..
+        } = self;
+        for (req, reply) in requests.drain(..) {
             let Some(to) = reply else {
                 continue;
+            };
+            let Ok(own) = answer_on(worker, returns, to) else {
+                // Unanswerable (its reader is gone): its read ends with the
+                // reader's deadline, if the reader lives.
+                continue;
+            };
+            // SAFETY: the caller's promise, passed on.
+            let send = |header: &[u8], data: *const u8, len: usize| unsafe {
+                let token = T_TRANSPORT | T_SOFT_PIECE;
+                match own {
+                    Some(ep) => ep.send_with_data(PIECE_AM_ID, header, data, len, token),
+                    None => worker.reply_with_data(to, PIECE_AM_ID, header, data, len, token),
+                }
             };
             let mut piece = Piece {
                 slot: req.slot,
@@ -705,44 +790,24 @@ impl UcxTransport {
                 offset: 0,
                 status: 0,
             };
-            let found = soft::source(&req, &self.spans).filter(|_| !self.device_regions);
+            let found = soft::source(&req, spans).filter(|_| !*device_regions);
             let Some((base, len)) = found else {
-                piece.status = if self.device_regions {
+                piece.status = if *device_regions {
                     UNSUPPORTED
                 } else {
                     INVALID_PARAM
                 };
-                // SAFETY: no data.
-                let _ = unsafe {
-                    self.worker.reply_with_data(
-                        to,
-                        PIECE_AM_ID,
-                        &piece.encode(),
-                        std::ptr::null(),
-                        0,
-                        T_TRANSPORT | T_SOFT_PIECE,
-                    )
-                };
+                let _ = send(&piece.encode(), std::ptr::null(), 0);
                 continue;
             };
             let mut off = 0usize;
             while off < len {
                 let n = PIECE.min(len - off);
                 piece.offset = off as u64;
-                // SAFETY: base + off .. + n lies inside a registered region
-                // (checked by `source`), mapped until the transport drops,
-                // after the worker last progresses.
-                let sent = unsafe {
-                    self.worker.reply_with_data(
-                        to,
-                        PIECE_AM_ID,
-                        &piece.encode(),
-                        (base + off) as *const u8,
-                        n,
-                        T_TRANSPORT | T_SOFT_PIECE,
-                    )
-                };
-                if sent.is_err() {
+                // base + off .. + n lies inside a registered region (checked
+                // by `source`), mapped until the transport drops, after the
+                // worker last progresses.
+                if send(&piece.encode(), (base + off) as *const u8, n).is_err() {
                     break;
                 }
                 off += n;
@@ -765,6 +830,7 @@ fn soft_get_batch(
         .iter()
         .position(|r| std::ptr::eq(r, local))
         .unwrap_or(0) as u32;
+    let key = conn.return_key();
     for (i, op) in ops.iter().enumerate() {
         let fail = |error| Err(super::PostError { posted: i, error });
         let dest = match local.range_ptr(op.local_offset, op.len) {
@@ -783,10 +849,16 @@ fn soft_get_batch(
             len: op.len as u64,
         };
         let token = T_TRANSPORT | T_SOFT_REQUEST | u64::from(slot) << 32 | u64::from(seq);
-        if let Err(e) = conn
-            .ep
-            .send_active_message_with_reply(REQUEST_AM_ID, &req.encode(), token)
-        {
+        let sent = match key {
+            Some(key) => {
+                conn.ep
+                    .send_active_message_answerable(REQUEST_AM_ID, &req.encode(), key, token)
+            }
+            None => conn
+                .ep
+                .send_active_message_with_reply(REQUEST_AM_ID, &req.encode(), token),
+        };
+        if let Err(e) = sent {
             // Not posted: the slot ends here, not through a completion.
             worker.forget_soft_read(slot, seq);
             return fail(e);
@@ -878,19 +950,29 @@ impl Transport for UcxTransport {
 
     fn send(&mut self, ep: Ep, payload: &[u8], token: u64, want_reply: bool) -> Result<(), i8> {
         let conn = self.conn(ep)?;
-        let sent = if want_reply {
-            conn.ep
-                .send_active_message_with_reply(NOTIFY_AM_ID, payload, token)
-        } else {
-            conn.ep.send_active_message(NOTIFY_AM_ID, payload, token)
+        let key = if want_reply { conn.return_key() } else { None };
+        let sent = match key {
+            Some(key) if want_reply => {
+                conn.ep
+                    .send_active_message_answerable(NOTIFY_AM_ID, payload, key, token)
+            }
+            None if want_reply => {
+                conn.ep
+                    .send_active_message_with_reply(NOTIFY_AM_ID, payload, token)
+            }
+            _ => conn.ep.send_active_message(NOTIFY_AM_ID, payload, token),
         };
         sent.map_err(|e| status_of(&e))
     }
 
     fn reply(&mut self, to: u32, payload: &[u8], token: u64) -> Result<(), i8> {
-        self.worker
-            .reply(to, NOTIFY_AM_ID, payload, token)
-            .map_err(|e| status_of(&e))
+        let own = answer_on(&self.worker, &mut self.returns, to).map_err(|()| CANCELED)?;
+        match own {
+            Some(ep) => ep.send_active_message(NOTIFY_AM_ID, payload, token),
+            // No return path: UCX's reply endpoint (`super::returns`).
+            None => self.worker.reply(to, NOTIFY_AM_ID, payload, token),
+        }
+        .map_err(|e| status_of(&e))
     }
 
     fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
@@ -948,6 +1030,23 @@ impl Transport for UcxTransport {
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
         self.failures.append(&mut self.direct_out.lost);
         self.worker.take_endpoint_failures(&mut self.failures);
+        if self
+            .failures
+            .iter()
+            .any(|f| returns::is_return_id(f.endpoint))
+        {
+            // A return endpoint's failure is this transport's own: it
+            // closes, and the next answer opens another.
+            let (returns, seq) = (&mut self.returns, &mut self.close_seq);
+            self.failures.retain(|f| {
+                if !returns::is_return_id(f.endpoint) {
+                    return true;
+                }
+                *seq += 1;
+                returns.failed(f.endpoint, T_TRANSPORT | *seq);
+                false
+            });
+        }
         for f in &self.failures {
             // Its soft reads end with it (their completions come below).
             self.worker.fail_soft_reads_of(f.endpoint, f.status);
@@ -981,6 +1080,8 @@ impl Transport for UcxTransport {
                     if let Some(pos) = self.closing.iter().position(|(t, _)| *t == c.token) {
                         let (_, conn) = self.closing.swap_remove(pos);
                         self.worker.fail_soft_reads_of(conn.id, UcxStatus(CANCELED));
+                    } else {
+                        self.returns.closed(c.token);
                     }
                 }
                 continue;
@@ -1028,7 +1129,16 @@ impl Transport for UcxTransport {
         self.completions.clear();
         let probe = &mut self.probe;
         let requests = &mut self.requests;
+        let (returns, seq) = (&mut self.returns, &mut self.close_seq);
         self.worker.take_active_messages(|m| {
+            if m.id == RETURN_AM_ID {
+                // Outside bytes: a malformed announcement is dropped.
+                returns.announce(m.payload, &mut || {
+                    *seq += 1;
+                    T_TRANSPORT | *seq
+                });
+                return;
+            }
             if m.id == REQUEST_AM_ID {
                 // Outside bytes: a request of another length is dropped.
                 if let Some(r) = Request::decode(m.payload) {

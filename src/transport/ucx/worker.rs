@@ -40,6 +40,9 @@ pub struct ActiveMessage<'a> {
     /// Where to answer it with [`Worker::reply`], if the sender asked for
     /// answers: valid until the next [`Worker::progress`].
     pub reply: Option<u32>,
+    /// The sender's return key, if it sent one (an 8-byte header): the
+    /// path its answers go on (`super::returns`).
+    pub from: Option<u64>,
 }
 
 /// Where callbacks leave what they saw. One per worker, boxed so that its
@@ -54,8 +57,8 @@ pub(crate) struct Sink {
     am_index: RefCell<Vec<AmEntry>>,
     /// Reply endpoints of the messages received since the last progress
     /// (UCX's own endpoints; a handle is never kept past the next progress,
-    /// which could destroy it).
-    am_reply: RefCell<Vec<sys::ucp_ep_h>>,
+    /// which could destroy it), with each sender's return key (0: none).
+    am_reply: RefCell<Vec<(sys::ucp_ep_h, u64)>>,
     /// Bumped at every progress: reply handles carry it, so a stale one is
     /// refused instead of reaching a destroyed endpoint.
     am_epoch: Cell<u16>,
@@ -72,8 +75,9 @@ pub(crate) struct Sink {
 }
 
 /// A received message in the sink: its id, where its bytes are in
-/// `am_bytes` (start, length), and its reply handle.
-type AmEntry = (u16, usize, usize, Option<u32>);
+/// `am_bytes` (start, length), its reply handle and its sender's return
+/// key.
+type AmEntry = (u16, usize, usize, Option<u32>, Option<u64>);
 
 pub(crate) struct AmHandler {
     sink: *const Sink,
@@ -102,19 +106,22 @@ impl Sink {
         self.failures.borrow_mut().reserve(1);
     }
 
-    /// Copies `payload` into a send buffer that lives until the send
-    /// completes; returns its index + 1 (the request area's encoding).
-    pub(crate) fn take_send_buffer(&self, payload: &[u8]) -> (u32, *const u8) {
+    /// Copies `header` then `payload` into a send buffer that lives until
+    /// the send completes (room for a return key's header and the
+    /// largest payload); returns its index + 1 (the request area's
+    /// encoding) and where the copy starts.
+    pub(crate) fn take_send_buffer(&self, header: &[u8], payload: &[u8]) -> (u32, *const u8) {
         let mut bufs = self.send_buffers.borrow_mut();
         let idx = match self.free_buffers.borrow_mut().pop() {
             Some(i) => i,
             None => {
-                bufs.push(vec![0u8; MAX_AM_PAYLOAD].into_boxed_slice());
+                bufs.push(vec![0u8; MAX_AM_PAYLOAD + 8].into_boxed_slice());
                 (bufs.len() - 1) as u32
             }
         };
         let buf = &mut bufs[idx as usize];
-        buf[..payload.len()].copy_from_slice(payload);
+        buf[..header.len()].copy_from_slice(header);
+        buf[header.len()..header.len() + payload.len()].copy_from_slice(payload);
         (idx + 1, buf.as_ptr())
     }
 
@@ -132,7 +139,6 @@ unsafe extern "C" fn am_callback(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::Status {
-    let _ = header;
     // SAFETY: arg is the boxed AmHandler registered with this worker, alive
     // as long as the worker; param is valid for the duration of the call.
     unsafe {
@@ -148,7 +154,20 @@ unsafe extern "C" fn am_callback(
             sink.am_rejected.set(sink.am_rejected.get() + 1);
             return sys::ucs_status_t::UCS_OK;
         }
-        if header_length != 0 || length > MAX_AM_PAYLOAD || (length > 0 && data.is_null()) {
+        // The only header kvpoll sends is a return key (8 bytes).
+        let from = match header_length {
+            0 => None,
+            8 if !header.is_null() => {
+                let mut key = [0u8; 8];
+                key.copy_from_slice(std::slice::from_raw_parts(header as *const u8, 8));
+                Some(u64::from_le_bytes(key)).filter(|&k| k != 0)
+            }
+            _ => {
+                sink.am_rejected.set(sink.am_rejected.get() + 1);
+                return sys::ucs_status_t::UCS_OK;
+            }
+        };
+        if length > MAX_AM_PAYLOAD || (length > 0 && data.is_null()) {
             sink.am_rejected.set(sink.am_rejected.get() + 1);
             return sys::ucs_status_t::UCS_OK;
         }
@@ -160,14 +179,14 @@ unsafe extern "C" fn am_callback(
             && !(*param).reply_ep.is_null()
         {
             let mut eps = sink.am_reply.borrow_mut();
-            eps.push((*param).reply_ep);
+            eps.push(((*param).reply_ep, from.unwrap_or(0)));
             Some(u32::from(sink.am_epoch.get()) << 16 | (eps.len() - 1) as u32)
         } else {
             None
         };
         sink.am_index
             .borrow_mut()
-            .push((handler.id, start, length, reply));
+            .push((handler.id, start, length, reply, from));
         // UCS_OK: we copied the data, UCX may release it.
         sys::ucs_status_t::UCS_OK
     }
@@ -313,16 +332,29 @@ impl Worker {
     /// for a peer's connection inside the progress that finds the peer
     /// failed (`ucp_ep_set_failed`), which can be the progress that brought
     /// the message. A reply then goes to a freed endpoint (docs/design.md
-    /// §4, the tcp reader-kill row); the handle's epoch only refuses
+    /// §4, return paths): the transport answers here only senders that
+    /// announced no return path (`super::returns`); the handle's epoch only refuses
     /// handles older than the last progress.
     fn reply_endpoint(&self, to: u32) -> Result<sys::ucp_ep_h, UcxError> {
         let sink = &self.inner.sink;
         let eps = sink.am_reply.borrow();
         let fresh = (to >> 16) as u16 == sink.am_epoch.get();
         match eps.get((to & 0xffff) as usize) {
-            Some(&ep) if fresh => Ok(ep),
+            Some(&(ep, _)) if fresh => Ok(ep),
             _ => Err(UcxError::EndpointClosed(None)),
         }
+    }
+
+    /// The return key the sender of reply handle `to`'s message sent, if
+    /// it sent one and no progress ran since.
+    pub(crate) fn reply_key(&self, to: u32) -> Option<u64> {
+        let sink = &self.inner.sink;
+        let fresh = (to >> 16) as u16 == sink.am_epoch.get();
+        let eps = sink.am_reply.borrow();
+        eps.get((to & 0xffff) as usize)
+            .filter(|_| fresh)
+            .map(|&(_, key)| key)
+            .filter(|&k| k != 0)
     }
 
     /// Answers a message received since the last progress (its
@@ -335,7 +367,7 @@ impl Worker {
             &self.inner,
             ep,
             id,
-            payload,
+            (&[], payload),
             token,
             sys::UCP_AM_SEND_FLAG_EAGER,
         )
@@ -360,7 +392,7 @@ impl Worker {
         let ep = self.reply_endpoint(to)?;
         // SAFETY: the endpoint is UCX's, alive unless the progress that
         // brought the message also found its peer failed (`reply_endpoint`:
-        // a known hazard, not yet closed); the data's promise is the
+        // used only where the sender announced no return path); the data's promise is the
         // caller's.
         unsafe { super::endpoint::send_am_with_data(&self.inner, ep, id, header, data, len, token) }
     }
@@ -505,11 +537,12 @@ impl Worker {
         let sink = &self.inner.sink;
         let mut index = sink.am_index.borrow_mut();
         let mut bytes = sink.am_bytes.borrow_mut();
-        for &(id, start, len, reply) in index.iter() {
+        for &(id, start, len, reply, from) in index.iter() {
             f(ActiveMessage {
                 id,
                 payload: &bytes[start..start + len],
                 reply,
+                from,
             });
         }
         index.clear();
@@ -517,7 +550,7 @@ impl Worker {
     }
 
     /// Active messages dropped because they were not kvpoll's (rendezvous,
-    /// with a header, or over [`MAX_AM_PAYLOAD`]).
+    /// with a header other than a return key, or over [`MAX_AM_PAYLOAD`]).
     pub fn rejected_active_messages(&self) -> u64 {
         self.inner.sink.am_rejected.get()
     }
