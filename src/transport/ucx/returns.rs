@@ -50,13 +50,6 @@ pub(crate) const RETURN_AM_ID: u16 = 0x6b7a;
 /// path without an open endpoint, else of the others in turn.
 pub(crate) const MAX_RETURNS: usize = 4096;
 
-/// A return endpoint that answered nothing for this long is closed (the
-/// next answer opens another). A sender can go without failing any
-/// endpoint — an engine dropped inside a process that lives on, over
-/// shared memory — and its path's endpoint, which maps the sender's
-/// receive queue, would otherwise stay open until the table is full.
-pub(crate) const RETURN_IDLE_NS: u64 = 30_000_000_000;
-
 /// The peer half of return endpoints' ids ([`super::EndpointFailure`]):
 /// no [`crate::transport::Ep`]'s peer reaches it, nor is it the probe's
 /// (`u64::MAX`, on another worker).
@@ -86,9 +79,6 @@ struct Path {
     /// Bumped at each endpoint opened for this path: a failure report of
     /// an earlier one closes nothing of the next.
     opened: u16,
-    /// When its endpoint last carried an answer (the clock of the last
-    /// [`Returns::sweep`]).
-    used: u64,
 }
 
 /// A worker's return paths, by key.
@@ -102,10 +92,6 @@ pub(crate) struct Returns {
     closing: Vec<(u64, Endpoint)>,
     /// The path a full table gave up last when none was idle.
     evict: usize,
-    /// The clock of the last [`Returns::sweep`], and of the last one that
-    /// looked for idle endpoints (nanoseconds, the caller's epoch).
-    now: u64,
-    swept: u64,
 }
 
 impl Default for Returns {
@@ -122,8 +108,6 @@ impl Returns {
             by_key: HashMap::new(),
             closing: Vec::new(),
             evict: 0,
-            now: 0,
-            swept: 0,
         }
     }
 
@@ -165,7 +149,6 @@ impl Returns {
             announced: serial,
             ep: None,
             opened: 0,
-            used: self.now,
         };
         let at = if self.paths.len() < self.cap {
             self.paths.push(path);
@@ -211,34 +194,12 @@ impl Returns {
             match Endpoint::connect(worker, &p.address, id) {
                 Ok(ep) => p.ep = Some(ep),
                 Err(e) => {
-                    tracing::debug!(error = %e, "no return endpoint: the answer is not sent");
+                    tracing::debug!(error = %e, "no return endpoint: answers go on UCX's reply endpoint");
                     return None;
                 }
             }
         }
-        p.used = self.now;
         p.ep.as_ref()
-    }
-
-    /// Takes the clock (`now`, nanoseconds) and, a few times per
-    /// [`RETURN_IDLE_NS`], force-closes the endpoints idle that long, each
-    /// with a token from `token`.
-    pub fn sweep(&mut self, now: u64, token: &mut dyn FnMut() -> u64) {
-        self.now = now;
-        if now.saturating_sub(self.swept) < RETURN_IDLE_NS / 4 {
-            return;
-        }
-        self.swept = now;
-        for p in &mut self.paths {
-            if p.ep.is_some() && now.saturating_sub(p.used) >= RETURN_IDLE_NS {
-                if let Some(ep) = p.ep.take() {
-                    let t = token();
-                    if ep.force_close(t).is_ok() {
-                        self.closing.push((t, ep));
-                    }
-                }
-            }
-        }
     }
 
     /// Endpoint `id` failed: if it is a return endpoint still open, it is
@@ -404,43 +365,5 @@ mod tests {
         assert!(r.announce(&announcement(10, 0, &address).unwrap(), &mut t));
         assert!(r.paths[1].ep.is_none());
         assert_eq!(r.paths[1].announced, 0);
-    }
-
-    #[test]
-    fn return_endpoints_idle_past_the_bound_are_closed_and_reopened_at_the_next_answer() {
-        let (worker, other) = tcp_workers();
-        let address = other.address().expect("address");
-        let mut r = Returns::default();
-        let mut t = tokens();
-        let s = 1_000_000_000;
-        r.sweep(s, &mut t);
-        for k in [9, 10] {
-            assert!(r.announce(&announcement(k, 1, &address).unwrap(), &mut t));
-            assert!(r.endpoint(&worker, k).is_some());
-        }
-        // Key 10 answers again later; 9 does not.
-        r.sweep(s + RETURN_IDLE_NS / 2, &mut t);
-        assert!(r.endpoint(&worker, 10).is_some());
-        r.sweep(s + RETURN_IDLE_NS, &mut t);
-        assert!(r.paths[0].ep.is_none(), "idle for the bound: closed");
-        assert!(r.paths[1].ep.is_some(), "answered since: kept");
-        assert_eq!(r.closing.len(), 1);
-        // Its path stays: the next answer opens another endpoint.
-        assert!(r.endpoint(&worker, 9).is_some());
-        // Key 10, idle for the bound since its last answer: closed; key
-        // 9's new endpoint is not idle yet.
-        r.sweep(s + RETURN_IDLE_NS * 3 / 2 + 1, &mut t);
-        assert!(r.paths[1].ep.is_none());
-        assert!(r.paths[0].ep.is_some());
-        assert_eq!(r.closing.len(), 2);
-        // Key 9's endpoint (opened at s + IDLE) reaches the bound at
-        // s + 2 IDLE: a sweep soon after another looks at nothing, the
-        // next one closes it.
-        r.sweep(s + RETURN_IDLE_NS * 2 - RETURN_IDLE_NS / 8, &mut t);
-        r.sweep(s + RETURN_IDLE_NS * 2 + 1, &mut t);
-        assert!(r.paths[0].ep.is_some());
-        r.sweep(s + RETURN_IDLE_NS * 2 + RETURN_IDLE_NS / 4, &mut t);
-        assert!(r.paths[0].ep.is_none());
-        assert_eq!(r.closing.len(), 3);
     }
 }

@@ -1175,13 +1175,6 @@ impl Transport for UcxTransport {
     }
 
     fn hearing(&mut self, now: Nanos) -> bool {
-        // The poller's housekeeping call: return endpoints idle too long
-        // close here (`super::returns`).
-        let (returns, seq) = (&mut self.returns, &mut self.close_seq);
-        returns.sweep(now.0, &mut || {
-            *seq += 1;
-            T_TRANSPORT | *seq
-        });
         let Some(p) = self.probe.as_mut() else {
             return true;
         };
