@@ -42,7 +42,39 @@ def tiny_model(path: str) -> str:
     return path
 
 
+_HANDED_OUT: Set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to connections of its own."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free now that a test binds later, below the kernel's
+    ephemeral range: a port bound to 0 comes from that range, and the
+    connections the engines open meanwhile (UCX's, the control links')
+    take ports from it too, so one could take it before the test binds
+    it ("Address already in use"). Not handed out twice in a run."""
+    low = _ephemeral_low()
+    start, end = (20000, low) if low > 21000 else (low + 29000, 65000)
+    seed = int.from_bytes(hashlib.sha256(str(time.monotonic_ns()).encode()).digest()[:4], "little")
+    span = end - start
+    for i in range(200):
+        port = start + (seed + i * 7919) % span
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
