@@ -337,8 +337,9 @@ impl Endpoint {
 
     /// Sends an eager active message asking for a reply, with return key
     /// `key` as its 8-byte header: the receiver answers on an endpoint of
-    /// its own to the path announced under `key` (`super::returns`), or
-    /// else through [`Worker::reply`].
+    /// its own to the path announced under `key` (`super::returns`), and
+    /// not at all where it cannot open one (never through
+    /// [`Worker::reply`], whose endpoint the sender's death may free).
     pub(crate) fn send_active_message_answerable(
         &self,
         id: u16,
