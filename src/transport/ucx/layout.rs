@@ -320,6 +320,11 @@ pub(crate) fn check_rkey(bytes: &[u8]) -> Result<(), LayoutError> {
     Ok(())
 }
 
+/// The memory type a packed rkey (checked by [`check_rkey`]) names.
+pub(crate) fn rkey_memory_type(bytes: &[u8]) -> Option<u8> {
+    bytes.get(8).copied()
+}
+
 /// `raw` with [`PAD`] bytes of `0xff` behind it: what kvpoll hands UCX.
 /// `0xff` is "unknown system device" and the end of a distance list, so a
 /// reader that looks past a key which has neither stops there.

@@ -344,6 +344,8 @@ pub struct RemoteKey {
     rkey: sys::ucp_rkey_h,
     base: u64,
     len: u64,
+    /// The key names host memory (its packed memory type).
+    host: bool,
     pub(crate) endpoint: Rc<EndpointInner>,
 }
 
@@ -351,6 +353,7 @@ impl RemoteKey {
     /// Unpacks `packed` for use on `endpoint`.
     pub fn unpack(endpoint: &Endpoint, packed: &PackedRkey) -> Result<Self, UcxError> {
         let (base, len, raw) = packed.parts();
+        let host = layout::rkey_memory_type(raw) == Some(sys::UCS_MEMORY_TYPE_HOST as u8);
         let ep = endpoint.inner.raw();
         if ep.is_null() {
             return Err(UcxError::EndpointClosed(endpoint.failure()));
@@ -368,6 +371,7 @@ impl RemoteKey {
             rkey,
             base,
             len,
+            host,
             endpoint: endpoint.inner.clone(),
         })
     }
@@ -379,6 +383,30 @@ impl RemoteKey {
     /// Size of the remote region.
     pub fn remote_len(&self) -> u64 {
         self.len
+    }
+
+    /// The address in this process of the remote region's first byte,
+    /// where UCX mapped the whole region here when it unpacked the key
+    /// (`ucp_rkey_ptr`: a shared-memory segment the peer allocated through
+    /// UCX, `posix` or `sysv`); the region's bytes follow it. `None` for
+    /// memory UCX reaches only through a transport (memory the peer
+    /// registered itself, anything over tcp), for device memory (UCX 1.22
+    /// maps CUDA memory of a peer too, as device addresses), for an empty
+    /// region, and where the two ends of the region do not map `len - 1`
+    /// bytes apart.
+    pub fn mapped(&self) -> Option<*mut u8> {
+        if !self.host {
+            return None;
+        }
+        let last = self.base.checked_add(self.len.checked_sub(1)?)?;
+        let at = |addr: u64| {
+            let mut p = ptr::null_mut();
+            // SAFETY: the key is live; UCX only computes an address.
+            let status = unsafe { sys::ucp_rkey_ptr(self.rkey, addr, &mut p) };
+            (status == sys::ucs_status_t::UCS_OK && !p.is_null()).then_some(p as usize)
+        };
+        let (first, end) = (at(self.base)?, at(last)?);
+        (end.checked_sub(first) == Some((self.len - 1) as usize)).then_some(first as *mut u8)
     }
 
     pub(crate) fn range_addr(&self, offset: u64, len: usize) -> Result<u64, UcxError> {
