@@ -52,10 +52,12 @@ fn an_idle_poller_counts_idle_time_and_a_submit_after_it_blocked_is_reported_and
 /// once) and tries the queued sends again now and then.
 ///
 /// Here a reader over shared memory reads from a lender whose poller is
-/// stalled, one read at a time. The reads are copies out of the lender's
-/// mapped memory and finish, but each read's word to the lender is its own
-/// message: they fill the lender's receive queue, the next ones wait in
-/// UCX, and a read posted behind them waits too. While it waits, with
+/// stalled, one read at a time, through UCX's gets (mapped reads off: a
+/// mapped read is the poller's own copy, which UCX queues behind nothing).
+/// The gets are copies out of the lender's mapped memory and finish, but
+/// each read's word to the lender is its own message: they fill the
+/// lender's receive queue, the next ones wait in UCX, and a get posted
+/// behind them waits too. While it waits, with
 /// nothing else to do, the reader's poller may go round a few thousand
 /// times in 300 ms (each a wait), not hundreds of thousands; the read is
 /// reported once the lender drains again.
@@ -68,7 +70,7 @@ fn a_poller_whose_sends_wait_on_a_peer_that_does_not_drain_waits_instead_of_spin
     let shm = || {
         Engine::builder()
             .idle(IdlePolicy::Adaptive)
-            .ucx(ContextOptions::with_transports("posix,sysv,cma"))
+            .ucx(ContextOptions::with_transports("posix,sysv,cma").mapped_reads(false))
             .confirm_reads(false)
             .block_size(4096)
             .build()

@@ -302,3 +302,139 @@ fn a_get_of_caller_memory_on_this_host_completes_while_its_lender_never_progress
         assert_eq!(past, Err(INVALID_PARAM), "UCX refuses it too");
     }
 }
+
+/// A reader of a lender on this host whose regions and lend words UCX
+/// allocated in shared memory (UCX 1.13: the engine's own regions) copies
+/// them through the mapping UCX made of them here: a get completes, with
+/// the lender's bytes, and a lend word reads back, in the drain right
+/// after the post, without the reader ever progressing its worker; bytes
+/// past the region are refused with `INVALID_PARAM`, nothing copied. With
+/// mapped reads off the same get goes through UCX and lands the same
+/// bytes. (Where the engine allocates its regions itself, for `cma`, UCX
+/// maps nothing: only the second half runs.)
+#[test]
+fn a_get_of_ucx_allocated_memory_on_this_host_is_copied_through_its_mapping() {
+    use kvpoll::ledger::Incarnation;
+    use kvpoll::transport::{lend_word_of, INVALID_PARAM, T_WORD};
+    // A word read's token, as the core makes them.
+    const WORD: u64 = 43 | T_WORD;
+    let mapped_here = !cfg!(ucx_cma_with_peer_errors);
+    for mapped in [true, false] {
+        let options = ContextOptions::with_transports("posix,sysv,cma")
+            .direct_reads(false)
+            .mapped_reads(mapped);
+        let mut lender = UcxTransport::new(&options, BS).unwrap();
+        let len = (BLOCKS * BS) as usize;
+        // SAFETY: no caller memory: the transport allocates the region.
+        let (lbase, llen) = unsafe { lender.register(BLOCKS, len, None).unwrap() };
+        // SAFETY: the lender's region, mapped while it lives.
+        let src = unsafe { std::slice::from_raw_parts_mut(lbase as *mut u8, llen) };
+        for (i, b) in src.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let inc = Incarnation(0x5eed_0000_0000_0041);
+        let words = lender.lend_words().expect("lend words over shared memory");
+        let w = lend_word_of(inc, words.len()).unwrap();
+        words.set(w, inc.0);
+        let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
+        let mut reader = UcxTransport::new(&options, BS).unwrap();
+        // SAFETY: no caller memory.
+        let (base, rlen) = unsafe { reader.register(BLOCKS, len, None).unwrap() };
+        reader.add_peer(PeerId(0), &meta).unwrap();
+        let ep = Ep {
+            peer: PeerId(0),
+            generation: 1,
+        };
+        let pairs = [
+            (BlockId(0), BlockId(5)),
+            (BlockId(1), BlockId(6)),
+            (BlockId(9), BlockId(2)),
+        ];
+        let posted = reader.post(ep, Direction::Get, &pairs, 42).unwrap();
+        assert_eq!(
+            reader.mapped_reads_of(PeerId(0)),
+            if mapped && mapped_here {
+                (1, true)
+            } else {
+                (0, false)
+            },
+            "the region and words mapped here (mapped reads {mapped})"
+        );
+        let (mut statuses, mut word) = (Vec::new(), None);
+        let drain =
+            |reader: &mut UcxTransport, statuses: &mut Vec<i8>, word: &mut Option<(i8, u64)>| {
+                reader.drain(&mut |ev| match ev {
+                    TransportEvent::Completion { token: 42, status } => statuses.push(status),
+                    TransportEvent::Word {
+                        token: WORD,
+                        status,
+                        word: v,
+                    } => *word = Some((status, v)),
+                    _ => {}
+                })
+            };
+        drain(&mut reader, &mut statuses, &mut word);
+        let at_once = statuses.len() == posted as usize;
+        if mapped && mapped_here {
+            assert!(
+                at_once,
+                "a mapped get completes when it is posted: {statuses:?}"
+            );
+        }
+        let start = Instant::now();
+        while statuses.len() < posted as usize && start.elapsed() < GUARD {
+            reader.progress();
+            drain(&mut reader, &mut statuses, &mut word);
+        }
+        assert!(statuses.iter().all(|&s| s == 0), "{statuses:?}");
+        assert_eq!(statuses.len(), posted as usize);
+        // SAFETY: the reader's region, mapped while it lives; its gets
+        // completed.
+        let got = unsafe { std::slice::from_raw_parts(base as *const u8, rlen) };
+        for &(l, r) in &pairs {
+            let (l, r) = (l.0 as usize * BS as usize, r.0 as usize * BS as usize);
+            assert!(
+                got[l..l + BS as usize] == src[r..r + BS as usize],
+                "block {r} of the lender did not land (mapped reads {mapped})"
+            );
+        }
+        reader.read_word(ep, inc, WORD).unwrap();
+        drain(&mut reader, &mut statuses, &mut word);
+        if mapped && mapped_here {
+            assert_eq!(
+                word,
+                Some((0, inc.0)),
+                "a mapped word is loaded when it is read"
+            );
+        }
+        let start = Instant::now();
+        while word.is_none() && start.elapsed() < GUARD {
+            reader.progress();
+            drain(&mut reader, &mut statuses, &mut word);
+        }
+        assert_eq!(
+            word,
+            Some((0, inc.0)),
+            "the lend word (mapped reads {mapped})"
+        );
+        let past = reader
+            .post(
+                ep,
+                Direction::Get,
+                &[(BlockId(3), BlockId(BLOCKS as u32))],
+                44,
+            )
+            .map_err(|f| f.status);
+        assert_eq!(
+            past,
+            Err(INVALID_PARAM),
+            "a read past the region (mapped reads {mapped})"
+        );
+        reader.close(ep);
+        let t = Instant::now();
+        while reader.closing() && t.elapsed() < GUARD {
+            reader.progress();
+            reader.drain(&mut |_| {});
+        }
+    }
+}

@@ -39,6 +39,15 @@ pub struct ContextOptions {
     /// memory not allocated by UCX is offered; an engine with device
     /// memory registered neither offers nor reads so. Default on.
     pub direct_reads: bool,
+    /// Read a lender's regions that UCX allocated in shared memory, and
+    /// its lend words, with a copy (a load for a word) from the poller,
+    /// through the mapping UCX made of them in this process when it
+    /// unpacked their keys (`ucp_rkey_ptr`), instead of posting UCX gets:
+    /// the bytes are the same, UCX's get over `posix` or `sysv` copies
+    /// from that mapping too, and a read no longer costs a UCX request
+    /// and its completion. Host memory only; the endpoint still carries
+    /// everything else and detects the peer's failure. Default on.
+    pub mapped_reads: bool,
     /// Further `(name, value)` pairs, names without the `UCX_` prefix.
     pub extra: Vec<(String, String)>,
     /// Ask for `UCP_FEATURE_WAKEUP`, so that an idle poller can block on
@@ -67,6 +76,7 @@ impl Default for ContextOptions {
             shared_memory_error_handling: true,
             cma_with_error_handling: true,
             direct_reads: true,
+            mapped_reads: true,
             extra: Vec::new(),
             wakeup: true,
             adaptive_progress: None,
@@ -149,6 +159,12 @@ impl ContextOptions {
     /// With or without direct reads (see [`ContextOptions::direct_reads`]).
     pub fn direct_reads(mut self, on: bool) -> Self {
         self.direct_reads = on;
+        self
+    }
+
+    /// With or without mapped reads (see [`ContextOptions::mapped_reads`]).
+    pub fn mapped_reads(mut self, on: bool) -> Self {
+        self.mapped_reads = on;
         self
     }
 

@@ -96,6 +96,13 @@ struct Conn {
     /// fails an endpoint whose `cma` transfer found its peer dead), and
     /// later direct reads on it fail at once.
     direct_lost: std::cell::Cell<bool>,
+    /// Where UCX mapped each of the peer's regions into this process, by
+    /// region index (`None`: not mapped, or mapped reads are off): gets of
+    /// them are copies from the poller ([`ContextOptions::mapped_reads`]).
+    mapped: Vec<Option<*const u8>>,
+    /// Where UCX mapped the peer's lend words, likewise: a word read is a
+    /// load.
+    words_mapped: Option<*const AtomicU64>,
     /// This engine's return key and this connection's announcement of it
     /// (`None`: its address does not fit one message, and the peer answers
     /// it on UCX's reply endpoints).
@@ -236,6 +243,9 @@ pub struct UcxTransport {
     /// offers them), the ids of its regions it offers, and what its direct
     /// reads left for the next drain.
     direct: Option<direct::Local>,
+    /// Gets of a peer's regions UCX mapped here are copies
+    /// ([`ContextOptions::mapped_reads`]).
+    mapped_reads: bool,
     direct_regions: Vec<u32>,
     direct_out: DirectOut,
 }
@@ -246,6 +256,8 @@ pub struct UcxTransport {
 #[derive(Default)]
 struct DirectOut {
     done: Vec<Completion>,
+    /// Lend words loaded from a mapping: (token, word).
+    words: Vec<(u64, u64)>,
     lost: Vec<EndpointFailure>,
     ops: Vec<direct::Op>,
     iov: (Vec<libc::iovec>, Vec<libc::iovec>),
@@ -325,9 +337,11 @@ impl UcxTransport {
             owners: Vec::new(),
             requests: Vec::with_capacity(64),
             direct: options.reads_directly().then(direct::Local::new).flatten(),
+            mapped_reads: options.mapped_reads,
             direct_regions: Vec::new(),
             direct_out: DirectOut {
                 done: Vec::with_capacity(1024),
+                words: Vec::with_capacity(64),
                 lost: Vec::new(),
                 ops: Vec::with_capacity(1024),
                 iov: (Vec::with_capacity(1024), Vec::with_capacity(1024)),
@@ -358,6 +372,24 @@ impl UcxTransport {
         let words = unsafe { LendWords::new(base, len, owner) };
         words.clear_all();
         Ok(Some((words, rkey)))
+    }
+
+    /// How many of `peer`'s regions its open connection reads by copying
+    /// from UCX's mapping of them here ([`ContextOptions::mapped_reads`]),
+    /// and whether it loads the peer's lend words so; `(0, false)` before
+    /// the connection is made (at the first operation on it).
+    pub fn mapped_reads_of(&self, peer: PeerId) -> (usize, bool) {
+        let conn = self
+            .peers
+            .get(peer.0 as usize)
+            .and_then(|p| p.as_ref())
+            .and_then(|p| p.conn.as_ref());
+        conn.map_or((0, false), |c| {
+            (
+                c.mapped.iter().filter(|m| m.is_some()).count(),
+                c.words_mapped.is_some(),
+            )
+        })
     }
 
     /// Registers a region of `blocks` blocks: UCX-allocated memory, or the
@@ -539,6 +571,24 @@ impl UcxTransport {
                     "the peer runs on this host: its offered regions are read with process_vm_readv"
                 );
             }
+            // Device memory here: a copy lands with the CPU, so no. Over
+            // tcp UCX maps nothing.
+            let may_map = self.mapped_reads && !self.device_regions && !soft;
+            let mapped: Vec<Option<*const u8>> = rkeys
+                .iter()
+                .map(|k| k.mapped().filter(|_| may_map).map(|p| p as *const u8))
+                .collect();
+            let words_mapped = words
+                .as_ref()
+                .and_then(|k| k.mapped())
+                .filter(|p| may_map && (*p as usize) % std::mem::align_of::<AtomicU64>() == 0)
+                .map(|p| p as *const AtomicU64);
+            if mapped.iter().any(|m| m.is_some()) {
+                tracing::debug!(
+                    peer = ep.peer.0,
+                    "UCX mapped the peer's shared memory here: its gets are copies from the poller"
+                );
+            }
             self.conn_serial = self.conn_serial.wrapping_add(1);
             let (key, address) = &self.return_path;
             let return_path =
@@ -551,6 +601,8 @@ impl UcxTransport {
                 soft,
                 direct,
                 direct_lost: std::cell::Cell::new(false),
+                mapped,
+                words_mapped,
                 return_path,
                 announced: std::cell::Cell::new(false),
                 ep: ep_conn,
@@ -686,6 +738,29 @@ impl UcxTransport {
                             }
                         }
                     }
+                    let mapped = conn.mapped.get(i).copied().flatten();
+                    if let Some(src) =
+                        mapped.filter(|_| dir == Direction::Get && !self.device_regions)
+                    {
+                        // Copied now, done when this returns; a completion
+                        // a run, as UCX's path counts them. Bytes outside
+                        // either region are refused before any is copied.
+                        match copy_mapped(src, rkey.remote_len(), region, &ops) {
+                            Ok(()) => {
+                                let c = Completion {
+                                    token,
+                                    status: UcxStatus(0),
+                                };
+                                out.done.extend(std::iter::repeat_n(c, ops.len()));
+                                posted += ops.len() as u32;
+                                continue;
+                            }
+                            Err(status) => {
+                                failure = Some(status);
+                                break;
+                            }
+                        }
+                    }
                     let res = match dir {
                         Direction::Get if conn.soft => {
                             soft_get_batch(&self.worker, conn, region, &self.regions, &ops)
@@ -712,6 +787,36 @@ impl UcxTransport {
         self.direct_out = out;
         result
     }
+}
+
+/// Copies `ops` from a peer's region that UCX mapped here at `src`
+/// (`len` bytes) into `local`, or `Err(INVALID_PARAM)`, with nothing
+/// copied, for bytes outside either region.
+fn copy_mapped(src: *const u8, len: u64, local: &MemoryRegion, ops: &[BlockOp]) -> Result<(), i8> {
+    let inside = |op: &BlockOp| {
+        op.remote_offset
+            .checked_add(op.len as u64)
+            .is_some_and(|end| end <= len)
+            && local.range_ptr(op.local_offset, op.len).is_ok()
+    };
+    if !ops.iter().all(inside) {
+        return Err(INVALID_PARAM);
+    }
+    for op in ops {
+        let Ok(dest) = local.range_ptr(op.local_offset, op.len) else {
+            return Err(INVALID_PARAM);
+        };
+        // SAFETY: `dest..+len` lies in this engine's region, which the
+        // core keeps for the read; `src + remote_offset..+len` lies in the
+        // peer's region as UCX mapped it here (checked above against its
+        // length, whose two ends `RemoteKey::mapped` found mapped), which
+        // stays mapped while the connection's key lives. The two never
+        // overlap: one is this engine's, the other the peer's.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(op.remote_offset as usize), dest, op.len);
+        }
+    }
+    Ok(())
 }
 
 /// Reads `ops` of region `i` from `d`'s peer into `local` directly;
@@ -976,10 +1081,25 @@ impl Transport for UcxTransport {
     }
 
     fn read_word(&mut self, ep: Ep, inc: Incarnation, token: u64) -> Result<(), i8> {
+        self.connect(ep)?;
+        if let Some(conn) = self.open(ep) {
+            if let (Some(words), Some(rkey)) = (conn.words_mapped, conn.words.as_ref()) {
+                let count = (rkey.remote_len() / 8) as usize;
+                let i = lend_word_of(inc, count).ok_or(UNSUPPORTED)?;
+                // The data this read decides about was read before (its
+                // copies or gets completed): keep those loads before the
+                // word's.
+                std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+                // SAFETY: `i < count`, the mapping's words (checked aligned
+                // when the connection was made), mapped while its key lives.
+                let word = unsafe { (*words.add(i)).load(std::sync::atomic::Ordering::Acquire) };
+                self.direct_out.words.push((token, word));
+                return Ok(());
+            }
+        }
         let Some(&cell) = self.free_cells.last() else {
             return Err(NO_RESOURCE);
         };
-        self.connect(ep)?;
         let conn = self.open(ep).ok_or(INVALID_PARAM)?;
         // Soft reads have no one-sided word read: readers ask.
         let Some(rkey) = conn
@@ -1050,6 +1170,14 @@ impl Transport for UcxTransport {
         for f in &self.failures {
             // Its soft reads end with it (their completions come below).
             self.worker.fail_soft_reads_of(f.endpoint, f.status);
+        }
+        // Words loaded from a mapping were read when they were posted.
+        for (token, word) in self.direct_out.words.drain(..) {
+            sink(TransportEvent::Word {
+                token,
+                status: 0,
+                word,
+            });
         }
         // Direct reads completed when they were posted.
         self.completions.append(&mut self.direct_out.done);
