@@ -197,10 +197,12 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     }
     let closed = stdin_closed();
     let mut outcomes = kvpoll::Outcomes::default();
-    let mut quiet = 0u32;
     while !closed.load(Ordering::Acquire) {
         outcomes.clear();
-        engine.poll(&mut outcomes);
+        // Woken by its engine's reports (a reader's release of a lend, a
+        // write that landed), as a serving engine that waits for its
+        // transfers would be, or after 1 ms to look at standard input.
+        engine.wait(&mut outcomes, std::time::Duration::from_millis(1));
         if check_every > 0 {
             check_received(
                 &engine,
@@ -217,23 +219,6 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
             + outcomes.failed_recving.len();
         lender.released += ended as u64;
         lender.top_up(&mut engine).map_err(fail)?;
-        // A lender whose reader is reading looks often enough to stay
-        // ahead of it (100 µs at most); otherwise, as a peer that lends
-        // nothing, it only keeps its engine drained (every 1 ms), and
-        // leaves the CPU to the runs that do not read from it.
-        quiet = if ended == 0 {
-            quiet.saturating_add(1)
-        } else {
-            0
-        };
-        let nap = if lend_ahead > 0 && quiet < 100 {
-            100
-        } else {
-            1000
-        };
-        if ended == 0 {
-            std::thread::sleep(std::time::Duration::from_micros(nap));
-        }
     }
     engine.shutdown();
     drop(engine);
