@@ -304,14 +304,14 @@ fn a_get_of_caller_memory_on_this_host_completes_while_its_lender_never_progress
 }
 
 /// A reader of a lender on this host whose regions and lend words UCX
-/// allocated in shared memory (UCX 1.13: the engine's own regions) copies
-/// them through the mapping UCX made of them here: a get completes, with
-/// the lender's bytes, and a lend word reads back, in the drain right
-/// after the post, without the reader ever progressing its worker; bytes
-/// past the region are refused with `INVALID_PARAM`, nothing copied. With
-/// mapped reads off the same get goes through UCX and lands the same
-/// bytes. (Where the engine allocates its regions itself, for `cma`, UCX
-/// maps nothing: only the second half runs.)
+/// allocated in shared memory (the lend words always; the engine's own
+/// regions on UCX 1.13) copies them through the mapping UCX made of them
+/// here: a get completes, with the lender's bytes, and a lend word reads
+/// back, in the drain right after the post, without the reader ever
+/// progressing its worker; bytes past the region are refused with
+/// `INVALID_PARAM`, nothing copied. With mapped reads off the same get
+/// goes through UCX and lands the same bytes. (Where the engine allocates
+/// its regions itself, for `cma`, UCX maps no region: its get is UCX's.)
 #[test]
 fn a_get_of_ucx_allocated_memory_on_this_host_is_copied_through_its_mapping() {
     use kvpoll::ledger::Incarnation;
