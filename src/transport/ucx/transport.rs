@@ -578,10 +578,25 @@ impl UcxTransport {
                 .iter()
                 .map(|k| k.mapped().filter(|_| may_map).map(|p| p as *const u8))
                 .collect();
+            // Words are loaded only where no read of the connection goes
+            // through UCX: every region mapped or read directly. Beside
+            // UCX's own gets (UCX 1.22's `cma` lane, direct reads off), a
+            // reader whose words were loaded aborted in UCX when its
+            // worker was destroyed after a force-close (`arbiter.c:36`,
+            // the discarded `cma` endpoint's flush never ran); with its
+            // words got through UCX it did not.
+            let bypassed = mapped.iter().enumerate().all(|(i, m)| {
+                m.is_some()
+                    || direct
+                        .as_ref()
+                        .is_some_and(|d| d.regions.get(i).is_some_and(|r| r.is_some()))
+            });
             let words_mapped = words
                 .as_ref()
                 .and_then(|k| k.mapped())
-                .filter(|p| may_map && (*p as usize) % std::mem::align_of::<AtomicU64>() == 0)
+                .filter(|p| {
+                    may_map && bypassed && (*p as usize) % std::mem::align_of::<AtomicU64>() == 0
+                })
                 .map(|p| p as *const AtomicU64);
             if mapped.iter().any(|m| m.is_some()) {
                 tracing::debug!(
