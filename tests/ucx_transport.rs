@@ -442,3 +442,72 @@ fn a_get_of_ucx_allocated_memory_on_this_host_is_copied_through_its_mapping() {
         }
     }
 }
+
+/// Direct reads posted to one lender before the reader next progresses
+/// are read together (one system call) and each still completes with its
+/// own token, its own operation count and its own bytes.
+#[test]
+fn direct_reads_posted_together_complete_each_with_its_own_token_and_bytes() {
+    use kvpoll::transport::ucx::UserMemory;
+    let len = (BLOCKS * BS) as usize;
+    let mut mem: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+    let options = ContextOptions::with_transports("posix,sysv,cma");
+    let mut lender = UcxTransport::new(&options, BS).unwrap();
+    let host = UserMemory::Host(mem.as_mut_ptr() as usize);
+    // SAFETY: `mem` outlives the lender, dropped at the end of the test.
+    unsafe { lender.register(BLOCKS, len, Some(host)).unwrap() };
+    let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
+    assert!(meta.direct.is_some(), "the lender offers direct reads");
+    let mut reader = UcxTransport::new(&options, BS).unwrap();
+    // SAFETY: no caller memory.
+    let (base, rlen) = unsafe { reader.register(BLOCKS, len, None).unwrap() };
+    reader.add_peer(PeerId(0), &meta).unwrap();
+    let ep = Ep {
+        peer: PeerId(0),
+        generation: 1,
+    };
+    let posts: [(u64, &[(BlockId, BlockId)]); 3] = [
+        (50, &[(BlockId(0), BlockId(7))]),
+        (51, &[(BlockId(1), BlockId(3)), (BlockId(2), BlockId(4))]),
+        (52, &[(BlockId(5), BlockId(60)), (BlockId(9), BlockId(1))]),
+    ];
+    let mut expected = std::collections::HashMap::new();
+    for (token, pairs) in posts {
+        let n = reader.post(ep, Direction::Get, pairs, token).unwrap();
+        expected.insert(token, n as usize);
+    }
+    assert_eq!(expected[&51], 1, "consecutive blocks are one run");
+    let mut got: std::collections::HashMap<u64, Vec<i8>> = Default::default();
+    reader.progress();
+    reader.drain(&mut |ev| {
+        if let TransportEvent::Completion { token, status } = ev {
+            got.entry(token).or_default().push(status);
+        }
+    });
+    for (token, n) in &expected {
+        assert_eq!(
+            got.get(token).map(|s| s.len()),
+            Some(*n),
+            "token {token}: {got:?}"
+        );
+        assert!(got[token].iter().all(|&s| s == 0), "token {token}: {got:?}");
+    }
+    // SAFETY: the reader's region, mapped while it lives; its reads ended.
+    let landed = unsafe { std::slice::from_raw_parts(base as *const u8, rlen) };
+    for (_, pairs) in posts {
+        for &(l, r) in pairs {
+            let (l, r) = (l.0 as usize * BS as usize, r.0 as usize * BS as usize);
+            assert!(
+                landed[l..l + BS as usize] == mem[r..r + BS as usize],
+                "remote block {} did not land",
+                r / BS as usize
+            );
+        }
+    }
+    reader.close(ep);
+    let t = Instant::now();
+    while reader.closing() && t.elapsed() < GUARD {
+        reader.progress();
+        reader.drain(&mut |_| {});
+    }
+}

@@ -255,12 +255,27 @@ pub struct UcxTransport {
 /// system calls (kept for their capacity).
 #[derive(Default)]
 struct DirectOut {
+    /// Direct reads posted and not read yet, in post order: one system
+    /// call reads a run of them from one connection
+    /// ([`UcxTransport::read_directly`]).
+    pending: Vec<PendingRead>,
+    /// Their operations, each read's a range.
+    pending_ops: Vec<direct::Op>,
     done: Vec<Completion>,
     /// Lend words loaded from a mapping: (token, word).
     words: Vec<(u64, u64)>,
     lost: Vec<EndpointFailure>,
-    ops: Vec<direct::Op>,
     iov: (Vec<libc::iovec>, Vec<libc::iovec>),
+}
+
+/// A post's direct reads of one region, waiting for the connection's
+/// next system call.
+struct PendingRead {
+    peer: PeerId,
+    /// The connection's id ([`Ep::to_u64`]) when it was posted.
+    conn: u64,
+    token: u64,
+    ops: std::ops::Range<usize>,
 }
 
 /// Caller memory to register: host memory at an address, or CUDA device
@@ -340,10 +355,11 @@ impl UcxTransport {
             mapped_reads: options.mapped_reads,
             direct_regions: Vec::new(),
             direct_out: DirectOut {
+                pending: Vec::with_capacity(64),
+                pending_ops: Vec::with_capacity(1024),
                 done: Vec::with_capacity(1024),
                 words: Vec::with_capacity(64),
                 lost: Vec::new(),
-                ops: Vec::with_capacity(1024),
                 iov: (Vec::with_capacity(1024), Vec::with_capacity(1024)),
             },
         })
@@ -722,36 +738,36 @@ impl UcxTransport {
                             && d.regions.get(i).is_some_and(|r| r.is_some())
                     });
                     if let Some(d) = direct {
-                        // One system call for the region's runs, done (or
-                        // failed) when this returns; a completion a run, as
-                        // UCX's path counts them. Bytes outside either
-                        // region are refused before any is read.
-                        let read = if conn.direct_lost.get() {
-                            Ok(CONNECTION_RESET)
+                        // Read at the next progress or drain, with the
+                        // connection's other direct reads posted before it
+                        // (one system call for all of them); a completion
+                        // a run, as UCX's path counts them. Bytes outside
+                        // either region are refused now, before any is
+                        // read.
+                        if conn.direct_lost.get() {
+                            let c = Completion {
+                                token,
+                                status: UcxStatus(CONNECTION_RESET),
+                            };
+                            out.done.extend(std::iter::repeat_n(c, ops.len()));
                         } else {
-                            direct_get(d, i, region, &ops, &mut out.ops, &mut out.iov)
-                        };
-                        match read {
-                            Ok(status) => {
-                                if status == CONNECTION_RESET && !conn.direct_lost.replace(true) {
-                                    out.lost.push(EndpointFailure {
-                                        endpoint: conn.id,
-                                        status: UcxStatus(status),
-                                    });
-                                }
-                                let c = Completion {
-                                    token,
-                                    status: UcxStatus(status),
-                                };
-                                out.done.extend(std::iter::repeat_n(c, ops.len()));
-                                posted += ops.len() as u32;
-                                continue;
-                            }
-                            Err(status) => {
+                            let start = out.pending_ops.len();
+                            if let Err(status) =
+                                direct_ops(d, i, region, &ops, &mut out.pending_ops)
+                            {
+                                out.pending_ops.truncate(start);
                                 failure = Some(status);
                                 break;
                             }
+                            out.pending.push(PendingRead {
+                                peer: ep.peer,
+                                conn: conn.id,
+                                token,
+                                ops: start..out.pending_ops.len(),
+                            });
                         }
+                        posted += ops.len() as u32;
+                        continue;
                     }
                     let mapped = conn.mapped.get(i).copied().flatten();
                     if let Some(src) =
@@ -834,20 +850,16 @@ fn copy_mapped(src: *const u8, len: u64, local: &MemoryRegion, ops: &[BlockOp]) 
     Ok(())
 }
 
-/// Reads `ops` of region `i` from `d`'s peer into `local` directly;
-/// returns the read's status (`CONNECTION_RESET` for a read that found
-/// the peer gone, `IO_ERROR` for one that failed otherwise), or
-/// `Err(INVALID_PARAM)`, with nothing read, for bytes outside either
-/// region (as UCX refuses such a get when it is posted).
-fn direct_get(
+/// Appends `ops` of region `i`, read from `d`'s peer into `local`, to
+/// `dops`, or `Err(INVALID_PARAM)` for bytes outside either region (as UCX
+/// refuses such a get when it is posted).
+fn direct_ops(
     d: &direct::Peer,
     i: usize,
     local: &MemoryRegion,
     ops: &[BlockOp],
     dops: &mut Vec<direct::Op>,
-    iov: &mut (Vec<libc::iovec>, Vec<libc::iovec>),
-) -> Result<i8, i8> {
-    dops.clear();
+) -> Result<(), i8> {
     for op in ops {
         let (Ok(dest), Some(remote)) = (
             local.range_ptr(op.local_offset, op.len),
@@ -861,12 +873,78 @@ fn direct_get(
             len: op.len,
         });
     }
-    match d.read(dops, &mut iov.0, &mut iov.1) {
-        Ok(()) => Ok(0),
-        Err(e) => {
-            tracing::debug!(error = %e, "a direct read failed");
-            Ok(if e.lost { CONNECTION_RESET } else { IO_ERROR })
+    Ok(())
+}
+
+impl UcxTransport {
+    /// Reads the direct reads posted since the last call: each run of them
+    /// on one connection with one `process_vm_readv` (a call per 1 023
+    /// runs, each ending with the probe word), and completes them: `0`,
+    /// `CONNECTION_RESET` where the call found the peer gone (the
+    /// connection fails, once), `IO_ERROR` where it failed for itself;
+    /// `CANCELED` for reads whose connection closed since they were posted.
+    fn read_directly(&mut self) {
+        let out = &mut self.direct_out;
+        if out.pending.is_empty() {
+            return;
         }
+        let pending = std::mem::take(&mut out.pending);
+        let mut at = 0;
+        while at < pending.len() {
+            let first = &pending[at];
+            let mut end = at + 1;
+            while end < pending.len()
+                && pending[end].conn == first.conn
+                && pending[end].ops.start == pending[end - 1].ops.end
+            {
+                end += 1;
+            }
+            let run = &pending[at..end];
+            let ops = &out.pending_ops[first.ops.start..run[run.len() - 1].ops.end];
+            let conn = self
+                .peers
+                .get(first.peer.0 as usize)
+                .and_then(|p| p.as_ref())
+                .and_then(|p| p.conn.as_ref())
+                .filter(|c| c.id == first.conn);
+            let status = match conn {
+                None => CANCELED,
+                Some(c) if c.direct_lost.get() => CONNECTION_RESET,
+                Some(c) => match c.direct.as_ref() {
+                    None => CANCELED,
+                    Some(d) => match d.read(ops, &mut out.iov.0, &mut out.iov.1) {
+                        Ok(()) => 0,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "a direct read failed");
+                            if e.lost {
+                                CONNECTION_RESET
+                            } else {
+                                IO_ERROR
+                            }
+                        }
+                    },
+                },
+            };
+            if let Some(c) = conn {
+                if status == CONNECTION_RESET && !c.direct_lost.replace(true) {
+                    out.lost.push(EndpointFailure {
+                        endpoint: c.id,
+                        status: UcxStatus(status),
+                    });
+                }
+            }
+            for r in run {
+                let c = Completion {
+                    token: r.token,
+                    status: UcxStatus(status),
+                };
+                out.done.extend(std::iter::repeat_n(c, r.ops.len()));
+            }
+            at = end;
+        }
+        out.pending_ops.clear();
+        out.pending = pending;
+        out.pending.clear();
     }
 }
 
@@ -1002,6 +1080,8 @@ impl Transport for UcxTransport {
     }
 
     fn forget_peer(&mut self, peer: PeerId, drain: bool) {
+        // Reads posted before are read before the connection changes.
+        self.read_directly();
         // A peer removed with gets of ours in flight is closed gracefully:
         // it serves them and then drops its side of the connection,
         // instead of finding it cut under get requests it is still
@@ -1060,6 +1140,8 @@ impl Transport for UcxTransport {
     }
 
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
+        // Completes once the reads posted before it are read.
+        self.read_directly();
         // Never connects: a flush on a generation that is not the open one
         // would flush nothing of what it must cover.
         match self.open(ep) {
@@ -1148,10 +1230,13 @@ impl Transport for UcxTransport {
     }
 
     fn close(&mut self, ep: Ep) {
+        // Reads posted before are read before the connection changes.
+        self.read_directly();
         self.close_conn(ep.peer, Some(ep.generation));
     }
 
     fn progress(&mut self) -> u32 {
+        self.read_directly();
         self.progresses += 1;
         let events = self.worker.progress();
         if let Some(p) = self.probe.as_mut().filter(|p| p.hearing.waiting()) {
@@ -1163,6 +1248,7 @@ impl Transport for UcxTransport {
     }
 
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
+        self.read_directly();
         self.failures.append(&mut self.direct_out.lost);
         self.worker.take_endpoint_failures(&mut self.failures);
         if self
@@ -1194,7 +1280,8 @@ impl Transport for UcxTransport {
                 word,
             });
         }
-        // Direct reads completed when they were posted.
+        // Direct reads completed when they were read (above, or when
+        // posted, for a connection already lost).
         self.completions.append(&mut self.direct_out.done);
         self.worker.take_completions(&mut self.completions);
         // Completions may add completions (a close ends its soft reads):
