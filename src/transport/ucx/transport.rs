@@ -841,10 +841,11 @@ fn copy_mapped(src: *const u8, len: u64, local: &MemoryRegion, ops: &[BlockOp]) 
         // core keeps for the read; `src + remote_offset..+len` lies in the
         // peer's region as UCX mapped it here (checked above against its
         // length, whose two ends `RemoteKey::mapped` found mapped), which
-        // stays mapped while the connection's key lives. The two never
-        // overlap: one is this engine's, the other the peer's.
+        // stays mapped while the connection's key lives. `copy`, not
+        // `copy_nonoverlapping`: an engine that is its own peer maps its
+        // own segment, and a read may name the block it lands in.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.add(op.remote_offset as usize), dest, op.len);
+            std::ptr::copy(src.add(op.remote_offset as usize), dest, op.len);
         }
     }
     Ok(())
@@ -1425,8 +1426,11 @@ impl Transport for UcxTransport {
     fn arm(&mut self) -> bool {
         // An arm that fails outright (not BUSY) is treated as "do not
         // block": the poller then naps on a timer, as without the fd.
-        // Direct reads' completions wait for the next drain, not an event.
+        // Direct reads (posted, or completed) and loaded words wait for
+        // the next progress or drain, not an event.
         self.direct_out.done.is_empty()
+            && self.direct_out.pending.is_empty()
+            && self.direct_out.words.is_empty()
             && self.event_fd.is_some()
             && self.worker.arm().unwrap_or(false)
     }
