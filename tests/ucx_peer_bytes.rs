@@ -335,3 +335,213 @@ fn soft_read_requests_a_peer_forges_are_answered_or_refused_and_the_lender_still
     read_and_check(&mut d, peer, 1);
     drop(ep);
 }
+
+/// Peer metadata whose regions claim `blocks` blocks each (their bounds'
+/// length to match) and, where `words` is given, whose lend words claim
+/// that many bytes: the UCX bytes untouched, every frame resealed, as a
+/// hostile peer on the same host would send them.
+fn rewrite_lengths(meta: &[u8], blocks: u64, words: Option<u64>) -> Vec<u8> {
+    let p = wire::decode(meta, Kind::PeerMetadata).unwrap();
+    let block_size = u64::from_le_bytes(p[8..16].try_into().unwrap());
+    let u32_at = |at: usize| u32::from_le_bytes(p[at..at + 4].try_into().unwrap()) as usize;
+    // A framed rkey at `at` with the length in its bounds replaced.
+    let key = |at: usize, len: u64| {
+        let framed = &p[at + 4..at + 4 + u32_at(at)];
+        let mut payload = wire::decode(framed, Kind::RemoteKey).unwrap().to_vec();
+        payload[8..16].copy_from_slice(&len.to_le_bytes());
+        let k = wire::encode(Kind::RemoteKey, &payload);
+        let mut out = (k.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(&k);
+        out
+    };
+    let mut at = 16 + 4 + u32_at(16);
+    let mut out = p[..at + 2].to_vec();
+    let count = u16::from_le_bytes([p[at], p[at + 1]]);
+    at += 2;
+    for _ in 0..count {
+        out.extend_from_slice(&p[at..at + 4]);
+        out.extend_from_slice(&blocks.to_le_bytes());
+        out.extend_from_slice(&key(at + 12, blocks * block_size));
+        at += 12 + 4 + u32_at(at + 12);
+    }
+    match (u32_at(at), words) {
+        (0, _) | (_, None) => out.extend_from_slice(&p[at..]),
+        (n, Some(len)) => {
+            out.extend_from_slice(&key(at, len));
+            out.extend_from_slice(&p[at + 4 + n..]);
+        }
+    }
+    wire::encode(Kind::PeerMetadata, &out)
+}
+
+/// An engine over shared memory with its own (UCX-allocated) regions:
+/// on UCX 1.13 a reader maps them, on every UCX it maps the lend words.
+fn shm_engine(confirm: bool) -> Engine {
+    let mut e = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("posix,sysv,cma"))
+        .idle(IdlePolicy::Adaptive)
+        .confirm_reads(confirm)
+        .build()
+        .expect("engine");
+    e.register(BLOCKS).unwrap();
+    let mut buf = vec![0u8; BS as usize];
+    for b in 0..BLOCKS {
+        pattern::fill(9, b, &mut buf);
+        e.write_block(0, BlockId(b as u32), &buf).unwrap();
+    }
+    e
+}
+
+/// Blocks a forged region claims: 1 TiB of them, far past any segment.
+const CLAIMED: u64 = (1 << 40) / BS;
+/// The child-process test below runs only where this is set.
+const LENGTHS_CHILD: &str = "KVPOLL_PEER_LENGTHS_CHILD";
+
+/// Run by the next test in a child process, for the case the variable
+/// [`LENGTHS_CHILD`] names: `region`, a read of the last block a forged
+/// region claims; `words`, a confirmed read whose lend word the forged
+/// words put past their segment; `write`, a write to the last block a
+/// forged region claims. Each from a peer whose metadata claims more than
+/// it packed; then a read from an honest peer. Prints how the case ended.
+#[test]
+fn child_moves_blocks_past_what_a_peer_packed() {
+    let Some(case) = std::env::var_os(LENGTHS_CHILD) else {
+        return;
+    };
+    let last = BlockId((CLAIMED - 1) as u32);
+    let ended = match case.to_str().unwrap() {
+        "region" => {
+            let (mut d, p) = (shm_engine(false), shm_engine(false));
+            match d.add_peer(&rewrite_lengths(
+                &p.local_metadata().unwrap(),
+                CLAIMED,
+                None,
+            )) {
+                Err(e) => format!("refused: {e}"),
+                Ok(peer) => {
+                    let out = read(&mut d, peer, 1, &ids(0..1), &[last]);
+                    match out.failed_recving.first() {
+                        Some(f) => format!("failed: {:?}", f.reason),
+                        None => "finished".to_string(),
+                    }
+                }
+            }
+        }
+        "words" => {
+            let (mut d, mut p) = (shm_engine(true), shm_engine(true));
+            let count = kvpoll::transport::MAX_LEND_WORDS;
+            let inc = (1u64..)
+                .map(kvpoll::Incarnation)
+                .find(|&i| kvpoll::transport::lend_word_of(i, count) == Some(count - 1))
+                .unwrap();
+            p.lend_with(RequestId(2), &ids(0..1), 1, GUARD, inc)
+                .unwrap();
+            let forged =
+                rewrite_lengths(&p.local_metadata().unwrap(), BLOCKS, Some(count as u64 * 8));
+            match d.add_peer(&forged) {
+                Err(e) => format!("refused: {e}"),
+                Ok(peer) => {
+                    let handle = Transfer {
+                        peer,
+                        local: &ids(0..1),
+                        remote: &ids(0..1),
+                        lend: inc,
+                    };
+                    d.read(RequestId(2), &[handle]).unwrap();
+                    let mut out = Outcomes::default();
+                    let t = Instant::now();
+                    while out.finished_recving.is_empty() && out.failed_recving.is_empty() {
+                        d.poll(&mut out);
+                        p.poll(&mut Outcomes::default());
+                        assert!(t.elapsed() < GUARD, "the read hung: {out:?}");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    match out.failed_recving.first() {
+                        Some(f) => format!("failed: {:?}", f.reason),
+                        None => "finished".to_string(),
+                    }
+                }
+            }
+        }
+        "write" => {
+            let (mut w, mut dest) = (shm_engine(false), shm_engine(false));
+            let lease = Duration::from_secs(5);
+            let target = dest.receive(RequestId(3), &ids(0..1), 1, lease).unwrap();
+            match w.add_peer(&rewrite_lengths(
+                &dest.local_metadata().unwrap(),
+                CLAIMED,
+                None,
+            )) {
+                Err(e) => format!("refused: {e}"),
+                Ok(peer) => {
+                    let handle = Transfer {
+                        peer,
+                        local: &ids(0..1),
+                        remote: &[last],
+                        lend: target,
+                    };
+                    w.write(RequestId(3), &[handle], 1, lease).unwrap();
+                    let mut out = Outcomes::default();
+                    let t = Instant::now();
+                    while out.finished_sending.is_empty() && out.failed_sending.is_empty() {
+                        w.poll(&mut out);
+                        dest.poll(&mut Outcomes::default());
+                        assert!(t.elapsed() < GUARD, "the write hung: {out:?}");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    match out.failed_sending.first() {
+                        Some(f) => format!("failed: {:?}", f.reason),
+                        None => "finished".to_string(),
+                    }
+                }
+            }
+        }
+        other => panic!("no case {other}"),
+    };
+    println!("case ended: {ended}");
+    let (mut d, p) = (shm_engine(false), shm_engine(false));
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    read_and_check(&mut d, peer, 4);
+    println!("child done");
+}
+
+/// A peer on the same host whose metadata claims regions (or lend words)
+/// longer than the shared-memory segments it packed cannot make a reader
+/// or a writer touch memory past those segments: each such read or write
+/// is refused or fails, none finishes, and the process lives on to read
+/// from an honest peer. (Each case in a child process of its own: before
+/// the check, the first fault ended the process.)
+#[test]
+fn regions_a_peer_claims_past_its_segments_fail_their_transfers_without_aborting() {
+    for case in ["region", "words", "write"] {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_moves_blocks_past_what_a_peer_packed",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(LENGTHS_CHILD, case)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "{case}: the child died ({:?}):\n{stdout}\n{stderr}",
+            out.status
+        );
+        let ended = stdout
+            .split("case ended: ")
+            .nth(1)
+            .and_then(|s| s.lines().next())
+            .unwrap_or_else(|| panic!("{case}: no end:\n{stdout}"));
+        assert!(
+            ended.starts_with("refused") || ended.starts_with("failed"),
+            "{case}: {ended}"
+        );
+        assert!(stdout.contains("child done"), "{case}: {stdout}");
+        println!("{case}: {ended}");
+    }
+}

@@ -21,6 +21,7 @@ mod direct;
 mod endpoint;
 mod error;
 mod layout;
+mod maps;
 mod memory;
 mod probe;
 mod request;

@@ -561,6 +561,18 @@ impl UcxTransport {
                 Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
                 None => None,
             };
+            // A key UCX mapped here (its shared memory) must lie in the
+            // segment it mapped: UCX's own gets and puts and kvpoll's
+            // mapped reads copy at base + offset without a bound, and the
+            // length is the peer's word (`super::maps`).
+            if let Some(region) = claimed_past_segment(&rkeys, words.as_ref()) {
+                tracing::warn!(
+                    peer = ep.peer.0,
+                    region,
+                    "the peer's metadata claims more than the shared memory it packed: refused"
+                );
+                return Err(INVALID_PARAM);
+            }
             // UCX's emulated get over tcp can abort the lender when its
             // reader dies, on every release kvpoll supports (`super::soft`).
             // Device memory keeps UCX's gets (soft reads copy with the CPU).
@@ -818,6 +830,31 @@ impl UcxTransport {
         self.direct_out = out;
         result
     }
+}
+
+/// The first of `rkeys` (by index; `rkeys.len()` for `words`) that UCX
+/// mapped into this process but whose claimed length runs past the
+/// mapping UCX made, or `None` when every mapped key lies inside its
+/// segment (or none is mapped: `/proc/self/maps` is read only then; a
+/// process that cannot read it trusts the lengths, as UCX does).
+fn claimed_past_segment(rkeys: &[RemoteKey], words: Option<&RemoteKey>) -> Option<usize> {
+    let mut maps = None;
+    for (i, k) in rkeys.iter().chain(words).enumerate() {
+        let Some(at) = k.mapped() else { continue };
+        let maps = maps.get_or_insert_with(|| {
+            super::maps::Maps::read()
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "/proc/self/maps unreadable: peers' region lengths are not checked against their segments")
+                })
+                .ok()
+        });
+        let Some(maps) = maps else { return None };
+        let len = usize::try_from(k.remote_len()).unwrap_or(usize::MAX);
+        if !maps.covers(at as usize, len) {
+            return Some(i);
+        }
+    }
+    None
 }
 
 /// Copies `ops` from a peer's region that UCX mapped here at `src`
