@@ -214,10 +214,55 @@ fn single_byte_flips(raw: &[u8]) -> impl Iterator<Item = (usize, Vec<u8>)> + '_ 
     })
 }
 
+/// Runs `f` on a thread of its own in a network namespace of its own with
+/// only loopback up, or returns `None` where this process may not make one
+/// (it needs CAP_SYS_ADMIN). A thread's sockets, and those of the UCX
+/// threads it starts, live in its namespace: a flipped tcp address then
+/// names an address nothing outside can be asked to connect to.
+fn in_private_network<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    std::thread::spawn(move || {
+        // SAFETY: plain system calls on this thread's own namespace and a
+        // socket it closes; `req` is an `ifreq` (name, then flags).
+        unsafe {
+            if libc::unshare(libc::CLONE_NEWNET) != 0 {
+                return None;
+            }
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+            assert!(fd >= 0, "a socket in the new namespace");
+            let mut req = [0u8; 40];
+            req[..2].copy_from_slice(b"lo");
+            const SIOCGIFFLAGS: libc::c_ulong = 0x8913;
+            const SIOCSIFFLAGS: libc::c_ulong = 0x8914;
+            assert_eq!(libc::ioctl(fd, SIOCGIFFLAGS, req.as_mut_ptr()), 0);
+            let flags = i16::from_ne_bytes([req[16], req[17]]) | libc::IFF_UP as i16;
+            req[16..18].copy_from_slice(&flags.to_ne_bytes());
+            assert_eq!(
+                libc::ioctl(fd, SIOCSIFFLAGS, req.as_mut_ptr()),
+                0,
+                "loopback up"
+            );
+            libc::close(fd);
+        }
+        Some(f())
+    })
+    .join()
+    .unwrap()
+}
+
+/// Over tcp a flip can turn the address's IP into any address at all,
+/// which UCX then connects to: the tcp cases run in a network namespace
+/// of their own, where only loopback exists (left out, and said so, where
+/// the process may not make one).
 #[test]
 fn any_single_byte_flip_of_a_real_worker_address_is_refused_or_connects_without_aborting() {
-    let cases = ["tcp", "posix,sysv,cma"].map(|tls| ["v1", "v2"].map(|v| (tls, v)));
-    for (tls, version) in cases.into_iter().flatten() {
+    flips_of_worker_addresses("posix,sysv,cma");
+    if in_private_network(|| flips_of_worker_addresses("tcp")).is_none() {
+        println!("tcp left out: no network namespace of its own (needs CAP_SYS_ADMIN)");
+    }
+}
+
+fn flips_of_worker_addresses(tls: &'static str) {
+    for version in ["v1", "v2"] {
         let options = ContextOptions::with_transports(tls).option("ADDRESS_VERSION", version);
         let (ca, cb) = (
             Context::new(&options).unwrap(),
