@@ -68,4 +68,18 @@ fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured(
     );
     assert!(json.contains("peer systems not measured"), "{json}");
     assert!(json.contains("\"system\":\"kvpoll\""), "{json}");
+    // Small reads also run in waves, one request a wave, as NIXL's
+    // batched setting does; every byte it checked was right.
+    let batched = json
+        .split("\"system\":\"kvpoll, batched\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no batched kvpoll: {json}"));
+    let field = |name: &str| -> f64 {
+        let at = batched.find(&format!("\"{name}\":")).unwrap() + name.len() + 3;
+        let end = batched[at..].find([',', '}']).unwrap();
+        batched[at..at + end].parse().unwrap()
+    };
+    assert!(field("per_s") > 0.0, "{batched}");
+    assert!(field("checked") > 0.0, "{batched}");
+    assert_eq!(field("bad"), 0.0, "{batched}");
 }

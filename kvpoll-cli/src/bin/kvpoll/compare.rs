@@ -7,9 +7,13 @@ use std::path::{Path, PathBuf};
 
 use kvpoll_cli::bench::memory::huge_pages;
 use kvpoll_cli::bench::shapes::{
-    default_groups, run_group, GroupFigures, Peers, SystemFigures, KVPOLL, KVPOLL_UNCONFIRMED,
-    MEMCPY, MOONCAKE, NIXL, PVREADV, RAW,
+    default_groups, run_group, GroupFigures, Peers, SystemFigures, KVPOLL, KVPOLL_BATCHED,
+    KVPOLL_UNCONFIRMED, MEMCPY, MOONCAKE, NIXL, NIXL_BATCHED, PVREADV, RAW,
 };
+
+/// kvpoll's better confirmed setting (per request or batched) in a group:
+/// what a row compares with NIXL's better setting.
+const KVPOLL_BEST: &str = "kvpoll (best)";
 
 use crate::bench::Row;
 use crate::cli::CliError;
@@ -120,10 +124,10 @@ impl Comparison {
         let g = self.group(key);
         let pick = |name: &str| -> Option<&SystemFigures> {
             let g = g?;
-            if name == NIXL {
-                g.nixl_best()
-            } else {
-                g.get(name)
+            match name {
+                NIXL => g.nixl_best(),
+                KVPOLL_BEST => g.kvpoll_best(),
+                _ => g.get(name),
             }
         };
         (pick(a).map(|s| s.per_s), pick(b).map(|s| s.per_s))
@@ -132,14 +136,17 @@ impl Comparison {
     /// The rows with targets, then informational ones.
     pub fn rows(&self) -> Vec<Row> {
         let mut rows = Vec::new();
-        let mut rate = |key: &'static str,
-                        group: &str,
-                        figure: &'static str,
-                        baseline: &'static str,
-                        base_name: &'static str,
-                        target: Option<f64>,
-                        bytes: bool| {
-            let (k, b) = self.rate_ratio(group, KVPOLL, baseline);
+        // `who`: which of kvpoll's systems is compared ([`KVPOLL`]; for
+        // small reads against NIXL's best setting, kvpoll's best).
+        let mut rate_of = |who: &'static str,
+                           key: &'static str,
+                           group: &str,
+                           figure: &'static str,
+                           baseline: &'static str,
+                           base_name: &'static str,
+                           target: Option<f64>,
+                           bytes: bool| {
+            let (k, b) = self.rate_ratio(group, who, baseline);
             let (unit, k, b) = match self.group(group) {
                 Some(g) if bytes => {
                     let gb = g.group.shape.bytes() as f64 / 1e9;
@@ -164,10 +171,11 @@ impl Comparison {
                     None => "(measured, no target)",
                 },
                 met: target.and_then(|t| ratio.map(|r| r >= t)),
-                note: self.note(group, baseline),
+                note: self.note(group, who, baseline),
             });
         };
-        rate(
+        rate_of(
+            KVPOLL,
             "caller_shm_8mib_vs_process_vm_readv",
             "layers_shm_caller_pull",
             "8 MiB requests, caller memory, shm: vs process_vm_readv",
@@ -176,7 +184,8 @@ impl Comparison {
             Some(0.9),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "caller_shm_8mib_vs_nixl",
             "layers_shm_caller_pull",
             "8 MiB requests, caller memory, shm: vs NIXL",
@@ -185,7 +194,8 @@ impl Comparison {
             Some(1.0),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "caller_shm_64mib_vs_nixl",
             "large_shm_caller_pull",
             "64 MiB read, caller memory, shm: vs NIXL",
@@ -194,7 +204,8 @@ impl Comparison {
             Some(1.0),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "ucx_shm_64mib_vs_nixl",
             "large_shm_ucx_pull",
             "64 MiB read, UCX memory, shm: vs NIXL",
@@ -203,7 +214,8 @@ impl Comparison {
             Some(1.0),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "confirm_small_ucx_shm",
             "small_shm_ucx_pull",
             "16 KiB reads, UCX memory, shm: confirmation on vs off",
@@ -212,7 +224,8 @@ impl Comparison {
             Some(0.8),
             false,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "confirm_small_caller_shm",
             "small_shm_caller_pull",
             "16 KiB reads, caller memory, shm: confirmation on vs off",
@@ -221,25 +234,28 @@ impl Comparison {
             Some(0.8),
             false,
         );
-        rate(
+        rate_of(
+            KVPOLL_BEST,
             "small_ucx_shm_vs_nixl",
             "small_shm_ucx_pull",
-            "16 KiB reads, UCX memory, shm: vs NIXL",
+            "16 KiB reads, UCX memory, shm: best settings, vs NIXL",
             NIXL,
             "NIXL (best)",
             Some(2.0),
             false,
         );
-        rate(
+        rate_of(
+            KVPOLL_BEST,
             "small_caller_shm_vs_nixl",
             "small_shm_caller_pull",
-            "16 KiB reads, caller memory, shm: vs NIXL",
+            "16 KiB reads, caller memory, shm: best settings, vs NIXL",
             NIXL,
             "NIXL (best)",
             Some(2.0),
             false,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "tcp_8mib_pull_vs_mooncake",
             "layers_tcp_caller_pull",
             "8 MiB requests, tcp, pull: vs Mooncake",
@@ -248,7 +264,8 @@ impl Comparison {
             Some(1.0),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "tcp_8mib_push_vs_mooncake",
             "layers_tcp_caller_push",
             "8 MiB requests, tcp, push: vs Mooncake",
@@ -257,7 +274,8 @@ impl Comparison {
             Some(1.0),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "tcp_64mib_vs_mooncake",
             "large_tcp_caller_pull",
             "64 MiB read, tcp: vs Mooncake",
@@ -266,7 +284,8 @@ impl Comparison {
             Some(1.0),
             true,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "tcp_small_vs_mooncake",
             "small_tcp_caller_pull",
             "16 KiB reads, tcp: vs Mooncake",
@@ -275,7 +294,8 @@ impl Comparison {
             None,
             false,
         );
-        rate(
+        rate_of(
+            KVPOLL,
             "ucx_shm_8mib_vs_process_vm_readv",
             "layers_shm_ucx_pull",
             "8 MiB requests, UCX memory, shm: vs process_vm_readv",
@@ -284,7 +304,55 @@ impl Comparison {
             None,
             true,
         );
-        rate(
+        for (mem, group) in [
+            ("ucx", "small_shm_ucx_pull"),
+            ("caller", "small_shm_caller_pull"),
+        ] {
+            let (per_request, batched) = match mem {
+                "ucx" => (
+                    (
+                        "small_ucx_shm_per_request_vs_nixl",
+                        "16 KiB reads, UCX memory, shm: kvpoll per request vs NIXL",
+                    ),
+                    (
+                        "small_ucx_shm_batched_vs_nixl_batched",
+                        "16 KiB reads, UCX memory, shm: batched, vs NIXL batched",
+                    ),
+                ),
+                _ => (
+                    (
+                        "small_caller_shm_per_request_vs_nixl",
+                        "16 KiB reads, caller memory, shm: kvpoll per request vs NIXL",
+                    ),
+                    (
+                        "small_caller_shm_batched_vs_nixl_batched",
+                        "16 KiB reads, caller memory, shm: batched, vs NIXL batched",
+                    ),
+                ),
+            };
+            rate_of(
+                KVPOLL,
+                per_request.0,
+                group,
+                per_request.1,
+                NIXL,
+                "NIXL (best)",
+                None,
+                false,
+            );
+            rate_of(
+                KVPOLL_BATCHED,
+                batched.0,
+                group,
+                batched.1,
+                NIXL_BATCHED,
+                "NIXL, batched",
+                None,
+                false,
+            );
+        }
+        rate_of(
+            KVPOLL,
             "caller_shm_8mib_push_vs_nixl",
             "layers_shm_caller_push",
             "8 MiB requests, caller memory, shm, push: vs NIXL",
@@ -334,7 +402,7 @@ impl Comparison {
                 ratio,
                 target: "<= 1.2x",
                 met: ratio.map(|r| r <= 1.2),
-                note: self.note(group, RAW),
+                note: self.note(group, KVPOLL, RAW),
             });
         }
         let (checked, bad) = self
@@ -357,7 +425,9 @@ impl Comparison {
         rows
     }
 
-    fn note(&self, group: &str, baseline: &str) -> String {
+    /// The group, `who`'s figures (one of kvpoll's systems) and the
+    /// baseline's, or why one is missing.
+    fn note(&self, group: &str, who: &str, baseline: &str) -> String {
         let Some(g) = self.group(group) else {
             return match self.failed.iter().find(|(k, _)| k == group) {
                 Some((_, why)) => format!("{group} did not run: {why}"),
@@ -370,11 +440,16 @@ impl Comparison {
             g.get(baseline)
         };
         let mut n = group.to_string();
-        if let Some(k) = g.get(KVPOLL) {
+        let k = if who == KVPOLL_BEST {
+            g.kvpoll_best()
+        } else {
+            g.get(who)
+        };
+        if let Some(k) = k {
             let _ = write!(
                 n,
-                "; kvpoll {:.2} GB/s, {:.3} CPU s/GB",
-                k.gb_per_s, k.cpu_s_per_gb
+                "; {} {:.2} GB/s, {:.3} CPU s/GB",
+                k.system, k.gb_per_s, k.cpu_s_per_gb
             );
         }
         match base {
@@ -487,7 +562,7 @@ impl Comparison {
             for s in &g.systems {
                 let w = ((W - LABEL - 250) as f64 * s.gb_per_s / max).round() as usize;
                 let colour = match s.system.as_str() {
-                    KVPOLL | KVPOLL_UNCONFIRMED => "#1f77b4",
+                    KVPOLL | KVPOLL_UNCONFIRMED | KVPOLL_BATCHED => "#1f77b4",
                     RAW => "#7f7f7f",
                     MEMCPY | PVREADV => "#2ca02c",
                     n if n.starts_with(NIXL) => "#d62728",
