@@ -26,11 +26,17 @@ const GUARD: Duration = Duration::from_secs(60);
 const CHILD: &str = "KVPOLL_PEER_BYTES_CHILD";
 
 fn engine() -> Engine {
+    engine_over("tcp", false)
+}
+
+/// An engine over `tls` with one UCX-allocated region of [`BLOCKS`]
+/// blocks of the tests' pattern.
+fn engine_over(tls: &str, confirm: bool) -> Engine {
     let mut e = Engine::builder()
         .block_size(BS)
-        .ucx(ContextOptions::with_transports("tcp"))
+        .ucx(ContextOptions::with_transports(tls))
         .idle(IdlePolicy::Adaptive)
-        .confirm_reads(false)
+        .confirm_reads(confirm)
         .build()
         .expect("engine");
     e.register(BLOCKS).unwrap();
@@ -422,20 +428,7 @@ fn rewrite_lengths(meta: &[u8], blocks: u64, words: Option<u64>) -> Vec<u8> {
 /// An engine over shared memory with its own (UCX-allocated) regions:
 /// on UCX 1.13 a reader maps them, on every UCX it maps the lend words.
 fn shm_engine(confirm: bool) -> Engine {
-    let mut e = Engine::builder()
-        .block_size(BS)
-        .ucx(ContextOptions::with_transports("posix,sysv,cma"))
-        .idle(IdlePolicy::Adaptive)
-        .confirm_reads(confirm)
-        .build()
-        .expect("engine");
-    e.register(BLOCKS).unwrap();
-    let mut buf = vec![0u8; BS as usize];
-    for b in 0..BLOCKS {
-        pattern::fill(9, b, &mut buf);
-        e.write_block(0, BlockId(b as u32), &buf).unwrap();
-    }
-    e
+    engine_over("posix,sysv,cma", confirm)
 }
 
 /// Blocks a forged region claims: 1 TiB of them, far past any segment.
