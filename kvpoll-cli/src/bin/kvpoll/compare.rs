@@ -11,12 +11,12 @@ use kvpoll_cli::bench::shapes::{
     KVPOLL_UNCONFIRMED, MEMCPY, MOONCAKE, NIXL, NIXL_BATCHED, PVREADV, RAW,
 };
 
+use crate::bench::Row;
+use crate::cli::CliError;
+
 /// kvpoll's better confirmed setting (per request or batched) in a group:
 /// what a row compares with NIXL's better setting.
 const KVPOLL_BEST: &str = "kvpoll (best)";
-
-use crate::bench::Row;
-use crate::cli::CliError;
 
 /// The driver of the peer systems, carried inside the binary.
 const PEER_BENCH_PY: &str = include_str!("../../../benches/peers/peer_bench.py");
