@@ -86,22 +86,39 @@ fn rewrite(meta: &[u8], addr: impl Fn(&mut [u8]), rkey: impl Fn(&mut [u8])) -> V
 /// Reads `remote` blocks of `peer` into `local` ones of `d` and polls until
 /// the read is reported.
 fn read(d: &mut Engine, peer: PeerId, id: u64, local: &[BlockId], remote: &[BlockId]) -> Outcomes {
-    let mut out = Outcomes::default();
-    if let Err(e) = d.read(
-        RequestId(id),
-        &[Transfer {
-            peer,
-            local,
-            remote,
-            lend: kvpoll::Incarnation::NONE,
-        }],
-    ) {
+    read_lent(d, peer, id, local, remote, kvpoll::Incarnation::NONE)
+}
+
+/// [`read`] of the lend `lend`.
+fn read_lent(
+    d: &mut Engine,
+    peer: PeerId,
+    id: u64,
+    local: &[BlockId],
+    remote: &[BlockId],
+    lend: kvpoll::Incarnation,
+) -> Outcomes {
+    let handle = Transfer {
+        peer,
+        local,
+        remote,
+        lend,
+    };
+    if let Err(e) = d.read(RequestId(id), &[handle]) {
         panic!("read {id} refused: {e}");
     }
+    until(d, "read", |o| {
+        !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
+    })
+}
+
+/// Polls `e` until `ended` says its outcomes hold the end of its `what`.
+fn until(e: &mut Engine, what: &str, ended: impl Fn(&Outcomes) -> bool) -> Outcomes {
+    let mut out = Outcomes::default();
     let t = Instant::now();
-    while out.finished_recving.is_empty() && out.failed_recving.is_empty() {
-        d.poll(&mut out);
-        assert!(t.elapsed() < GUARD, "the read hung: {out:?}");
+    while !ended(&out) {
+        e.poll(&mut out);
+        assert!(t.elapsed() < GUARD, "the {what} hung: {out:?}");
         std::thread::sleep(Duration::from_millis(1));
     }
     out
@@ -448,21 +465,20 @@ fn child_moves_blocks_past_what_a_peer_packed() {
         return;
     };
     let last = BlockId((CLAIMED - 1) as u32);
+    // How a transfer ended: its first failure, or none.
+    let verdict = |failed: Option<kvpoll::Reason>| match failed {
+        Some(reason) => format!("failed: {reason:?}"),
+        None => "finished".to_string(),
+    };
     let ended = match case.to_str().unwrap() {
         "region" => {
             let (mut d, p) = (shm_engine(false), shm_engine(false));
-            match d.add_peer(&rewrite_lengths(
-                &p.local_metadata().unwrap(),
-                CLAIMED,
-                None,
-            )) {
+            let forged = rewrite_lengths(&p.local_metadata().unwrap(), CLAIMED, None);
+            match d.add_peer(&forged) {
                 Err(e) => format!("refused: {e}"),
                 Ok(peer) => {
                     let out = read(&mut d, peer, 1, &ids(0..1), &[last]);
-                    match out.failed_recving.first() {
-                        Some(f) => format!("failed: {:?}", f.reason),
-                        None => "finished".to_string(),
-                    }
+                    verdict(out.failed_recving.first().map(|f| f.reason))
                 }
             }
         }
@@ -480,25 +496,8 @@ fn child_moves_blocks_past_what_a_peer_packed() {
             match d.add_peer(&forged) {
                 Err(e) => format!("refused: {e}"),
                 Ok(peer) => {
-                    let handle = Transfer {
-                        peer,
-                        local: &ids(0..1),
-                        remote: &ids(0..1),
-                        lend: inc,
-                    };
-                    d.read(RequestId(2), &[handle]).unwrap();
-                    let mut out = Outcomes::default();
-                    let t = Instant::now();
-                    while out.finished_recving.is_empty() && out.failed_recving.is_empty() {
-                        d.poll(&mut out);
-                        p.poll(&mut Outcomes::default());
-                        assert!(t.elapsed() < GUARD, "the read hung: {out:?}");
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    match out.failed_recving.first() {
-                        Some(f) => format!("failed: {:?}", f.reason),
-                        None => "finished".to_string(),
-                    }
+                    let out = read_lent(&mut d, peer, 2, &ids(0..1), &ids(0..1), inc);
+                    verdict(out.failed_recving.first().map(|f| f.reason))
                 }
             }
         }
@@ -506,11 +505,8 @@ fn child_moves_blocks_past_what_a_peer_packed() {
             let (mut w, mut dest) = (shm_engine(false), shm_engine(false));
             let lease = Duration::from_secs(5);
             let target = dest.receive(RequestId(3), &ids(0..1), 1, lease).unwrap();
-            match w.add_peer(&rewrite_lengths(
-                &dest.local_metadata().unwrap(),
-                CLAIMED,
-                None,
-            )) {
+            let forged = rewrite_lengths(&dest.local_metadata().unwrap(), CLAIMED, None);
+            match w.add_peer(&forged) {
                 Err(e) => format!("refused: {e}"),
                 Ok(peer) => {
                     let handle = Transfer {
@@ -520,18 +516,10 @@ fn child_moves_blocks_past_what_a_peer_packed() {
                         lend: target,
                     };
                     w.write(RequestId(3), &[handle], 1, lease).unwrap();
-                    let mut out = Outcomes::default();
-                    let t = Instant::now();
-                    while out.finished_sending.is_empty() && out.failed_sending.is_empty() {
-                        w.poll(&mut out);
-                        dest.poll(&mut Outcomes::default());
-                        assert!(t.elapsed() < GUARD, "the write hung: {out:?}");
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    match out.failed_sending.first() {
-                        Some(f) => format!("failed: {:?}", f.reason),
-                        None => "finished".to_string(),
-                    }
+                    let out = until(&mut w, "write", |o| {
+                        !o.finished_sending.is_empty() || !o.failed_sending.is_empty()
+                    });
+                    verdict(out.failed_sending.first().map(|f| f.reason))
                 }
             }
         }

@@ -561,11 +561,17 @@ impl UcxTransport {
                 Some(k) => Some(RemoteKey::unpack(&ep_conn, k).map_err(|e| status_of(&e))?),
                 None => None,
             };
-            // A key UCX mapped here (its shared memory) must lie in the
-            // segment it mapped: UCX's own gets and puts and kvpoll's
-            // mapped reads copy at base + offset without a bound, and the
-            // length is the peer's word (`super::maps`).
-            if let Some(region) = claimed_past_segment(&rkeys, words.as_ref()) {
+            // Where UCX mapped each key's memory here (the regions', then
+            // the words'), and the length the peer claims for it. A mapped
+            // key must lie in the segment UCX mapped: UCX's own gets and
+            // puts and kvpoll's mapped reads copy at base + offset without
+            // a bound, and the length is the peer's word (`super::maps`).
+            let at: Vec<(Option<*mut u8>, u64)> = rkeys
+                .iter()
+                .chain(&words)
+                .map(|k| (k.mapped(), k.remote_len()))
+                .collect();
+            if let Some(region) = claimed_past_segment(&at) {
                 tracing::warn!(
                     peer = ep.peer.0,
                     region,
@@ -602,9 +608,9 @@ impl UcxTransport {
             // Device memory here: a copy lands with the CPU, so no. Over
             // tcp UCX maps nothing.
             let may_map = self.mapped_reads && !self.device_regions && !soft;
-            let mapped: Vec<Option<*const u8>> = rkeys
+            let mapped: Vec<Option<*const u8>> = at[..rkeys.len()]
                 .iter()
-                .map(|k| k.mapped().filter(|_| may_map).map(|p| p as *const u8))
+                .map(|&(p, _)| p.filter(|_| may_map).map(|p| p as *const u8))
                 .collect();
             // Words are loaded only where no read of the connection goes
             // through UCX: every region mapped or read directly. Beside
@@ -619,9 +625,9 @@ impl UcxTransport {
                         .as_ref()
                         .is_some_and(|d| d.regions.get(i).is_some_and(|r| r.is_some()))
             });
-            let words_mapped = words
-                .as_ref()
-                .and_then(|k| k.mapped())
+            let words_mapped = at
+                .get(rkeys.len())
+                .and_then(|&(p, _)| p)
                 .filter(|p| {
                     may_map && bypassed && (*p as usize) % std::mem::align_of::<AtomicU64>() == 0
                 })
@@ -832,15 +838,15 @@ impl UcxTransport {
     }
 }
 
-/// The first of `rkeys` (by index; `rkeys.len()` for `words`) that UCX
-/// mapped into this process but whose claimed length runs past the
-/// mapping UCX made, or `None` when every mapped key lies inside its
+/// The index of the first key in `keys` (where UCX mapped its memory
+/// here, and the length its peer claims) whose claimed length runs past
+/// the mapping UCX made, or `None` when every mapped key lies inside its
 /// segment (or none is mapped: `/proc/self/maps` is read only then; a
 /// process that cannot read it trusts the lengths, as UCX does).
-fn claimed_past_segment(rkeys: &[RemoteKey], words: Option<&RemoteKey>) -> Option<usize> {
+fn claimed_past_segment(keys: &[(Option<*mut u8>, u64)]) -> Option<usize> {
     let mut maps = None;
-    for (i, k) in rkeys.iter().chain(words).enumerate() {
-        let Some(at) = k.mapped() else { continue };
+    for (i, &(at, len)) in keys.iter().enumerate() {
+        let Some(at) = at else { continue };
         let maps = maps.get_or_insert_with(|| {
             super::maps::Maps::read()
                 .map_err(|e| {
@@ -849,7 +855,7 @@ fn claimed_past_segment(rkeys: &[RemoteKey], words: Option<&RemoteKey>) -> Optio
                 .ok()
         });
         let Some(maps) = maps else { return None };
-        let len = usize::try_from(k.remote_len()).unwrap_or(usize::MAX);
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
         if !maps.covers(at as usize, len) {
             return Some(i);
         }

@@ -304,52 +304,43 @@ impl Comparison {
             None,
             true,
         );
-        for (mem, group) in [
-            ("ucx", "small_shm_ucx_pull"),
-            ("caller", "small_shm_caller_pull"),
-        ] {
-            let (per_request, batched) = match mem {
-                "ucx" => (
-                    (
-                        "small_ucx_shm_per_request_vs_nixl",
-                        "16 KiB reads, UCX memory, shm: kvpoll per request vs NIXL",
-                    ),
-                    (
-                        "small_ucx_shm_batched_vs_nixl_batched",
-                        "16 KiB reads, UCX memory, shm: batched, vs NIXL batched",
-                    ),
-                ),
-                _ => (
-                    (
-                        "small_caller_shm_per_request_vs_nixl",
-                        "16 KiB reads, caller memory, shm: kvpoll per request vs NIXL",
-                    ),
-                    (
-                        "small_caller_shm_batched_vs_nixl_batched",
-                        "16 KiB reads, caller memory, shm: batched, vs NIXL batched",
-                    ),
-                ),
-            };
-            rate_of(
+        // Small reads setting for setting, without targets: kvpoll a
+        // request a read against NIXL's best, and batched against batched.
+        for (who, key, group, figure, baseline, base_name) in [
+            (
                 KVPOLL,
-                per_request.0,
-                group,
-                per_request.1,
+                "small_ucx_shm_per_request_vs_nixl",
+                "small_shm_ucx_pull",
+                "16 KiB reads, UCX memory, shm: kvpoll per request vs NIXL",
                 NIXL,
                 "NIXL (best)",
-                None,
-                false,
-            );
-            rate_of(
+            ),
+            (
                 KVPOLL_BATCHED,
-                batched.0,
-                group,
-                batched.1,
+                "small_ucx_shm_batched_vs_nixl_batched",
+                "small_shm_ucx_pull",
+                "16 KiB reads, UCX memory, shm: batched, vs NIXL batched",
                 NIXL_BATCHED,
                 "NIXL, batched",
-                None,
-                false,
-            );
+            ),
+            (
+                KVPOLL,
+                "small_caller_shm_per_request_vs_nixl",
+                "small_shm_caller_pull",
+                "16 KiB reads, caller memory, shm: kvpoll per request vs NIXL",
+                NIXL,
+                "NIXL (best)",
+            ),
+            (
+                KVPOLL_BATCHED,
+                "small_caller_shm_batched_vs_nixl_batched",
+                "small_shm_caller_pull",
+                "16 KiB reads, caller memory, shm: batched, vs NIXL batched",
+                NIXL_BATCHED,
+                "NIXL, batched",
+            ),
+        ] {
+            rate_of(who, key, group, figure, baseline, base_name, None, false);
         }
         rate_of(
             KVPOLL,
