@@ -203,24 +203,31 @@ fn child_reads_after_adding_a_peer_with_a_damaged_address() {
     println!("child done");
 }
 
-#[test]
-fn a_damaged_worker_address_does_not_abort_the_process_that_reads() {
+/// Runs the test `name` of this binary in a child process with `var` set
+/// to `value`; returns its standard output once it has exited cleanly
+/// (a child killed by a signal, or failing, fails the caller).
+fn run_child(name: &str, var: &str, value: &str) -> String {
     let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_reads_after_adding_a_peer_with_a_damaged_address",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(var, value)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "the child died ({:?}):\n{stdout}\n{stderr}",
+        "{name} ({var}={value}): the child died ({:?}):\n{stdout}\n{stderr}",
         out.status
+    );
+    stdout
+}
+
+#[test]
+fn a_damaged_worker_address_does_not_abort_the_process_that_reads() {
+    let stdout = run_child(
+        "child_reads_after_adding_a_peer_with_a_damaged_address",
+        CHILD,
+        "1",
     );
     assert!(stdout.contains("refused: "), "{stdout}");
     assert!(stdout.contains("child done"), "{stdout}");
@@ -541,22 +548,10 @@ fn child_moves_blocks_past_what_a_peer_packed() {
 #[test]
 fn regions_a_peer_claims_past_its_segments_fail_their_transfers_without_aborting() {
     for case in ["region", "words", "write"] {
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_moves_blocks_past_what_a_peer_packed",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(LENGTHS_CHILD, case)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "{case}: the child died ({:?}):\n{stdout}\n{stderr}",
-            out.status
+        let stdout = run_child(
+            "child_moves_blocks_past_what_a_peer_packed",
+            LENGTHS_CHILD,
+            case,
         );
         let ended = stdout
             .split("case ended: ")
