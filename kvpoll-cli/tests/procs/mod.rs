@@ -184,10 +184,11 @@ pub fn kill_inside_send(pid: u32) -> Result<(), String> {
             .ok_or(format!("no cmpxchg in {f} of {uct}:\n{text}"))?
             .to_owned();
         // Not a send of the process's own deafness probe (to itself):
-        // killed there, it deafens nobody but itself.
+        // killed there, it deafens nobody but itself. gdb matches each
+        // caller's full name from its start (`re.match`), hence `.*`.
         breaks.extend([
             "-ex".to_owned(),
-            format!("break *({f}{at}) if !$_any_caller_matches(\"hearing|Probe\", 40)"),
+            format!("break *({f}{at}) if !$_any_caller_matches(\".*(hearing|Probe)\", 40)"),
         ]);
     }
     // C: stopped in Rust code, gdb would read the names as Rust ones and
