@@ -17,8 +17,9 @@ target, `in_flight * blocks_per_request` slots a region on the initiator
 Protocol on standard input/output, one line each:
   initiator -> bench:  READY | RESULT <requests> <seconds> <cpu_ns> <checked> <bad>
   bench -> initiator:  RUN <requests>
-cpu_ns counts every thread of both processes over the round; every
-`check_every`th request's bytes are compared with the pattern.
+cpu_ns counts every thread of both processes over the round, less the
+checking thread's CPU in its checks; every `check_every`th request's
+bytes are compared with the pattern.
 """
 
 import argparse
@@ -300,27 +301,28 @@ def initiator_main(a):
         if not parts or parts[0] != "RUN":
             continue
         n = int(parts[1])
-        checked, bad, check_s = 0, 0, 0.0
+        checked, bad, check_s, check_cpu = 0, 0, 0.0, 0
         to_check = []
 
         def check(i, slot):
-            nonlocal checked, bad, check_s
+            nonlocal checked, bad, check_s, check_cpu
             if a.check_every == 0 or i % a.check_every:
                 return
             checked += 1
             if write:
                 to_check.append(i)
                 return
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time_ns()
             for (loc, rem) in lay.pairs(i, slot, False):
                 bad += not mem.holds(loc, lay.bs, SEED, rem)
             check_s += time.perf_counter() - t
+            check_cpu += time.thread_time_ns() - c
 
         c0 = cpu_ns(os.getpid()) + cpu_ns(target.pid)
         t0 = time.perf_counter()
         done = run(first, n, check)
         secs = time.perf_counter() - t0 - check_s
-        cpu = cpu_ns(os.getpid()) + cpu_ns(target.pid) - c0
+        cpu = cpu_ns(os.getpid()) + cpu_ns(target.pid) - c0 - check_cpu
         first += done
         if to_check:
             target.stdin.write("CHECK " + " ".join(map(str, to_check)) + "\n")

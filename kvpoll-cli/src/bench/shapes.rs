@@ -421,29 +421,50 @@ trait Runner {
     fn resume(&mut self) {}
 }
 
-/// The sampled data checks of one round, and the time they took (left out
-/// of the round's time).
+/// The sampled data checks of one round, and the time and CPU they took
+/// (left out of the round's time and CPU: checking is the bench's work,
+/// not the system's, and each system's memory is read its own way).
 #[derive(Default)]
 struct Checks {
     checked: u64,
     bad: u64,
     time: Duration,
+    cpu_ns: u64,
+}
+
+/// When a check began, by the wall clock and the checking thread's CPU
+/// clock.
+struct Began {
+    at: Instant,
+    cpu_ns: u64,
+}
+
+impl Began {
+    fn now() -> Self {
+        Began {
+            at: Instant::now(),
+            cpu_ns: cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID),
+        }
+    }
 }
 
 impl Checks {
-    /// One check, begun at `began`, that found the bytes `ok` or not.
-    fn record(&mut self, began: Instant, ok: bool) {
+    /// One check, begun at `began` on this thread, that found the bytes
+    /// `ok` or not.
+    fn record(&mut self, began: Began, ok: bool) {
         self.checked += 1;
         self.bad += u64::from(!ok);
-        self.time += began.elapsed();
+        self.time += began.at.elapsed();
+        self.cpu_ns += cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID).saturating_sub(began.cpu_ns);
     }
 
-    /// The round of `requests` begun at `t0` that took `cpu_ns` of CPU.
+    /// The round of `requests` begun at `t0` that took `cpu_ns` of CPU,
+    /// its checks' included.
     fn round(self, requests: u32, t0: Instant, cpu_ns: u64) -> Round {
         Round {
             requests,
             secs: (t0.elapsed() - self.time).as_secs_f64(),
-            cpu_ns,
+            cpu_ns: cpu_ns.saturating_sub(self.cpu_ns),
             checked: self.checked,
             bad: self.bad,
         }
@@ -471,12 +492,17 @@ fn failed(what: &str, e: impl std::fmt::Display) -> E2eError {
 /// threads that already ended (a sum over `/proc/self/task` would drop a
 /// thread that ended inside the span measured, and the span's CPU with it).
 fn self_cpu() -> u64 {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// CPU time of `clock` (this process's or this thread's), ns.
+fn cpu_clock(clock: libc::clockid_t) -> u64 {
     let mut t = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `t` is a valid timespec for the call to write.
-    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) } != 0 {
+    if unsafe { libc::clock_gettime(clock, &mut t) } != 0 {
         return 0;
     }
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
@@ -781,7 +807,7 @@ impl Runner for KvpollRunner {
                 };
                 let slot = slots.of[i as usize];
                 if self.op == Op::Read && id.0 % u64::from(s.check_every) == 0 {
-                    let c = Instant::now();
+                    let c = Began::now();
                     for (j, l) in local.iter_mut().enumerate() {
                         *l = BlockId(slot * s.blocks + j as u32);
                     }
@@ -997,7 +1023,7 @@ impl Runner for RawRunner {
                 let id = first + i as u64;
                 let slot = slots.of[i];
                 if id % u64::from(s.check_every) == 0 {
-                    let t = Instant::now();
+                    let t = Began::now();
                     let mut ok = true;
                     for r in 0..s.regions {
                         for j in 0..s.blocks {
@@ -1084,7 +1110,7 @@ impl Runner for MemcpyRunner {
                 }
             }
             if id % u64::from(s.check_every) == 0 {
-                let t = Instant::now();
+                let t = Began::now();
                 checks.record(t, copied_ok(&self.dst, &s, id));
             }
         }
@@ -1186,7 +1212,7 @@ impl Runner for VmReadvRunner {
                 }
             }
             if id % u64::from(s.check_every) == 0 {
-                let t = Instant::now();
+                let t = Began::now();
                 checks.record(t, copied_ok(&self.dst, &s, id));
             }
         }
