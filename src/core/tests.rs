@@ -531,3 +531,102 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
         assert_eq!(c.stats().word_confirmations, u64::from(confirmed));
     }
 }
+
+/// Carries out what the core asks for as a transport whose operations all
+/// post and complete at once would, and whose lenders' words name
+/// `word`; returns the notes it sent.
+fn settle(c: &mut Core, word: u64, now: Nanos) -> Vec<NoteKind> {
+    let mut sent = Vec::new();
+    loop {
+        let mut done = Vec::new();
+        while let Some(a) = c.next_action() {
+            match a {
+                Action::Post { handle, token, .. } => {
+                    c.on_posted(handle, Ok(1));
+                    done.push(TransportEvent::Completion { token, status: 0 });
+                }
+                Action::Flush { token, .. } => {
+                    done.push(TransportEvent::Completion { token, status: 0 })
+                }
+                Action::Release { handle } => c.on_released(handle, true, now),
+                Action::ReadWord { token, .. } => done.push(TransportEvent::Word {
+                    token,
+                    status: 0,
+                    word,
+                }),
+                Action::Send { notes, token, .. } => {
+                    for b in c.notes(notes).chunks_exact(NOTE_LEN) {
+                        sent.push(Notification::decode(b).expect("encoded").kind);
+                    }
+                    done.push(TransportEvent::Completion { token, status: 0 });
+                }
+                _ => {}
+            }
+        }
+        if done.is_empty() {
+            return sent;
+        }
+        for ev in done {
+            c.on_transport(ev, now);
+        }
+    }
+}
+
+/// What the idle policy waits for: answers to the engine's own reads and
+/// writes. A lender and a push destination await nothing (their readers
+/// and writers speak when they choose); a write awaits its acknowledgement
+/// after its puts and its note ended.
+#[test]
+fn only_the_engines_own_reads_and_writes_await_answers() {
+    let mut c = core(1);
+    lend(&mut c, 10, 0xaaaa, Nanos(0));
+    receive(&mut c, 11, 0xbbbb, 1, &[], 1_000_000_000);
+    assert!(!c.awaits_answers(), "a lend and a receive out");
+    let peer = c.add_peer(77, 1, 8).expect("peer");
+    for (kind, id) in [(Kind::Read, 50), (Kind::Write { acks: 1 }, 51)] {
+        let mut plan = vec![
+            Command::Handle {
+                peer,
+                pairs: 1,
+                lend: Incarnation(0x5a5a),
+            },
+            Command::Pair {
+                local: BlockId(0),
+                remote: BlockId(0),
+            },
+        ]
+        .into_iter();
+        c.on_command(
+            Command::Begin {
+                id: RequestId(id),
+                kind,
+                handles: 1,
+                blocks: 0,
+                expires_in: 1_000_000_000,
+                token: Incarnation(9),
+            },
+            &mut || plan.next(),
+            Nanos(1),
+        );
+        assert!(c.awaits_answers(), "{kind:?} begun");
+        let sent = settle(&mut c, 0x5a5a, Nanos(2));
+        let mut outcomes = Vec::new();
+        c.drain_events(|e| outcomes.push(e.outcome));
+        match kind {
+            Kind::Read => {
+                assert_eq!(sent, [NoteKind::ReadDone]);
+                assert_eq!(outcomes, [Outcome::Finished]);
+            }
+            _ => {
+                assert_eq!(sent, [NoteKind::WriteDone]);
+                assert!(outcomes.is_empty(), "{outcomes:?}");
+                assert_eq!(c.outstanding(), 0);
+                assert!(c.awaits_answers(), "a write whose ack is due");
+                hear(&mut c, note(NoteKind::Ack, id, 0x5a5a, 9, 77), Nanos(3));
+                c.drain_events(|e| outcomes.push(e.outcome));
+                assert_eq!(outcomes, [Outcome::SendDone]);
+            }
+        }
+        assert!(!c.awaits_answers(), "{kind:?} reported, its notes sent");
+    }
+}
