@@ -385,11 +385,6 @@ pub struct Core {
     held: Vec<(HandleKey, Nanos)>,
     ops_in_flight: u64,
     notes_in_flight: u64,
-    /// Reads and writes begun and not yet reported: requests of this
-    /// engine's own that wait for something only a peer can send (data,
-    /// a confirmation, an acknowledgement). Lends and receives are not
-    /// counted: what they wait for comes when a peer chooses.
-    own_live: u32,
     actions: VecDeque<Action>,
     events: Vec<Event>,
     /// Pairs of the handles being posted (valid until the next begin).
@@ -463,7 +458,6 @@ impl Core {
             held: Vec::new(),
             ops_in_flight: 0,
             notes_in_flight: 0,
-            own_live: 0,
             actions: VecDeque::with_capacity(1024),
             events: Vec::with_capacity(1024),
             pairs: Vec::with_capacity(1024),
@@ -527,15 +521,6 @@ impl Core {
     /// Operations (data, flushes) and notifications still outstanding.
     pub fn outstanding(&self) -> u64 {
         self.ops_in_flight + self.notes_in_flight
-    }
-
-    /// Whether an answer to this engine's own work is due from a peer:
-    /// operations or notifications of its own are in flight, or reads or
-    /// writes it began are not yet reported. A lender or push destination
-    /// with nothing else going on awaits nothing: its readers' and
-    /// writers' notifications come when they come.
-    pub fn awaits_answers(&self) -> bool {
-        self.own_live > 0 || self.outstanding() > 0
     }
 
     // -- control plane ----------------------------------------------------
@@ -712,9 +697,6 @@ impl Core {
             words: 0,
             word: NO_WORD,
         };
-        if matches!(kind, Kind::Read | Kind::Write { .. }) {
-            self.own_live += 1;
-        }
         if fenced {
             let base = slot * MAX_HANDLES;
             for h in 0..self.handle_peers.len() {
@@ -1124,9 +1106,6 @@ impl Core {
             let info = self.info[slot];
             if info.generation != ev.key.generation() {
                 continue;
-            }
-            if matches!(info.kind, Kind::Read | Kind::Write { .. }) {
-                self.own_live = self.own_live.saturating_sub(1);
             }
             if matches!(info.kind, Kind::Lend { .. } | Kind::Receive { .. }) {
                 // Its incarnation is over: a late question about it is

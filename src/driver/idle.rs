@@ -72,21 +72,14 @@ impl Driver {
         false
     }
 
-    /// Whether to keep yielding rather than block: an answer to this
-    /// engine's own work is due (its operations or notes are in flight,
-    /// or a read or write of its own is not yet reported:
-    /// [`crate::core::Core::awaits_answers`]) and the driver went idle
-    /// less than [`AWAIT`] ago. An answer a peer sends within that time (a
-    /// read's confirmation, a write's acknowledgement) is then picked up by
+    /// Whether to keep yielding rather than block: requests are in flight
+    /// (the core has a deadline) and the driver went idle less than
+    /// [`AWAIT`] ago. An answer a peer sends within that time (a read's
+    /// confirmation, a write's acknowledgement) is then picked up by
     /// progress instead of waking this thread through UCX's async thread
-    /// and the worker's event fd (two thread wake-ups, ~100 µs here). A
-    /// lender or push destination with nothing of its own going on blocks
-    /// after the short spin and yield: what it waits for (a reader's end,
-    /// a writer's note) comes when the peer chooses, and it is woken by
-    /// the event fd then; yielding for it kept a lender's poller on a CPU
-    /// for 300 µs after every lend and every read's end.
+    /// and the worker's event fd (two thread wake-ups, ~100 µs here).
     fn awaiting(&self) -> bool {
-        self.core.awaits_answers()
+        self.core.next_deadline().is_some()
             && self.now().0.saturating_sub(self.idle.since.0) < AWAIT.as_nanos() as u64
     }
 
@@ -165,8 +158,8 @@ impl Driver {
 const SPIN: u32 = 256;
 const YIELD_FROM: u32 = SPIN + 1;
 const YIELD_TO: u32 = SPIN + 16;
-/// How long an adaptive poller awaiting answers to its own requests keeps
-/// yielding after its last work before it blocks (see `Driver::awaiting`).
+/// How long an adaptive poller with requests in flight keeps yielding
+/// after its last work before it blocks (see `Driver::awaiting`).
 const AWAIT: Duration = Duration::from_micros(300);
 
 /// Longest block on an armed event fd: a safety net only (every event
