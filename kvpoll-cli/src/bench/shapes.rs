@@ -286,7 +286,8 @@ pub struct Round {
     pub requests: u32,
     /// Seconds, check time left out.
     pub secs: f64,
-    /// CPU of every thread of both processes, ns.
+    /// CPU of every thread of both processes, ns, the reading side's data
+    /// checks left out.
     pub cpu_ns: u64,
     /// Requests whose bytes were checked.
     pub checked: u64,
@@ -1585,7 +1586,32 @@ pub fn run_group(
 
 #[cfg(test)]
 mod tests {
-    use super::checked_line;
+    use super::{checked_line, cpu_clock, Began, Checks};
+
+    #[test]
+    fn the_cpu_a_check_burns_on_its_thread_is_left_out_of_the_round() {
+        let mut checks = Checks::default();
+        let t0 = std::time::Instant::now();
+        let began = Began::now();
+        // Work of the check's own: at least 2 ms of this thread's CPU.
+        let from = cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID);
+        let mut x = 1u64;
+        while cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID) - from < 2_000_000 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        checks.record(began, true);
+        let total = 1_000_000_000;
+        let round = checks.round(1, t0, total);
+        assert!(round.cpu_ns <= total - 2_000_000, "{}", round.cpu_ns);
+        assert_eq!(round.checked, 1);
+        // A round that took less CPU than its checks (clocks of different
+        // threads) is not wrapped around.
+        let checks = Checks {
+            cpu_ns: 5,
+            ..Checks::default()
+        };
+        assert_eq!(checks.round(1, t0, 3).cpu_ns, 0);
+    }
 
     #[test]
     fn a_destination_check_line_names_its_request_and_verdict() {
