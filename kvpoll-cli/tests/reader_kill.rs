@@ -39,6 +39,14 @@
 //! just after the slot is taken; a test-only package, without which the
 //! case says so and checks nothing) checks that the next reader is served.
 //!
+//! The other way round: a prefill rank killed inside an active-message
+//! send to the decode rank it writes to (push) leaves the decode rank's
+//! worker deaf. `connect` finds it the same way, replaces its engine and
+//! connects to both prefill ranks again (the killed one restarted at its
+//! address); the case that kills a writer inside a send checks that the
+//! decode rank goes on transferring, with every block checked and none
+//! leaked.
+//!
 //! Time bounds here are guards against a hang, not measurements.
 
 use std::io::Write;
@@ -111,6 +119,11 @@ fn sizes() -> Vec<String> {
 }
 
 fn lender(rank: u32, tls: &str) -> Lender {
+    lender_at(rank, tls, "127.0.0.1:0")
+}
+
+/// A lender whose control port listens at `listen`.
+fn lender_at(rank: u32, tls: &str, listen: &str) -> Lender {
     // One file per lender: cases over the same transports run at once.
     static LENDERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = LENDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -120,7 +133,7 @@ fn lender(rank: u32, tls: &str) -> Lender {
     ));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
         .args(["serve", "--rank", &rank.to_string(), "--tls", tls])
-        .arg("--until-stdin-closes")
+        .args(["--listen", listen, "--until-stdin-closes"])
         .args(sizes())
         .env("UCX_NET_DEVICES", "lo")
         .stdin(Stdio::piped())
@@ -138,6 +151,7 @@ fn reader(
     tls: &str,
     mode: &str,
     requests: u64,
+    extra: &[&str],
     out: Stdio,
     err: Stdio,
 ) -> Child {
@@ -147,6 +161,7 @@ fn reader(
         .args(sizes())
         .args(["--blocks-per-handle", "8", "--window", "8"])
         .args(["--requests", &requests.to_string(), "--json"])
+        .args(extra)
         .env("UCX_NET_DEVICES", "lo")
         .stdout(out)
         .stderr(err)
@@ -196,6 +211,7 @@ fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
             tls,
             mode,
             1_000_000_000,
+            &[],
             Stdio::null(),
             Stdio::null(),
         );
@@ -332,7 +348,7 @@ fn next_reader(lenders: &[Lender; 2], tls: &str, mode: &str) -> (ExitStatus, Str
     ));
     let out = std::fs::File::create(&log).expect("reader log");
     let err = out.try_clone().expect("reader log");
-    let mut r = reader(lenders, tls, mode, 200, out.into(), err.into());
+    let mut r = reader(lenders, tls, mode, 200, &[], out.into(), err.into());
     let t = Instant::now();
     let st = loop {
         if let Some(st) = r.try_wait().unwrap() {
@@ -470,4 +486,82 @@ fn lends_still_held_for_an_earlier_readers_requests_refuse_nothing_of_the_next_r
         .sum();
     assert_eq!(reported, 200, "{json}");
     assert_eq!(procs::json_field(json, "refused"), 0, "{json}");
+}
+
+/// A prefill rank killed inside a shared-memory message send to the decode
+/// rank it writes to deafens that rank's engine (its worker reads no
+/// message again); the decode rank replaces its engine, connects to both
+/// prefill ranks again (the killed one restarted at its address) and
+/// transfers the rest. gdb holds the writer from before the decode rank
+/// starts, so its first message to it is the one it dies in: every request
+/// transferred went through a new engine.
+#[test]
+fn over_shared_memory_a_writer_killed_inside_a_message_send_leaves_its_destination_serving() {
+    if !procs::have_gdb() {
+        eprintln!("skipped: needs gdb to stop the writer inside a send");
+        return;
+    }
+    const REQUESTS: u64 = 100;
+    let tls = "posix,sysv,cma";
+    let mut lenders = [lender(0, tls), lender(1, tls)];
+    let pid = lenders[0].child.id();
+    let killer = std::thread::spawn(move || procs::kill_inside_send(pid));
+    let t = Instant::now();
+    while !procs::traced(pid) {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "gdb never attached to the writer"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = std::env::temp_dir().join(format!("kvpoll-writer-kill-{}.err", std::process::id()));
+    let out = std::fs::File::create(&log).expect("destination log");
+    let err = out.try_clone().expect("destination log");
+    let mut d = reader(
+        &lenders,
+        tls,
+        "push",
+        REQUESTS,
+        &["--allow-failures"],
+        out.into(),
+        err.into(),
+    );
+    let said = |d: &mut Child| {
+        let _ = d.kill();
+        let _ = d.wait();
+        std::fs::read_to_string(&log).unwrap_or_default()
+    };
+    if let Err(why) = killer.join().expect("the gdb thread") {
+        panic!("{why}\nthe destination said:\n{}", said(&mut d));
+    }
+    let _ = lenders[0].child.wait();
+    let addr = lenders[0].addr.clone();
+    lenders[0] = lender_at(0, tls, &addr);
+    let t = Instant::now();
+    let st = loop {
+        if let Some(st) = d.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(180),
+            "the destination hung; it said:\n{}",
+            said(&mut d)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = said(&mut d);
+    let _ = std::fs::remove_file(&log);
+    let json = text
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("the destination printed no report ({st}):\n{text}"));
+    let rebuilt = json.contains("\"decode_engines_rebuilt\":")
+        && procs::json_field(json, "decode_engines_rebuilt") >= 1;
+    // Only the requests in flight when the writer died fail (a window's
+    // worth, the failure found within about a second).
+    let finished = procs::json_field(json, "finished");
+    assert!(
+        st.success() && rebuilt && finished >= REQUESTS / 2,
+        "exit {st}, engine rebuilt: {rebuilt}, {finished} of {REQUESTS} transferred; it said:\n{text}"
+    );
 }

@@ -210,6 +210,16 @@ pub fn kill_inside_send(pid: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether a debugger (gdb) is attached to process `pid` (`TracerPid` in
+/// its /proc status).
+pub fn traced(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("TracerPid:"))
+            .is_some_and(|v| v.trim() != "0")
+    })
+}
+
 /// Whether gdb runs here (Debian package `gdb`, a test-only package).
 pub fn have_gdb() -> bool {
     Command::new("gdb")

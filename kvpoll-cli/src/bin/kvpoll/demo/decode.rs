@@ -184,6 +184,9 @@ pub struct DecodeReport {
     /// Requests not read because a lend's lease may have run out before
     /// the read was posted (counted in `refused` too).
     pub lease_too_short: u64,
+    /// Times this rank replaced its engine because its UCX worker went
+    /// deaf (a prefill rank died inside a shared-memory send to it).
+    pub engines_rebuilt: u32,
 }
 
 struct Link {
@@ -323,17 +326,7 @@ pub fn run(
     progress: &AtomicU64,
     stop: &dyn Fn() -> bool,
 ) -> Result<DecodeReport, RunError> {
-    let mut engine = Engine::builder()
-        .block_size(cfg.block_size)
-        .ucx(ContextOptions::with_transports(&cfg.tls))
-        .read_deadline(cfg.deadline)
-        .confirm_reads(cfg.fence)
-        .fence_push_leases(cfg.fence)
-        .faults(cfg.faults)
-        .build()?;
-    for _ in 0..cfg.layers {
-        engine.register(u64::from(cfg.blocks))?;
-    }
+    let engine = start_engine(cfg)?;
     let (tx, rx) = mpsc::channel();
     let mut d = Decoder {
         cfg,
@@ -369,6 +362,9 @@ pub fn run(
     let mut last_rings = Instant::now();
     let mut draining: Option<Instant> = None;
     loop {
+        if d.engine.is_deaf() {
+            d.rebuild()?;
+        }
         d.reconnect(registry);
         let issued_before = issued;
         while draining.is_none()
@@ -451,12 +447,7 @@ pub fn run(
     // Requests still open (give-up or stop) keep their blocks: leaked.
     d.report.seconds = start.elapsed().as_secs_f64();
     d.report.leaked_blocks = u64::from(d.pool.total() - d.pool.free());
-    let s = d.engine.poller_stats();
-    let m = d.engine.metrics();
-    d.report.faults.transfer_errors = m.handle_failures.transfer;
-    d.report.faults.release_failures = m.release_failures;
-    d.report.busy_ns = s.busy_ns;
-    d.report.idle_ns = s.idle_ns;
+    d.count_engine();
     d.engine.shutdown();
     let mut out = Outcomes::default();
     d.engine.poll(&mut out);
@@ -472,7 +463,85 @@ pub fn run(
     Ok(d.report)
 }
 
+/// A decode rank's engine with its layers registered.
+fn start_engine(cfg: &DecodeConfig) -> Result<Engine, RunError> {
+    let mut engine = Engine::builder()
+        .block_size(cfg.block_size)
+        .ucx(ContextOptions::with_transports(&cfg.tls))
+        .read_deadline(cfg.deadline)
+        .confirm_reads(cfg.fence)
+        .fence_push_leases(cfg.fence)
+        .faults(cfg.faults)
+        .build()?;
+    for _ in 0..cfg.layers {
+        engine.register(u64::from(cfg.blocks))?;
+    }
+    Ok(engine)
+}
+
 impl Decoder<'_> {
+    /// Adds the engine's poller time and failure counters to the report
+    /// (once per engine: at its replacement and at the end).
+    fn count_engine(&mut self) {
+        let s = self.engine.poller_stats();
+        let m = self.engine.metrics();
+        self.report.faults.transfer_errors += m.handle_failures.transfer;
+        self.report.faults.release_failures += m.release_failures;
+        self.report.busy_ns += s.busy_ns;
+        self.report.idle_ns += s.idle_ns;
+    }
+
+    /// Replaces a deaf engine (its UCX worker hears nothing more: a prefill
+    /// rank died inside a shared-memory send to it) with a new one, as
+    /// `serve` does. What the old engine had in flight is cancelled by its
+    /// shutdown and reported once, as any outcome (a finished request's
+    /// blocks are checked); requests it never had (pull: waiting for
+    /// READY) are refused. The blocks held for decoding are checked one
+    /// last time while the old regions are still mapped, and every block
+    /// goes back to the pool, whose indices name the new engine's regions.
+    /// Every control link is dropped: reconnecting, each prefill rank is
+    /// given the new engine's metadata and the new engine adds it anew.
+    fn rebuild(&mut self) -> Result<(), RunError> {
+        tracing::warn!(
+            rank = self.cfg.rank,
+            in_flight = self.reqs.len(),
+            "this rank's UCX worker stopped hearing (a prefill rank died inside a shared-memory \
+             send to it): replacing the engine"
+        );
+        let engine = start_engine(self.cfg)?;
+        self.count_engine();
+        self.engine.shutdown();
+        let mut out = Outcomes::default();
+        self.engine.poll(&mut out);
+        self.handle_outcomes(&out);
+        let never_started: Vec<u64> = self.reqs.keys().copied().collect();
+        for id in never_started {
+            if let Some(r) = self.reqs.remove(&id) {
+                if !r.freed {
+                    self.pool.release(&r.blocks);
+                }
+                self.report.refused += 1;
+                self.progress.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.release_due(true);
+        drop(std::mem::replace(&mut self.engine, engine));
+        let now = Instant::now();
+        for link in &mut self.links {
+            link.down("this rank replaced its engine".into());
+            link.next_try = now;
+            link.backoff = BACKOFF_FIRST;
+            link.attempts = 0;
+            link.down_since = now;
+        }
+        self.report.engines_rebuilt += 1;
+        tracing::warn!(
+            rank = self.cfg.rank,
+            "transferring with a new engine; the prefill ranks learn its metadata"
+        );
+        Ok(())
+    }
+
     fn links_up(&self) -> bool {
         self.links
             .iter()

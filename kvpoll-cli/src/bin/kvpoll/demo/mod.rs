@@ -1016,6 +1016,10 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     row("  lease too short to read", t.lease_too_short);
     row("corrupted blocks", t.corrupted);
     row("leaked blocks", t.leaked);
+    row(
+        "decode engines rebuilt (deafened)",
+        u64::from(engines_rebuilt(r)),
+    );
     print_latencies(mode, r, s);
     println!(
         "  {:<34} {:>12.0}",
@@ -1052,6 +1056,11 @@ fn fired(r: &ModeReport) -> decode::Fired {
         f.release_failures += d.faults.release_failures;
     }
     f
+}
+
+/// Engines the decode ranks replaced because they went deaf.
+fn engines_rebuilt(r: &ModeReport) -> u32 {
+    r.decode.iter().map(|d| d.engines_rebuilt).sum()
 }
 
 /// Poller stalls and engine-thread sleeps of the decode ranks.
@@ -1105,7 +1114,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 raw.error.as_deref().map_or("null".to_owned(), json_str),
             );
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"first_failure\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"first_failure\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"decode_engines_rebuilt\":{},\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -1145,6 +1154,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 r.pauses,
                 decode_stalls(r),
                 r.kills,
+                engines_rebuilt(r),
                 gave_up(r).map_or("null".to_owned(), json_str),
             )
         })
