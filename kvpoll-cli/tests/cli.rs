@@ -150,6 +150,54 @@ fn demo_help_shows_every_option_with_its_default() {
 }
 
 #[test]
+fn no_option_states_its_default_twice() {
+    let commands: &[&[&str]] = &[
+        &["demo"],
+        &["serve"],
+        &["connect"],
+        &["transfer"],
+        &["bench"],
+        &["bench", "all"],
+        &["bench", "ledger"],
+        &["bench", "engine"],
+        &["bench", "e2e"],
+        &["bench", "compare"],
+        &["bench", "trace"],
+        &["topo"],
+        &["completions"],
+        &["ucx-peer"],
+        &["engine-peer"],
+    ];
+    for cmd in commands {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let out = kvpoll(&args);
+        assert!(out.status.success(), "{cmd:?}: {out:?}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        // Each option's paragraph runs from its flags' line (indented
+        // 2 to 6 spaces) up to the next option's.
+        let mut paras: Vec<String> = Vec::new();
+        for line in text.lines() {
+            let indent = line.len() - line.trim_start().len();
+            if (2..=6).contains(&indent) && line.trim_start().starts_with('-') {
+                paras.push(String::new());
+            }
+            if let Some(p) = paras.last_mut() {
+                p.push_str(line);
+                p.push('\n');
+            }
+        }
+        assert!(paras.len() >= 2, "{cmd:?}: no options found in {text}");
+        for para in &paras {
+            assert!(
+                para.matches("[default:").count() <= 1,
+                "{cmd:?}: a default stated twice in {para}"
+            );
+        }
+    }
+}
+
+#[test]
 fn every_command_has_help_that_exits_0() {
     for cmd in [
         "demo",

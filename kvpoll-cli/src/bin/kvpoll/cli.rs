@@ -355,7 +355,7 @@ pub struct CompareArgs {
     /// best limit) into this SVG file.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
-    /// Shared-memory transports [default: posix,sysv,cma].
+    /// Shared-memory transports.
     #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
     pub shm: String,
     /// Interleaved rounds per system (medians are reported).
