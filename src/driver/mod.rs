@@ -143,9 +143,8 @@ impl Driver {
                     _ => self.now(),
                 };
                 counts.switch(t);
-                self.idle.switch(t, busy);
+                self.idle.since(t);
             }
-            self.idle.turn_done();
             if busy {
                 counts.busy += 1;
                 self.idle.work();
