@@ -149,27 +149,28 @@ fn demo_help_shows_every_option_with_its_default() {
     }
 }
 
+/// Every command `kvpoll` has.
+const COMMANDS: [&str; 9] = [
+    "demo",
+    "serve",
+    "connect",
+    "transfer",
+    "bench",
+    "topo",
+    "completions",
+    "ucx-peer",
+    "engine-peer",
+];
+
 #[test]
 fn no_option_states_its_default_twice() {
-    let commands: &[&[&str]] = &[
-        &["demo"],
-        &["serve"],
-        &["connect"],
-        &["transfer"],
-        &["bench"],
-        &["bench", "all"],
-        &["bench", "ledger"],
-        &["bench", "engine"],
-        &["bench", "e2e"],
-        &["bench", "compare"],
-        &["bench", "trace"],
-        &["topo"],
-        &["completions"],
-        &["ucx-peer"],
-        &["engine-peer"],
-    ];
+    let bench = ["all", "ledger", "engine", "e2e", "compare", "trace"];
+    let commands = COMMANDS
+        .iter()
+        .map(|&c| vec![c])
+        .chain(bench.iter().map(|&b| vec!["bench", b]));
     for cmd in commands {
-        let mut args = cmd.to_vec();
+        let mut args = cmd.clone();
         args.push("--help");
         let out = kvpoll(&args);
         assert!(out.status.success(), "{cmd:?}: {out:?}");
@@ -199,17 +200,7 @@ fn no_option_states_its_default_twice() {
 
 #[test]
 fn every_command_has_help_that_exits_0() {
-    for cmd in [
-        "demo",
-        "serve",
-        "connect",
-        "transfer",
-        "bench",
-        "topo",
-        "completions",
-        "ucx-peer",
-        "engine-peer",
-    ] {
+    for cmd in COMMANDS {
         let out = kvpoll(&[cmd, "--help"]);
         assert!(out.status.success(), "{cmd}: {out:?}");
         assert!(

@@ -56,18 +56,12 @@ fn connect_to(addr: &str, give_up_after: u64) -> (Option<i32>, String) {
         let _ = err.read_to_string(&mut s);
         s
     });
-    let deadline = Instant::now() + guard(give_up_after);
-    let code = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("connect did not give up within {:?}", guard(give_up_after));
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let Some(st) = procs::wait_within(&mut child, guard(give_up_after)) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("connect did not give up within {:?}", guard(give_up_after));
     };
+    let code = st.code();
     (code, reader.join().unwrap())
 }
 

@@ -29,18 +29,11 @@ use procs::Serve;
 
 /// Waits for `child` to exit within `guard`; kills it and panics otherwise.
 fn wait_exit(child: &mut Child, guard: Duration, what: &str) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return st;
-        }
-        if t.elapsed() > guard {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what}: still running after {guard:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    procs::wait_within(child, guard).unwrap_or_else(|| {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("{what}: still running after {guard:?}");
+    })
 }
 
 /// Runs `child` to its end within `guard`, collecting both streams.

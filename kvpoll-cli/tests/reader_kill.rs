@@ -349,25 +349,10 @@ fn next_reader(lenders: &[Lender; 2], tls: &str, mode: &str) -> (ExitStatus, Str
     let out = std::fs::File::create(&log).expect("reader log");
     let err = out.try_clone().expect("reader log");
     let mut r = reader(lenders, tls, mode, 200, &[], out.into(), err.into());
-    let st = ended(&mut r, Duration::from_secs(120)).expect("the last reader hung");
+    let st = procs::wait_within(&mut r, Duration::from_secs(120)).expect("the last reader hung");
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_file(&log);
     (st, said)
-}
-
-/// How `child` exited, waited for as long as `limit` (`None`: it still
-/// runs).
-fn ended(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
-    let t = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return Some(st);
-        }
-        if t.elapsed() >= limit {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Whether `child` exited (it is a zombie: /proc tells without reaping it).
@@ -542,7 +527,7 @@ fn over_shared_memory_a_writer_killed_inside_a_message_send_leaves_its_destinati
     let _ = lenders[0].child.wait();
     let addr = lenders[0].addr.clone();
     lenders[0] = lender_at(0, tls, &addr);
-    let Some(st) = ended(&mut d, Duration::from_secs(180)) else {
+    let Some(st) = procs::wait_within(&mut d, Duration::from_secs(180)) else {
         panic!("the destination hung; it said:\n{}", said(&mut d));
     };
     let text = said(&mut d);

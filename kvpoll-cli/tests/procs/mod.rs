@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpoll_cli::control::{FrameReader, Layout, Msg};
@@ -226,4 +226,19 @@ pub fn have_gdb() -> bool {
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success())
+}
+
+/// How `child` exited, waited for as long as `limit` (`None`: it still
+/// runs; it is left running).
+pub fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return Some(st);
+        }
+        if t.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
