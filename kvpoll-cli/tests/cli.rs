@@ -84,17 +84,7 @@ fn help_lists_every_command() {
     let out = kvpoll(&["--help"]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8(out.stdout).unwrap();
-    for cmd in [
-        "demo",
-        "serve",
-        "connect",
-        "transfer",
-        "bench",
-        "topo",
-        "completions",
-        "ucx-peer",
-        "engine-peer",
-    ] {
+    for cmd in COMMANDS {
         assert!(text.contains(&format!("  {cmd} ")), "{cmd}: {text}");
     }
 }
