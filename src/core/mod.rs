@@ -408,6 +408,11 @@ pub struct Core {
     scanned: usize,
     /// This engine's lend words, if its transport has them.
     words: Option<LendWords>,
+    /// Reads and writes begun and not yet reported: while there are any,
+    /// this engine awaits answers from its peers (data, confirmations,
+    /// acknowledgements). Lends and receives await peers too, but on the
+    /// peers' own schedule, not as answers to anything this engine sent.
+    own_live: u32,
 }
 
 impl Core {
@@ -473,6 +478,7 @@ impl Core {
             shutting_down: false,
             scanned: 0,
             words: None,
+            own_live: 0,
         }
     }
 
@@ -511,11 +517,24 @@ impl Core {
         }
         let n = self.events.len();
         for &e in &self.events {
+            let info = &self.info[e.key.slot() as usize];
+            if e.outcome.is_terminal()
+                && info.generation == e.key.generation()
+                && matches!(info.kind, Kind::Read | Kind::Write { .. })
+            {
+                self.own_live = self.own_live.saturating_sub(1);
+            }
             publish(e);
         }
         self.events.clear();
         self.scanned = 0;
         n
+    }
+
+    /// Whether reads or writes of this engine are live: it awaits its
+    /// peers' answers (a lender or a push destination alone does not).
+    pub fn awaits_answers(&self) -> bool {
+        self.own_live > 0
     }
 
     /// Operations (data, flushes) and notifications still outstanding.
@@ -680,6 +699,9 @@ impl Core {
         let slot = key.slot() as usize;
         if matches!(kind, Kind::Lend { .. } | Kind::Receive { .. }) {
             self.by_token.insert(token, key);
+        }
+        if matches!(kind, Kind::Read | Kind::Write { .. }) {
+            self.own_live += 1;
         }
         self.info[slot] = Info {
             generation: key.generation(),

@@ -428,6 +428,87 @@ fn lends_that_the_core_gives_up_on_have_their_words_cleared_when_reported() {
 /// word once the data landed; the word naming the lend confirms the read
 /// and the lender hears one way; any other word, or a word read that
 /// could not be posted, and the lender is asked.
+/// Begins read `id` of one block lent as `lend` by a new peer, lands its
+/// data and returns its handle and the token of the word read that must
+/// follow (no note to the lender before it).
+fn read_to_its_word(c: &mut Core, id: u64, lend: u64) -> (HandleKey, u64) {
+    let peer = c.add_peer(77, 1, 8).expect("peer");
+    let mut plan = vec![
+        Command::Handle {
+            peer,
+            pairs: 1,
+            lend: Incarnation(lend),
+        },
+        Command::Pair {
+            local: BlockId(0),
+            remote: BlockId(0),
+        },
+    ]
+    .into_iter();
+    c.on_command(
+        Command::Begin {
+            id: RequestId(id),
+            kind: Kind::Read,
+            handles: 1,
+            blocks: 0,
+            expires_in: 1_000_000_000,
+            token: Incarnation(9),
+        },
+        &mut || plan.next(),
+        Nanos(0),
+    );
+    let mut data = None;
+    while let Some(a) = c.next_action() {
+        if let Action::Post { handle, token, .. } = a {
+            c.on_posted(handle, Ok(1));
+            data = Some((handle, token));
+        }
+    }
+    let (hk, token) = data.expect("posted");
+    c.on_transport(TransportEvent::Completion { token, status: 0 }, Nanos(1));
+    let mut word_read = None;
+    while let Some(a) = c.next_action() {
+        match a {
+            Action::Release { handle } => c.on_released(handle, true, Nanos(1)),
+            Action::ReadWord {
+                lend: l,
+                handle,
+                token,
+                ..
+            } => {
+                assert_eq!((l, handle), (Incarnation(lend), hk));
+                word_read = Some(token);
+            }
+            Action::Send { .. } => panic!("told the lender before reading its word"),
+            _ => {}
+        }
+    }
+    (hk, word_read.expect("no word read after the data landed"))
+}
+
+#[test]
+fn a_read_awaits_answers_until_it_is_reported_and_a_lend_never_does() {
+    let mut c = core(1);
+    lend(&mut c, 1, 0x77, Nanos(0));
+    assert!(!c.awaits_answers(), "a lend alone awaits no answer");
+    let (_, token) = read_to_its_word(&mut c, 50, 0x5a5a);
+    assert!(c.awaits_answers(), "a read in flight awaits its word");
+    c.on_transport(
+        TransportEvent::Word {
+            token,
+            status: 0,
+            word: 0x5a5a,
+        },
+        Nanos(2),
+    );
+    while c.next_action().is_some() {}
+    assert!(c.awaits_answers(), "not reported yet");
+    let mut outcomes = Vec::new();
+    c.drain_events(|e| outcomes.push(e.outcome));
+    assert_eq!(outcomes, vec![Outcome::Finished]);
+    assert!(!c.awaits_answers(), "reported: nothing awaited any more");
+}
+
 #[test]
 fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_name_the_lend() {
     for (word, posted, confirmed) in [
@@ -437,58 +518,7 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
         (0, false, false),
     ] {
         let mut c = core(1);
-        let peer = c.add_peer(77, 1, 8).expect("peer");
-        let mut plan = vec![
-            Command::Handle {
-                peer,
-                pairs: 1,
-                lend: Incarnation(0x5a5a),
-            },
-            Command::Pair {
-                local: BlockId(0),
-                remote: BlockId(0),
-            },
-        ]
-        .into_iter();
-        c.on_command(
-            Command::Begin {
-                id: RequestId(50),
-                kind: Kind::Read,
-                handles: 1,
-                blocks: 0,
-                expires_in: 1_000_000_000,
-                token: Incarnation(9),
-            },
-            &mut || plan.next(),
-            Nanos(0),
-        );
-        let mut data = None;
-        while let Some(a) = c.next_action() {
-            if let Action::Post { handle, token, .. } = a {
-                c.on_posted(handle, Ok(1));
-                data = Some((handle, token));
-            }
-        }
-        let (hk, token) = data.expect("posted");
-        c.on_transport(TransportEvent::Completion { token, status: 0 }, Nanos(1));
-        let mut word_read = None;
-        while let Some(a) = c.next_action() {
-            match a {
-                Action::Release { handle } => c.on_released(handle, true, Nanos(1)),
-                Action::ReadWord {
-                    lend,
-                    handle,
-                    token,
-                    ..
-                } => {
-                    assert_eq!((lend, handle), (Incarnation(0x5a5a), hk));
-                    word_read = Some(token);
-                }
-                Action::Send { .. } => panic!("told the lender before reading its word"),
-                _ => {}
-            }
-        }
-        let token = word_read.expect("no word read after the data landed");
+        let (hk, token) = read_to_its_word(&mut c, 50, 0x5a5a);
         if posted {
             c.on_transport(
                 TransportEvent::Word {

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use super::Driver;
 use crate::core::Command;
 use crate::ledger::Nanos;
-use crate::transport::Transport;
+use crate::transport::{Transport, TransportEvent};
 
 impl Driver {
     /// Frees the slots of requests the engine has consumed.
@@ -61,12 +61,17 @@ impl Driver {
     pub(super) fn drain_transport(&mut self, now: &mut Option<Nanos>) -> u32 {
         let mut n = 0;
         let mut read = None;
+        let mut heard = false;
         let (core, epoch) = (&mut self.core, self.shared.epoch);
         self.wire.drain(&mut |ev| {
             n += 1;
+            heard |= matches!(ev, TransportEvent::Message { .. });
             let now = *read.get_or_insert_with(|| Nanos(epoch.elapsed().as_nanos() as u64));
             core.on_transport(ev, now);
         });
+        if heard {
+            self.idle.heard();
+        }
         if let Some(t) = read {
             self.execute(t);
             *now = Some(t);

@@ -23,6 +23,12 @@ pub(super) struct Idle {
     efd_signalled: bool,
     /// What to do about a worker that refuses to arm.
     refusals: Refusals,
+    /// The last idle run that a peer's message ended was shorter than
+    /// [`AWAIT`]: that peer's next message is likely to come as soon
+    /// (see `Driver::awaiting`). Starts true: yielding is the safe guess.
+    prompt_peers: bool,
+    /// A peer's message was taken in this turn.
+    heard: bool,
 }
 
 impl Idle {
@@ -32,11 +38,17 @@ impl Idle {
             since: now,
             efd_signalled: false,
             refusals: Refusals::default(),
+            prompt_peers: true,
+            heard: false,
         }
     }
 
-    /// A run switched at `t`.
-    pub(super) fn since(&mut self, t: Nanos) {
+    /// A run switched at `t`; `busy`: to a busy one. An idle run that a
+    /// peer's message ended says how promptly peers speak.
+    pub(super) fn switch(&mut self, t: Nanos, busy: bool) {
+        if busy && self.heard {
+            self.prompt_peers = t.0.saturating_sub(self.since.0) < AWAIT.as_nanos() as u64;
+        }
         self.since = t;
     }
 
@@ -44,6 +56,16 @@ impl Idle {
     pub(super) fn work(&mut self) {
         self.streak = 0;
         self.refusals.work();
+    }
+
+    /// A peer's message was taken in this turn.
+    pub(super) fn heard(&mut self) {
+        self.heard = true;
+    }
+
+    /// The turn ended: the next one has heard nothing yet.
+    pub(super) fn turn_done(&mut self) {
+        self.heard = false;
     }
 }
 
@@ -72,15 +94,26 @@ impl Driver {
         false
     }
 
-    /// Whether to keep yielding rather than block: requests are in flight
-    /// (the core has a deadline) and the driver went idle less than
-    /// [`AWAIT`] ago. An answer a peer sends within that time (a read's
-    /// confirmation, a write's acknowledgement) is then picked up by
-    /// progress instead of waking this thread through UCX's async thread
-    /// and the worker's event fd (two thread wake-ups, ~100 µs here).
+    /// Whether to keep yielding rather than block: the driver went idle
+    /// less than [`AWAIT`] ago, and either this engine's reads or writes
+    /// are in flight, or it has requests (lends, receives) and its peers
+    /// have been prompt: the last idle run a peer's message ended was
+    /// shorter than [`AWAIT`]. An answer a peer sends within that time (a
+    /// read's confirmation, a write's acknowledgement), or the next note
+    /// of a stream of reads from a lender, is then picked up by progress
+    /// instead of waking this thread through the worker's event fd (over
+    /// shared memory the sender signals it with a syscall; over tcp UCX's
+    /// async thread relays it: two thread wake-ups, ~100 µs here).
+    ///
+    /// A lender whose readers come seldom (one note every few hundred
+    /// microseconds or more, as 8 MiB requests do) blocks instead: its
+    /// yields would end before the next note anyway. Yielding after
+    /// every lend cost such a lender ~90 µs of CPU per 8 MiB request.
     fn awaiting(&self) -> bool {
-        self.core.next_deadline().is_some()
-            && self.now().0.saturating_sub(self.idle.since.0) < AWAIT.as_nanos() as u64
+        let recent = self.now().0.saturating_sub(self.idle.since.0) < AWAIT.as_nanos() as u64;
+        recent
+            && (self.core.awaits_answers()
+                || (self.idle.prompt_peers && self.core.next_deadline().is_some()))
     }
 
     /// Blocks until the transport has an event, the engine pushed
@@ -251,5 +284,36 @@ mod tests {
         // same stuck peer, and must not wait a nap before its progress.
         assert_eq!(r.arm(true), Refusal::Armed);
         assert_eq!(r.arm(false), Refusal::ProgressFirst);
+    }
+
+    #[test]
+    fn peers_are_prompt_while_their_messages_end_idle_runs_within_the_await_phase() {
+        let us = |n: u64| Nanos(n * 1_000);
+        let mut idle = Idle::new(us(0));
+        assert!(idle.prompt_peers, "yielding is the first guess");
+        // Idle from 0; a peer's message ends the run 500 µs later.
+        idle.heard();
+        idle.switch(us(500), true);
+        idle.turn_done();
+        assert!(!idle.prompt_peers, "a message 500 µs after going idle");
+        // Idle again; a command (no message) ends the run at once: no
+        // evidence about peers.
+        idle.switch(us(510), false);
+        idle.switch(us(520), true);
+        idle.turn_done();
+        assert!(!idle.prompt_peers);
+        // A message 20 µs after going idle: prompt again.
+        idle.switch(us(530), false);
+        idle.heard();
+        idle.switch(us(550), true);
+        idle.turn_done();
+        assert!(idle.prompt_peers);
+        // A message taken within a busy run says nothing either, and a
+        // turn that heard one does not carry it to a later switch.
+        idle.heard();
+        idle.turn_done();
+        idle.switch(us(560), false);
+        idle.switch(us(2_000), true);
+        assert!(idle.prompt_peers);
     }
 }

@@ -143,8 +143,9 @@ impl Driver {
                     _ => self.now(),
                 };
                 counts.switch(t);
-                self.idle.since(t);
+                self.idle.switch(t, busy);
             }
+            self.idle.turn_done();
             if busy {
                 counts.busy += 1;
                 self.idle.work();
