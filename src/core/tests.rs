@@ -424,10 +424,6 @@ fn lends_that_the_core_gives_up_on_have_their_words_cleared_when_reported() {
     assert_eq!((word_of(&words, 0x4343), word_of(&words, 0x4444)), (0, 0));
 }
 
-/// A reader's side: its first handle to each lender reads that lender's
-/// word once the data landed; the word naming the lend confirms the read
-/// and the lender hears one way; any other word, or a word read that
-/// could not be posted, and the lender is asked.
 /// Begins read `id` of one block lent as `lend` by a new peer, lands its
 /// data and returns its handle and the token of the word read that must
 /// follow (no note to the lender before it).
@@ -509,6 +505,10 @@ fn a_read_awaits_answers_until_it_is_reported_and_a_lend_never_does() {
     assert!(!c.awaits_answers(), "reported: nothing awaited any more");
 }
 
+/// A reader's side: its first handle to each lender reads that lender's
+/// word once the data landed; the word naming the lend confirms the read
+/// and the lender hears one way; any other word, or a word read that
+/// could not be posted, and the lender is asked.
 #[test]
 fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_name_the_lend() {
     for (word, posted, confirmed) in [
