@@ -47,6 +47,18 @@
 //! decode rank goes on transferring, with every block checked and none
 //! leaked.
 //!
+//! One gap stays open, and its case is ignored: a push destination that
+//! stops draining (stopped, or starved of CPU) and then dies, while its
+//! writers' words fill its shared-memory queue. The writes whose flush
+//! waits behind that queue end only when the writer's UCX fails the
+//! endpoint, and its keepalive check does not always do so: with UCX's
+//! 20 s interval the blocks came back 13 to 20 s after the kill; with
+//! kvpoll's 1 s, 2.7 s after it on a quiet machine, but in 1 of 2 runs
+//! of this file at two tests at a time, and in each of 5 runs with the
+//! CPUs kept busy besides, some writes of the first or second killed
+//! destination were still held 10 s after the kill.
+//! `cargo test --test reader_kill -- --ignored` runs it.
+//!
 //! Time bounds here are guards against a hang, not measurements.
 
 use std::io::Write;
@@ -136,6 +148,9 @@ fn lender_at(rank: u32, tls: &str, listen: &str) -> Lender {
         .args(["--listen", listen, "--until-stdin-closes"])
         .args(sizes())
         .env("UCX_NET_DEVICES", "lo")
+        // Each failed request and lost peer logged: what a lender that
+        // kept blocks was still waiting for shows in its log.
+        .env("RUST_LOG", "warn,kvpoll=debug")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log).expect("lender log"))
@@ -145,7 +160,11 @@ fn lender_at(rank: u32, tls: &str, listen: &str) -> Lender {
     Lender { child, addr, log }
 }
 
-/// A reader; its output (the JSON report and its log) goes to `out`.
+/// A reader's requests: 8 blocks from each lender, 8 in flight.
+const NARROW: [&str; 4] = ["--blocks-per-handle", "8", "--window", "8"];
+
+/// A reader; `extra` holds its request shape (say [`NARROW`]); its output
+/// (the JSON report and its log) goes to `out`.
 fn reader(
     lenders: &[Lender; 2],
     tls: &str,
@@ -159,7 +178,6 @@ fn reader(
         .args(["connect", "--mode", mode, "--tls", tls])
         .args(["--to", &format!("{},{}", lenders[0].addr, lenders[1].addr)])
         .args(sizes())
-        .args(["--blocks-per-handle", "8", "--window", "8"])
         .args(["--requests", &requests.to_string(), "--json"])
         .args(extra)
         .env("UCX_NET_DEVICES", "lo")
@@ -200,18 +218,29 @@ enum Kill {
     /// from both: its last requests and its connection's end wait in the
     /// lenders' sockets, and each lender's next progress finds both.
     WhileLendersStopped,
+    /// SIGKILL after a spell stopped (SIGSTOP), once it reads from both
+    /// with a wide window: what the lenders send it meanwhile (a word
+    /// for each of its many writes) fills its shared-memory queues, and
+    /// what does not fit waits in the lenders' UCX when it dies.
+    AfterAStop,
 }
 
 fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
     let lenders = [lender(0, tls), lender(1, tls)];
     let mut rng = u64::from(std::process::id()) | 1;
     for k in 0..kills {
+        // A block from each lender a request, up to all of them in flight.
+        const WIDE: [&str; 4] = ["--blocks-per-handle", "1", "--window", "128"];
+        let shape = match how {
+            Kill::AfterAStop => WIDE,
+            _ => NARROW,
+        };
         let mut r = reader(
             &lenders,
             tls,
             mode,
             1_000_000_000,
-            &[],
+            &shape,
             Stdio::null(),
             Stdio::null(),
         );
@@ -246,9 +275,25 @@ fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
                     procs::cont(l.child.id());
                 }
             }
+            Kill::AfterAStop => {
+                reading_from_both(&lenders);
+                procs::stop(r.id());
+                std::thread::sleep(Duration::from_millis(300 + rng % 200));
+                let _ = r.kill();
+            }
         }
         let _ = r.wait();
-        lenders_took_back(&lenders, k, &format!("{tls} {mode}"));
+        // A destination killed after a stop leaves writes whose flush
+        // waits behind its full queue: they end once the writer's UCX finds
+        // it dead (kvpoll has it check every second) and their lease is
+        // over, if it finds it (module docs). Other kills end every lend
+        // or write at its lease at the latest; 20 s allows for a loaded
+        // machine.
+        let within = match how {
+            Kill::AfterAStop => Duration::from_millis(LEASE_MS + 7_000),
+            _ => Duration::from_secs(20),
+        };
+        lenders_took_back(&lenders, k, within, &format!("{tls} {mode}"));
     }
     if let Kill::InsideSend = how {
         lender_rebuilt(&lenders, &format!("{tls} {mode}"));
@@ -295,8 +340,8 @@ fn lender_rebuilt(lenders: &[Lender; 2], case: &str) {
 }
 
 /// After kill `k`: every lender lives and gets the dead reader's blocks
-/// back (its lends end at their lease at the latest).
-fn lenders_took_back(lenders: &[Lender; 2], k: u32, case: &str) {
+/// back `within` that long.
+fn lenders_took_back(lenders: &[Lender; 2], k: u32, within: Duration, case: &str) {
     let mut deaths = Vec::new();
     let t = Instant::now();
     for (i, l) in lenders.iter().enumerate() {
@@ -308,11 +353,20 @@ fn lenders_took_back(lenders: &[Lender; 2], k: u32, case: &str) {
                 ));
                 break;
             }
-            match free_blocks(&l.addr) {
+            let stats = free_blocks(&l.addr);
+            match stats {
                 Some((free, total)) if free == total => break,
-                _ if t.elapsed() > Duration::from_secs(20) => {
+                _ if t.elapsed() > within => {
+                    // What it held and what it logged: enough to tell a
+                    // write waiting on UCX for its puts from a lost event.
+                    let held = stats.map_or("?".into(), |(f, n)| format!("{} of {n}", n - f));
+                    let log = std::fs::read_to_string(&l.log).unwrap_or_default();
+                    let tail: Vec<&str> = log.lines().rev().take(12).collect();
                     deaths.push(format!(
-                        "kill {k}: lender {i} kept the dead reader's blocks"
+                        "kill {k}: lender {i} kept the dead reader's blocks ({held} held \
+                         after {:?}); its log, last lines first:\n{}",
+                        t.elapsed(),
+                        tail.join("\n")
                     ));
                     break;
                 }
@@ -348,7 +402,7 @@ fn next_reader(lenders: &[Lender; 2], tls: &str, mode: &str) -> (ExitStatus, Str
     ));
     let out = std::fs::File::create(&log).expect("reader log");
     let err = out.try_clone().expect("reader log");
-    let mut r = reader(lenders, tls, mode, 200, &[], out.into(), err.into());
+    let mut r = reader(lenders, tls, mode, 200, &NARROW, out.into(), err.into());
     let st = procs::wait_within(&mut r, Duration::from_secs(120)).expect("the last reader hung");
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_file(&log);
@@ -394,6 +448,12 @@ fn over_tcp_in_push_mode_killed_destinations_leave_every_writer_serving() {
 #[test]
 fn over_shared_memory_in_push_mode_killed_destinations_leave_every_writer_serving() {
     kill_readers("posix,sysv,cma", "push", 10, Kill::MidRead);
+}
+
+#[test]
+#[ignore = "a writer does not always find a destination that stopped draining, then died (module docs)"]
+fn over_shared_memory_in_push_mode_destinations_killed_after_a_stop_leave_every_writer_serving() {
+    kill_readers("posix,sysv,cma", "push", 5, Kill::AfterAStop);
 }
 
 #[test]
@@ -512,7 +572,7 @@ fn over_shared_memory_a_writer_killed_inside_a_message_send_leaves_its_destinati
         tls,
         "push",
         REQUESTS,
-        &["--allow-failures"],
+        &[&NARROW[..], &["--allow-failures"]].concat(),
         out.into(),
         err.into(),
     );

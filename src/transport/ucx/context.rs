@@ -1,6 +1,7 @@
 use std::ffi::CString;
 use std::ptr;
 use std::rc::Rc;
+use std::time::Duration;
 
 use ucx_sys as sys;
 
@@ -67,6 +68,18 @@ pub struct ContextOptions {
     /// each tcp interface (one per network device) costs a syscall in
     /// every progress, idle or not.
     pub adaptive_progress: Option<bool>,
+    /// How often UCX checks that the peer of each endpoint still lives
+    /// (`KEEPALIVE_INTERVAL`; over shared memory and `cma`, whether its
+    /// process still runs); a peer found dead fails its endpoints. A
+    /// write ends only once its puts and their flush completed or failed
+    /// (docs/design.md §2), and when a destination dies with its message
+    /// queue full (it stopped draining first), what waits behind that
+    /// queue fails only at this check: the writer holds its source blocks
+    /// until then. UCX's own default is 20 s; kvpoll's is 1 s (over shared
+    /// memory the check reads a few bytes of `/proc` per endpoint). Left
+    /// to UCX where the environment sets `UCX_KEEPALIVE_INTERVAL`, or with
+    /// `None`.
+    pub keepalive_interval: Option<Duration>,
 }
 
 impl Default for ContextOptions {
@@ -80,9 +93,13 @@ impl Default for ContextOptions {
             extra: Vec::new(),
             wakeup: true,
             adaptive_progress: None,
+            keepalive_interval: Some(KEEPALIVE_INTERVAL),
         }
     }
 }
+
+/// kvpoll's default [`ContextOptions::keepalive_interval`].
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 
 impl ContextOptions {
     /// Options restricted to the given transport list.
@@ -123,6 +140,13 @@ impl ContextOptions {
             && self.may_use_cma()
             && (version.major, version.minor) >= (1, 20)
             && !env_sets_it
+    }
+
+    /// The `KEEPALIVE_INTERVAL` to give UCX (in microseconds, at least
+    /// 1), if any: none where the environment sets it.
+    fn keepalive_value(&self, env_sets_it: bool) -> Option<String> {
+        let every = self.keepalive_interval.filter(|_| !env_sets_it)?;
+        Some(format!("{}us", every.as_micros().max(1)))
     }
 
     /// Whether the transport list names only transports within one host:
@@ -408,6 +432,11 @@ impl Context {
         if reads_by_cma {
             cfg.set("RNDV_THRESH", "inf")?;
         }
+        if let Some(every) =
+            options.keepalive_value(std::env::var_os("UCX_KEEPALIVE_INTERVAL").is_some())
+        {
+            cfg.set("KEEPALIVE_INTERVAL", &every)?;
+        }
         for (name, value) in &options.extra {
             cfg.set(name, value)?;
         }
@@ -487,6 +516,7 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::ContextOptions;
+    use std::time::Duration;
 
     #[test]
     fn the_transports_offered_are_read_from_the_resource_lines_once_each() {
@@ -533,6 +563,35 @@ mod tests {
             value(ContextOptions::with_transports("posix").adaptive_progress(true)),
             Some("y")
         );
+    }
+
+    #[test]
+    fn peers_are_checked_every_second_unless_the_environment_or_the_caller_says_otherwise() {
+        let o = ContextOptions::with_transports("posix,sysv,cma");
+        assert_eq!(o.keepalive_value(false).as_deref(), Some("1000000us"));
+        assert_eq!(
+            o.keepalive_value(true),
+            None,
+            "the environment's value stands"
+        );
+        let every = |d| ContextOptions {
+            keepalive_interval: d,
+            ..ContextOptions::default()
+        };
+        assert_eq!(
+            every(Some(Duration::from_millis(250)))
+                .keepalive_value(false)
+                .as_deref(),
+            Some("250000us")
+        );
+        assert_eq!(
+            every(Some(Duration::ZERO))
+                .keepalive_value(false)
+                .as_deref(),
+            Some("1us"),
+            "UCX refuses 0"
+        );
+        assert_eq!(every(None).keepalive_value(false), None, "UCX's own");
     }
 
     #[test]
