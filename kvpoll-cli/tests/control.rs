@@ -56,13 +56,12 @@ fn connect_to(addr: &str, give_up_after: u64) -> (Option<i32>, String) {
         let _ = err.read_to_string(&mut s);
         s
     });
-    let Some(st) = procs::wait_within(&mut child, guard(give_up_after)) else {
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("connect did not give up within {:?}", guard(give_up_after));
-    };
-    let code = st.code();
-    (code, reader.join().unwrap())
+    let st = procs::wait_exit(
+        &mut child,
+        guard(give_up_after),
+        "connect (it did not give up)",
+    );
+    (st.code(), reader.join().unwrap())
 }
 
 /// Reads the client's hello (so the fake looks like it listens).

@@ -25,16 +25,7 @@ fn kvpoll() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvpoll"))
 }
 
-use procs::Serve;
-
-/// Waits for `child` to exit within `guard`; kills it and panics otherwise.
-fn wait_exit(child: &mut Child, guard: Duration, what: &str) -> std::process::ExitStatus {
-    procs::wait_within(child, guard).unwrap_or_else(|| {
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("{what}: still running after {guard:?}");
-    })
-}
+use procs::{wait_exit, Serve};
 
 /// Runs `child` to its end within `guard`, collecting both streams.
 fn finish(mut child: Child, guard: Duration, what: &str) -> Output {

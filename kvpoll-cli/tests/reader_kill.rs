@@ -162,6 +162,8 @@ fn lender_at(rank: u32, tls: &str, listen: &str) -> Lender {
 
 /// A reader's requests: 8 blocks from each lender, 8 in flight.
 const NARROW: [&str; 4] = ["--blocks-per-handle", "8", "--window", "8"];
+/// A block from each lender a request, up to all of them in flight.
+const WIDE: [&str; 4] = ["--blocks-per-handle", "1", "--window", "128"];
 
 /// A reader; `extra` holds its request shape (say [`NARROW`]); its output
 /// (the JSON report and its log) goes to `out`.
@@ -227,14 +229,18 @@ enum Kill {
 
 fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
     let lenders = [lender(0, tls), lender(1, tls)];
+    // The readers' shape, and how soon the lenders get their blocks back.
+    // A destination killed after a stop leaves writes whose flush waits
+    // behind its full queue: they end once the writer's UCX finds it dead
+    // (kvpoll has it check every second) and their lease is over, if it
+    // finds it (module docs). Other kills end every lend or write at its
+    // lease at the latest; 20 s allows for a loaded machine.
+    let (shape, within) = match how {
+        Kill::AfterAStop => (WIDE, Duration::from_millis(LEASE_MS + 7_000)),
+        _ => (NARROW, Duration::from_secs(20)),
+    };
     let mut rng = u64::from(std::process::id()) | 1;
     for k in 0..kills {
-        // A block from each lender a request, up to all of them in flight.
-        const WIDE: [&str; 4] = ["--blocks-per-handle", "1", "--window", "128"];
-        let shape = match how {
-            Kill::AfterAStop => WIDE,
-            _ => NARROW,
-        };
         let mut r = reader(
             &lenders,
             tls,
@@ -283,16 +289,6 @@ fn kill_readers(tls: &str, mode: &str, kills: u32, how: Kill) {
             }
         }
         let _ = r.wait();
-        // A destination killed after a stop leaves writes whose flush
-        // waits behind its full queue: they end once the writer's UCX finds
-        // it dead (kvpoll has it check every second) and their lease is
-        // over, if it finds it (module docs). Other kills end every lend
-        // or write at its lease at the latest; 20 s allows for a loaded
-        // machine.
-        let within = match how {
-            Kill::AfterAStop => Duration::from_millis(LEASE_MS + 7_000),
-            _ => Duration::from_secs(20),
-        };
         lenders_took_back(&lenders, k, within, &format!("{tls} {mode}"));
     }
     if let Kill::InsideSend = how {

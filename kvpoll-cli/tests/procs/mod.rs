@@ -242,3 +242,13 @@ pub fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// How `child` exited, waited for as long as `guard`; kills it and panics
+/// (naming `what`) if it still runs then.
+pub fn wait_exit(child: &mut Child, guard: Duration, what: &str) -> ExitStatus {
+    wait_within(child, guard).unwrap_or_else(|| {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("{what}: still running after {guard:?}");
+    })
+}
