@@ -282,6 +282,11 @@ fn run_drill(mode: &str, fault: Fault, ns: Option<&Netns>) {
     let _ = connect.0.stderr.take().unwrap().read_to_string(&mut err);
     let what = format!("{mode}, {fault:?}");
     eprintln!("{what}: {}", out.trim());
+    // No report at all: how it ended and what it said tell why.
+    assert!(
+        out.contains("\"corrupted_blocks\""),
+        "{what}: connect printed no report (exit {status}); stderr:\n{err}"
+    );
     assert_eq!(
         field(&out, "corrupted_blocks"),
         0,

@@ -75,10 +75,13 @@ pub struct ContextOptions {
     /// (docs/design.md §2), and when a destination dies with its message
     /// queue full (it stopped draining first), what waits behind that
     /// queue fails only at this check: the writer holds its source blocks
-    /// until then. UCX's own default is 20 s; kvpoll's is 1 s (over shared
-    /// memory the check reads a few bytes of `/proc` per endpoint). Left
-    /// to UCX where the environment sets `UCX_KEEPALIVE_INTERVAL`, or with
-    /// `None`.
+    /// until then. UCX's own default is 20 s; kvpoll's is 1 s where the
+    /// transport list names only transports within one host (there the
+    /// check reads a few bytes of `/proc` per endpoint; over tcp the dead
+    /// peer's kernel resets its connections, and the check was not
+    /// measured there). Left to UCX where the environment sets
+    /// `UCX_KEEPALIVE_INTERVAL`, with `None`, or with a list that may hold
+    /// other transports.
     pub keepalive_interval: Option<Duration>,
 }
 
@@ -143,9 +146,12 @@ impl ContextOptions {
     }
 
     /// The `KEEPALIVE_INTERVAL` to give UCX (in microseconds, at least
-    /// 1), if any: none where the environment sets it.
+    /// 1), if any: none where the environment sets it, or where the
+    /// transport list may hold transports between hosts.
     fn keepalive_value(&self, env_sets_it: bool) -> Option<String> {
-        let every = self.keepalive_interval.filter(|_| !env_sets_it)?;
+        let every = self
+            .keepalive_interval
+            .filter(|_| !env_sets_it && self.same_host_only())?;
         Some(format!("{}us", every.as_micros().max(1)))
     }
 
@@ -566,7 +572,8 @@ mod tests {
     }
 
     #[test]
-    fn peers_are_checked_every_second_unless_the_environment_or_the_caller_says_otherwise() {
+    fn peers_on_this_host_are_checked_every_second_unless_the_environment_or_the_caller_says_otherwise(
+    ) {
         let o = ContextOptions::with_transports("posix,sysv,cma");
         assert_eq!(o.keepalive_value(false).as_deref(), Some("1000000us"));
         assert_eq!(
@@ -574,9 +581,14 @@ mod tests {
             None,
             "the environment's value stands"
         );
+        for other in ["tcp", "posix,sysv,cma,tcp", "^tcp", "all"] {
+            let o = ContextOptions::with_transports(other);
+            assert_eq!(o.keepalive_value(false), None, "{other}: UCX's own");
+        }
+        assert_eq!(ContextOptions::default().keepalive_value(false), None);
         let every = |d| ContextOptions {
             keepalive_interval: d,
-            ..ContextOptions::default()
+            ..ContextOptions::with_transports("posix")
         };
         assert_eq!(
             every(Some(Duration::from_millis(250)))
