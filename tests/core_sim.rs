@@ -1987,6 +1987,43 @@ fn a_reads_heartbeats_keep_its_lend_alive_past_the_lease() {
     }
 }
 
+/// The lender stops (a paused process) right after lending 12 blocks; over
+/// shared memory its reader reads them all meanwhile, and the reads'
+/// notes wait at the lender. It resumes past every lease: the notes are
+/// taken in, in the same step, before the leases are judged, so every lend
+/// is released and none is reported expired.
+#[test]
+fn a_lender_resumed_past_its_leases_takes_in_its_readers_notes_before_judging_them() {
+    let mut h = Harness::new(SimNetConfig {
+        shm: true,
+        ..cfg(26, 2)
+    });
+    let ids: Vec<u64> = (40..52).collect();
+    let src: Vec<Vec<BlockId>> = ids
+        .iter()
+        .map(|&id| lend_filled(&mut h, 1, id, 1, 1, MS))
+        .collect();
+    h.pause(1, Nanos(10 * MS));
+    for (&id, src) in ids.iter().zip(&src) {
+        let l = h.alloc(0, 1);
+        h.read(0, id, &[(1, pairs(&l, src))], 50 * MS);
+    }
+    h.run_until(Nanos(5 * MS));
+    for &id in &ids {
+        assert_eq!(h.report_of(1, id), None, "reported while stopped");
+    }
+    h.settle();
+    for &id in &ids {
+        assert_eq!(h.report_of(0, id), Some(&Report::FinishedRecving));
+        assert_eq!(
+            h.report_of(1, id),
+            Some(&Report::FinishedSending),
+            "lend {id}: judged expired before its reader's note was taken in"
+        );
+    }
+    h.check_end();
+}
+
 // -- a receive's lease is a fence ---------------------------------------
 
 /// The writer stops (a paused process) right after posting its puts; the

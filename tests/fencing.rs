@@ -144,6 +144,86 @@ fn a_read_that_outlives_its_lend_fails_and_never_finishes_with_reused_bytes() {
     assert!(holds(&p, 4, 11, 4));
 }
 
+#[cfg(feature = "fault-injection")]
+/// The lender's poller stops (a prefill process stopped) right after it
+/// took 12 lends; over shared memory its reader reads them one after
+/// another meanwhile, each confirmed from its lend word, and each read's
+/// note waits at the lender in a message of its own. The lender wakes
+/// past every lease: it takes in what arrived before it judges a lease,
+/// so every lend read is released (`finished_sending`), and only the one
+/// nobody read is reported expired.
+#[test]
+fn a_lender_woken_past_its_leases_counts_the_reads_that_arrived_while_it_slept() {
+    use common::{one, reported};
+    let tls = "posix,sysv,cma";
+    let mut p = engine_over(tls);
+    let mut d = engine_over(tls);
+    let peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    // Wire the endpoint up first (a read of a live lend, released).
+    fill(&p, 1, 15);
+    let warm = p.lend(RequestId(1), &[BlockId(15)], 1, GUARD).unwrap();
+    d.read(
+        RequestId(1),
+        &one(peer, &[BlockId(15)], &[BlockId(15)], warm),
+    )
+    .unwrap();
+    let mut out = Outcomes::default();
+    wait(&mut d, &mut out, "the warm-up read", |o| {
+        !o.finished_recving.is_empty()
+    });
+    let mut pout = Outcomes::default();
+    wait(&mut p, &mut pout, "the warm-up release", |o| {
+        !o.finished_sending.is_empty()
+    });
+
+    let (lease, stall) = (Duration::from_millis(300), Duration::from_millis(2_000));
+    let ids: Vec<RequestId> = (100..112).map(RequestId).collect();
+    let lends: Vec<_> = ids
+        .iter()
+        .zip(0u32..)
+        .map(|(&id, b)| {
+            fill(&p, id.0, b);
+            p.lend(id, &[BlockId(b)], 1, lease).unwrap()
+        })
+        .collect();
+    // One nobody reads: it still expires.
+    let unread = RequestId(112);
+    p.lend(unread, &[BlockId(12)], 1, lease).unwrap();
+    // Taken after the lends, so their leases started before it.
+    p.stall(stall).unwrap();
+    let stalled_at = Instant::now();
+    // The lends are in the lender's words once its poller took them.
+    std::thread::sleep(Duration::from_millis(50));
+    for ((&id, &lend), b) in ids.iter().zip(&lends).zip(0u32..) {
+        d.read(id, &one(peer, &[BlockId(b)], &[BlockId(b)], lend))
+            .unwrap();
+        let mut out = Outcomes::default();
+        wait(&mut d, &mut out, "a read of the stopped lender", |o| {
+            reported(o, id)
+        });
+        assert_eq!(out.finished_recving, vec![id], "{out:?}");
+        assert!(holds(&d, b, id.0, b));
+    }
+    assert!(
+        stalled_at.elapsed() < stall - Duration::from_millis(200),
+        "the reads outlasted the lender's stop; make it longer"
+    );
+    let mut pout = Outcomes::default();
+    wait(&mut p, &mut pout, "the lends' reports", |o| {
+        ids.iter().chain([&unread]).all(|&id| reported(o, id))
+    });
+    assert!(
+        pout.expired == [unread],
+        "{} of {} lends reported expired although their reads finished and \
+         their notes had arrived: {pout:?}",
+        pout.expired.iter().filter(|&&id| id != unread).count(),
+        ids.len()
+    );
+    let mut released = pout.finished_sending.clone();
+    released.sort_by_key(|id| id.0);
+    assert_eq!(released, ids, "{pout:?}");
+}
+
 /// A read that fails tells its lenders at once (once it stopped), so a
 /// lender does not hold its blocks for the rest of a long lease.
 #[test]

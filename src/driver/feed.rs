@@ -9,6 +9,12 @@ use crate::core::Command;
 use crate::ledger::Nanos;
 use crate::transport::{Transport, TransportEvent};
 
+/// Turns in a row that a due deadline waits for the transport to run dry
+/// (see `Driver::advance_if_due`), at most: a stream that never
+/// stops must not hold leases and deadlines off for ever. UCX hands over
+/// up to 16 messages per progress from a shared-memory FIFO of 64.
+const HOLD_BACK: u32 = 64;
+
 impl Driver {
     /// Frees the slots of requests the engine has consumed.
     pub(super) fn drain_retired(&mut self) -> u32 {
@@ -83,19 +89,36 @@ impl Driver {
     /// the clock anyway, always; otherwise (an idle spin) only every 16th
     /// turn, and only when something can be due (a deadline is seen a few
     /// microseconds late at most; `block` reads it anyway).
-    pub(super) fn advance_if_due(&mut self, turn: u64, now: Option<Nanos>) {
+    ///
+    /// `took` is what this turn's progress and transport drain took in.
+    /// While that is not nothing, more may be waiting behind it (UCX hands
+    /// over a few messages per progress: after a poller stop, one or two
+    /// of a dozen readers' notes): the deadlines are judged on the first
+    /// turn that finds nothing more, or after [`HOLD_BACK`] turns that
+    /// kept finding something. So what arrived before a lease is judged
+    /// counts: a lend read while its lender was stopped is released, not
+    /// reported expired.
+    pub(super) fn advance_if_due(&mut self, turn: u64, now: Option<Nanos>, took: u32) {
         let Some(due) = self.core.next_deadline() else {
+            self.held_back = 0;
             return;
         };
         let t = match now {
             Some(t) => Some(t),
-            None if turn % 16 == 0 => Some(self.now()),
+            None if turn % 16 == 0 || self.held_back > 0 => Some(self.now()),
             None => None,
         };
-        if let Some(t) = t.filter(|&t| due <= t) {
-            self.core.advance(t);
-            self.execute(t);
+        let Some(t) = t.filter(|&t| due <= t) else {
+            self.held_back = 0;
+            return;
+        };
+        if took > 0 && self.held_back < HOLD_BACK {
+            self.held_back += 1;
+            return;
         }
+        self.held_back = 0;
+        self.core.advance(t);
+        self.execute(t);
     }
 
     /// Executes the core's actions on the transport, feeding back results

@@ -4,8 +4,9 @@
 //!
 //! drain control messages and commands (feeding the core) → progress the
 //! transport → feed its completions, notifications and endpoint failures to
-//! the core → advance the core's clock when something is due → execute the
-//! core's actions on the transport → publish the core's events.
+//! the core → advance the core's clock when something is due and the
+//! transport had nothing more → execute the core's actions on the
+//! transport → publish the core's events.
 //!
 //! The parts, each in its module: `feed` (what goes into the core and
 //! out of it), [`execute`] (the core's actions performed on a transport),
@@ -55,6 +56,9 @@ struct Driver {
     control: mpsc::Receiver<Control>,
     shared: Arc<Shared>,
     idle: idle::Idle,
+    /// Turns in a row that held a due deadline back while the transport
+    /// still had something (`feed::HOLD_BACK` at most).
+    held_back: u32,
 }
 
 /// The driver thread's body.
@@ -113,6 +117,7 @@ impl Driver {
             control,
             shared,
             idle,
+            held_back: 0,
         })
     }
 
@@ -185,7 +190,7 @@ impl Driver {
         if self.shared.stop.load(Ordering::Acquire) {
             return None;
         }
-        work += self.wire.progress();
+        let progressed = self.wire.progress();
         // The commands again (an emptiness check when none came), then
         // what progress saw: a peer's message that answers something the
         // engine submitted (a read of a lend it announced, say) was sent
@@ -194,8 +199,9 @@ impl Driver {
         // descheduled between the first drain and progress took the
         // question first and refused a read of a lend still in its ring.
         work += self.drain_commands(now);
-        work += self.drain_transport(now);
-        self.advance_if_due(turn, *now);
+        let took = progressed + self.drain_transport(now);
+        work += took;
+        self.advance_if_due(turn, *now, took);
         work += self.publish() as u32;
         Some(work)
     }
