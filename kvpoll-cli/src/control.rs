@@ -493,8 +493,10 @@ pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
 
 /// Reads frames from a stream whose read timeout is set to `tick`
 /// ([`std::net::TcpStream::set_read_timeout`]): a frame that started must
-/// complete within `frame_timeout`; with no frame started, `idle` (if any)
-/// bounds the wait.
+/// complete within `frame_timeout` from its first byte, however its bytes
+/// trickle in (the bound is checked before every read, so it is kept to
+/// within one read: a tick, or the time one read takes to return data);
+/// with no frame started, `idle` (if any) bounds the wait.
 pub struct FrameReader<R> {
     inner: R,
     buf: Vec<u8>,
@@ -522,6 +524,12 @@ impl<R: Read> FrameReader<R> {
         let want = self.buf.len() + n;
         let mut chunk = [0u8; 4096];
         while self.buf.len() < want {
+            // Checked before every read, after data as after a timeout: a
+            // peer trickling bytes faster than the tick never times a read
+            // out, and must not keep a frame open past its bound.
+            if started.is_some_and(|t| t.elapsed() >= self.frame_timeout) {
+                return Err(ReadError::Slow(self.frame_timeout));
+            }
             let room = (want - self.buf.len()).min(chunk.len());
             match self.inner.read(&mut chunk[..room]) {
                 Ok(0) if started.is_none() => return Err(ReadError::Closed),
@@ -541,18 +549,10 @@ impl<R: Read> FrameReader<R> {
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                     ) =>
                 {
-                    match *started {
-                        Some(t) if t.elapsed() >= self.frame_timeout => {
-                            return Err(ReadError::Slow(self.frame_timeout))
+                    if let (None, Some(idle)) = (*started, self.idle) {
+                        if waiting.elapsed() >= idle {
+                            return Err(ReadError::Idle(idle));
                         }
-                        None => {
-                            if let Some(idle) = self.idle {
-                                if waiting.elapsed() >= idle {
-                                    return Err(ReadError::Idle(idle));
-                                }
-                            }
-                        }
-                        Some(_) => {}
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -678,6 +678,48 @@ mod tests {
             r.read_msg(),
             Err(ReadError::Frame(FrameError::BadMagic))
         ));
+    }
+
+    /// A stream that hands over one byte per read, `delay` after the last.
+    struct Trickle<'a> {
+        bytes: &'a [u8],
+        delay: Duration,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            std::thread::sleep(self.delay);
+            let Some((&b, rest)) = self.bytes.split_first() else {
+                return Ok(0);
+            };
+            buf[0] = b;
+            self.bytes = rest;
+            Ok(1)
+        }
+    }
+
+    #[test]
+    fn a_frame_trickled_a_byte_at_a_time_is_slow_once_its_frame_timeout_passed() {
+        // 125 bytes at 20 ms each: 2.5 s for the whole frame, none of its
+        // reads waiting long enough to time out.
+        let frame = Msg::Meta(vec![7; 100]).encode().unwrap();
+        let frame_timeout = Duration::from_millis(200);
+        let trickle = Trickle {
+            bytes: &frame,
+            delay: Duration::from_millis(20),
+        };
+        let mut r = FrameReader::new(trickle, frame_timeout, None);
+        let t = Instant::now();
+        let got = r.read_msg();
+        let took = t.elapsed();
+        assert!(
+            matches!(got, Err(ReadError::Slow(d)) if d == frame_timeout),
+            "after {took:?}: {got:?}"
+        );
+        assert!(
+            took < frame_timeout + Duration::from_millis(200),
+            "Slow only after {took:?}"
+        );
     }
 
     #[test]
