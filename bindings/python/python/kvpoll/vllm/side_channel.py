@@ -11,7 +11,16 @@ framed message, its ``Handshake``, and closes. A frame is::
 long frame, a payload that is not the expected object) is refused with a
 ``HandshakeError`` that says what was wrong. The asking side sends nothing
 but its request line (``GET <rank>``) so a stray connection costs the
-server one small read.
+server one small read. In push mode a decode also sends ``PUSH <rank>``
+with a ``PushRequest`` frame (write my blocks) or ``FREE <rank>`` with a
+``PushRelease`` frame (nobody will ask: free yours).
+
+Both sides bound a whole exchange, not each read: a server gives each
+client ``FRAME_DEADLINE_S`` to send its request and serves clients on
+threads of their own, and an asking side gives the answer its timeout, so
+bytes trickled in keep nobody waiting. Nothing here runs on vLLM's step:
+``HandshakeCache`` fetches on a thread pool and the worker half sends its
+push requests and releases there too.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import os
 import socket
 import struct
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -254,11 +265,63 @@ class PushRequest:
         )
 
 
+@dataclass(frozen=True)
+class PushRelease:
+    """What a decode worker tells a push-mode prefill worker when the
+    request will not be loaded after all (aborted before it was scheduled,
+    or nothing left to load): free the blocks held for it now."""
+
+    engine_id: str
+    request_id: str
+
+    def encode(self) -> bytes:
+        return _frame_of({"engine_id": self.engine_id, "request_id": self.request_id}, "release")
+
+    @classmethod
+    def decode(cls, frame: bytes) -> "PushRelease":
+        obj = _object_of(frame, "release")
+        _check_fields(obj, {"engine_id": str, "request_id": str}, "release")
+        return cls(engine_id=obj["engine_id"], request_id=obj["request_id"])
+
+
+class _Deadline:
+    """Reads from a socket against one deadline for a whole message,
+    however its bytes are paced: each ``recv`` waits at most what is left."""
+
+    def __init__(self, conn: socket.socket, seconds: float, what: str) -> None:
+        self.conn = conn
+        self.what = what
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def recv(self, n: int) -> bytes:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"{self.what} not complete within {self.seconds:g} s")
+        self.conn.settimeout(left)
+        try:
+            return self.conn.recv(n)
+        except socket.timeout as e:
+            raise socket.timeout(f"{self.what} not complete within {self.seconds:g} s") from e
+
+
+#: How long a client of the side channel has, from its connection, to send
+#: its whole request (line and frame); a slower one is dropped.
+FRAME_DEADLINE_S = 2.0
+#: Clients served at once; one past it is dropped at once (a handshake is
+#: one small exchange: only a flood of stalled clients reaches this).
+MAX_CLIENTS = 64
+
+
 class HandshakeServer:
-    """Answers ``GET <rank>`` on ``(host, port)`` with the handshake, and
+    """Answers ``GET <rank>`` on ``(host, port)`` with the handshake,
     ``PUSH <rank>`` followed by a ``PushRequest`` frame with ``OK`` or
-    ``NO <why>`` (what ``on_push`` says, called on the server's thread),
-    from a daemon thread, until ``close()``."""
+    ``NO <why>`` (what ``on_push`` says), and ``FREE <rank>`` followed by
+    a ``PushRelease`` frame with ``OK`` (``on_free`` takes it), until
+    ``close()``. Each client is served on a thread of its own and has
+    ``FRAME_DEADLINE_S`` from its connection to send its whole request,
+    however its bytes trickle in: a slow or hostile client never holds up
+    another. ``on_push`` and ``on_free`` are called on those threads."""
 
     def __init__(
         self,
@@ -266,14 +329,17 @@ class HandshakeServer:
         port: int,
         handshake: Handshake,
         on_push: Optional[Callable[[PushRequest], Optional[str]]] = None,
+        on_free: Optional[Callable[["PushRelease"], None]] = None,
     ) -> None:
         self._frame = handshake.encode()
         self._on_push = on_push
+        self._on_free = on_free
         self._rank = handshake.tp_rank
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.address: Tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
+        self._clients = threading.BoundedSemaphore(MAX_CLIENTS)
         self._thread = threading.Thread(target=self._serve, name="kvpoll-handshake", daemon=True)
         self._thread.start()
 
@@ -285,43 +351,54 @@ class HandshakeServer:
                 continue
             except OSError:
                 return
-            with conn:
-                try:
-                    conn.settimeout(2.0)
-                    line, rest = _read_line(conn)
-                    if line == f"GET {self._rank}".encode():
-                        conn.sendall(self._frame)
-                    elif line == f"PUSH {self._rank}".encode() and self._on_push is not None:
-                        conn.sendall(self._push(conn, rest))
-                    else:
-                        logger.warning("kvpoll side channel: refused request %r", line[:_REQUEST_MAX])
-                except OSError:
-                    continue
+            if not self._clients.acquire(blocking=False):
+                logger.warning("kvpoll side channel: %d clients at once, one more dropped", MAX_CLIENTS)
+                conn.close()
+                continue
+            threading.Thread(target=self._client, args=(conn,), name="kvpoll-handshake-client", daemon=True).start()
 
-    def _push(self, conn: socket.socket, data: bytes) -> bytes:
+    def _client(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                reader = _Deadline(conn, FRAME_DEADLINE_S, "side-channel request")
+                line, rest = _read_line(reader)
+                if line == f"GET {self._rank}".encode():
+                    answer = self._frame
+                elif line == f"PUSH {self._rank}".encode() and self._on_push is not None:
+                    answer = self._push(reader, rest)
+                elif line == f"FREE {self._rank}".encode() and self._on_free is not None:
+                    answer = self._free(reader, rest)
+                else:
+                    logger.warning("kvpoll side channel: refused request %r", line[:_REQUEST_MAX])
+                    return
+                conn.settimeout(FRAME_DEADLINE_S)
+                conn.sendall(answer)
+        except OSError as e:
+            logger.debug("kvpoll side channel: client dropped: %s", e)
+        finally:
+            self._clients.release()
+
+    def _push(self, reader: _Deadline, data: bytes) -> bytes:
         """Reads one push request frame (``data`` is what came with the
         request line) and answers it."""
         assert self._on_push is not None
-        while len(data) < HEADER.size:
-            chunk = conn.recv(HEADER.size)
-            if not chunk:
-                break
-            data += chunk
-        if len(data) >= HEADER.size:
-            length = HEADER.unpack_from(data)[2]
-            want = HEADER.size + min(length, MAX_FRAME)
-            while len(data) < want:
-                chunk = conn.recv(want - len(data))
-                if not chunk:
-                    break
-                data += chunk
         try:
-            why = self._on_push(PushRequest.decode(data))
+            why = self._on_push(PushRequest.decode(_read_frame(reader, data)))
         except HandshakeError as e:
             why = str(e)
         if why is not None:
             logger.warning("kvpoll side channel: push request refused: %s", why)
             return f"NO {why}\n".encode()[:MAX_FRAME]
+        return b"OK\n"
+
+    def _free(self, reader: _Deadline, data: bytes) -> bytes:
+        """Reads one release frame and hands it on."""
+        assert self._on_free is not None
+        try:
+            self._on_free(PushRelease.decode(_read_frame(reader, data)))
+        except HandshakeError as e:
+            logger.warning("kvpoll side channel: release refused: %s", e)
+            return f"NO {e}\n".encode()[:MAX_FRAME]
         return b"OK\n"
 
     def close(self) -> None:
@@ -330,11 +407,28 @@ class HandshakeServer:
         self._thread.join(5)
 
 
-def _read_line(conn: socket.socket) -> Tuple[bytes, bytes]:
+def _read_frame(reader: "_Deadline", data: bytes) -> bytes:
+    """One frame: its header, then the length it says (at most MAX_FRAME)."""
+    while len(data) < HEADER.size:
+        chunk = reader.recv(HEADER.size)
+        if not chunk:
+            return data
+        data += chunk
+    length = HEADER.unpack_from(data)[2]
+    want = HEADER.size + min(length, MAX_FRAME)
+    while len(data) < want:
+        chunk = reader.recv(want - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _read_line(reader: "_Deadline") -> Tuple[bytes, bytes]:
     """The request line, and what arrived after it."""
     data = b""
     while b"\n" not in data and len(data) <= _REQUEST_MAX:
-        chunk = conn.recv(_REQUEST_MAX)
+        chunk = reader.recv(_REQUEST_MAX)
         if not chunk:
             break
         data += chunk
@@ -342,41 +436,54 @@ def _read_line(conn: socket.socket) -> Tuple[bytes, bytes]:
     return line, rest
 
 
-def send_push_request(host: str, port: int, tp_rank: int, req: PushRequest, timeout_s: float = 5.0) -> None:
-    """Asks prefill rank ``tp_rank`` at ``(host, port)`` to write ``req``;
-    raises ``HandshakeError`` if it cannot be reached or refuses."""
-    frame = req.encode()
+def _exchange(host: str, port: int, request: bytes, timeout_s: float, what: str, until: Callable[[bytes], bool]) -> bytes:
+    """Sends ``request`` and reads the answer until ``until(answer)``, the
+    server closes, or MAX_FRAME is passed, all within ``timeout_s`` from
+    the connect: an answer trickled in is refused like a missing one."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.sendall(f"PUSH {tp_rank}\n".encode() + frame)
+            reader = _Deadline(s, timeout_s, what)
+            s.sendall(request)
             answer = b""
-            while b"\n" not in answer and len(answer) <= MAX_FRAME:
-                chunk = s.recv(4096)
+            while not until(answer) and len(answer) <= MAX_FRAME:
+                chunk = reader.recv(65536)
                 if not chunk:
                     break
                 answer += chunk
+            return answer
     except OSError as e:
-        raise HandshakeError(f"push request to {host}:{port} not delivered: {e}") from e
+        raise HandshakeError(f"no {what} from {host}:{port}: {e}") from e
+
+
+def _line_ok(host: str, port: int, answer: bytes, what: str) -> None:
     line = answer.partition(b"\n")[0]
     if line != b"OK":
-        raise HandshakeError(f"{host}:{port} refused the push request: {line.decode(errors='replace')[:200]}")
+        raise HandshakeError(f"{host}:{port} refused the {what}: {line.decode(errors='replace')[:200]}")
+
+
+def send_push_request(host: str, port: int, tp_rank: int, req: PushRequest, timeout_s: float = 5.0) -> None:
+    """Asks prefill rank ``tp_rank`` at ``(host, port)`` to write ``req``;
+    raises ``HandshakeError`` if it cannot be reached or refuses."""
+    request = f"PUSH {tp_rank}\n".encode() + req.encode()
+    answer = _exchange(host, port, request, timeout_s, "answer to a push request", lambda a: b"\n" in a)
+    _line_ok(host, port, answer, "push request")
+
+
+def send_push_release(host: str, port: int, tp_rank: int, rel: "PushRelease", timeout_s: float = 5.0) -> None:
+    """Tells prefill rank ``tp_rank`` that nobody will ask for ``rel``'s
+    request: it frees the blocks it holds for it now, not at the lease's
+    end. Raises ``HandshakeError`` if it cannot be reached or refuses."""
+    request = f"FREE {tp_rank}\n".encode() + rel.encode()
+    answer = _exchange(host, port, request, timeout_s, "answer to a release", lambda a: b"\n" in a)
+    _line_ok(host, port, answer, "release")
 
 
 def fetch_handshake(host: str, port: int, tp_rank: int, timeout_s: float = 5.0) -> Handshake:
     """Asks the worker at ``(host, port)`` for its handshake; raises
-    ``HandshakeError`` if it cannot be reached or answers anything but a
-    valid handshake for ``tp_rank``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.sendall(f"GET {tp_rank}\n".encode())
-            frame = b""
-            while len(frame) <= MAX_FRAME:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                frame += chunk
-    except OSError as e:
-        raise HandshakeError(f"no handshake from {host}:{port}: {e}") from e
+    ``HandshakeError`` if it cannot be reached, does not answer in full
+    within ``timeout_s``, or answers anything but a valid handshake for
+    ``tp_rank``."""
+    frame = _exchange(host, port, f"GET {tp_rank}\n".encode(), timeout_s, "handshake", lambda a: False)
     if len(frame) > MAX_FRAME:
         raise HandshakeError(f"{host}:{port} sent more than {MAX_FRAME} bytes")
     hs = Handshake.decode(frame)
@@ -386,25 +493,80 @@ def fetch_handshake(host: str, port: int, tp_rank: int, timeout_s: float = 5.0) 
 
 
 class HandshakeCache:
-    """Handshakes by (engine id, rank), fetched once; ``forget`` drops one
-    so that the next use fetches it again (the remote may have restarted)."""
+    """Handshakes by (engine id, rank), fetched once, in the background.
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    ``poll`` never waits on the network: it returns the handshake when it
+    is known, ``None`` while its fetch runs (on a small thread pool), and
+    raises the fetch's ``HandshakeError`` once it failed. A failure is
+    remembered: until its back-off ends (``backoff_s``: the first and the
+    longest, doubling between) every ``poll`` raises it again at once,
+    without a connection. ``forget`` drops what is known of an engine, so
+    that the next use fetches again (the remote may have restarted).
+    ``get`` is the same, waiting for the answer."""
+
+    def __init__(self, timeout_s: float = 5.0, backoff_s: Tuple[float, float] = (1.0, 10.0), threads: int = 4) -> None:
         self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
         self._known: Dict[Tuple[str, int], Handshake] = {}
+        self._fetching: Dict[Tuple[str, int], "Future[Handshake]"] = {}
+        # key -> (the error, when it may be tried again, the back-off used)
+        self._failed: Dict[Tuple[str, int], Tuple[HandshakeError, float, float]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvpoll-fetch")
+        #: Fetches started (connections attempted), for the tests and stats.
+        self.fetches = 0
 
-    def get(self, engine_id: str, host: str, port: int, tp_rank: int) -> Handshake:
+    def poll(self, engine_id: str, host: str, port: int, tp_rank: int) -> Optional[Handshake]:
         key = (engine_id, tp_rank)
         hs = self._known.get(key)
-        if hs is None:
-            hs = fetch_handshake(host, port + tp_rank, tp_rank, self.timeout_s)
-            if hs.engine_id != engine_id:
-                raise HandshakeError(
-                    f"{host}:{port + tp_rank} is engine {hs.engine_id!r}, the request names {engine_id!r}"
-                )
-            self._known[key] = hs
+        if hs is not None:
+            return hs
+        fut = self._fetching.get(key)
+        if fut is None:
+            failed = self._failed.get(key)
+            if failed is not None:
+                if time.monotonic() < failed[1]:
+                    raise failed[0]
+            self.fetches += 1
+            self._fetching[key] = self._pool.submit(self._fetch, engine_id, host, port, tp_rank)
+            return None
+        if not fut.done():
+            return None
+        del self._fetching[key]
+        try:
+            hs = fut.result()
+        except HandshakeError as e:
+            last = self._failed.get(key)
+            wait = self.backoff_s[0] if last is None else min(2 * last[2], self.backoff_s[1])
+            self._failed[key] = (e, time.monotonic() + wait, wait)
+            raise
+        self._failed.pop(key, None)
+        self._known[key] = hs
+        return hs
+
+    def get(self, engine_id: str, host: str, port: int, tp_rank: int) -> Handshake:
+        while True:
+            hs = self.poll(engine_id, host, port, tp_rank)
+            if hs is not None:
+                return hs
+            wait([self._fetching[(engine_id, tp_rank)]])
+
+    def _fetch(self, engine_id: str, host: str, port: int, tp_rank: int) -> Handshake:
+        hs = fetch_handshake(host, port + tp_rank, tp_rank, self.timeout_s)
+        if hs.engine_id != engine_id:
+            raise HandshakeError(f"{host}:{port + tp_rank} is engine {hs.engine_id!r}, the request names {engine_id!r}")
         return hs
 
     def forget(self, engine_id: str, tp_rank: Optional[int] = None) -> None:
+        """Drops the handshakes known of ``engine_id`` (one rank, or all):
+        the next use fetches again. A remembered failure keeps its
+        back-off: forgetting is for a handshake that turned out stale."""
         for key in [k for k in self._known if k[0] == engine_id and tp_rank in (None, k[1])]:
             del self._known[key]
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+        """Runs ``fn(*args)`` on the fetching threads (another exchange on
+        the side channel that must not wait on vLLM's step)."""
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
