@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import (
     Any,
     Dict,
@@ -186,9 +187,11 @@ class KvConnectorWorker:
         self.failure_reasons: Dict[RequestId, Tuple[str, int]] = {}
         # Loads failed outside the engine's reports, for the next ``failed``.
         self._failed_next: Dict[RequestId, Tuple[str, int]] = {}
-        self._saves: List[Tuple[RequestId, List[Tuple[int, Sequence[int], Sequence[int]]], int]] = []
+        self._saves: List[Tuple[RequestId, _Write]] = []
         # Submissions refused with BusyError, retried each step in order.
-        self._backlog: List[Tuple[str, RequestId, Any]] = []
+        self._backlog: List[Tuple[RequestId, _Op]] = []
+        # The objects whose memory is registered, kept alive with the engine.
+        self._kept: List[Any] = []
 
     # ------------------------------------------------------------ setup
 
@@ -207,15 +210,19 @@ class KvConnectorWorker:
                 parts = list(layer)
             for part in parts:
                 try:
-                    checked.append((name, region_of(part)))
+                    checked.append((name, part, region_of(part)))
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"KV layer {name!r}: {e}") from e
         regions = []
-        for name, region in checked:
+        for name, part, region in checked:
             try:
                 regions.append(self.engine.register_buffer(region))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"KV layer {name!r}: {e}") from e
+            # UCX exposes the memory to peers for the engine's life: the
+            # object that owns it must live as long (a torch tensor is
+            # registered by its address, which alone keeps nothing alive).
+            self._kept.append(part)
         return regions
 
     def metadata(self) -> bytes:
@@ -273,11 +280,11 @@ class KvConnectorWorker:
         load, a lend or write as sent (nothing holds its blocks)."""
         self._retry_backlog()
         for req_id, spec in (reqs_to_send or {}).items():
-            self._submit("lend_readers", req_id, spec)
-        for req_id, spec in (reqs_to_recv_push or {}).items():
-            self._submit("receive", req_id, spec)
+            self._submit(req_id, _Lend.of(spec))
+        for req_id, (blocks, writers, *inc) in (reqs_to_recv_push or {}).items():
+            self._submit(req_id, _Receive(list(blocks), writers, inc[0] if inc else None))
         for req_id, handles in (reqs_to_recv or {}).items():
-            self._submit("read", req_id, self._handles(handles))
+            self._submit(req_id, _Read(self._handles(handles)))
 
     def save_kv(
         self,
@@ -287,15 +294,15 @@ class KvConnectorWorker:
     ) -> None:
         """Queues a push of ``handles`` (local blocks into blocks the
         remotes lent to writers); submitted by ``wait_for_save``."""
-        self._saves.append((req_id, self._handles(handles), expected_acks))
+        self._saves.append((req_id, _Write(self._handles(handles), expected_acks)))
 
     def wait_for_save(self) -> None:
         """Submits the pushes queued by ``save_kv``. It does not block on
         the network: each push is reported by ``get_finished`` (in
         ``sending``) once written, flushed and acknowledged."""
         saves, self._saves = self._saves, []
-        for req_id, handles, acks in saves:
-            self._submit("write", req_id, (handles, acks))
+        for req_id, write in saves:
+            self._submit(req_id, write)
 
     def get_finished(
         self, finished_req_ids: Iterable[RequestId] = ()
@@ -397,8 +404,8 @@ class KvConnectorWorker:
 
     # ------------------------------------------------------------ internals
 
-    def _submit(self, what: str, req_id: RequestId, spec: Any) -> None:
-        if what in ("lend_readers", "write"):
+    def _submit(self, req_id: RequestId, op: "_Op") -> None:
+        if op.sends:
             # A send from now on, in the engine or in the backlog: a release
             # that arrives while it waits must not be lost.
             self._sending.add(req_id)
@@ -406,87 +413,136 @@ class KvConnectorWorker:
                 self._released.add(req_id)
         if self._backlog:
             # Keep submission order: behind what is already waiting.
-            self._backlog.append((what, req_id, spec))
+            self._backlog.append((req_id, op))
             return
-        self._try(what, req_id, spec, queue=True)
+        try:
+            op.submit(self, req_id)
+        except BusyError:
+            self._backlog.append((req_id, op))
+        except Exception:
+            # Refused at once: raised to the caller, and never reported.
+            self._sending.discard(req_id)
+            self._released.discard(req_id)
+            raise
 
     def _retry_backlog(self) -> None:
         while self._backlog:
-            what, req_id, spec = self._backlog[0]
+            req_id, op = self._backlog[0]
             try:
-                self._do(what, req_id, spec)
+                op.submit(self, req_id)
             except BusyError:
                 return  # still full: next step
             except (KvpollError, TypeError, ValueError) as e:
                 # Refused for good, steps after it was submitted: nobody
                 # is there to catch it, so it is reported like any end.
-                self._refused(what, req_id, spec, e)
+                logger.error("kvpoll: %s of %r refused after waiting for room: %s", op.name, req_id, e)
+                op.refused(self, req_id)
             self._backlog.pop(0)
 
-    def _try(self, what: str, req_id: RequestId, spec: Any, queue: bool) -> bool:
-        """Submits; False if the engine was busy (queued at the backlog's end
-        if ``queue``). Any other refusal raises, and the submission is
-        forgotten: it is never reported."""
-        try:
-            self._do(what, req_id, spec)
-            return True
-        except BusyError:
-            if queue:
-                self._backlog.append((what, req_id, spec))
-            return False
-        except Exception:
-            self._sending.discard(req_id)
-            self._released.discard(req_id)
-            raise
+    def _load_failed(self, req_id: RequestId, blocks: Iterable[int]) -> None:
+        """A load (read or receive) that ended before the engine took it:
+        reported failed next ``get_finished``, its blocks invalid."""
+        self._recved.add(req_id)
+        self._failed_next[req_id] = ("refused", 0)
+        self._load_errors.update(blocks)
 
-    def _refused(self, what: str, req_id: RequestId, spec: Any, error: Exception) -> None:
-        """A backlogged submission the engine refused when retried: a read
-        or receive is a failed load (its blocks invalid), a lend
-        or write is a send whose blocks are free (nothing holds them)."""
-        logger.error("kvpoll: %s of %r refused after waiting for room: %s", what, req_id, error)
-        if what == "read":
-            self._recved.add(req_id)
-            self._failed_next[req_id] = ("refused", 0)
-            for h in spec:
-                self._load_errors.update(h[1])
-        elif what == "receive":
-            self._recved.add(req_id)
-            self._failed_next[req_id] = ("refused", 0)
-            self._load_errors.update(spec[0])
-        else:
-            self._sending.discard(req_id)
-            self._sent.add(req_id)
+    def _send_freed(self, req_id: RequestId) -> None:
+        """A send (lend or write) that ended before the engine took it:
+        nothing holds its blocks."""
+        self._sending.discard(req_id)
+        self._sent.add(req_id)
 
-    def _do(self, what: str, req_id: RequestId, spec: Any) -> None:
-        e = self.engine
-        if what == "read":
-            e.read(req_id, spec)
-        elif what == "lend_readers":
-            inc = None
-            if (
-                isinstance(spec, tuple)
-                and len(spec) in (2, 3)
-                and isinstance(spec[1], int)
-                and not isinstance(spec[0], int)
-            ):
-                blocks, readers, *rest = spec
-                inc = rest[0] if rest else None
-            else:
-                blocks, readers = spec, 1
-            self._incarnations[req_id] = e.lend(
-                req_id, blocks, readers=readers, lease_s=self.lease_s, incarnation=inc
-            )
-        elif what == "receive":
-            blocks, writers, *rest = spec
-            self._incarnations[req_id] = e.receive(
-                req_id, blocks, writers=writers, lease_s=self.lease_s, incarnation=rest[0] if rest else None
-            )
-            self._push_dest[req_id] = list(blocks)
-        elif what == "write":
-            handles, acks = spec
-            e.write(req_id, handles, expected_acks=acks, lease_s=self.lease_s)
-        else:  # pragma: no cover - internal names only
-            raise AssertionError(what)
+
+class _Op:
+    """One submission to the engine, kept as it is while it waits for room
+    (``BusyError``). ``submit`` hands it to the engine; ``refused`` reports
+    it when the engine refuses it for good after it waited."""
+
+    name = ""
+    #: A send (its blocks are freed through ``get_finished``'s sending).
+    sends = False
+
+    def submit(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        raise NotImplementedError
+
+    def refused(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _Lend(_Op):
+    """Lend blocks to ``readers`` remote readers (pull, the producer)."""
+
+    blocks: List[int]
+    readers: int = 1
+    incarnation: Optional[int] = None
+    name = "lend"
+    sends = True
+
+    @classmethod
+    def of(cls, spec: SendSpec) -> "_Lend":
+        """From a ``SendSpec``: block ids, (ids, readers) or (ids,
+        readers, incarnation)."""
+        if isinstance(spec, tuple) and len(spec) in (2, 3) and not isinstance(spec[0], int):
+            return cls(list(spec[0]), *spec[1:])
+        return cls(list(spec))
+
+    def submit(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w._incarnations[req_id] = w.engine.lend(
+            req_id, self.blocks, readers=self.readers, lease_s=w.lease_s, incarnation=self.incarnation
+        )
+
+    def refused(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w._send_freed(req_id)
+
+
+@dataclass(frozen=True)
+class _Receive(_Op):
+    """Lend blocks to ``writers`` remote writers (push, the consumer)."""
+
+    blocks: List[int]
+    writers: int
+    incarnation: Optional[int] = None
+    name = "receive"
+
+    def submit(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w._incarnations[req_id] = w.engine.receive(
+            req_id, self.blocks, writers=self.writers, lease_s=w.lease_s, incarnation=self.incarnation
+        )
+        w._push_dest[req_id] = self.blocks
+
+    def refused(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w._load_failed(req_id, self.blocks)
+
+
+@dataclass(frozen=True)
+class _Read(_Op):
+    """Read remote blocks into ours (pull, the consumer)."""
+
+    handles: List[Tuple[Any, ...]]
+    name = "read"
+
+    def submit(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w.engine.read(req_id, self.handles)
+
+    def refused(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w._load_failed(req_id, (b for h in self.handles for b in h[1]))
+
+
+@dataclass(frozen=True)
+class _Write(_Op):
+    """Write our blocks into remote receives (push, the producer)."""
+
+    handles: List[Tuple[Any, ...]]
+    acks: int
+    name = "write"
+    sends = True
+
+    def submit(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w.engine.write(req_id, self.handles, expected_acks=self.acks, lease_s=w.lease_s)
+
+    def refused(self, w: KvConnectorWorker, req_id: RequestId) -> None:
+        w._send_freed(req_id)
 
 
 def _is_raw_pair(t: Any) -> bool:
