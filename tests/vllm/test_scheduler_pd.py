@@ -4,6 +4,7 @@ kvpoll (UCX, tcp on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List
 
 import pytest
@@ -93,3 +94,74 @@ def test_the_default_lease_outlasts_a_read_started_after_a_handshake_and_run_to_
 
     c = KvpollConfig.from_extra({})
     assert c.lease_s > c.handshake_timeout_s + c.read_deadline_s, c
+
+
+def _params_at(port: int, **over) -> Dict[str, object]:
+    """kv_transfer_params of a prefill at ``port`` on this host."""
+    from kvpoll import draw_incarnation
+
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [1, 2, 3],
+        "remote_engine_id": f"engine-{port}",
+        "remote_request_id": "gone",
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "tp_size": 1,
+        "kvpoll_incarnation": f"{draw_incarnation():x}",
+        "kvpoll_readers": 1,
+        "kvpoll_mode": "pull",
+        **over,
+    }
+
+
+def test_requests_aborted_while_queued_for_an_unreachable_prefill_leave_the_decode_alive_and_empty(pd):
+    # A prefill outage, then clients giving up on requests still queued:
+    # their releases cannot be sent (nobody answers the handshake, or the
+    # params are refused), and vLLM has already freed them, so nothing of
+    # them may come back in finished_recving (vLLM's scheduler asserts on
+    # it: the EngineCore dies).
+    from harness import request
+    from vllm.v1.request import RequestStatus
+
+    _, _, d, dw = pd()
+    gone = free_port()  # nothing listens there
+    prompt = list(range(3, 40))
+    d.add_request(request("q-gone", prompt, 3, _params_at(gone)))
+    d.add_request(request("q-refused", prompt, 3, _params_at(gone, kvpoll_readers=4)))
+    d.add_request(request("q-malformed", prompt, 3, _params_at(gone, remote_port="x")))
+    d.finish_requests(["q-gone", "q-refused", "q-malformed"], RequestStatus.FINISHED_ABORTED)
+    end = time.monotonic() + 6.0  # past the handshake's failure (2 s timeout)
+    while time.monotonic() < end:
+        _, kv_out, _ = step(d, dw)
+        assert not kv_out.finished_recving, kv_out
+        time.sleep(0.05)
+    assert_scheduler_empty(d)
+
+
+def test_params_the_decode_cannot_load_claim_no_tokens_and_the_prompt_is_computed_here(pd):
+    # Refused at the match (before vLLM allocates for a load), the request
+    # is computed locally: under the fail policy it still answers, with
+    # no load attempted and no error.
+    from harness import request
+    from vllm.v1.request import RequestStatus
+
+    _, _, d, dw = pd(policy="fail")
+    prompt = list(range(3, 40))
+    bad = _params_at(free_port(), kvpoll_readers=4)  # 4 readers a lend, 1 rank here
+    r = request("q-local", prompt, 3, bad)
+    assert d.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+    d.add_request(r)
+    tokens: List[int] = []
+    end = time.monotonic() + 60
+    while d.requests and time.monotonic() < end:
+        so, kv_out, outs = step(d, dw)
+        assert not kv_out.invalid_block_ids, "a load was attempted and failed"
+        for o in outs:
+            tokens.extend(o.new_token_ids)
+        time.sleep(0.005)
+    step(d, dw)
+    assert len(tokens) == 3, tokens
+    assert r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED), r.status
+    assert_scheduler_empty(d)

@@ -37,6 +37,18 @@ class KvpollConfig:
     #: responses tell the decode.
     mode: str = "pull"
 
+    def lease_warning(self) -> Optional[str]:
+        """Why ``lease_s`` is too short for a load that runs its handshake
+        and its read to their bounds; None if it is long enough."""
+        bound = self.handshake_timeout_s + self.read_deadline_s
+        if self.lease_s > bound:
+            return None
+        return (
+            f"lease_s {self.lease_s:g} is not longer than handshake_timeout_s + read_deadline_s ({bound:g}): "
+            "a decode whose handshake and read run to their bounds finds the lend ended and its load fails; "
+            f"set lease_s above {bound:g} (with the time requests queue at the decode)"
+        )
+
     def readers_per_lend(self, tp_size: int) -> int:
         """Decode ranks that read each lend of a prefill of ``tp_size``."""
         return max(1, (self.decode_tp_size or tp_size) // tp_size)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from kvpoll import draw_incarnation
 
 from .config import KvpollConfig
+from .log import get_logger
 from .metadata import (
     INCARNATION_KEY,
     MODE_KEY,
@@ -19,6 +20,8 @@ from .metadata import (
     TransferParamsError,
 )
 
+logger = get_logger(__name__)
+
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -26,8 +29,16 @@ if TYPE_CHECKING:
 
 
 class KvpollScheduler:
-    """Scheduler-side state: this step's loads and lends, nothing more (the
-    engine reports each request once; the workers map reports to ids)."""
+    """Scheduler-side state: this step's loads and lends, and the decode
+    requests matched for a remote load whose parameters were refused (the
+    engine reports each request once; the workers map reports to ids).
+
+    A decode request with ``do_remote_prefill`` is matched (its
+    ``kv_transfer_params`` checked here, before vLLM allocates for it),
+    then allocated (its load goes to the workers), or finished before
+    that (a release goes to the workers, never a load). Parameters that
+    cannot be loaded are refused at the match: no tokens are claimed, so
+    vLLM computes the prompt itself instead of failing the request."""
 
     def __init__(self, engine_id: str, tp_size: int, config: KvpollConfig) -> None:
         self.engine_id = engine_id
@@ -35,10 +46,23 @@ class KvpollScheduler:
         self.config = config
         self._recv: Dict[str, LoadSpec] = {}
         self._send: Dict[str, Tuple[List[int], int]] = {}
+        # Matched requests refused: why, and the remote to release (None
+        # when the parameters name none).
+        self._refused: Dict[str, Tuple[str, Optional[RemotePrefill]]] = {}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
+            refused = self._refused.get(request.request_id)
+            if refused is None:
+                check = self._load_spec(params, [])
+                if check.error is not None:
+                    logger.warning(
+                        "kvpoll: %s will be computed here, its KV not loaded: %s", request.request_id, check.error
+                    )
+                    refused = self._refused[request.request_id] = (check.error, check.remote)
+            if refused is not None:
+                return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -50,10 +74,20 @@ class KvpollScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
+        # One load (or release) per request, also if it is scheduled again.
+        params["do_remote_prefill"] = False
+        refused = self._refused.pop(request.request_id, None)
+        if refused is not None:
+            self._release(request.request_id, refused[1])
+            return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._recv[request.request_id] = self._load_spec(params, local)
-        # One load per request, also if it is scheduled again.
-        params["do_remote_prefill"] = False
+
+    def _release(self, req_id: str, remote: Optional[RemotePrefill]) -> None:
+        """Tells the workers to release the prefill's blocks without
+        reading them (nothing if the parameters named no prefill)."""
+        if remote is not None:
+            self._recv[req_id] = LoadSpec([], remote)
 
     def _load_spec(self, params: Dict[str, Any], local: List[int]) -> LoadSpec:
         try:
@@ -90,9 +124,12 @@ class KvpollScheduler:
             return False, None
         if params.get("do_remote_prefill"):
             # Finished (aborted) before it was scheduled: release the
-            # prefill's lend without reading, so its blocks free now.
-            self._recv[request.request_id] = self._load_spec(params, [])
+            # prefill's lend without reading, so its blocks free now. vLLM
+            # forgets the request now: the workers never report a release.
             params["do_remote_prefill"] = False
+            refused = self._refused.pop(request.request_id, None)
+            spec = self._load_spec(params, [])
+            self._release(request.request_id, refused[1] if refused else spec.remote)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
