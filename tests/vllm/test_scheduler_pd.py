@@ -165,3 +165,11 @@ def test_params_the_decode_cannot_load_claim_no_tokens_and_the_prompt_is_compute
     assert len(tokens) == 3, tokens
     assert r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED), r.status
     assert_scheduler_empty(d)
+
+
+def test_a_lease_no_longer_than_handshake_plus_read_is_warned_about_and_a_longer_one_is_not():
+    from kvpoll.vllm.config import KvpollConfig
+
+    short = KvpollConfig.from_extra({"lease_s": 30.0})  # 5 s + 30 s with the defaults
+    assert "handshake_timeout_s + read_deadline_s (35)" in (short.lease_warning() or "")
+    assert KvpollConfig.from_extra({"lease_s": 36.0}).lease_warning() is None
