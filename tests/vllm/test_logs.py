@@ -11,16 +11,18 @@ import sys
 SCRIPT = r"""
 import logging, sys
 from vllm.config.logging import LoggingConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import configure_logging
 
 configure_logging(LoggingConfig())  # what vLLM's engine processes do
 import kvpoll.connector
-from harness import free_port, kv_cache_config, vllm_config
-from kvpoll.vllm import KvpollConnector
+from harness import free_port, worker_connector
+from kvpoll.vllm.metadata import KvpollConnectorMetadata, LoadSpec
 
-conn = KvpollConnector(vllm_config(sys.argv[1], free_port()), KVConnectorRole.WORKER, kv_cache_config())
-conn.connector_worker._fail("req-1", [3], "the prefill went away")
+conn, _ = worker_connector(sys.argv[1], free_port())
+# A load that fails before it reaches the engine logs why, once.
+conn.connector_worker.start_load_kv(
+    KvpollConnectorMetadata(reqs_to_recv={"req-1": LoadSpec([3], None, "the prefill went away")})
+)
 kvpoll.connector.logger.warning("kvpoll: from the core")
 kvpoll.connector.logger.debug("kvpoll: core debug line")
 """
