@@ -197,8 +197,10 @@ def test_async_load_kv_heterogeneous_tp_is_scheduled_when_the_prefill_lends_to_e
 ):
     # The transfers themselves: test_hetero_tp.py. Here the scheduler
     # accepts a load from a prefill of another TP size that lent each
-    # rank's blocks to as many decode ranks as read them, and turns one
-    # that lent to fewer into a failed load, never a read racing a free.
+    # rank's blocks to as many decode ranks as read them, and refuses one
+    # that lent to fewer at the match, never a read racing a free: no
+    # tokens claimed (the prompt is computed here), and the prefill told
+    # to release its blocks.
     readers = max(1, decode_tp // prefill_tp)
     cfg = vllm_config(model_dir, free_port(), tp=decode_tp)
     s = scheduler(cfg)
@@ -206,9 +208,13 @@ def test_async_load_kv_heterogeneous_tp_is_scheduled_when_the_prefill_lends_to_e
     s.add_request(request("id-h", list(range(3, 3 + BLOCK * 2)), 4, ok))
     assert s.schedule().kv_connector_metadata.reqs_to_recv["id-h"].error is None
     if readers > 1:
-        s.add_request(request("id-h2", list(range(5, 5 + BLOCK * 2)), 4, remote_params("p-h2", [2, 3], prefill_tp)))
-        spec = s.schedule().kv_connector_metadata.reqs_to_recv["id-h2"]
-        assert spec.error is not None and "decode_tp_size" in spec.error, spec.error
+        fewer = request("id-h2", list(range(5, 5 + BLOCK * 2)), 4, remote_params("p-h2", [2, 3], prefill_tp))
+        assert s.connector.get_num_new_matched_tokens(fewer, 0) == (0, False)
+        s.add_request(fewer)
+        out = s.schedule()
+        spec = out.kv_connector_metadata.reqs_to_recv["id-h2"]
+        assert spec.local_block_ids == [] and spec.error is None and spec.remote.request_id == "p-h2", spec
+        assert out.num_scheduled_tokens["id-h2"] > 0  # computed here
 
 
 def test_concurrent_load_kv_five_requests_in_one_step(prefill, decode):
