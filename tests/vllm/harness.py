@@ -19,9 +19,10 @@ HEAD = 64
 EOS = 2
 
 
-def tiny_model(path: str) -> str:
+def tiny_model(path: str, max_positions: int = 1024) -> str:
     """A random-weight Llama (vocab 512, hidden 256, 4 heads, 2 KV heads,
-    2 layers, head size 64) written to ``path`` with transformers."""
+    2 layers, head size 64, ``max_positions`` positions) written to
+    ``path`` with transformers."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,7 +34,7 @@ def tiny_model(path: str) -> str:
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD,
         num_hidden_layers=LAYERS,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=EOS,
     )

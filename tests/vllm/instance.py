@@ -12,7 +12,9 @@ from typing import Any, Dict, List, Optional
 from kvpoll_remote import Child, messages
 
 
-def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]], tp: int) -> None:
+def _main(
+    conn: Any, model: str, kv: Optional[Dict[str, Any]], tp: int, max_model_len: int, block_size: Optional[int]
+) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         # More ranks than a small machine has cores to pin them to.
@@ -27,11 +29,12 @@ def _main(conn: Any, model: str, kv: Optional[Dict[str, Any]], tp: int) -> None:
             skip_tokenizer_init=True,
             dtype="float32",
             enforce_eager=True,
-            max_model_len=512,
+            max_model_len=max_model_len,
             seed=0,
             tensor_parallel_size=tp,
             distributed_executor_backend="mp" if tp > 1 else None,
             kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+            **({"block_size": block_size} if block_size else {}),
         )
     except Exception as e:
         conn.send(("err", type(e).__name__, str(e)))
@@ -76,9 +79,16 @@ class Instance(Child):
     """A vLLM instance in its own process; ``ready()`` waits until it
     serves."""
 
-    def __init__(self, model: str, kv: Optional[Dict[str, Any]] = None, tp: int = 1) -> None:
+    def __init__(
+        self,
+        model: str,
+        kv: Optional[Dict[str, Any]] = None,
+        tp: int = 1,
+        max_model_len: int = 512,
+        block_size: Optional[int] = None,
+    ) -> None:
         # Not a daemon: vLLM starts its engine core as a child process.
-        super().__init__(_main, model, kv, tp, daemon=False)
+        super().__init__(_main, model, kv, tp, max_model_len, block_size, daemon=False)
 
     def ready(self, timeout: float = 300.0) -> "Instance":
         self.answer(timeout)
