@@ -161,6 +161,8 @@ pub struct HandleFailures {
     pub poller_died: u64,
     /// [`Cause::LeaseLost`].
     pub lease_lost: u64,
+    /// [`Cause::NotLent`].
+    pub not_lent: u64,
 }
 
 impl HandleFailures {
@@ -177,10 +179,11 @@ impl HandleFailures {
             Cause::Shutdown => &mut self.shutdown,
             Cause::PollerDied => &mut self.poller_died,
             Cause::LeaseLost => &mut self.lease_lost,
+            Cause::NotLent => &mut self.not_lent,
         }
     }
 
-    fn rows(&self) -> [(&'static str, u64); 10] {
+    fn rows(&self) -> [(&'static str, u64); 11] {
         [
             ("transfer", self.transfer),
             ("setup", self.setup),
@@ -192,6 +195,7 @@ impl HandleFailures {
             ("shutdown", self.shutdown),
             ("poller_died", self.poller_died),
             ("lease_lost", self.lease_lost),
+            ("not_lent", self.not_lent),
         ]
     }
 }
