@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, Outcomes};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, RequestId};
-use kvpoll::transport::ucx::ContextOptions;
 use kvpoll::PeerId;
 
 use common::{fill_block as fill, holds_block as holds, one, reported, try_wait as wait};
@@ -29,14 +28,7 @@ const SHM: &str = "posix,sysv,cma";
 const SEED: u64 = 3;
 
 fn engine_over(tls: &str, grace: Duration) -> Engine {
-    let mut e = Engine::builder()
-        .block_size(BS)
-        .ucx(ContextOptions::with_transports(tls))
-        .lend_grace(grace)
-        .build()
-        .expect("engine");
-    e.register(BLOCKS).unwrap();
-    e
+    common::engine_with_grace(tls, grace, BS, BLOCKS)
 }
 
 /// A lender whose every block holds its pattern, a reader, and the
