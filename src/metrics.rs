@@ -209,6 +209,9 @@ pub struct RejectedInputs {
     pub malformed_notifications: u64,
     /// Notifications that decoded but matched no request the ledger accepts.
     pub notifications: u64,
+    /// Of those, reads refused because this engine did not lend what they
+    /// read under the incarnation they named.
+    pub not_lent_reads: u64,
     /// Heartbeats for no live write or lend.
     pub heartbeats: u64,
     /// Retires the ledger refused.
@@ -496,6 +499,7 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         ("handle_input", x.handle_inputs),
         ("malformed_notification", x.malformed_notifications),
         ("notification", x.notifications),
+        ("not_lent_read", x.not_lent_reads),
         ("heartbeat", x.heartbeats),
         ("retire", x.retires),
         ("release_retry", x.release_retries),

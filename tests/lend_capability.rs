@@ -6,8 +6,8 @@
 //! the reader asks its lender (tcp) or reads the lender's lend word
 //! (shared memory). An incarnation the lender can tell was never lent is
 //! refused on the lender's first answer, not at the read's deadline; a
-//! note naming an incarnation nobody lent is counted where an operator
-//! sees it.
+//! refused read, and a note naming an incarnation nobody lent, are counted
+//! where an operator sees them.
 
 mod common;
 
@@ -96,6 +96,22 @@ fn another_lends_blocks_are_not_confirmed(tls: &str) {
         !reported(&out, RequestId(5)),
         "lend 5 was touched by a read of lend 4: {out:?}"
     );
+    // Counted on both sides, where an operator sees them.
+    assert!(counted(&d, |s| s.reads_not_lent), "{:?}", d.poller_stats());
+    assert!(counted(&p, |s| s.refused_reads), "{:?}", p.poller_stats());
+    assert!(p.poller_stats().rejected_notifications >= 1);
+    assert_eq!(p.metrics().rejected.not_lent_reads, 1);
+    assert_eq!(d.metrics().requests.failed_recving, 1);
+}
+
+/// Whether `e`'s poller counted `what` (its counters are published as it
+/// goes idle).
+fn counted(e: &Engine, what: impl Fn(&kvpoll::PollerStats) -> u64) -> bool {
+    let t = Instant::now();
+    while what(&e.poller_stats()) != 1 && t.elapsed() < GUARD {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    what(&e.poller_stats()) == 1
 }
 
 #[test]
