@@ -430,8 +430,7 @@ impl Core {
 
     /// Reads still told pending when their deadline comes fail `NotLent`
     /// rather than `Deadline`: their data landed and their lender answered
-    /// (it is not stalled, and nothing is force-closed), but the lend they
-    /// named never came.
+    /// (it is not stalled), but the lend they named never came.
     pub(super) fn unlent_at_deadline(&mut self, now: Nanos) {
         let mut i = 0;
         while i < self.asking.len() {
