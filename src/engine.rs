@@ -673,8 +673,16 @@ pub struct PollerStats {
     pub malformed_notifications: u64,
     /// Notifications that decoded but were refused: unknown request, the
     /// wrong kind for it, a repeat from an engine already counted, or an
-    /// acknowledgement from an engine the write did not write to.
+    /// acknowledgement from an engine the write did not write to, a note
+    /// held for a lend that never came, a read refused as not lent.
     pub rejected_notifications: u64,
+    /// As a lender: reads refused because this engine did not lend what
+    /// they read under the incarnation they named (another lend's blocks,
+    /// blocks not lent, an incarnation it can tell it never lent).
+    pub refused_reads: u64,
+    /// As a reader: reads that failed `Cause::NotLent` (their lender
+    /// refused them so, or never knew their lend).
+    pub reads_not_lent: u64,
     /// Transfer operations posted (one block of one region each, plus
     /// flushes).
     pub ops_posted: u64,
@@ -1553,6 +1561,8 @@ impl Engine {
             idle_ns: self.shared.idle_ns.load(Ordering::Relaxed),
             malformed_notifications: self.shared.malformed_notes.load(Ordering::Relaxed),
             rejected_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
+            refused_reads: self.shared.refused_reads.load(Ordering::Relaxed),
+            reads_not_lent: self.shared.reads_not_lent.load(Ordering::Relaxed),
             ops_posted: self.shared.ops_posted.load(Ordering::Relaxed),
             ops_completed: self.shared.ops_completed.load(Ordering::Relaxed),
             bytes_moved: self.shared.bytes_moved.load(Ordering::Relaxed),
@@ -1816,6 +1826,7 @@ impl Engine {
                 handle_inputs: l.rejected_inputs,
                 malformed_notifications: p.malformed_notifications,
                 notifications: l.rejected_notifications,
+                not_lent_reads: p.refused_reads,
                 heartbeats: l.ignored_heartbeats,
                 retires: l.rejected_retires,
                 release_retries: l.failed_release_retries,

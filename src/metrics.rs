@@ -161,6 +161,8 @@ pub struct HandleFailures {
     pub poller_died: u64,
     /// [`Cause::LeaseLost`].
     pub lease_lost: u64,
+    /// [`Cause::NotLent`].
+    pub not_lent: u64,
 }
 
 impl HandleFailures {
@@ -177,10 +179,11 @@ impl HandleFailures {
             Cause::Shutdown => &mut self.shutdown,
             Cause::PollerDied => &mut self.poller_died,
             Cause::LeaseLost => &mut self.lease_lost,
+            Cause::NotLent => &mut self.not_lent,
         }
     }
 
-    fn rows(&self) -> [(&'static str, u64); 10] {
+    fn rows(&self) -> [(&'static str, u64); 11] {
         [
             ("transfer", self.transfer),
             ("setup", self.setup),
@@ -192,6 +195,7 @@ impl HandleFailures {
             ("shutdown", self.shutdown),
             ("poller_died", self.poller_died),
             ("lease_lost", self.lease_lost),
+            ("not_lent", self.not_lent),
         ]
     }
 }
@@ -205,6 +209,9 @@ pub struct RejectedInputs {
     pub malformed_notifications: u64,
     /// Notifications that decoded but matched no request the ledger accepts.
     pub notifications: u64,
+    /// Of those, reads refused because this engine did not lend what they
+    /// read under the incarnation they named.
+    pub not_lent_reads: u64,
     /// Heartbeats for no live write or lend.
     pub heartbeats: u64,
     /// Retires the ledger refused.
@@ -492,6 +499,7 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         ("handle_input", x.handle_inputs),
         ("malformed_notification", x.malformed_notifications),
         ("notification", x.notifications),
+        ("not_lent_read", x.not_lent_reads),
         ("heartbeat", x.heartbeats),
         ("retire", x.retires),
         ("release_retry", x.release_retries),

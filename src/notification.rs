@@ -13,15 +13,17 @@
 //!
 //! ```text
 //! 0   2  magic "KN"
-//! 2   1  version (3)
+//! 2   1  version (4)
 //! 3   1  kind: 1 read done, 2 write done, 3 ack, 4 read confirmed,
 //!          5 read refused, 6 gave up, 7 write abandoned, 8 heartbeat,
-//!          9 write query, 10 write quiet, 11 read pending
+//!          9 write query, 10 write quiet, 11 read pending, 12 read not lent
 //! 4   8  request id
 //! 12  8  incarnation: the lend's or push destination's token
 //! 20  8  nonce: the read's or write's own token (0 where none)
 //! 28  8  sender instance (its metadata's instance)
-//! 36  4  low 32 bits of FNV-1a 64 over bytes 0..36
+//! 36  4  a read done's count of the distinct lender blocks it read (else 0)
+//! 40  8  their digest (BlocksRead::digest; else 0)
+//! 48  4  low 32 bits of FNV-1a 64 over bytes 0..48
 //! ```
 //!
 //! Every notification names one incarnation of the lend or push
@@ -29,20 +31,102 @@
 //! the block ids) and, for the traffic of a read or a write, that attempt's
 //! own token: a late note of an earlier incarnation, or an answer to an
 //! earlier attempt under the same request id, names another token and is
-//! refused.
+//! refused. A read done also names the blocks read ([`BlocksRead`]): the
+//! lender confirms, or counts, only a read of blocks of that lend.
 
 use thiserror::Error;
 
-use crate::ledger::{Incarnation, RequestId};
+use crate::ledger::{BlockId, Incarnation, RequestId};
 use crate::wire::fnv1a64;
 
 /// Encoded size of a notification.
-pub const LEN: usize = 40;
-/// Most notifications one message carries (1 760 bytes: an eager message
+pub const LEN: usize = 52;
+/// Most notifications one message carries (1 716 bytes: an eager message
 /// on every transport).
-pub const MAX_PER_MESSAGE: usize = 44;
+pub const MAX_PER_MESSAGE: usize = 33;
 const MAGIC: [u8; 2] = *b"KN";
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
+const SUM: usize = LEN - 4;
+
+/// The lender blocks a read read, as its question (or its one-way read
+/// done) names them: how many distinct blocks, and the wrapping sum of a
+/// 64-bit mix of each block id. The sum does not depend on order or on
+/// how the blocks were split among handles, and the lender can slide it
+/// along its lend's blocks: it confirms a read whose blocks are a run of
+/// the lend's, in the order lent (all of them, or a suffix when the
+/// reader holds a prefix itself), and nothing else.
+///
+/// A block is lent whole: a read of any bytes of a lent block (a
+/// tensor-parallel share) names the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlocksRead {
+    /// Distinct blocks (0: the note names none).
+    pub count: u32,
+    /// Their digest.
+    pub digest: u64,
+}
+
+impl BlocksRead {
+    /// Names no blocks (every note but a read done).
+    pub const NONE: BlocksRead = BlocksRead {
+        count: 0,
+        digest: 0,
+    };
+
+    /// One block's share of a digest (SplitMix64's finalizer: any change
+    /// of the id changes about half the bits).
+    pub fn mix(b: BlockId) -> u64 {
+        let mut z = u64::from(b.0).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// These blocks, each named once (a reader's distinct blocks, a
+    /// lend's blocks).
+    pub fn of(blocks: impl Iterator<Item = BlockId>) -> BlocksRead {
+        let (count, digest) = blocks.fold((0u32, 0u64), |(n, d), b| {
+            (n + 1, d.wrapping_add(Self::mix(b)))
+        });
+        BlocksRead { count, digest }
+    }
+
+    /// Whether these are `lent[i..i + count]` for some `i` (the blocks of
+    /// a lend, in the order lent; `full`, their digest). One pass, no
+    /// allocation.
+    pub fn within(self, lent: impl Iterator<Item = BlockId> + Clone, full: BlocksRead) -> bool {
+        let k = self.count as usize;
+        if k == 0 || self.count > full.count {
+            return false;
+        }
+        if self.count == full.count {
+            return self.digest == full.digest;
+        }
+        let mut sum = 0u64;
+        for (i, (b, old)) in lent
+            .clone()
+            .zip(std::iter::repeat_n(None, k).chain(lent.map(Some)))
+            .enumerate()
+        {
+            sum = sum.wrapping_add(Self::mix(b));
+            if let Some(old) = old {
+                sum = sum.wrapping_sub(Self::mix(old));
+            }
+            if i + 1 >= k && sum == self.digest {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The value a lend of incarnation `token` lending these blocks (all
+    /// of them) keeps in its lend word, and a reader of exactly them
+    /// expects there; 0 (no word) in the one case in 2^64 where it would
+    /// be.
+    pub fn word(self, token: Incarnation) -> u64 {
+        token.0 ^ self.digest
+    }
+}
 
 /// What a notification says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +170,11 @@ pub enum NoteKind {
     /// (the read's question overtook the lend on its way to the lender's
     /// poller): ask again. The consumer does, until its grace period ends.
     ReadPending = 11,
+    /// Lender → consumer: no lend here of the incarnation named lent the
+    /// blocks the read read (they are another lend's or free, or the
+    /// incarnation is not one this engine lent or will lend): fail the
+    /// read (`Cause::NotLent`).
+    ReadNotLent = 12,
 }
 
 /// One notification.
@@ -102,6 +191,8 @@ pub struct Notification {
     pub nonce: Incarnation,
     /// The sender engine's instance id, to route an ack back.
     pub sender: u64,
+    /// A read done's blocks ([`BlocksRead::NONE`] for every other kind).
+    pub blocks: BlocksRead,
 }
 
 /// Why a notification payload was refused.
@@ -139,8 +230,10 @@ impl Notification {
         b[12..20].copy_from_slice(&self.incarnation.0.to_le_bytes());
         b[20..28].copy_from_slice(&self.nonce.0.to_le_bytes());
         b[28..36].copy_from_slice(&self.sender.to_le_bytes());
-        let sum = fnv1a64(&b[..36]) as u32;
-        b[36..40].copy_from_slice(&sum.to_le_bytes());
+        b[36..40].copy_from_slice(&self.blocks.count.to_le_bytes());
+        b[40..48].copy_from_slice(&self.blocks.digest.to_le_bytes());
+        let sum = fnv1a64(&b[..SUM]) as u32;
+        b[SUM..LEN].copy_from_slice(&sum.to_le_bytes());
         b
     }
 
@@ -157,7 +250,7 @@ impl Notification {
             w[..r.len()].copy_from_slice(&b[r]);
             u64::from_le_bytes(w)
         };
-        if word(36..40) as u32 != fnv1a64(&b[..36]) as u32 {
+        if word(SUM..LEN) as u32 != fnv1a64(&b[..SUM]) as u32 {
             return Err(NotificationError::BadChecksum);
         }
         if b[2] != VERSION {
@@ -175,6 +268,7 @@ impl Notification {
             9 => NoteKind::WriteQuery,
             10 => NoteKind::WriteQuiet,
             11 => NoteKind::ReadPending,
+            12 => NoteKind::ReadNotLent,
             k => return Err(NotificationError::Kind(k)),
         };
         let incarnation = Incarnation(word(12..20));
@@ -187,6 +281,10 @@ impl Notification {
             incarnation,
             nonce: Incarnation(word(20..28)),
             sender: word(28..36),
+            blocks: BlocksRead {
+                count: word(36..40) as u32,
+                digest: word(40..48),
+            },
         })
     }
 }
@@ -213,6 +311,10 @@ mod tests {
             incarnation: Incarnation(0x1234_5678_9abc),
             nonce: Incarnation(77),
             sender: 42,
+            blocks: BlocksRead {
+                count: 3,
+                digest: 0xfeed,
+            },
         }
     }
 
@@ -237,6 +339,32 @@ mod tests {
             Notification::decode(&[0u8; LEN]),
             Err(NotificationError::BadMagic)
         );
+    }
+
+    #[test]
+    fn a_run_of_the_lent_blocks_is_within_the_lend_and_nothing_else() {
+        let lent = [5u32, 1, 9, 3];
+        let ids = lent.iter().map(|&b| BlockId(b));
+        let of = |set: &[u32]| {
+            let mut v = set.to_vec();
+            v.sort_unstable();
+            v.dedup();
+            BlocksRead::of(v.into_iter().map(BlockId))
+        };
+        let full = of(&lent);
+        for run in [
+            &[5u32, 1, 9, 3][..],
+            &[9, 3],
+            &[3],
+            &[5],
+            &[1, 9],
+            &[3, 9, 1],
+        ] {
+            assert!(of(run).within(ids.clone(), full), "{run:?}");
+        }
+        for not in [&[5u32, 9][..], &[2], &[1, 3], &[5, 1, 9, 3, 7], &[]] {
+            assert!(!of(not).within(ids.clone(), full), "{not:?}");
+        }
     }
 
     #[test]

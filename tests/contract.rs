@@ -459,12 +459,15 @@ impl RawPeer {
         }
     }
 
+    /// Sends `kind` about `id`; a read done names `read` as the lender
+    /// blocks it read.
     fn send(
         &mut self,
         kind: kvpoll::notification::NoteKind,
         id: RequestId,
         incarnation: Incarnation,
         sender: u64,
+        read: &[u32],
     ) {
         let note = kvpoll::notification::Notification {
             kind,
@@ -472,6 +475,7 @@ impl RawPeer {
             incarnation,
             nonce: Incarnation(1),
             sender,
+            blocks: kvpoll::notification::BlocksRead::of(read.iter().map(|&b| BlockId(b))),
         };
         self.sent += 1;
         self.ep
@@ -527,8 +531,8 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let push = RequestId(101);
     let lend = p.receive(push, &ids(&[1, 2]), 1, GUARD).unwrap();
     let base = rejected(&p);
-    peer.send(NoteKind::ReadDone, push, lend, 7);
-    peer.send(NoteKind::Ack, push, lend, 7);
+    peer.send(NoteKind::ReadDone, push, lend, 7, &[1, 2]);
+    peer.send(NoteKind::Ack, push, lend, 7, &[]);
     let settled = peer.pump(&mut p, &mut out, GUARD, |e, o| {
         rejected(e) >= base + 2 || reported(o, push)
     });
@@ -546,7 +550,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
         ));
     }
     // The right kind completes it.
-    peer.send(NoteKind::WriteDone, push, lend, 7);
+    peer.send(NoteKind::WriteDone, push, lend, 7, &[]);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, push));
     if !out.finished_recving.contains(&push) || reports_of(&out, push) != 1 {
         problems.push(format!(
@@ -561,8 +565,8 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut out = Outcomes::default();
     let lend = p.lend(pull, &ids(&[3]), 1, GUARD).unwrap();
     let base = rejected(&p);
-    peer.send(NoteKind::WriteDone, pull, lend, 7);
-    peer.send(NoteKind::Ack, pull, lend, 7);
+    peer.send(NoteKind::WriteDone, pull, lend, 7, &[]);
+    peer.send(NoteKind::Ack, pull, lend, 7, &[]);
     peer.pump(&mut p, &mut out, GUARD, |e, o| {
         rejected(e) >= base + 2 || reported(o, pull)
     });
@@ -576,7 +580,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
             rejected(&p) - base
         ));
     }
-    peer.send(NoteKind::ReadDone, pull, lend, 7);
+    peer.send(NoteKind::ReadDone, pull, lend, 7, &[3]);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, pull));
     if !out.finished_sending.contains(&pull) || reports_of(&out, pull) != 1 {
         problems.push(format!(
@@ -591,8 +595,8 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
     let mut out = Outcomes::default();
     let lend = p.lend(two, &ids(&[4]), 2, GUARD).unwrap();
     let base = rejected(&p);
-    peer.send(NoteKind::ReadDone, two, lend, 7);
-    peer.send(NoteKind::ReadDone, two, lend, 7);
+    peer.send(NoteKind::ReadDone, two, lend, 7, &[4]);
+    peer.send(NoteKind::ReadDone, two, lend, 7, &[4]);
     // Settles when the duplicate is rejected or the lend is (wrongly)
     // released; otherwise watch for QUIET.
     peer.pump(&mut p, &mut out, QUIET, |e, o| {
@@ -603,7 +607,7 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
             "one consumer instance sending ReadDone twice released a Readers(2) lend: {out:?}"
         ));
     }
-    peer.send(NoteKind::ReadDone, two, lend, 8);
+    peer.send(NoteKind::ReadDone, two, lend, 8, &[4]);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, two));
     if !out.finished_sending.contains(&two) || reports_of(&out, two) != 1 {
         problems.push(format!(

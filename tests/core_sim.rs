@@ -982,6 +982,7 @@ fn wrong_kind_notification_is_rejected_and_changes_nothing() {
             incarnation: h.lend_token(1, 4),
             nonce: Incarnation(1),
             sender: h.nodes[0].instance,
+            blocks: Default::default(),
         };
         let now = h.now;
         h.nodes[1].core.on_transport(
@@ -1504,6 +1505,7 @@ fn a_message_of_several_notifications_is_taken_note_by_note_and_a_damaged_one_al
             incarnation: lends[(id as usize).saturating_sub(1).min(1)],
             nonce: Incarnation(1),
             sender: reader,
+            blocks: Default::default(),
         }
         .encode()
     };
@@ -1751,6 +1753,7 @@ fn whole_run(seed: u64) -> Harness {
                                 incarnation: inc,
                                 nonce,
                                 sender,
+                                blocks: Default::default(),
                             },
                         );
                     }
@@ -2277,6 +2280,7 @@ fn a_late_confirmation_of_a_first_read_attempt_never_finishes_its_retry() {
             incarnation: lend,
             nonce: first,
             sender: lender,
+            blocks: Default::default(),
         },
     );
     assert_eq!(h.nodes[0].core.stats().stale_notifications, stale + 1);
@@ -2313,6 +2317,7 @@ fn a_late_note_about_an_earlier_lend_never_touches_a_later_lend_of_the_same_id()
                 incarnation: first,
                 nonce: Incarnation(3),
                 sender: reader,
+                blocks: Default::default(),
             },
         );
     }
@@ -2372,6 +2377,7 @@ fn a_flood_of_questions_from_one_engine_does_not_push_out_anothers_quiet_promise
             incarnation: Incarnation(0x000f_100d_0000 + i),
             nonce: Incarnation::NONE,
             sender: flooder,
+            blocks: Default::default(),
         };
         h.nodes[0].core.on_transport(
             kvpoll::transport::TransportEvent::Message {
@@ -2456,7 +2462,7 @@ fn a_read_question_that_overtakes_its_lend_is_confirmed_once_the_lend_begins() {
 }
 
 /// ...and a read whose lend never begins fails once the grace period ran
-/// out, naming its blocks.
+/// out, naming its blocks: `NotLent`, its lender never knew the lend.
 #[test]
 fn a_read_whose_lend_never_begins_fails_after_the_grace_period() {
     let mut h = Harness::new(cfg(47, 2));
@@ -2471,7 +2477,7 @@ fn a_read_whose_lend_never_begins_fails_after_the_grace_period() {
         "refused before the grace period ended"
     );
     h.settle();
-    assert_failed_recving(&h, 0, 20, Cause::LeaseLost, &l);
+    assert_failed_recving(&h, 0, 20, Cause::NotLent, &l);
     assert!(h.now.0 >= GRACE);
     h.check_end();
 }

@@ -640,6 +640,8 @@ fn malformed_or_unknown_notifications_are_counted_and_change_nothing() {
             incarnation: lend,
             nonce: Incarnation(1),
             sender,
+            // The block lent.
+            blocks: kvpoll::notification::BlocksRead::of(ids(&[1]).into_iter()),
         }
         .encode()
     };

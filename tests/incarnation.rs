@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, Outcomes};
 use kvpoll::ledger::{BlockId, Cause, Incarnation, RequestId};
-use kvpoll::transport::ucx::ContextOptions;
 
 use common::{one, reported};
 
@@ -19,14 +18,7 @@ const BLOCKS: u64 = 16;
 const GUARD: Duration = Duration::from_secs(10);
 
 fn engine_over(tls: &str, grace: Duration) -> Engine {
-    let mut e = Engine::builder()
-        .block_size(BS)
-        .ucx(ContextOptions::with_transports(tls))
-        .lend_grace(grace)
-        .build()
-        .expect("engine");
-    e.register(BLOCKS).unwrap();
-    e
+    common::engine_with_grace(tls, grace, BS, BLOCKS)
 }
 
 fn engine() -> Engine {
@@ -177,7 +169,8 @@ fn a_read_that_reaches_its_lender_before_the_lend_finishes_once_the_lend_arrives
 }
 
 /// A read whose lend never comes fails once the grace period ran out (not
-/// at once, not never), naming its blocks.
+/// at once, not never), naming its blocks: `NotLent`, the lender never
+/// knew the lend.
 #[test]
 fn a_read_whose_lend_never_arrives_fails_after_the_grace_period() {
     let p = engine();
@@ -200,7 +193,7 @@ fn a_read_whose_lend_never_arrives_fails_after_the_grace_period() {
         t.elapsed() >= grace,
         "refused before the grace period ended"
     );
-    assert_eq!(out.failed_recving[0].reason.cause, Cause::LeaseLost);
+    assert_eq!(out.failed_recving[0].reason.cause, Cause::NotLent);
     assert_eq!(out.blocks_of(&out.failed_recving[0]), &[BlockId(2)]);
 }
 

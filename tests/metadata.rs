@@ -158,6 +158,7 @@ proptest! {
             incarnation: kvpoll::Incarnation(0xabc),
             nonce: kvpoll::Incarnation(2),
             sender: 9,
+            blocks: Default::default(),
         }
         .encode();
         b[i] ^= flip;

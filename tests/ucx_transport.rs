@@ -108,6 +108,7 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
         incarnation: lend,
         nonce: kvpoll::Incarnation(6),
         sender: 99,
+        blocks: kvpoll::notification::BlocksRead::of(std::iter::once(BlockId(1))),
     }
     .encode();
     let mut sent = Vec::new();

@@ -231,6 +231,12 @@ enum kvpoll_cause
    * writer gave up.
    */
   KVPOLL_CAUSE_LEASE_LOST = 10,
+  /**
+   * The lender holds no lend of the named incarnation covering the
+   * blocks read (another lend's blocks, blocks not lent, or an
+   * incarnation never lent): the bytes are not that lend's.
+   */
+  KVPOLL_CAUSE_NOT_LENT = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

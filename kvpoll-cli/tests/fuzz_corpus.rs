@@ -150,6 +150,7 @@ fn notification_corpus_decodes_without_panic_and_valid_ones_round_trip() {
                 incarnation: kvpoll::Incarnation(0x1eed_5eed_0042),
                 nonce: kvpoll::Incarnation(9),
                 sender: 7,
+                blocks: Default::default(),
             }
             .encode()
             .to_vec()

@@ -111,8 +111,14 @@ fn reader(tls: &str) -> Engine {
     e
 }
 
-/// Reads block 0 of lend `id` (incarnation `inc`) into local block `local`
-/// within `deadline`; returns the report.
+/// The block the peer lends under request id `id` (`--lend-blocks` 1 of
+/// its 16).
+fn lent_block(id: u64) -> u32 {
+    (id % 16) as u32
+}
+
+/// Reads the block of lend `id` (incarnation `inc`) into local block
+/// `local` within `deadline`; returns the report.
 fn read(
     e: &mut Engine,
     peer: kvpoll::PeerId,
@@ -126,7 +132,7 @@ fn read(
         &[Transfer {
             peer,
             local: &[BlockId(local)],
-            remote: &[BlockId(0)],
+            remote: &[BlockId(lent_block(id))],
             lend: inc,
         }],
         deadline,
@@ -142,10 +148,11 @@ fn read(
     out
 }
 
-fn holds_the_lent_block(e: &Engine, local: u32) -> bool {
+/// Whether local block `local` holds the block of lend `id`.
+fn holds_the_lent_block(e: &Engine, local: u32, id: u64) -> bool {
     let mut buf = vec![0u8; BS as usize];
     e.read_block(0, BlockId(local), &mut buf).unwrap();
-    kvpoll_cli::pattern::check(SEED * 100, 0, &buf)
+    kvpoll_cli::pattern::check(SEED * 100, u64::from(lent_block(id)), &buf)
 }
 
 /// Over shared memory a confirmed read needs nothing of its lender's
@@ -195,7 +202,7 @@ fn read_while_the_lender_is_stopped(memory: &str) {
         "not confirmed while the lender was stopped: {out:?}"
     );
     assert!(t.elapsed() < Duration::from_secs(3));
-    assert!(holds_the_lent_block(&e, 1));
+    assert!(holds_the_lent_block(&e, 1, 1));
     procs::cont(lender.child.id());
 }
 
@@ -247,7 +254,7 @@ fn over_tcp_reads_are_confirmed_and_their_lends_consumed() {
             Duration::from_secs(10),
         );
         assert_eq!(out.finished_recving, vec![RequestId(id)], "{out:?}");
-        assert!(holds_the_lent_block(&e, id as u32));
+        assert!(holds_the_lent_block(&e, id as u32, id));
     }
     // Each of the four ended at the lender: it lent 4 more.
     lender.wait_lent(7);

@@ -54,7 +54,13 @@ impl Core {
             let Progress { peer, lend, .. } = self.progress[base + h];
             let dup = (0..h).any(|g| self.progress[base + g].peer == peer);
             // A read of memory no lend guards has nobody to tell.
-            if !dup && !lend.is_none() {
+            if dup || lend.is_none() {
+                continue;
+            }
+            if kind == NoteKind::ReadDone {
+                let blocks = self.progress[base + h].read;
+                self.send_read_done(peer, info.id, lend, nonce, blocks, want_reply);
+            } else {
                 self.send_note(peer, None, kind, info.id, lend, nonce, want_reply);
             }
         }
@@ -66,15 +72,15 @@ impl Core {
         id: RequestId,
         incarnation: Incarnation,
         nonce: Incarnation,
-    ) -> [u8; NOTE_LEN] {
+    ) -> Notification {
         Notification {
             kind,
             id,
             incarnation,
             nonce,
             sender: self.cfg.instance,
+            blocks: BlocksRead::NONE,
         }
-        .encode()
     }
 
     /// Adds `note` to the batch waiting for `to` (a new one if none, or if
@@ -171,6 +177,31 @@ impl Core {
         nonce: Incarnation,
         want_reply: bool,
     ) {
+        let note = self.note(kind, id, incarnation, nonce);
+        self.send_to(peer, on, &note, want_reply);
+    }
+
+    /// Queues a read's read done to lender `peer` about lend `lend`,
+    /// naming the lender blocks it read; `ask`: the lender answers
+    /// whether it lent them (otherwise it only counts this reader, if it
+    /// did).
+    pub(super) fn send_read_done(
+        &mut self,
+        peer: PeerId,
+        id: RequestId,
+        lend: Incarnation,
+        nonce: Incarnation,
+        blocks: BlocksRead,
+        ask: bool,
+    ) {
+        let note = Notification {
+            blocks,
+            ..self.note(NoteKind::ReadDone, id, lend, nonce)
+        };
+        self.send_to(peer, None, &note, ask);
+    }
+
+    fn send_to(&mut self, peer: PeerId, on: Option<u32>, note: &Notification, want_reply: bool) {
         let Some(p) = self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) else {
             return;
         };
@@ -178,8 +209,7 @@ impl Core {
             peer,
             generation: on.unwrap_or(p.generation),
         };
-        let note = self.note(kind, id, incarnation, nonce);
-        self.enqueue_note(NoteTarget::Ep(ep), &note, want_reply);
+        self.enqueue_note(NoteTarget::Ep(ep), &note.encode(), want_reply);
     }
 
     /// Answers received note `to_note` through its reply handle, if its
@@ -187,7 +217,7 @@ impl Core {
     pub(super) fn answer(&mut self, reply: Option<u32>, kind: NoteKind, to_note: &Notification) {
         if let Some(to) = reply {
             let note = self.note(kind, to_note.id, to_note.incarnation, to_note.nonce);
-            self.enqueue_note(NoteTarget::Reply(to), &note, false);
+            self.enqueue_note(NoteTarget::Reply(to), &note.encode(), false);
         }
     }
 }

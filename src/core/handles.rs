@@ -31,6 +31,9 @@ pub(super) struct Progress {
     /// A read's first handle to a lender: the lender's lend word is being
     /// read.
     pub(super) checking: bool,
+    /// A read's first handle to a lender: the lender blocks the read reads
+    /// (all its handles to that lender), which its read done names.
+    pub(super) read: BlocksRead,
 }
 
 impl Default for Progress {
@@ -48,6 +51,7 @@ impl Default for Progress {
             held: false,
             ok: false,
             checking: false,
+            read: BlocksRead::NONE,
         }
     }
 }
@@ -77,6 +81,11 @@ impl Core {
             peer: peer_id,
             lend,
             blocks: range.1.saturating_mul(self.local_regions as u32),
+            read: self
+                .handle_reads
+                .get(h as usize)
+                .copied()
+                .unwrap_or_default(),
             ..Progress::default()
         };
         if self.slots.posting(hk).is_err() {

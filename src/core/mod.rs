@@ -44,7 +44,7 @@ use crate::ledger::{
     Begun, BlockId, Cancel, Cause, Event, HandleKey, Incarnation, Kind, Ledger, Nanos, Outcome,
     PeerId, Reason, Request, RequestId, RequestKey, Slots, MAX_HANDLES,
 };
-use crate::notification::{NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
+use crate::notification::{BlocksRead, NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
 use crate::transport::{
     lend_word_of, Direction, Ep, LendWords, PostFailure, TransportEvent, CANCELED,
 };
@@ -270,6 +270,8 @@ struct Info {
     words: u8,
     /// A lend's own lend word (its index), or [`NO_WORD`].
     word: u32,
+    /// A lend's blocks (all of them): a read done is checked against them.
+    lent: BlocksRead,
 }
 
 /// Counters, for metrics and tests.
@@ -324,6 +326,16 @@ pub struct CoreStats {
     /// Lends that found their word taken by another live lend (their
     /// readers ask).
     pub word_collisions: u64,
+    /// Reads this engine refused as a lender because it did not lend what
+    /// they read under the incarnation they named (another lend's blocks,
+    /// blocks not lent, an incarnation it can tell it never lent): answered
+    /// [`NoteKind::ReadNotLent`], never counted. Also counted in
+    /// `rejected_notifications`.
+    pub refused_reads: u64,
+    /// Reads of this engine that failed `Cause::NotLent`: a lender refused
+    /// them so, or never knew their lend (its grace period or the read's
+    /// deadline ran out while it answered pending).
+    pub reads_not_lent: u64,
 }
 
 /// The protocol core. See the module docs.
@@ -398,6 +410,10 @@ pub struct Core {
     handle_peers: Vec<PeerId>,
     handle_pairs: Vec<u32>,
     handle_lends: Vec<Incarnation>,
+    /// A read's lender blocks, on the first handle to each lender.
+    handle_reads: Vec<BlocksRead>,
+    /// Scratch: the remote block ids of one lender of a read being begun.
+    read_ids: Vec<u32>,
     /// The part of each block each handle moves (none: whole blocks).
     handle_parts: Vec<Option<BlockBytes>>,
     blocks: Vec<BlockId>,
@@ -445,6 +461,7 @@ impl Core {
                     unnamed: false,
                     words: 0,
                     word: NO_WORD,
+                    lent: BlocksRead::NONE,
                 };
                 capacity
             ],
@@ -471,6 +488,8 @@ impl Core {
             handle_peers: Vec::with_capacity(MAX_HANDLES),
             handle_pairs: Vec::with_capacity(MAX_HANDLES),
             handle_lends: Vec::with_capacity(MAX_HANDLES),
+            handle_reads: Vec::with_capacity(MAX_HANDLES),
+            read_ids: Vec::with_capacity(1024),
             handle_parts: Vec::with_capacity(MAX_HANDLES),
             blocks: Vec::with_capacity(1024),
             cancels: Vec::with_capacity(64),
@@ -718,6 +737,11 @@ impl Core {
             unnamed: receive && !named,
             words: 0,
             word: NO_WORD,
+            lent: if matches!(kind, Kind::Lend { .. }) {
+                BlocksRead::of(self.blocks.iter().copied())
+            } else {
+                BlocksRead::NONE
+            },
         };
         if fenced {
             let base = slot * MAX_HANDLES;
@@ -774,6 +798,10 @@ impl Core {
                 .filter(|&h| !self.handle_peers[..h].contains(&self.handle_peers[h]))
                 .count();
             self.ledger.expect(key, distinct as u32);
+        }
+        self.handle_reads.clear();
+        if kind == Kind::Read {
+            self.name_blocks_read();
         }
         let dir = match kind {
             Kind::Write { .. } => Direction::Put,
@@ -847,7 +875,10 @@ impl Core {
             {
                 self.receive_note(live.expect("owned"), &note, now)
             }
-            NoteKind::ReadConfirmed | NoteKind::ReadRefused | NoteKind::ReadPending => {
+            NoteKind::ReadConfirmed
+            | NoteKind::ReadRefused
+            | NoteKind::ReadPending
+            | NoteKind::ReadNotLent => {
                 match live.filter(|&k| self.attempt_of(k, &note, Kind::Read)) {
                     Some(key) => self.read_answer(key, &note, now),
                     None => self.stale(),
@@ -875,6 +906,12 @@ impl Core {
             // does not take.
             _ if live.is_some_and(|k| self.info[k.slot() as usize].token == note.incarnation) => {
                 self.reject()
+            }
+            // A live lend's incarnation under another request id: a read
+            // that names it read blocks of no lend of its own.
+            NoteKind::ReadDone if self.names_another(&note) => {
+                self.stats.stale_notifications += 1;
+                self.not_lent(reply, &note);
             }
             _ if self.names_another(&note) => self.stale(),
             _ => self.early(&note, reply, now),
@@ -1016,6 +1053,10 @@ impl Core {
                 i += 1;
             }
         }
+        // Reads told pending whose deadline came: the lender answered, so
+        // it is not stalled; the lend it was asked about never came.
+        self.unlent_at_deadline(now);
+        self.drop_early(now);
         let events = &mut self.events;
         let cancels = &mut self.cancels;
         self.ledger
@@ -1086,6 +1127,9 @@ impl Core {
         }
         for a in &self.asking {
             t = t.min(a.due);
+        }
+        if let Some(&(until, _)) = self.early.front() {
+            t = t.min(until);
         }
         (t != Nanos(u64::MAX)).then_some(t)
     }

@@ -1,7 +1,7 @@
 //! Pull: lends to readers and the reads of them. A lend answers a
-//! reader's question about the incarnation it names; a read asks once its
-//! handles landed, asks again while its lend is not there yet, and
-//! heartbeats its lenders while in flight.
+//! reader's question about the incarnation and the blocks it names; a
+//! read asks once its handles landed, asks again while its lend is not
+//! there yet, and heartbeats its lenders while in flight.
 
 use super::*;
 
@@ -44,6 +44,36 @@ pub(super) struct Ask {
 }
 
 impl Core {
+    /// Names, on the first handle of the read being begun to each lender,
+    /// the lender blocks it reads there (of every handle to that lender):
+    /// its read done names them, and the lender confirms only blocks of
+    /// the lend.
+    pub(super) fn name_blocks_read(&mut self) {
+        let n = self.handle_peers.len();
+        for h in 0..n {
+            let peer = self.handle_peers[h];
+            if self.handle_peers[..h].contains(&peer) {
+                self.handle_reads.push(BlocksRead::NONE);
+                continue;
+            }
+            self.read_ids.clear();
+            let mut start = 0;
+            for g in 0..n {
+                let len = self.handle_pairs[g] as usize;
+                if self.handle_peers[g] == peer {
+                    let pairs = &self.pairs[start..start + len];
+                    self.read_ids
+                        .extend(pairs.iter().map(|&(_, remote)| remote.0));
+                }
+                start += len;
+            }
+            self.read_ids.sort_unstable();
+            self.read_ids.dedup();
+            let ids = self.read_ids.iter().map(|&b| BlockId(b));
+            self.handle_reads.push(BlocksRead::of(ids));
+        }
+    }
+
     /// Once every handle of read `key` landed without error, asks each of
     /// its lender engines (once) whether its lend was live: the read
     /// finishes only on their confirmations.
@@ -87,11 +117,13 @@ impl Core {
         }
     }
 
-    /// A lend word read ended: `word` names the handle's lend, so the lend
-    /// had not ended when the word was read — after the data — and the read
-    /// is confirmed for that lender, which is told one way (it counts this
-    /// reader, as for a question). Anything else (not lent yet, ended,
-    /// another lend's, not readable) and the lender is asked, as before.
+    /// A lend word read ended: `word` names the handle's lend and the
+    /// blocks read as all of that lend's ([`BlocksRead::word`]), so the
+    /// lend had not ended when the word was read — after the data — and
+    /// the read is confirmed for that lender, which is told one way (it
+    /// counts this reader, as for a question). Anything else (not lent
+    /// yet, ended, another lend's, not readable, or a read of other blocks
+    /// than all of the lend's) and the lender is asked, as before.
     pub(super) fn on_word(&mut self, token: u64, status: i8, word: u64) {
         // Every word read posted ends once, here (a failed post too).
         self.ops_in_flight = self.ops_in_flight.saturating_sub(1);
@@ -121,7 +153,8 @@ impl Core {
         if self.seen(slot, instance) {
             return;
         }
-        let confirmed = status == 0 && word == p.lend.0;
+        let expected = p.read.word(p.lend);
+        let confirmed = status == 0 && expected != 0 && word == expected;
         if confirmed {
             self.stats.word_confirmations += 1;
             self.counted(slot, instance);
@@ -131,15 +164,7 @@ impl Core {
         }
         // Confirmed: told one way (it counts this reader). Otherwise asked.
         let ask = !confirmed;
-        self.send_note(
-            p.peer,
-            None,
-            NoteKind::ReadDone,
-            info.id,
-            p.lend,
-            info.token,
-            ask,
-        );
+        self.send_read_done(p.peer, info.id, p.lend, info.token, p.read, ask);
         self.after_events();
     }
 
@@ -157,8 +182,9 @@ impl Core {
         let Some(i) = lend_word_of(token, words.len()) else {
             return;
         };
-        if words.get(i) == 0 {
-            words.set(i, token.0);
+        let value = self.info[slot].lent.word(token);
+        if value != 0 && words.get(i) == 0 {
+            words.set(i, value);
             self.info[slot].word = i as u32;
         } else {
             self.stats.word_collisions += 1;
@@ -182,7 +208,7 @@ impl Core {
                 continue;
             }
             let i = info.word as usize;
-            if words.get(i) == info.token.0 {
+            if words.get(i) == info.lent.word(info.token) {
                 words.set(i, 0);
             }
             info.word = NO_WORD;
@@ -194,26 +220,32 @@ impl Core {
     }
 
     /// A note for a lend or push destination this engine does not hold
-    /// under that incarnation. One that ended: refused. One not begun yet
-    /// (the note overtook the lend on its way to this poller): a read's
-    /// question is answered pending (the reader asks again); a give-up or a
-    /// writer's word is held until the lend begins or the grace period
-    /// ends.
+    /// under that incarnation. One that ended: refused. A read's question
+    /// naming a request id this engine lends under another incarnation:
+    /// refused as not lent (no lend of that id can begin while this one
+    /// lives, and the serving engine hands out a new incarnation of an id
+    /// only once its earlier lend was reported, which this poller did
+    /// first). One not begun yet (the note overtook the lend on its way to
+    /// this poller): a read's question is answered pending (the reader asks
+    /// again); a give-up or a writer's word is held until the lend begins
+    /// or the grace period ends, and counted as rejected if it never does.
     pub(super) fn early(&mut self, note: &Notification, reply: Option<u32>, now: Nanos) {
         let ended = self.ended.contains(note.incarnation);
         match note.kind {
             NoteKind::ReadDone if ended => self.answer(reply, NoteKind::ReadRefused, note),
+            NoteKind::ReadDone if self.lends_under_another(note.id) => {
+                self.not_lent(reply, note);
+            }
             NoteKind::ReadDone => {
                 self.stats.early_notes += 1;
                 self.answer(reply, NoteKind::ReadPending, note);
             }
             NoteKind::GaveUp | NoteKind::WriteDone | NoteKind::WriteAbandoned if !ended => {
                 self.stats.early_notes += 1;
-                while self.early.front().is_some_and(|&(t, _)| t <= now) {
-                    self.early.pop_front();
-                }
+                self.drop_early(now);
                 if self.early.len() == EARLY_HELD {
                     self.early.pop_front();
+                    self.stale();
                 }
                 self.early
                     .push_back((now.saturating_add(self.cfg.lend_grace), *note));
@@ -223,6 +255,35 @@ impl Core {
             NoteKind::GaveUp => {}
             _ => self.stale(),
         }
+    }
+
+    /// Held notes whose grace period ended without their lend: dropped,
+    /// and counted as rejected (they named an incarnation nobody lent
+    /// here, or one that came too late).
+    pub(super) fn drop_early(&mut self, now: Nanos) {
+        while self.early.front().is_some_and(|&(t, _)| t <= now) {
+            self.early.pop_front();
+            self.stale();
+        }
+    }
+
+    /// Whether request `id` is a live lend here (under an incarnation that
+    /// a note about `id` did not name).
+    fn lends_under_another(&self, id: RequestId) -> bool {
+        self.ledger.key(id).is_some_and(|k| {
+            let info = &self.info[k.slot() as usize];
+            info.generation == k.generation()
+                && matches!(info.kind, Kind::Lend { .. })
+                && self.ledger.is_live(k)
+        })
+    }
+
+    /// Refuses a read's question (or a one-way read done) about blocks or
+    /// an incarnation this engine did not lend: never counted for any lend.
+    pub(super) fn not_lent(&mut self, reply: Option<u32>, note: &Notification) {
+        self.stats.refused_reads += 1;
+        self.reject();
+        self.answer(reply, NoteKind::ReadNotLent, note);
     }
 
     /// The notes held for incarnation `token`, which just began, are taken
@@ -255,6 +316,16 @@ impl Core {
         let info = self.info[slot];
         let (seen, n) = (self.seen(slot, note.sender), usize::from(info.notified));
         match note.kind {
+            NoteKind::ReadDone
+                if !note
+                    .blocks
+                    .within(self.slots.blocks_of(key.slot()), info.lent) =>
+            {
+                // The reader read blocks this lend did not lend (another
+                // lend's, or free ones): whatever it holds is not this
+                // lend's.
+                self.not_lent(reply, note);
+            }
             NoteKind::ReadDone => {
                 // The read happened before this question, and after the
                 // engine lent the blocks (the reader holds the lend's
@@ -311,6 +382,11 @@ impl Core {
                 self.counted(slot, note.sender);
                 self.ledger_fail(key, Cause::LeaseLost);
             }
+            NoteKind::ReadNotLent => {
+                self.counted(slot, note.sender);
+                self.asking.retain(|a| a.key != key || a.peer != peer);
+                self.fail_not_lent(key);
+            }
             _ => {
                 // The lender does not know the lend yet: ask again, later,
                 // until the grace period ends.
@@ -336,11 +412,34 @@ impl Core {
                 if now >= a.until {
                     self.asking.swap_remove(i);
                     self.counted(slot, note.sender);
-                    self.ledger_fail(key, Cause::LeaseLost);
+                    self.fail_not_lent(key);
                 } else {
                     a.wait = Nanos((a.wait.0 * 2).min(ASK_MAX.0));
                     a.due = now.saturating_add(a.wait);
                 }
+            }
+        }
+    }
+
+    /// Read `key` read what its lender did not lend (or a lend that never
+    /// came): it fails, and is counted.
+    fn fail_not_lent(&mut self, key: RequestKey) {
+        self.stats.reads_not_lent += 1;
+        self.ledger_fail(key, Cause::NotLent);
+    }
+
+    /// Reads still told pending when their deadline comes fail `NotLent`
+    /// rather than `Deadline`: their data landed and their lender answered
+    /// (it is not stalled), but the lend they named never came.
+    pub(super) fn unlent_at_deadline(&mut self, now: Nanos) {
+        let mut i = 0;
+        while i < self.asking.len() {
+            let key = self.asking[i].key;
+            if self.ledger.is_live(key) && self.ledger.expiry(key).is_some_and(|t| t <= now) {
+                self.asking.swap_remove(i);
+                self.fail_not_lent(key);
+            } else {
+                i += 1;
             }
         }
     }
@@ -361,19 +460,12 @@ impl Core {
                 let slot = a.key.slot() as usize;
                 let info = self.info[slot];
                 let base = slot * MAX_HANDLES;
-                let lend = (0..info.handles as usize)
+                let first = (0..info.handles as usize)
                     .map(|h| self.progress[base + h])
-                    .find(|p| p.peer == a.peer)
-                    .map_or(Incarnation::NONE, |p| p.lend);
-                self.send_note(
-                    a.peer,
-                    None,
-                    NoteKind::ReadDone,
-                    info.id,
-                    lend,
-                    info.token,
-                    true,
-                );
+                    .find(|p| p.peer == a.peer);
+                let (lend, blocks) =
+                    first.map_or((Incarnation::NONE, BlocksRead::NONE), |p| (p.lend, p.read));
+                self.send_read_done(a.peer, info.id, lend, info.token, blocks, true);
             }
             i += 1;
         }

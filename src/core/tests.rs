@@ -43,6 +43,7 @@ fn lend(c: &mut Core, id: u64, token: u64, now: Nanos) {
     );
 }
 
+/// A note; a read done names the one block [`lend`] lends.
 fn note(kind: NoteKind, id: u64, incarnation: u64, nonce: u64, sender: u64) -> Notification {
     Notification {
         kind,
@@ -50,6 +51,10 @@ fn note(kind: NoteKind, id: u64, incarnation: u64, nonce: u64, sender: u64) -> N
         incarnation: Incarnation(incarnation),
         nonce: Incarnation(nonce),
         sender,
+        blocks: match kind {
+            NoteKind::ReadDone => BlocksRead::of(std::iter::once(BlockId(1))),
+            _ => BlocksRead::NONE,
+        },
     }
 }
 
@@ -68,19 +73,21 @@ fn ask(c: &mut Core, n: Notification, now: Nanos) -> Vec<NoteKind> {
 }
 
 #[test]
-fn a_question_naming_another_incarnation_of_a_live_id_is_refused_and_counted_stale() {
+fn a_question_naming_another_incarnation_of_a_live_id_is_refused_not_lent_and_counted_stale() {
     let mut c = core(1);
     lend(&mut c, 10, 0xaaaa, Nanos(0));
-    // Request 10 is lent (0xaaaa); a question names 10 with an ended or
-    // unknown incarnation: it does not touch the live lend.
+    // Request 10 is lent (0xaaaa); a question names 10 with an unknown
+    // incarnation: no lend of 10 can begin while this one lives, so it is
+    // refused at once, and it does not touch the live lend.
     let a = ask(
         &mut c,
         note(NoteKind::ReadDone, 10, 0xbbbb, 5, 77),
         Nanos(1),
     );
-    assert_eq!(a, vec![NoteKind::ReadPending]);
+    assert_eq!(a, vec![NoteKind::ReadNotLent]);
     assert_eq!(c.ledger_stats().in_use, 1);
-    // Another id's live incarnation: refused as stale.
+    assert_eq!(c.stats().refused_reads, 1);
+    // Another id's live incarnation: refused as not lent, counted stale.
     lend(&mut c, 11, 0xcccc, Nanos(1));
     let before = c.stats().stale_notifications;
     let a = ask(
@@ -88,8 +95,16 @@ fn a_question_naming_another_incarnation_of_a_live_id_is_refused_and_counted_sta
         note(NoteKind::ReadDone, 10, 0xcccc, 5, 77),
         Nanos(2),
     );
-    assert!(a.is_empty(), "{a:?}");
+    assert_eq!(a, vec![NoteKind::ReadNotLent]);
     assert_eq!(c.stats().stale_notifications, before + 1);
+    assert_eq!(c.stats().refused_reads, 2);
+    // The right incarnation, naming a block it did not lend.
+    let other = Notification {
+        blocks: BlocksRead::of(std::iter::once(BlockId(2))),
+        ..note(NoteKind::ReadDone, 10, 0xaaaa, 5, 77)
+    };
+    assert_eq!(ask(&mut c, other, Nanos(2)), vec![NoteKind::ReadNotLent]);
+    assert_eq!(c.stats().refused_reads, 3);
     // The right one is confirmed.
     let a = ask(
         &mut c,
@@ -364,11 +379,16 @@ fn word_of(words: &LendWords, token: u64) -> u64 {
     words.get(lend_word_of(Incarnation(token), words.len()).expect("a word"))
 }
 
+/// The word of lend `token` lending just `block` (as [`lend`] lends block 1).
+fn lent(token: u64, block: u32) -> u64 {
+    BlocksRead::of(std::iter::once(BlockId(block))).word(Incarnation(token))
+}
+
 #[test]
 fn a_lend_writes_its_incarnation_into_its_word_and_it_is_overwritten_before_its_end_is_published() {
     let (mut c, words) = lender_with_words(64);
     lend(&mut c, 40, 0x4040, Nanos(0));
-    assert_eq!(word_of(&words, 0x4040), 0x4040);
+    assert_eq!(word_of(&words, 0x4040), lent(0x4040, 1));
     // The reader's one-way word: the lend is consumed.
     feed(
         &mut c,
@@ -379,7 +399,7 @@ fn a_lend_writes_its_incarnation_into_its_word_and_it_is_overwritten_before_its_
     while c.next_action().is_some() {}
     // Ended in the ledger, not yet published: the word still names it
     // (nothing can reuse the blocks before the engine hears of the end).
-    assert_eq!(word_of(&words, 0x4040), 0x4040);
+    assert_eq!(word_of(&words, 0x4040), lent(0x4040, 1));
     let mut seen = Vec::new();
     c.drain_events(|e| seen.push((e.outcome, word_of(&words, 0x4040))));
     assert_eq!(
@@ -395,7 +415,7 @@ fn a_lend_whose_word_is_taken_gets_none_and_leaves_the_other_lends_word_alone() 
     let (mut c, words) = lender_with_words(1);
     lend(&mut c, 41, 0x4141, Nanos(0));
     lend(&mut c, 42, 0x4242, Nanos(0));
-    assert_eq!(words.get(0), 0x4141);
+    assert_eq!(words.get(0), lent(0x4141, 1));
     assert_eq!(c.stats().word_collisions, 1);
     // The second lend ends: the first's word is untouched.
     feed(
@@ -405,13 +425,13 @@ fn a_lend_whose_word_is_taken_gets_none_and_leaves_the_other_lends_word_alone() 
         Nanos(1),
     );
     c.drain_events(|_| {});
-    assert_eq!(words.get(0), 0x4141);
+    assert_eq!(words.get(0), lent(0x4141, 1));
     // The first ends (its lease): its word is cleared; a new lend takes it.
     c.advance(Nanos(2_000_000_000));
     c.drain_events(|_| {});
     assert_eq!(words.get(0), 0);
     lend(&mut c, 45, 0x5151, Nanos(2_000_000_001));
-    assert_eq!(words.get(0), 0x5151);
+    assert_eq!(words.get(0), lent(0x5151, 1));
 }
 
 #[test]
@@ -493,7 +513,7 @@ fn a_read_awaits_answers_until_it_is_reported_and_a_lend_never_does() {
         TransportEvent::Word {
             token,
             status: 0,
-            word: 0x5a5a,
+            word: lent(0x5a5a, 0),
         },
         Nanos(2),
     );
@@ -512,9 +532,11 @@ fn a_read_awaits_answers_until_it_is_reported_and_a_lend_never_does() {
 #[test]
 fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_name_the_lend() {
     for (word, posted, confirmed) in [
-        (0x5a5a, true, true),
+        (lent(0x5a5a, 0), true, true),
         (0, true, false),
         (0x1234, true, false),
+        // The lend's, but lending another block.
+        (lent(0x5a5a, 1), true, false),
         (0, false, false),
     ] {
         let mut c = core(1);

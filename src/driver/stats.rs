@@ -1,7 +1,10 @@
 //! Statistics: busy and idle turns and the time spent in busy and idle
 //! runs, counted on the driver thread without atomics and published into
 //! [`super::Shared`] (with the core's own counters) every 1024 turns, before
-//! blocking and at the end.
+//! blocking and at the end. Refused reads and rejected notifications are
+//! also logged there, one line a second at most.
+
+use crate::core::CoreStats;
 
 use std::sync::atomic::Ordering;
 
@@ -26,6 +29,10 @@ impl Driver {
             .store(stats.malformed_notifications, Ordering::Relaxed);
         s.rejected_notes
             .store(stats.rejected_notifications, Ordering::Relaxed);
+        s.refused_reads
+            .store(stats.refused_reads, Ordering::Relaxed);
+        s.reads_not_lent
+            .store(stats.reads_not_lent, Ordering::Relaxed);
         self.shared
             .ops_posted
             .store(stats.ops_posted, Ordering::Relaxed);
@@ -44,6 +51,7 @@ impl Driver {
             .store(self.events.overflowed(), Ordering::Relaxed);
         s.quarantined
             .store(stats.quarantined_now, Ordering::Relaxed);
+        c.log_refusals(&stats, self.now());
     }
 }
 
@@ -56,6 +64,10 @@ pub(super) struct Counters {
     idle_ns: u64,
     pub(super) busy_run: bool,
     run_start: Nanos,
+    /// Refused reads, reads not lent and rejected notifications as last
+    /// logged, and when.
+    logged: [u64; 3],
+    logged_at: Option<Nanos>,
 }
 
 impl Counters {
@@ -67,7 +79,50 @@ impl Counters {
             idle_ns: 0,
             busy_run: false,
             run_start: now,
+            logged: [0; 3],
+            logged_at: None,
         }
+    }
+
+    /// Logs the refusals counted since the last line, if a second passed
+    /// since it: a flood of forged notes costs one line a second.
+    fn log_refusals(&mut self, stats: &CoreStats, now: Nanos) {
+        let seen = [
+            stats.refused_reads,
+            stats.reads_not_lent,
+            stats.rejected_notifications,
+        ];
+        let recent = self
+            .logged_at
+            .is_some_and(|t| now.0.saturating_sub(t.0) < 1_000_000_000);
+        if seen == self.logged || recent {
+            return;
+        }
+        let [refused, not_lent, rejected] =
+            std::array::from_fn(|i| seen[i].saturating_sub(self.logged[i]));
+        if refused > 0 {
+            tracing::warn!(
+                refused,
+                total = seen[0],
+                "refused reads of blocks or incarnations this engine did not lend"
+            );
+        }
+        if not_lent > 0 {
+            tracing::warn!(
+                not_lent,
+                total = seen[1],
+                "reads failed: their lender did not lend what they read"
+            );
+        }
+        if rejected > refused {
+            tracing::debug!(
+                rejected = rejected - refused,
+                total = seen[2],
+                "notifications rejected"
+            );
+        }
+        self.logged = seen;
+        self.logged_at = Some(now);
     }
 
     /// Counts the run in progress up to `now`; it goes on from there.
@@ -102,5 +157,22 @@ mod tests {
         c.close_run(Nanos(1000));
         assert_eq!((c.idle_ns, c.busy_ns), (150 + 700, 50));
         assert!(!c.busy_run, "closing a run keeps its kind");
+    }
+
+    #[test]
+    fn refusals_are_logged_at_most_once_a_second() {
+        let mut c = Counters::new(Nanos(0));
+        let mut s = CoreStats {
+            refused_reads: 1,
+            ..CoreStats::default()
+        };
+        c.log_refusals(&s, Nanos(10));
+        assert_eq!(c.logged, [1, 0, 0]);
+        s.refused_reads = 5;
+        s.rejected_notifications = 2;
+        c.log_refusals(&s, Nanos(500_000_000));
+        assert_eq!(c.logged, [1, 0, 0], "logged again within the second");
+        c.log_refusals(&s, Nanos(1_000_000_010));
+        assert_eq!(c.logged, [5, 0, 2]);
     }
 }

@@ -31,6 +31,13 @@ pub enum Cause {
     /// was read (expired, consumed or unknown): the bytes may be another
     /// request's. Or a receive's writer gave up.
     LeaseLost = 10,
+    /// A read's lender holds no lend of the incarnation the read named
+    /// that covers the blocks it read: blocks of another lend, blocks not
+    /// lent at all, or an incarnation the lender never lent (one it can
+    /// tell from a lend not submitted yet is refused at once; otherwise
+    /// once the grace period, or the read's deadline, ran out). The bytes
+    /// read are not that lend's.
+    NotLent = 11,
 }
 
 impl Cause {
@@ -46,6 +53,7 @@ impl Cause {
             8 => Cause::Shutdown,
             9 => Cause::PollerDied,
             10 => Cause::LeaseLost,
+            11 => Cause::NotLent,
             _ => return None,
         })
     }

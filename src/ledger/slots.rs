@@ -788,6 +788,18 @@ impl Slots {
         Ok(())
     }
 
+    /// The blocks request `slot` named at begin, in order (a lend's lent
+    /// blocks). Read by the thread that began it.
+    pub(crate) fn blocks_of(&self, slot: u32) -> impl Iterator<Item = BlockId> + Clone + '_ {
+        let s = self.slot(slot);
+        let base = slot as usize * self.max_blocks as usize;
+        // Relaxed: written by begin on this same thread.
+        let n = s.n_blocks.load(Ordering::Relaxed) as usize;
+        self.blocks[base..base + n]
+            .iter()
+            .map(|c| BlockId(c.load(Ordering::Relaxed)))
+    }
+
     /// The state of `key`'s slot if `key` was reported and not retired.
     fn reported(&self, key: RequestKey) -> Result<State, RetireError> {
         if key.slot() >= self.capacity() {

@@ -219,3 +219,21 @@ pub fn holds_block(e: &kvpoll::Engine, block: u32, seed: u64, remote: u32) -> bo
     e.read_block(0, BlockId(block), &mut buf).unwrap();
     pattern::check(seed, u64::from(remote), &buf)
 }
+
+/// An engine over transports `tls` with `blocks` registered blocks of
+/// `block_size` bytes and a read-before-lend grace period of `grace`.
+pub fn engine_with_grace(
+    tls: &str,
+    grace: std::time::Duration,
+    block_size: u64,
+    blocks: u64,
+) -> kvpoll::Engine {
+    let mut e = kvpoll::Engine::builder()
+        .block_size(block_size)
+        .ucx(kvpoll::transport::ucx::ContextOptions::with_transports(tls))
+        .lend_grace(grace)
+        .build()
+        .expect("engine");
+    e.register(blocks).unwrap();
+    e
+}

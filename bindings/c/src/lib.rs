@@ -82,6 +82,10 @@ pub enum kvpoll_cause {
     /// (the bytes may be another request's), or a receive's
     /// writer gave up.
     KVPOLL_CAUSE_LEASE_LOST = 10,
+    /// The lender holds no lend of the named incarnation covering the
+    /// blocks read (another lend's blocks, blocks not lent, or an
+    /// incarnation never lent): the bytes are not that lend's.
+    KVPOLL_CAUSE_NOT_LENT = 11,
 }
 
 /// The C cause of a kvpoll cause (exhaustive: a new cause must be added
@@ -99,6 +103,7 @@ fn cause_code(cause: Cause) -> u8 {
         Cause::Shutdown => KVPOLL_CAUSE_SHUTDOWN,
         Cause::PollerDied => KVPOLL_CAUSE_POLLER_DIED,
         Cause::LeaseLost => KVPOLL_CAUSE_LEASE_LOST,
+        Cause::NotLent => KVPOLL_CAUSE_NOT_LENT,
     }) as u8
 }
 
@@ -1051,6 +1056,7 @@ mod tests {
             Cause::Shutdown,
             Cause::PollerDied,
             Cause::LeaseLost,
+            Cause::NotLent,
         ] {
             assert_eq!(cause_code(c), c as u8, "{c:?}");
         }

@@ -19,10 +19,13 @@
 //! - **kvpoll, confirmed**: the same engine shape with read confirmation
 //!   on (the default, `confirm_reads(true)`), reading from a `kvpoll
 //!   engine-peer --lend-ahead` process that lends each request id it will
-//!   be asked about (block 0, to one reader, ids in order, a window ahead
-//!   of those released): every read asks its producer whether its lend
-//!   was live and finishes on the answer. Its cost over the unconfirmed
-//!   runs is what confirmation costs, the producer's lends included.
+//!   be asked about (to one reader, ids in order, a window ahead of those
+//!   released), and reads what that lend lent: one peer lends one block
+//!   an id for the single-block reads, another `request_blocks` blocks for
+//!   the requests. Every read confirms its lend (its lend word, or asking
+//!   its producer) and finishes on the answer. Its cost over the
+//!   unconfirmed runs is what confirmation costs, the producer's lends
+//!   included.
 //!
 //! - **kvpoll, lent, unconfirmed**: confirmation off, reading from a
 //!   lending peer of its own the same way (each id lent, its incarnation
@@ -379,6 +382,13 @@ struct KvpollSide {
     /// With confirmation: the incarnations the peer lent each id with, in
     /// id order.
     lent: Option<mpsc::Receiver<(u64, Incarnation)>>,
+    /// Blocks the lending peer lends an id (`--lend-blocks`; 0: its peer
+    /// lends nothing, reads take blocks from 0): a read reads them all.
+    lend_blocks: u32,
+    /// The lending peer's blocks (its lends wrap inside them).
+    lender_blocks: u64,
+    /// The remote blocks of the request being submitted.
+    remote: Vec<BlockId>,
 }
 
 impl KvpollSide {
@@ -404,7 +414,30 @@ impl KvpollSide {
             out: Outcomes::default(),
             next_id: 0,
             lent: None,
+            lend_blocks: 0,
+            lender_blocks: PEER_BLOCKS,
+            remote: Vec::new(),
         })
+    }
+
+    /// Reads from a lending peer that lends `k` of its `blocks` blocks an
+    /// id (`--lend-ahead`, `--lend-blocks k`), ids from 0 in order.
+    fn reading_lends(mut self, peer: &mut PeerProcess, k: u32, blocks: u64) -> Self {
+        self.lent = Some(peer.lent());
+        self.lend_blocks = k;
+        self.lender_blocks = blocks;
+        self
+    }
+
+    /// The remote blocks request `id` reads: those its lend lent (the
+    /// lending peer's `blocks_of`), or blocks from 0.
+    fn set_remote(&mut self, id: u64, blocks: u32) {
+        let (k, wrap) = (u64::from(self.lend_blocks), self.lender_blocks);
+        self.remote.clear();
+        self.remote.extend((0..u64::from(blocks)).map(|j| {
+            let b = if k == 0 { j } else { id * k + j };
+            BlockId((b % wrap) as u32)
+        }));
     }
 
     /// `n` requests of `blocks` blocks, `depth` in flight; returns the run's
@@ -416,11 +449,14 @@ impl KvpollSide {
         depth: u32,
         lat: &mut Vec<u64>,
     ) -> Result<Duration, E2eError> {
+        if self.lend_blocks != 0 && blocks != self.lend_blocks {
+            return Err(E2eError::Shape(
+                "a read of a lending peer reads every block of a lend",
+            ));
+        }
         let local: Vec<BlockId> = (0..blocks * depth).map(BlockId).collect();
-        let remote: Vec<BlockId> = (0..blocks)
-            .map(|b| BlockId(b % PEER_BLOCKS as u32))
-            .collect();
         let first = self.next_id;
+        self.set_remote(first, blocks);
         let mut started = vec![Instant::now(); n as usize];
         lat.clear();
         let (mut submitted, mut done) = (0u32, 0u32);
@@ -430,13 +466,16 @@ impl KvpollSide {
                 let slot = (submitted % depth * blocks) as usize;
                 let id = first + u64::from(submitted);
                 let lend = lend_of(self.lent.as_ref(), id)?;
+                if self.lend_blocks != 0 {
+                    self.set_remote(id, blocks);
+                }
                 started[submitted as usize] = Instant::now();
                 self.engine.read(
                     RequestId(id),
                     &[Transfer {
                         peer: self.peer,
                         local: &local[slot..slot + blocks as usize],
-                        remote: &remote,
+                        remote: &self.remote,
                         lend,
                     }],
                 )?;
@@ -664,12 +703,15 @@ pub(crate) fn raw_completion(
 pub struct Session {
     cfg: E2eConfig,
     kv: KvpollSide,
+    /// Confirmed, of single-block lends and of `request_blocks` lends.
     kv_confirmed: KvpollSide,
-    /// Unconfirmed, of lends made as for `kv_confirmed`.
+    kv_confirmed_requests: KvpollSide,
+    /// Unconfirmed, of lends made as for the confirmed sides.
     kv_lent: KvpollSide,
+    kv_lent_requests: KvpollSide,
     raw: RawSide,
     // Dropped last: the peers outlive the connections to them.
-    _peers: (PeerProcess, PeerProcess, PeerProcess, PeerProcess),
+    _peers: Vec<PeerProcess>,
 }
 
 impl Session {
@@ -704,9 +746,25 @@ impl Session {
         let mut engine_args = common(PEER_BLOCKS);
         engine_args.extend(["--regions".into(), "1".into()]);
         let engine_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
-        engine_args.extend(["--lend-ahead".into(), LEND_AHEAD.to_string()]);
-        let mut lending_peer = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
-        let mut lending_peer2 = PeerProcess::spawn(kvpoll_exe, "engine-peer", &engine_args)?;
+        // Lending peers of `k` blocks an id, out of at least as many.
+        let b = cfg.request_blocks;
+        let request_lender_blocks = PEER_BLOCKS.max(u64::from(b));
+        let lender = |k: u32, blocks: u64| {
+            let mut args = common(blocks);
+            args.extend(["--regions".into(), "1".into()]);
+            // As far ahead as half its command ring holds (each lend is
+            // 1 + k entries of 65 536).
+            let ahead = (32_768 / (1 + k)).min(LEND_AHEAD);
+            args.extend(["--lend-ahead".into(), ahead.to_string()]);
+            args.extend(["--lend-blocks".into(), k.to_string()]);
+            PeerProcess::spawn(kvpoll_exe, "engine-peer", &args)
+        };
+        let mut lenders = [
+            lender(1, PEER_BLOCKS)?,
+            lender(1, PEER_BLOCKS)?,
+            lender(b, request_lender_blocks)?,
+            lender(b, request_lender_blocks)?,
+        ];
         let ucx_peer = PeerProcess::spawn(kvpoll_exe, "ucx-peer", &common(PEER_BLOCKS))?;
         let hex = |p: &PeerProcess| {
             from_hex(&p.ready).map_err(|_| E2eError::Peer {
@@ -714,33 +772,46 @@ impl Session {
                 why: "metadata is not hex".into(),
             })
         };
-        let (metadata, lending_metadata) = (hex(&engine_peer)?, hex(&lending_peer)?);
-        let lending_metadata2 = hex(&lending_peer2)?;
+        let metadata = hex(&engine_peer)?;
         let local_blocks = u64::from(
             cfg.in_flight
                 .max(cfg.requests_in_flight * cfg.request_blocks),
         );
         let kv = KvpollSide::new(cfg, &metadata, local_blocks, false)?;
-        // Its ids start at 0, the first the lending peer lent.
-        let mut kv_confirmed = KvpollSide::new(cfg, &lending_metadata, local_blocks, true)?;
-        kv_confirmed.lent = Some(lending_peer.lent());
-        let mut kv_lent = KvpollSide::new(cfg, &lending_metadata2, local_blocks, false)?;
-        kv_lent.lent = Some(lending_peer2.lent());
+        // Each reads its own lending peer; its ids start at 0, the first
+        // that peer lent.
+        let mut side = |i: usize, confirm: bool, k: u32, blocks: u64| {
+            let p = &mut lenders[i];
+            let side = KvpollSide::new(cfg, &hex(p)?, local_blocks, confirm)?;
+            Ok::<_, E2eError>(side.reading_lends(p, k, blocks))
+        };
+        let kv_confirmed = side(0, true, 1, PEER_BLOCKS)?;
+        let kv_lent = side(1, false, 1, PEER_BLOCKS)?;
+        let kv_confirmed_requests = side(2, true, b, request_lender_blocks)?;
+        let kv_lent_requests = side(3, false, b, request_lender_blocks)?;
         let raw = RawSide::new(cfg, &ucx_peer.ready, local_blocks)?;
+        let mut peers = vec![engine_peer, ucx_peer];
+        peers.extend(lenders);
         let mut s = Session {
             cfg: cfg.clone(),
             kv,
             kv_confirmed,
+            kv_confirmed_requests,
             kv_lent,
+            kv_lent_requests,
             raw,
-            _peers: (engine_peer, lending_peer, lending_peer2, ucx_peer),
+            _peers: peers,
         };
         // Warm all up: connections, registration caches, page faults.
         let mut lat = Vec::new();
         s.kvpoll(256, 1, &mut lat)?;
         s.kvpoll_confirmed(256, 1, &mut lat)?;
-        let depth = s.depth(1);
-        s.kv_lent.run(256, 1, depth, &mut lat)?;
+        s.read_lends(false, 256, 1, &mut lat)?;
+        if cfg.request_blocks != 1 {
+            let b = cfg.request_blocks;
+            s.kvpoll_confirmed(16, b, &mut lat)?;
+            s.read_lends(false, 16, b, &mut lat)?;
+        }
         s.raw(256, 1, &mut lat)?;
         Ok(s)
     }
@@ -766,8 +837,26 @@ impl Session {
         blocks: u32,
         lat: &mut Vec<u64>,
     ) -> Result<Duration, E2eError> {
+        self.read_lends(true, n, blocks, lat)
+    }
+
+    /// `n` reads of `blocks` blocks of what the lending peers lend, with
+    /// confirmation (`confirmed`) or without (the same lends, unconfirmed).
+    fn read_lends(
+        &mut self,
+        confirmed: bool,
+        n: u32,
+        blocks: u32,
+        lat: &mut Vec<u64>,
+    ) -> Result<Duration, E2eError> {
         let depth = self.depth(blocks);
-        self.kv_confirmed.run(n, blocks, depth, lat)
+        let side = match (confirmed, blocks == 1) {
+            (true, true) => &mut self.kv_confirmed,
+            (true, false) => &mut self.kv_confirmed_requests,
+            (false, true) => &mut self.kv_lent,
+            (false, false) => &mut self.kv_lent_requests,
+        };
+        side.run(n, blocks, depth, lat)
     }
 
     /// The raw loop, same shape as [`Session::kvpoll`].
@@ -800,7 +889,9 @@ impl Drop for Session {
     fn drop(&mut self) {
         self.kv.engine.shutdown();
         self.kv_confirmed.engine.shutdown();
+        self.kv_confirmed_requests.engine.shutdown();
         self.kv_lent.engine.shutdown();
+        self.kv_lent_requests.engine.shutdown();
     }
 }
 
@@ -823,14 +914,12 @@ pub fn compare(kvpoll_exe: &Path, cfg: &E2eConfig) -> Result<E2eFigures, E2eErro
             s.kvpoll_confirmed(cfg.reads, 1, &mut conf_lat)?,
         ));
         // Unconfirmed, of the same lends.
-        let depth = s.depth(1);
-        let t = s.kv_lent.run(cfg.reads, 1, depth, &mut scratch)?;
+        let t = s.read_lends(false, cfg.reads, 1, &mut scratch)?;
         lent_reads.push(rate(cfg.reads, t));
         raw_reads.push(rate(cfg.reads, s.raw(cfg.reads, 1, &mut raw_lat)?));
         kv_reqs.push(rate(n, s.kvpoll(n, b, &mut scratch)?));
         conf_reqs.push(rate(n, s.kvpoll_confirmed(n, b, &mut scratch)?));
-        let depth = s.depth(b);
-        lent_reqs.push(rate(n, s.kv_lent.run(n, b, depth, &mut scratch)?));
+        lent_reqs.push(rate(n, s.read_lends(false, n, b, &mut scratch)?));
         raw_reqs.push(rate(n, s.raw(n, b, &mut scratch)?));
     }
     drop(s);

@@ -586,6 +586,7 @@ pub fn remote_wake_up_direct(n: usize, quiet: Duration, tls: &str) -> Result<Vec
             incarnation,
             nonce: kvpoll::Incarnation::NONE,
             sender: 0x5eed,
+            blocks: Default::default(),
         }
         .encode();
         // Let the lend in, the sender's own send of the last round end,

@@ -515,7 +515,8 @@ pub struct EnginePeerArgs {
     /// Regions (KV layers) to register.
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
     pub regions: u16,
-    /// Lend request ids 0, 1, 2, … (block 0, to one reader each), keeping
+    /// Lend request ids 0, 1, 2, … (the blocks of `--lend-blocks`, to one
+    /// reader each), keeping
     /// this many lent ahead of those released: a reader that confirms its
     /// reads (the default) reads ids in that order. 0: lend nothing.
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=65536))]
