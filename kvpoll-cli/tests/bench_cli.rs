@@ -83,3 +83,64 @@ fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured(
     assert!(field("checked") > 0.0, "{batched}");
     assert_eq!(field("bad"), 0.0, "{batched}");
 }
+
+/// `bench compare` of the small tcp group whose second kvpoll system's
+/// UCX options name no transport: the group does not run.
+fn compare_a_group_that_does_not_run(json: bool) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
+    cmd.args(["bench", "compare", "--only", "small_tcp", "--scale", "0.02"])
+        .args(["--rounds", "1", "--peers-python", "none"])
+        .args(["--alt-ucx", "TLS=no_such_transport"]);
+    if json {
+        cmd.arg("--json");
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn bench_compare_prints_the_rows_of_a_group_that_did_not_run_as_failed_and_exits_1() {
+    let out = compare_a_group_that_does_not_run(false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    // The group's row (no target) and the CPU rows of groups left out by
+    // --only: failed, and not run.
+    let row = |figure: &str| {
+        text.lines()
+            .find(|l| l.starts_with(figure))
+            .unwrap_or_else(|| panic!("no row {figure:?}: {text}"))
+            .to_owned()
+    };
+    assert!(
+        row("16 KiB reads, tcp: vs Mooncake").ends_with(" FAILED"),
+        "{text}"
+    );
+    assert!(
+        row("CPU s/GB, 64 MiB read, tcp").ends_with(" n/a"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tcp_small_vs_mooncake")
+            && text.contains("small_tcp_caller_pull did not run: "),
+        "{text}"
+    );
+    assert!(text.contains("1 row FAILED (did not run)"), "{text}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tcp_small_vs_mooncake"), "{err}");
+}
+
+#[test]
+fn bench_compare_json_names_the_rows_of_a_group_that_did_not_run_and_exits_1() {
+    let out = compare_a_group_that_does_not_run(true);
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let row = json
+        .split("\"tcp_small_vs_mooncake\":")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no row: {json}"));
+    let row = &row[..row.find('}').unwrap()];
+    assert!(
+        row.contains("\"failed\":\"small_tcp_caller_pull did not run: "),
+        "{row}"
+    );
+    assert!(json.contains("\"failed_rows\":1"), "{json}");
+}

@@ -51,12 +51,18 @@ impl Lender {
     /// [`Lender::spawn`] with its blocks in `memory`: `ucx` (UCX-allocated)
     /// or `caller` (memory the peer mapped itself).
     fn spawn_in(tls: &str, ahead: u32, memory: &str) -> Lender {
+        Self::spawn_with(tls, ahead, memory, &[])
+    }
+
+    /// [`Lender::spawn_in`] with more options of `engine-peer`.
+    fn spawn_with(tls: &str, ahead: u32, memory: &str, more: &[&str]) -> Lender {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
             .args(["engine-peer", "--tls", tls, "--blocks", "16"])
             .args(["--memory", memory])
             .args(["--block-size", &BS.to_string(), "--regions", "1"])
             .args(["--seed", &SEED.to_string()])
             .args(["--lend-ahead", &ahead.to_string()])
+            .args(more)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -258,4 +264,34 @@ fn over_tcp_reads_are_confirmed_and_their_lends_consumed() {
     }
     // Each of the four ended at the lender: it lent 4 more.
     lender.wait_lent(7);
+}
+
+/// A lender whose command ring fills while it lends ahead (a ring of two
+/// entries holds one lend: its poller is behind at once) polls and lends
+/// again instead of giving up: it lends all it was asked to before READY,
+/// and lends on as reads end, through the same full ring.
+#[test]
+fn a_lender_whose_command_ring_fills_polls_and_lends_on() {
+    const AHEAD: u32 = 2000;
+    let mut lender = Lender::spawn_with(SHM, AHEAD, "ucx", &["--command-ring", "2"]);
+    assert_eq!(lender.lent.len(), AHEAD as usize);
+    let mut e = reader(SHM);
+    let peer = e.add_peer(&lender.metadata).unwrap();
+    for id in 0..4 {
+        let inc = lender.incarnation(id);
+        let out = read(&mut e, peer, id, inc, id as u32, Duration::from_secs(10));
+        assert_eq!(out.finished_recving, vec![RequestId(id)], "{out:?}");
+    }
+    // Each of the four ended at the lender: it lent four more.
+    lender.wait_lent(u64::from(AHEAD) + 3);
+    drop(lender.child.stdin.take());
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = lender.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < GUARD, "the lender did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(status.success(), "{status:?}");
 }

@@ -117,8 +117,94 @@ pub struct Row {
     /// kvpoll / baseline, or the figure's own ratio.
     pub ratio: Option<f64>,
     pub target: &'static str,
-    pub met: Option<bool>,
+    pub met: Met,
     pub note: String,
+}
+
+/// What a row says of its target.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Met {
+    Yes,
+    Missed,
+    /// No target, or nothing measured to hold it against: a baseline that
+    /// is not installed, a group that `--only` left out.
+    NotJudged,
+    /// The row's measurement did not run, and why: the run failed.
+    Failed(String),
+}
+
+impl From<bool> for Met {
+    fn from(met: bool) -> Self {
+        if met {
+            Met::Yes
+        } else {
+            Met::Missed
+        }
+    }
+}
+
+impl From<Option<bool>> for Met {
+    fn from(met: Option<bool>) -> Self {
+        met.map_or(Met::NotJudged, Met::from)
+    }
+}
+
+/// The closing verdict: targets met and missed, rows that did not run.
+struct Verdict<'a> {
+    met: usize,
+    missed: usize,
+    failed: Vec<&'a Row>,
+}
+
+impl<'a> Verdict<'a> {
+    fn of(rows: &'a [Row]) -> Self {
+        let count = |m: Met| rows.iter().filter(|r| r.met == m).count();
+        Verdict {
+            met: count(Met::Yes),
+            missed: count(Met::Missed),
+            failed: rows
+                .iter()
+                .filter(|r| matches!(r.met, Met::Failed(_)))
+                .collect(),
+        }
+    }
+
+    fn keys(&self) -> String {
+        let keys: Vec<&str> = self.failed.iter().map(|r| r.key).collect();
+        keys.join(", ")
+    }
+
+    fn line(&self) -> String {
+        let mut line = format!("targets: {} met, {} missed", self.met, self.missed);
+        match self.failed.len() {
+            0 => {}
+            1 => line += &format!("; 1 row FAILED (did not run): {}", self.keys()),
+            n => line += &format!("; {n} rows FAILED (did not run): {}", self.keys()),
+        }
+        line
+    }
+
+    fn to_json(&self) -> String {
+        format!(
+            "{{\"met\":{},\"missed\":{},\"failed_rows\":{}}}",
+            self.met,
+            self.missed,
+            self.failed.len()
+        )
+    }
+
+    /// A run with a row that did not run failed (exit 1); missed targets
+    /// are figures, not failures.
+    fn result(&self) -> Result<(), CliError> {
+        if self.failed.is_empty() {
+            return Ok(());
+        }
+        Err(CliError::Failed(format!(
+            "{} of the rows did not run ({}); their notes say why",
+            self.failed.len(),
+            self.keys()
+        )))
+    }
 }
 
 fn num(x: Option<f64>) -> String {
@@ -170,7 +256,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
         baseline: Some(ledger.locked_completions_per_s),
         ratio: Some(ledger.ratio),
         target: ">= 10x",
-        met: Some(ledger.ratio >= 10.0),
+        met: (ledger.ratio >= 10.0).into(),
         note: format!("median of {RUNS} interleaved runs"),
     });
     let (py, py_note) = match python_reference(cfg) {
@@ -187,7 +273,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
         baseline: py,
         ratio: py_ratio,
         target: ">= 200x",
-        met: py_ratio.map(|r| r >= 200.0),
+        met: py_ratio.map(|r| r >= 200.0).into(),
         note: py_note,
     });
 
@@ -207,7 +293,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
         baseline: Some(rtt),
         ratio: Some(r),
         target: "<= 1.5x",
-        met: Some(r <= 1.5),
+        met: (r <= 1.5).into(),
         note: format!(
             "ratio: median over {HANDOFF_ROUNDS} rounds of each round's p50 / its round trip, same two threads; pinned: {pinned}"
         ),
@@ -222,16 +308,18 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
         baseline: None,
         ratio: None,
         target: "<= 20 ns",
-        met: Some(poll <= 20.0),
+        met: (poll <= 20.0).into(),
         note: String::new(),
     });
 
-    let e2e = match e2e(tls) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            tracing::warn!("e2e figures unavailable: {e}");
-            None
-        }
+    let e2e = e2e(tls).map_err(|e| {
+        tracing::warn!("e2e figures unavailable: {e}");
+        format!("e2e did not run: {e}")
+    });
+    // The rows of the e2e figures: judged, or failed with why.
+    let e2e_met = |judged: Option<bool>| match &e2e {
+        Ok(_) => Met::from(judged),
+        Err(why) => Met::Failed(why.clone()),
     };
     for (key, figure, pick) in [
         (
@@ -245,7 +333,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
             |f: &E2eFigures| f.requests,
         ),
     ] {
-        let rates = e2e.as_ref().map(pick);
+        let rates = e2e.as_ref().ok().map(pick);
         rows.push(Row {
             key,
             figure,
@@ -255,10 +343,10 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
             baseline: rates.map(|r| r.raw_per_s),
             ratio: rates.map(|r| r.kvpoll_per_s / r.raw_per_s),
             target: "overhead <= 10 % (>= 0.91x)",
-            met: rates.map(|r| r.overhead_pct <= 10.0),
+            met: e2e_met(rates.map(|r| r.overhead_pct <= 10.0)),
             note: match &e2e {
-                Some(f) => format!("over {}; overhead {:.1} %", f.tls, pick(f).overhead_pct),
-                None => "unavailable".into(),
+                Ok(f) => format!("over {}; overhead {:.1} %", f.tls, pick(f).overhead_pct),
+                Err(why) => why.clone(),
             },
         });
     }
@@ -289,7 +377,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
             |f: &E2eFigures| f.confirm_requests_same_lends,
         ),
     ] {
-        let c = e2e.as_ref().map(pick);
+        let c = e2e.as_ref().ok().map(pick);
         rows.push(Row {
             key,
             figure,
@@ -299,9 +387,9 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
             baseline: c.map(|c| c.unconfirmed_per_s),
             ratio: c.map(|c| c.ratio),
             target: "(measured, no target)",
-            met: None,
+            met: e2e_met(None),
             note: match (&e2e, c) {
-                (Some(f), Some(c)) => format!(
+                (Ok(f), Some(c)) => format!(
                     "over {}; {:+.2} us per request ({:.2}x the raw loop's rate); the producer lends each id",
                     f.tls,
                     c.us_per_request,
@@ -311,7 +399,8 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
                         c.confirmed_per_s / f.requests.raw_per_s
                     }
                 ),
-                _ => "unavailable".into(),
+                (Err(why), _) => why.clone(),
+                (Ok(_), None) => "unavailable".into(),
             },
         });
     }
@@ -329,7 +418,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
         baseline: pct(busy),
         ratio: adaptive.zip(busy).map(|(a, b)| a / b),
         target: "<= 2 % of a core",
-        met: adaptive.map(|a| a <= 0.02),
+        met: adaptive.map(|a| a <= 0.02).into(),
         note: "one quiet second each".into(),
     });
     let quiet = Duration::from_millis(20);
@@ -346,7 +435,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
         baseline: Some(park50 / 1e3),
         ratio: Some(w50 / park50),
         target: "<= 20 us, <= 2x park/unpark",
-        met: Some(w50 <= 20_000.0 && w50 <= 2.0 * park50),
+        met: (w50 <= 20_000.0 && w50 <= 2.0 * park50).into(),
         note: format!(
             "engine -> poller -> engine; p99 {:.1} us (park/unpark p99 {:.1} us), 20 samples",
             engine_bench::quantile(&wake, 0.99) / 1e3,
@@ -381,7 +470,7 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     Ok(Suite {
         rows,
         compare,
-        e2e,
+        e2e: e2e.ok(),
         completion_visible_ns: cv,
         cache_line_ns,
         seconds: t0.elapsed().as_secs_f64(),
@@ -395,9 +484,10 @@ fn print_table(s: &Suite) {
     );
     for r in &s.rows {
         let met = match r.met {
-            Some(true) => "yes",
-            Some(false) => "MISSED",
-            None => "n/a",
+            Met::Yes => "yes",
+            Met::Missed => "MISSED",
+            Met::NotJudged => "n/a",
+            Met::Failed(_) => "FAILED",
         };
         println!(
             "{:<58} {:>14} {:>14} {:>9}  {:<28} {}",
@@ -424,7 +514,8 @@ fn print_table(s: &Suite) {
     if let Some(c) = &s.compare {
         c.print_groups();
     }
-    println!("\nsuite ran in {:.1} s", s.seconds);
+    println!("\n{}", Verdict::of(&s.rows).line());
+    println!("suite ran in {:.1} s", s.seconds);
 }
 
 fn print_json(s: &Suite) {
@@ -433,7 +524,7 @@ fn print_json(s: &Suite) {
         .iter()
         .map(|r| {
             format!(
-                "\"{}\":{{\"figure\":\"{}\",\"unit\":\"{}\",\"kvpoll\":{},\"baseline\":\"{}\",\"baseline_value\":{},\"ratio\":{},\"target\":\"{}\",\"met\":{},\"note\":\"{}\"}}",
+                "\"{}\":{{\"figure\":\"{}\",\"unit\":\"{}\",\"kvpoll\":{},\"baseline\":\"{}\",\"baseline_value\":{},\"ratio\":{},\"target\":\"{}\",\"met\":{},\"failed\":{},\"note\":\"{}\"}}",
                 r.key,
                 r.figure,
                 r.unit,
@@ -442,16 +533,25 @@ fn print_json(s: &Suite) {
                 num(r.baseline),
                 num(r.ratio),
                 r.target,
-                r.met.map_or("null".into(), |m| m.to_string()),
+                match r.met {
+                    Met::Yes => "true",
+                    Met::Missed => "false",
+                    Met::NotJudged | Met::Failed(_) => "null",
+                },
+                match &r.met {
+                    Met::Failed(why) => format!("\"{}\"", why.replace(['"', '\\'], "'")),
+                    _ => "null".into(),
+                },
                 r.note.replace(['"', '\\'], "'")
             )
         })
         .collect();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "{{\"cores\":{cores},\"load_average\":\"{}\",\"seconds\":{:.1},\"e2e\":{},\"compare\":{},{}}}",
+        "{{\"cores\":{cores},\"load_average\":\"{}\",\"seconds\":{:.1},\"verdict\":{},\"e2e\":{},\"compare\":{},{}}}",
         load_average(),
         s.seconds,
+        Verdict::of(&s.rows).to_json(),
         s.e2e.as_ref().map_or("null".into(), |f| f.to_json()),
         s.compare.as_ref().map_or("null".into(), Comparison::to_json),
         rows.join(",")
@@ -487,6 +587,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     eprintln!("kvpoll: the comparison written to {}", p.display());
                 }
             }
+            Verdict::of(&s.rows).result()?;
         }
         BenchWhat::Compare(CompareArgs {
             json,
@@ -508,31 +609,25 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 peers_python.as_deref(),
                 alt_ucx.as_deref(),
             )?;
-            let rows = c.rows();
+            let s = Suite {
+                rows: c.rows(),
+                compare: Some(c),
+                e2e: None,
+                completion_visible_ns: Vec::new(),
+                cache_line_ns: Vec::new(),
+                seconds: t0.elapsed().as_secs_f64(),
+            };
             if json {
-                println!("{}", c.to_json());
+                print_json(&s);
             } else {
-                let s = Suite {
-                    rows,
-                    compare: Some(c),
-                    e2e: None,
-                    completion_visible_ns: Vec::new(),
-                    cache_line_ns: Vec::new(),
-                    seconds: t0.elapsed().as_secs_f64(),
-                };
                 print_table(&s);
                 println!("load average at the start: {load}");
-                if let Some(path) = svg {
-                    if let Some(c) = &s.compare {
-                        c.svg(&path).map_err(failed)?;
-                        eprintln!("kvpoll: the comparison written to {}", path.display());
-                    }
-                }
-                return Ok(());
             }
-            if let Some(path) = svg {
+            if let (Some(path), Some(c)) = (svg, &s.compare) {
                 c.svg(&path).map_err(failed)?;
+                eprintln!("kvpoll: the comparison written to {}", path.display());
             }
+            Verdict::of(&s.rows).result()?;
         }
         BenchWhat::Trace(TraceArgs { out }) => {
             write_trace(BenchConfig::default(), &out).map_err(CliError::Failed)?;
@@ -659,7 +754,7 @@ fn remote_wake_row(
     tls: &str,
     park50: f64,
 ) -> Row {
-    let (p50, note) = match samples {
+    let (p50, note, failed) = match samples {
         Ok(r) => (
             Some(engine_bench::quantile(&r, 0.5)),
             format!(
@@ -667,8 +762,12 @@ fn remote_wake_row(
                 engine_bench::quantile(&r, 0.99) / 1e3,
                 r.len()
             ),
+            None,
         ),
-        Err(e) => (None, format!("unavailable: {e}")),
+        Err(e) => {
+            let why = format!("did not run: {e}");
+            (None, why.clone(), Some(why))
+        }
     };
     Row {
         key,
@@ -679,7 +778,7 @@ fn remote_wake_row(
         baseline: Some(park50 / 1e3),
         ratio: p50.map(|v| v / park50),
         target: "<= 2x park/unpark",
-        met: p50.map(|v| v <= 2.0 * park50),
+        met: failed.map_or_else(|| p50.map(|v| v <= 2.0 * park50).into(), Met::Failed),
         note,
     }
 }

@@ -540,6 +540,10 @@ pub struct EnginePeerArgs {
     /// Where the regions live: UCX-allocated, or mmaps of this process.
     #[arg(long, value_enum, default_value_t = PeerMemory::Ucx)]
     pub memory: PeerMemory,
+    /// Entries of the engine's command ring (at least 2; default: the
+    /// engine's). For tests: a small ring fills while lending ahead.
+    #[arg(long, value_name = "N", hide = true, value_parser = clap::value_parser!(u32).range(2..))]
+    pub command_ring: Option<u32>,
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use kvpoll_cli::bench::shapes::{
     KVPOLL_UNCONFIRMED, MEMCPY, MOONCAKE, NIXL, NIXL_BATCHED, PVREADV, RAW,
 };
 
-use crate::bench::Row;
+use crate::bench::{Met, Row};
 use crate::cli::CliError;
 
 /// kvpoll's better confirmed setting (per request or batched) in a group:
@@ -170,7 +170,7 @@ impl Comparison {
                     Some(_) => ">= 0.8x",
                     None => "(measured, no target)",
                 },
-                met: target.and_then(|t| ratio.map(|r| r >= t)),
+                met: self.met(group, target.and_then(|t| ratio.map(|r| r >= t))),
                 note: self.note(group, who, baseline),
             });
         };
@@ -392,7 +392,7 @@ impl Comparison {
                 baseline: b,
                 ratio,
                 target: "<= 1.2x",
-                met: ratio.map(|r| r <= 1.2),
+                met: self.met(group, ratio.map(|r| r <= 1.2)),
                 note: self.note(group, KVPOLL, RAW),
             });
         }
@@ -410,20 +410,33 @@ impl Comparison {
             baseline: Some(checked as f64),
             ratio: None,
             target: "0 wrong",
-            met: Some(bad == 0 && checked > 0),
+            met: (bad == 0 && checked > 0).into(),
             note: "every system, every group; a sample of each round's requests".into(),
         });
         rows
+    }
+
+    /// Why group `key` did not run, if it was run and failed.
+    fn did_not_run(&self, key: &str) -> Option<String> {
+        self.failed
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, why)| format!("{key} did not run: {why}"))
+    }
+
+    /// A row of group `key`: `judged` (met, missed, or no target), or
+    /// failed when the group did not run.
+    fn met(&self, key: &str, judged: Option<bool>) -> Met {
+        self.did_not_run(key).map_or(judged.into(), Met::Failed)
     }
 
     /// The group, `who`'s figures (one of kvpoll's systems) and the
     /// baseline's, or why one is missing.
     fn note(&self, group: &str, who: &str, baseline: &str) -> String {
         let Some(g) = self.group(group) else {
-            return match self.failed.iter().find(|(k, _)| k == group) {
-                Some((_, why)) => format!("{group} did not run: {why}"),
-                None => format!("{group} not run"),
-            };
+            return self
+                .did_not_run(group)
+                .unwrap_or_else(|| format!("{group} not run"));
         };
         let base = if baseline == NIXL {
             g.nixl_best()

@@ -7,6 +7,7 @@
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvpoll::transport::ucx::{Context, ContextOptions, MemoryRegion, Worker, NOTIFY_AM_ID};
 use kvpoll::wire::to_hex;
@@ -123,6 +124,7 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         check_every,
         writer_seed,
         memory,
+        command_ring,
     } = *args;
     let regions = usize::from(regions);
     fn fail(e: impl std::fmt::Display) -> CliError {
@@ -135,6 +137,9 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         // Room for what is lent ahead, and for as many reported but not
         // yet polled.
         builder = builder.ledger(2 * lend_ahead + 64, lend_blocks.max(8));
+    }
+    if let Some(entries) = command_ring {
+        builder = builder.command_ring(entries as usize);
     }
     // Caller memory outlives the engine (declared first, dropped last).
     let mut mappings = Vec::new();
@@ -173,8 +178,12 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         blocks,
         to: lend_to,
         ids: Vec::new(),
+        regions,
+        check_every,
+        writer_seed,
     };
-    lender.top_up(&mut engine).map_err(fail)?;
+    let mut outcomes = kvpoll::Outcomes::default();
+    lender.catch_up(&mut engine, &mut outcomes)?;
     let meta = engine.local_metadata().map_err(fail)?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "READY {}", to_hex(&meta))
@@ -196,29 +205,12 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         engine.add_peer(&meta).map_err(fail)?;
     }
     let closed = stdin_closed();
-    let mut outcomes = kvpoll::Outcomes::default();
     while !closed.load(Ordering::Acquire) {
-        outcomes.clear();
         // Woken by its engine's reports (a reader's release of a lend, a
         // write that landed), as a serving engine that waits for its
         // transfers would be, or after 1 ms to look at standard input.
-        engine.wait(&mut outcomes, std::time::Duration::from_millis(1));
-        if check_every > 0 {
-            check_received(
-                &engine,
-                &outcomes,
-                &lender,
-                regions,
-                check_every,
-                writer_seed,
-            )?;
-        }
-        let ended = outcomes.finished_sending.len()
-            + outcomes.expired.len()
-            + outcomes.finished_recving.len()
-            + outcomes.failed_recving.len();
-        lender.released += ended as u64;
-        lender.top_up(&mut engine).map_err(fail)?;
+        lender.take_reports(&mut engine, &mut outcomes, Duration::from_millis(1))?;
+        lender.catch_up(&mut engine, &mut outcomes)?;
     }
     engine.shutdown();
     drop(engine);
@@ -230,26 +222,25 @@ fn mapping(e: std::io::Error) -> CliError {
     CliError::Failed(format!("mapping caller memory: {e}"))
 }
 
-/// Checks the blocks of every `every`th push destination that ended well
-/// against the writers' pattern (region r: `seed*100 + r`, remote block b
-/// written from the writer's block b), printing `CHECKED <id> ok|bad`.
+/// Checks the blocks of every `check_every`th push destination that ended
+/// well against the writers' pattern (region r: `writer_seed*100 + r`,
+/// remote block b written from the writer's block b), printing `CHECKED
+/// <id> ok|bad`.
 fn check_received(
     engine: &kvpoll::Engine,
     outcomes: &kvpoll::Outcomes,
     lender: &Lender,
-    regions: usize,
-    every: u32,
-    seed: u64,
 ) -> Result<(), CliError> {
     let mut buf = vec![0u8; engine.block_size() as usize];
     let mut lines = String::new();
+    let seed = lender.writer_seed;
     for id in &outcomes.finished_recving {
-        if id.0 % u64::from(every) != 0 {
+        if id.0 % u64::from(lender.check_every) != 0 {
             continue;
         }
         let mut ok = true;
         for b in lender.blocks_of(id.0) {
-            for r in 0..regions {
+            for r in 0..lender.regions {
                 engine
                     .read_block(r, b, &mut buf)
                     .map_err(|e| CliError::Failed(e.to_string()))?;
@@ -269,6 +260,10 @@ fn check_received(
     Ok(())
 }
 
+/// How long a lender whose command ring is full waits for its engine's
+/// reports before it lends again: its poller drains the ring meanwhile.
+const RING_FULL_WAIT: Duration = Duration::from_micros(50);
+
 /// Lends request ids in order, `ahead` more than were released: id i
 /// names blocks i*K .. i*K+K modulo the region's blocks.
 struct Lender {
@@ -279,6 +274,10 @@ struct Lender {
     blocks: u64,
     to: PeerLendTo,
     ids: Vec<kvpoll::BlockId>,
+    regions: usize,
+    /// Writers: check every Nth request received (0: none).
+    check_every: u32,
+    writer_seed: u64,
 }
 
 impl Lender {
@@ -288,32 +287,79 @@ impl Lender {
             .map(move |j| kvpoll::BlockId(((id * self.blocks_each + j) % self.blocks) as u32))
     }
 
+    /// Takes the engine's reports, waiting up to `timeout` for one:
+    /// checks the push destinations due a check, and counts what ended as
+    /// released.
+    fn take_reports(
+        &mut self,
+        engine: &mut kvpoll::Engine,
+        out: &mut kvpoll::Outcomes,
+        timeout: Duration,
+    ) -> Result<(), CliError> {
+        out.clear();
+        engine.wait(out, timeout);
+        if self.check_every > 0 {
+            check_received(engine, out, self)?;
+        }
+        let ended = out.finished_sending.len()
+            + out.expired.len()
+            + out.finished_recving.len()
+            + out.failed_recving.len();
+        self.released += ended as u64;
+        Ok(())
+    }
+
+    /// Lends up to `ahead` past what was released. A full command ring
+    /// (the poller is behind) is no failure: it takes the engine's
+    /// reports meanwhile and lends again.
+    fn catch_up(
+        &mut self,
+        engine: &mut kvpoll::Engine,
+        out: &mut kvpoll::Outcomes,
+    ) -> Result<(), CliError> {
+        while !self
+            .top_up(engine)
+            .map_err(|e| CliError::Failed(e.to_string()))?
+        {
+            self.take_reports(engine, out, RING_FULL_WAIT)?;
+        }
+        Ok(())
+    }
+
     /// Lends up to `ahead` past what was released, printing `LENT <id>
     /// <incarnation, hex>` for each: the reader reads each id with that
-    /// incarnation.
-    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<(), kvpoll::SubmitError> {
+    /// incarnation. False: the command ring filled first.
+    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<bool, kvpoll::SubmitError> {
         let mut lent = String::new();
-        while self.next < self.released + self.ahead {
+        let caught_up = loop {
+            if self.next >= self.released + self.ahead {
+                break Ok(true);
+            }
             let mut ids = std::mem::take(&mut self.ids);
             ids.clear();
             ids.extend(self.blocks_of(self.next));
             let id = kvpoll::RequestId(self.next);
-            let lease = std::time::Duration::from_secs(3600);
+            let lease = Duration::from_secs(3600);
             let inc = match self.to {
                 PeerLendTo::Readers => engine.lend(id, &ids, 1, lease),
                 PeerLendTo::Writers => engine.receive(id, &ids, 1, lease),
             };
             self.ids = ids;
-            let inc = inc?;
-            lent.push_str(&format!("LENT {} {:x}\n", self.next, inc.0));
-            self.next += 1;
-        }
+            match inc {
+                Ok(inc) => {
+                    lent.push_str(&format!("LENT {} {:x}\n", self.next, inc.0));
+                    self.next += 1;
+                }
+                Err(kvpoll::SubmitError::RingFull(_)) => break Ok(false),
+                Err(e) => break Err(e),
+            }
+        };
         if !lent.is_empty() {
             let mut out = std::io::stdout().lock();
             // A reader that went away leaves nobody to tell: not an error.
             let _ = out.write_all(lent.as_bytes()).and_then(|_| out.flush());
         }
-        Ok(())
+        caught_up
     }
 }
 
