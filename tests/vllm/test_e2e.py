@@ -67,6 +67,24 @@ def test_disaggregated_output_is_token_for_token_the_aggregated_output(instances
     assert [o["token_ids"] for o in outs] == reference
 
 
+def test_a_decode_handed_another_requests_blocks_under_a_live_lend_fails_the_load_never_other_tokens(
+    instances, reference
+):
+    # A proxy or router mix-up: the params of prompt 0's lend with the
+    # block ids of prompt 1's lend (both live, one block each). The token
+    # is right, the blocks are not the lend's: the prefill refuses the
+    # read, and the policy applies; never prompt 1's KV under prompt 0.
+    p, d_fail, d_rec = instances
+    ps = prompts()
+    params = prefill(p, [ps[0], ps[1], ps[0], ps[1]])
+    assert len(params[0]["remote_block_ids"]) == len(params[1]["remote_block_ids"])
+    mixed = [{**params[i], "remote_block_ids": params[i + 1]["remote_block_ids"]} for i in (0, 2)]
+    (failed,) = d_fail.generate([ps[0]], MAX_TOKENS, [mixed[0]])
+    assert failed["finish_reason"] == "error", failed
+    (recomputed,) = d_rec.generate([ps[0]], MAX_TOKENS, [mixed[1]])
+    assert recomputed["token_ids"] == reference[0]
+
+
 @pytest.fixture(scope="module")
 def other_prefills(model_dir, instances):
     """A prefill of two tensor-parallel ranks (the decodes have one) and a
