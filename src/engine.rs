@@ -222,6 +222,7 @@ pub struct EngineBuilder {
     fence_push_leases: bool,
     read_heartbeat: Duration,
     lend_grace: Duration,
+    remote_write: bool,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
@@ -242,6 +243,7 @@ impl Default for EngineBuilder {
             fence_push_leases: true,
             read_heartbeat: Duration::from_millis(250),
             lend_grace: Duration::from_secs(5),
+            remote_write: true,
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
@@ -364,6 +366,21 @@ impl EngineBuilder {
         self
     }
 
+    /// Whether peers may write into this engine's blocks (default: yes).
+    /// Only a push destination needs it: in pull mode a lender is read
+    /// and a reader writes its own memory. Off, the engine opens no
+    /// receive ([`SubmitError::RemoteWriteOff`]) and registers its
+    /// regions for remote reads only. Where tcp is the only transport
+    /// ([`ContextOptions::transports`] `"tcp"`) a peer's writes are then
+    /// refused, and the engine writes nothing itself either
+    /// ([`SubmitError::NoPuts`]); over shared memory, and over RDMA with
+    /// UCX 1.13 to 1.22, nothing refuses them: docs/design.md §4's table
+    /// says what guards each transport.
+    pub fn remote_write(mut self, allowed: bool) -> Self {
+        self.remote_write = allowed;
+        self
+    }
+
     /// Faults to inject (default: none). Test hook: `fault-injection` only.
     #[cfg(feature = "fault-injection")]
     pub fn faults(mut self, faults: Faults) -> Self {
@@ -415,6 +432,7 @@ impl EngineBuilder {
             fence_push_leases: self.fence_push_leases,
             read_heartbeat: self.read_heartbeat,
             lend_grace: self.lend_grace,
+            remote_write: self.remote_write,
             #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };
@@ -479,6 +497,8 @@ impl EngineBuilder {
             block_size: self.block_size,
             read_deadline: self.read_deadline,
             confirm_reads: self.confirm_reads,
+            remote_write: self.remote_write,
+            puts: !self.ucx.without_rma(self.remote_write),
             reports_signalled: false,
         })
     }
@@ -629,6 +649,11 @@ pub struct Engine {
     block_size: u64,
     read_deadline: Duration,
     confirm_reads: bool,
+    /// Peers may write into this engine's blocks: it may open receives.
+    remote_write: bool,
+    /// Its UCX context can post puts (not over tcp alone without remote
+    /// writes: `ContextOptions::without_rma`).
+    puts: bool,
     /// The last `wait` returned with its eventfd readable: drained before
     /// the next announcement, not on the way to the reports.
     reports_signalled: bool,
@@ -1267,6 +1292,9 @@ impl Engine {
         expected_acks: u32,
         lease: Duration,
     ) -> Result<(), SubmitError> {
+        if !self.puts {
+            return Err(SubmitError::NoPuts);
+        }
         if handles.is_empty() {
             return Err(SubmitError::NoHandles);
         }
@@ -1369,8 +1397,18 @@ impl Engine {
         lease: Duration,
         token: Incarnation,
     ) -> Result<(), SubmitError> {
+        self.writable()?;
         let kind = Kind::Receive { writers };
         self.expose(id, blocks, writers, kind, lease, token)
+    }
+
+    /// A receive invites peers' writes: refused where they are not allowed.
+    fn writable(&self) -> Result<(), SubmitError> {
+        if self.remote_write {
+            Ok(())
+        } else {
+            Err(SubmitError::RemoteWriteOff)
+        }
     }
 
     /// Lends or opens a receive for `n` remote engines.
@@ -1446,6 +1484,7 @@ impl Engine {
         lease: Duration,
         token: Incarnation,
     ) -> Result<(), SubmitError> {
+        self.writable()?;
         lendable(token)?;
         self.admit(id)?;
         let mut distinct: arrayvec::ArrayVec<PeerId, MAX_HANDLES> = arrayvec::ArrayVec::new();

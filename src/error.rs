@@ -296,6 +296,17 @@ pub enum SubmitError {
         /// The ring's capacity.
         capacity: usize,
     },
+    /// A receive on an engine built with `EngineBuilder::remote_write(false)`:
+    /// peers may not write into its blocks. Build the push destination
+    /// with remote writes allowed, or read from the prefill (pull).
+    #[error("this engine allows no remote writes, so it opens no receive: build it with remote_write(true) to be a push destination")]
+    RemoteWriteOff,
+    /// A write from an engine built with `EngineBuilder::remote_write(false)`
+    /// over tcp alone: its UCX context goes without remote memory access,
+    /// which is how peers' writes into it are refused, so it posts no put
+    /// either. Read from it instead (pull), or build it with remote writes.
+    #[error("this engine allows no remote writes over tcp alone, so it has no UCX remote memory access and cannot write: pull instead, or build it with remote_write(true)")]
+    NoPuts,
     /// The engine takes nothing more.
     #[error(transparent)]
     Stopped(#[from] Stopped),
@@ -394,6 +405,7 @@ impl Error {
                 | SubmitError::RequestTooLarge { .. } => K::Request,
                 SubmitError::UnknownPeer { .. } => K::Peer,
                 SubmitError::NoRegions => K::Region,
+                SubmitError::RemoteWriteOff | SubmitError::NoPuts => K::Config,
                 SubmitError::Full(_) | SubmitError::RingFull(_) => K::Busy,
                 SubmitError::Stopped(_) => K::Stopped,
             },

@@ -100,7 +100,7 @@ impl Driver {
                 shared.pinned_core.store(core as u64, Ordering::Release);
             }
         }
-        let ucx = UcxTransport::new(&cfg.ucx, cfg.block_size)?;
+        let ucx = UcxTransport::with_remote_write(&cfg.ucx, cfg.block_size, cfg.remote_write)?;
         #[cfg(feature = "fault-injection")]
         let wire = crate::transport::faulty::Faulty::new(ucx, cfg.faults);
         #[cfg(not(feature = "fault-injection"))]

@@ -105,6 +105,8 @@ pub(crate) struct Config {
     pub(crate) fence_push_leases: bool,
     pub(crate) read_heartbeat: Duration,
     pub(crate) lend_grace: Duration,
+    /// Peers may write into the regions (`EngineBuilder::remote_write`).
+    pub(crate) remote_write: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::transport::faulty::Faults,
 }

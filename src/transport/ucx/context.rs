@@ -158,13 +158,26 @@ impl ContextOptions {
     /// Whether the transport list names only transports within one host:
     /// shared memory, `cma`, `knem`, `self`.
     fn same_host_only(&self) -> bool {
+        self.names_only(|t| is_mm_transport(t) || matches!(t, "cma" | "knem" | "self"))
+    }
+
+    /// Whether the transport list names transports and `named` takes each.
+    fn names_only(&self, named: impl Fn(&str) -> bool) -> bool {
         self.transports.as_deref().is_some_and(|list| {
-            !list.starts_with('^')
-                && list
-                    .split(',')
-                    .map(str::trim)
-                    .all(|t| is_mm_transport(t) || matches!(t, "cma" | "knem" | "self"))
+            !list.starts_with('^') && list.split(',').map(str::trim).all(&named)
         })
+    }
+
+    /// Whether a context that lets no peer write into its memory goes
+    /// without UCX's remote memory access (`UCP_FEATURE_RMA`): where tcp
+    /// is the only transport. There UCX emulates a peer's put with a
+    /// message its target's worker applies to whatever address it names
+    /// (`ucp_put_handler`, `rma_sw.c`, registered or not), and only a
+    /// context without the feature installs no handler for it. Such a
+    /// context's own reads are kvpoll's messages (soft reads), but it can
+    /// post no put: its engine writes nothing either.
+    pub(crate) fn without_rma(&self, remote_write: bool) -> bool {
+        !remote_write && self.names_only(|t| t == "tcp")
     }
 
     /// The `ADAPTIVE_PROGRESS` value these options give UCX: the one asked
@@ -241,6 +254,10 @@ pub struct Context {
     pub(crate) inner: Rc<ContextInner>,
     wakeup: bool,
     reads_by_cma: bool,
+    /// Peers may write into the memory this context registers.
+    remote_write: bool,
+    /// Created with `UCP_FEATURE_RMA` (see [`ContextOptions::without_rma`]).
+    rma: bool,
 }
 
 struct Config(*mut sys::ucp_config_t);
@@ -302,7 +319,7 @@ fn offered_transports() -> Vec<String> {
     };
     let params = sys::ucp_params_t {
         field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
-        features: features(false),
+        features: features(false, true),
         ..Default::default()
     };
     let Ok(handle) = cfg.set("TLS", "all").and_then(|()| cfg.init(&params)) else {
@@ -405,19 +422,30 @@ pub fn version_line() -> String {
     )
 }
 
-fn features(wakeup: bool) -> u64 {
-    let base = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM;
-    u64::from(if wakeup {
-        base | sys::UCP_FEATURE_WAKEUP
-    } else {
-        base
-    })
+fn features(wakeup: bool, rma: bool) -> u64 {
+    let mut features = sys::UCP_FEATURE_AM;
+    if rma {
+        features |= sys::UCP_FEATURE_RMA;
+    }
+    if wakeup {
+        features |= sys::UCP_FEATURE_WAKEUP;
+    }
+    u64::from(features)
 }
 
 impl Context {
-    /// Creates a context with the given options.
+    /// Creates a context with the given options, whose memory peers may
+    /// write into.
     pub fn new(options: &ContextOptions) -> Result<Self, UcxError> {
+        Self::open(options, true)
+    }
+
+    /// Creates a context with the given options; `remote_write`: whether
+    /// peers may write into the memory it registers
+    /// ([`crate::engine::EngineBuilder::remote_write`]).
+    pub(crate) fn open(options: &ContextOptions, remote_write: bool) -> Result<Self, UcxError> {
         check_version()?;
+        let rma = !options.without_rma(remote_write);
         let mut cfg = Config::read()?;
         if let Some(tls) = &options.transports {
             cfg.set("TLS", tls)?;
@@ -455,7 +483,7 @@ impl Context {
             field_mask: (sys::UCP_PARAM_FIELD_FEATURES
                 | sys::UCP_PARAM_FIELD_REQUEST_SIZE
                 | sys::UCP_PARAM_FIELD_REQUEST_INIT) as u64,
-            features: features(options.wakeup),
+            features: features(options.wakeup, rma),
             request_size: request::REQUEST_SIZE,
             request_init: Some(request::request_init),
             ..Default::default()
@@ -479,6 +507,8 @@ impl Context {
             inner: Rc::new(ContextInner { handle }),
             wakeup: options.wakeup,
             reads_by_cma,
+            remote_write,
+            rma,
         })
     }
 
@@ -489,6 +519,18 @@ impl Context {
     /// memory included, and moves faster from huge pages.
     pub fn reads_by_cma(&self) -> bool {
         self.reads_by_cma
+    }
+
+    /// Whether peers may write into the memory this context registers.
+    pub fn allows_remote_write(&self) -> bool {
+        self.remote_write
+    }
+
+    /// Whether the context can post gets and puts (`UCP_FEATURE_RMA`):
+    /// not where it lets no peer write over tcp alone
+    /// ([`ContextOptions::without_rma`]).
+    pub fn has_rma(&self) -> bool {
+        self.rma
     }
 
     /// Whether the context was created with `UCP_FEATURE_WAKEUP` (its

@@ -177,10 +177,22 @@ impl MemoryRegion {
         context: &Context,
         params: &sys::ucp_mem_map_params_t,
     ) -> Result<Self, UcxError> {
+        let mut params = *params;
+        if !context.allows_remote_write() {
+            // What the region is for, said to UCX; UCX 1.13.1 and 1.22.0
+            // read no `prot` (`ucp_mem_map_params2uct_flags`, ucp_mm.c) and
+            // ask every memory domain for remote puts whenever the context
+            // has RMA, so no NIC refuses a write on their account: only a
+            // UCX that honours it does (docs/design.md §4).
+            params.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_PROT as u64;
+            params.prot = (sys::UCP_MEM_MAP_PROT_LOCAL_READ
+                | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+                | sys::UCP_MEM_MAP_PROT_REMOTE_READ) as _;
+        }
         let mut memh = ptr::null_mut();
         // SAFETY: the context is live; params are valid for the call.
         check("ucp_mem_map", unsafe {
-            sys::ucp_mem_map(context.inner.handle, params, &mut memh)
+            sys::ucp_mem_map(context.inner.handle, &params, &mut memh)
         })?;
         let mut attr = sys::ucp_mem_attr_t {
             field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64,

@@ -297,9 +297,20 @@ impl UcxTransport {
             .map(|p| &p.meta)
     }
 
-    /// A context and worker with `options`, listening for notifications.
+    /// A context and worker with `options`, listening for notifications,
+    /// whose regions peers may write into.
     pub fn new(options: &ContextOptions, block_size: u64) -> Result<Self, UcxError> {
-        let context = Context::new(options)?;
+        Self::with_remote_write(options, block_size, true)
+    }
+
+    /// [`UcxTransport::new`]; `remote_write`: whether peers may write into
+    /// its regions ([`Context::allows_remote_write`]).
+    pub(crate) fn with_remote_write(
+        options: &ContextOptions,
+        block_size: u64,
+        remote_write: bool,
+    ) -> Result<Self, UcxError> {
+        let context = Context::open(options, remote_write)?;
         let worker = Worker::new(&context)?;
         worker.listen_active_messages(NOTIFY_AM_ID)?;
         // Both sides of soft reads, whatever this UCX: a reader on an older
@@ -809,6 +820,13 @@ impl UcxTransport {
                                 break;
                             }
                         }
+                    }
+                    let soft_get = dir == Direction::Get && conn.soft;
+                    if !soft_get && !self.context.has_rma() {
+                        // Its engine refuses writes; device memory over
+                        // tcp would need UCX's gets (`UNSUPPORTED`).
+                        failure = Some(UNSUPPORTED);
+                        break;
                     }
                     let res = match dir {
                         Direction::Get if conn.soft => {
