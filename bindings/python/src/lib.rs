@@ -673,6 +673,11 @@ struct Span {
 /// - ``confirm_reads``: a read finishes only once each lender confirmed its
 ///   lend was live for the whole read (default); ``False`` only for reads
 ///   of memory no lend guards.
+/// - ``remote_write``: whether peers may write into this engine's blocks
+///   (default ``True``). Only a push destination needs it; ``False`` for a
+///   pull-only prefill or decode: ``receive`` is then refused
+///   (``ConfigError``), and over ``tls="tcp"`` alone peers' writes are
+///   refused and the engine cannot ``write`` either.
 ///
 /// Request ids are ``str`` or ``int``; reports give back the same objects.
 /// Use it as a context manager (``with Engine(...) as e:``) or call
@@ -902,9 +907,9 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true))]
+    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true, remote_write=true))]
     #[pyo3(
-        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512, confirm_reads=True)"
+        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512, confirm_reads=True, remote_write=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -917,6 +922,7 @@ impl Engine {
         slots: UInt<u32>,
         max_blocks: UInt<u32>,
         confirm_reads: bool,
+        remote_write: bool,
     ) -> PyResult<Self> {
         let block_size = block_size.0;
         let core = core.map(|c| c.0);
@@ -941,6 +947,7 @@ impl Engine {
             .idle(idle)
             .read_deadline(deadline)
             .confirm_reads(confirm_reads)
+            .remote_write(remote_write)
             .ledger(slots, max_blocks)
             .ucx(ucx);
         let inner = py

@@ -132,6 +132,7 @@ class Engine:
         slots: int = 1024,
         max_blocks: int = 512,
         confirm_reads: bool = True,
+        remote_write: bool = True,
     ) -> None: ...
     def register(self, n_blocks: int) -> int:
         """Registers a region of ``n_blocks`` blocks the engine allocates; returns its index."""
