@@ -261,3 +261,28 @@ def test_a_registered_host_tensor_lives_as_long_as_the_engine():
         assert alive() is not None, "the registered tensor was freed"
     finally:
         w.shutdown()
+
+
+def test_a_pull_pair_without_remote_writes_loads_as_usual_and_refuses_a_push_destination(made):
+    # remote_write off: nothing a pull needs is lost (the decode writes
+    # its own memory), and a push load, which needs peers' writes, fails
+    # at once with why instead of opening the cache to them.
+    from kvpoll import draw_incarnation
+    from kvpoll.vllm.metadata import LoadSpec
+
+    p, pc, d, dc = pair(made, remote_write=False)
+    inc = lend(p, pc, "rw", [6, 7])
+    d.start_load_kv(meta(recv={"d-rw": LoadSpec([1, 2], remote(p, "rw", [6, 7], inc))}))
+    for (_, recving), _ in steps(d, p, finished={"rw"}):
+        if recving:
+            break
+    assert recving == {"d-rw"} and not d.get_block_ids_with_load_errors()
+    for name in dc:
+        assert bool((dc[name][[1, 2]] == pc[name][[6, 7]]).all())
+    pushed = remote(p, "pu", [8], draw_incarnation())
+    pushed = type(pushed)(**{**pushed.__dict__, "mode": "push"})
+    d.start_load_kv(meta(recv={"d-pu": LoadSpec([3], pushed)}))
+    for ((_, recving),) in steps(d):
+        if recving:
+            break
+    assert recving == {"d-pu"} and d.get_block_ids_with_load_errors() == {3}

@@ -36,6 +36,12 @@ class KvpollConfig:
     #: asks the prefill to write them). The prefill's setting; its
     #: responses tell the decode.
     mode: str = "pull"
+    #: Whether peers may write into this instance's KV cache. Only a push
+    #: destination needs it (a decode whose prefill is in push mode); off,
+    #: a push load fails at once, and where ``ucx_tls`` is ``"tcp"``
+    #: alone a peer's write into the cache is refused (docs/design.md
+    #: says what guards each transport). For deployments that only pull.
+    remote_write: bool = True
 
     def lease_warning(self) -> Optional[str]:
         """Why ``lease_s`` is too short for a load that runs its handshake
@@ -71,6 +77,8 @@ class KvpollConfig:
             raise ValueError(f"decode_tp_size must be a positive int, not {cfg.decode_tp_size!r}")
         if cfg.mode not in ("pull", "push"):
             raise ValueError(f"mode must be 'pull' or 'push', not {cfg.mode!r}")
+        if not isinstance(cfg.remote_write, bool):
+            raise ValueError(f"remote_write must be true or false, not {cfg.remote_write!r}")
         if cfg.idle not in ("adaptive", "busy"):
             raise ValueError(f"idle must be 'adaptive' or 'busy', not {cfg.idle!r}")
         return cfg

@@ -277,6 +277,7 @@ class KvpollWorker:
             "read_deadline_s": self.config.read_deadline_s,
             "slots": slots,
             "max_blocks": max_blocks,
+            "remote_write": self.config.remote_write,
         }
         if self.config.ucx_tls:
             kwargs["tls"] = self.config.ucx_tls
