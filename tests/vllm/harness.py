@@ -82,11 +82,18 @@ def free_port() -> int:
 
 
 def vllm_config(
-    model: str, port: int, policy: str = "recompute", lease_s: float = 30.0, tp: int = 1, extra: Optional[dict] = None
+    model: str,
+    port: int,
+    policy: str = "recompute",
+    lease_s: float = 30.0,
+    tp: int = 1,
+    extra: Optional[dict] = None,
+    dp: int = 0,
 ) -> Any:
-    """The config of one instance of ``tp`` tensor-parallel ranks; its
-    engine id is fixed by its port, so a worker process building its own
-    config is the same engine."""
+    """The config of one instance of ``tp`` tensor-parallel ranks (its
+    data-parallel rank ``dp``, as vLLM's DP launcher sets it); its engine
+    id is fixed by its port and DP rank, so a worker process building its
+    own config is the same engine."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -98,7 +105,7 @@ def vllm_config(
     )
 
     model_config = ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
@@ -112,7 +119,7 @@ def vllm_config(
             kv_connector="KvpollConnector",
             kv_connector_module_path="kvpoll.vllm",
             kv_role="kv_both",
-            engine_id=f"engine-{port}",
+            engine_id=f"engine-{port}" + (f"_dp{dp}" if dp else ""),
             kv_load_failure_policy=policy,
             kv_connector_extra_config={
                 "side_channel_port": port,
@@ -125,6 +132,8 @@ def vllm_config(
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig("cpu"),
     )
+    config.parallel_config.data_parallel_index = dp
+    return config
 
 
 def kv_cache_config(tp: int = 1) -> Any:
@@ -222,6 +231,7 @@ def worker_connector(
     rank: int = 0,
     tp: int = 1,
     extra: Optional[dict] = None,
+    dp: int = 0,
 ) -> Tuple[Any, Dict[str, Any]]:
     """A KvpollConnector worker, rank ``rank`` of ``tp``, with its KV
     caches (the CPU backend's layout: [num_blocks, kv_heads / tp,
@@ -235,7 +245,7 @@ def worker_connector(
     # vLLM's tensor-parallel group, as the connector asks it: this
     # process stands for one rank of it.
     kvpoll.vllm._tp_rank = lambda: rank
-    config = vllm_config(model, port, policy, lease_s, tp, extra)
+    config = vllm_config(model, port, policy, lease_s, tp, extra, dp)
     conn = KvpollConnector(config, KVConnectorRole.WORKER, kv_cache_config(tp))
     caches = {layer_name(i): torch.zeros(NUM_BLOCKS, KV_HEADS // tp, BLOCK, 2 * HEAD) for i in range(LAYERS)}
     conn.register_kv_caches(caches)

@@ -173,3 +173,30 @@ def test_a_lease_no_longer_than_handshake_plus_read_is_warned_about_and_a_longer
     short = KvpollConfig.from_extra({"lease_s": 30.0})  # 5 s + 30 s with the defaults
     assert "handshake_timeout_s + read_deadline_s (35)" in (short.lease_warning() or "")
     assert KvpollConfig.from_extra({"lease_s": 36.0}).lease_warning() is None
+
+
+def test_two_data_parallel_ranks_on_one_host_answer_on_ports_of_their_own_and_name_them(model_dir):
+    # vLLM's DP launcher starts one engine per DP rank with the same
+    # kv_connector_extra_config: each rank's workers must bind their own
+    # ports (not collide on side_channel_port) and its prefill responses
+    # must name them.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from harness import kv_cache_config, vllm_config, worker_connector
+    from kvpoll.vllm import KvpollConnector
+    from kvpoll.vllm.side_channel import fetch_handshake
+
+    base = free_port()
+    made = []
+    try:
+        for dp in (0, 1):
+            conn, _ = worker_connector(model_dir, base, dp=dp)
+            made.append(conn)
+        for dp in (0, 1):
+            hs = fetch_handshake("127.0.0.1", base + dp, 0, timeout_s=5)
+            assert hs.engine_id == f"engine-{base}" + (f"_dp{dp}" if dp else ""), hs.engine_id
+            sched = KvpollConnector(vllm_config(model_dir, base, dp=dp), KVConnectorRole.SCHEDULER, kv_cache_config())
+            assert sched.connector_scheduler.config.side_channel_port == base + dp
+    finally:
+        for conn in made:
+            conn.shutdown()

@@ -52,6 +52,12 @@ def _tp_rank() -> int:
         return 0  # no model-parallel group: one worker
 
 
+def _dp_index(vllm_config: "VllmConfig") -> int:
+    """This engine's data-parallel index (0 without data parallelism)."""
+    index = getattr(vllm_config.parallel_config, "data_parallel_index", 0)
+    return index if isinstance(index, int) and index > 0 else 0
+
+
 def _kv_heads(kv_cache_config: "KVCacheConfig") -> int:
     """KV heads per layer of this rank (one KV cache group), 0 if unknown."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -73,10 +79,11 @@ class KvpollConnector(KVConnectorBase_V1):
         route_core_logs()
         ktc = self._kv_transfer_config
         config = KvpollConfig.from_extra(ktc.kv_connector_extra_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        config = config.for_data_parallel_rank(_dp_index(vllm_config), tp_size)
         if role == KVConnectorRole.SCHEDULER and config.lease_warning() is not None:
             logger.warning("kvpoll: %s", config.lease_warning())
         engine_id = str(ktc.engine_id)
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.connector_scheduler: Optional[KvpollScheduler] = None
         self.connector_worker: Optional[KvpollWorker] = None
         if role == KVConnectorRole.SCHEDULER:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 
@@ -42,6 +42,21 @@ class KvpollConfig:
     #: alone a peer's write into the cache is refused (docs/design.md
     #: says what guards each transport). For deployments that only pull.
     remote_write: bool = True
+
+    def for_data_parallel_rank(self, dp_index: int, tp_size: int) -> "KvpollConfig":
+        """The settings of data-parallel rank ``dp_index`` of an instance of
+        ``tp_size`` tensor-parallel ranks: its ranks answer on ports of
+        their own, ``side_channel_port + dp_index * tp_size + tp_rank``, so
+        several DP ranks share a host (vLLM gives each its own engine id)."""
+        if dp_index <= 0:
+            return self
+        port = self.side_channel_port + dp_index * tp_size
+        if port + tp_size > 65536:
+            raise ValueError(
+                f"side_channel_port {self.side_channel_port}: data-parallel rank {dp_index} of {tp_size} "
+                f"ranks would answer on {port}..{port + tp_size - 1}, past 65535"
+            )
+        return replace(self, side_channel_port=port)
 
     def lease_warning(self) -> Optional[str]:
         """Why ``lease_s`` is too short for a load that runs its handshake
