@@ -84,7 +84,8 @@ if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
         --test ucx_in_process --test ucx_transport --test ucx_peer_bytes --test ucx_reconnect \
         --test engine --test fencing --test incarnation --test errors --test contract_api \
         --test ucx_two_process --test engine_two_process --test drills --test reader_kill \
-        --test lend_words --test deaf_engine --test demo --test ucx_version -- --test-threads="$THREADS" \
+        --test lend_words --test deaf_engine --test demo --test ucx_version --test lend_capability --test remote_write \
+        -- --test-threads="$THREADS" \
         --skip push_partitioned
     step target/ucx122/cargo/debug/kvpoll --version
     reclaim target/ucx122/cargo
