@@ -13,7 +13,8 @@ use crate::ledger::Nanos;
 
 impl Driver {
     pub(super) fn publish_counters(&self, c: &mut Counters) {
-        c.close_run(self.now());
+        let now = self.now();
+        c.close_run(now);
         // Relaxed: monotonic metrics, read for display only.
         let s = &self.shared;
         s.busy_iterations
@@ -51,7 +52,7 @@ impl Driver {
             .store(self.events.overflowed(), Ordering::Relaxed);
         s.quarantined
             .store(stats.quarantined_now, Ordering::Relaxed);
-        c.log_refusals(&stats, self.now());
+        c.log_refusals(&stats, now);
     }
 }
 

@@ -244,8 +244,11 @@ class KvpollWorker:
         # Decode side: loads and releases not finished with, by the
         # prefill's request id (what the engine reports them under).
         self._loads: Dict[str, _Load] = {}
-        # Releases still waiting for handshakes or their push release.
+        # Releases still waiting for handshakes, and loads still waiting for
+        # handshakes or push answers: what each step moves on (the loads
+        # the engine has are left to its reports, not looked at each step).
         self._releases: List[_Load] = []
+        self._waiting: List[_Load] = []
         # Loads that failed before the engine saw them: reported next step.
         self._failed_now: Set[str] = set()
         self._failed_blocks: Set[int] = set()
@@ -364,17 +367,23 @@ class KvpollWorker:
                 self._end(load, f"{rid} is being loaded by {loading.local_id}")
             return
         self._loads[rid] = load
+        self._waiting.append(load)
 
     def _advance(self) -> None:
         """Moves each entry waiting for handshakes or push answers on, as
         far as what has arrived allows."""
         if self._releases:
             self._releases = [r for r in self._releases if not self._advance_release(r)]
-        for load in list(self._loads.values()):
-            if load.state is LoadState.HANDSHAKING:
-                self._advance_load(load)
-            elif load.state is LoadState.ASKING:
-                self._check_asks(load)
+        if self._waiting:
+            self._waiting = [load for load in self._waiting if self._advance_waiting(load)]
+
+    def _advance_waiting(self, load: _Load) -> bool:
+        """Moves one load on; True while it still waits."""
+        if load.state is LoadState.HANDSHAKING:
+            self._advance_load(load)
+        if load.state is LoadState.ASKING:
+            self._check_asks(load)
+        return load.state in (LoadState.HANDSHAKING, LoadState.ASKING)
 
     def _ready_plan(self, load: _Load) -> Optional[list]:
         """The load's plan (remote rank, peer, byte ranges) once every
