@@ -1,9 +1,14 @@
 """A minimal disaggregated-serving proxy for two ``vllm serve`` instances
-with ``KvpollConnector``: each ``/v1/completions`` request goes to the
-prefill instance with ``max_tokens`` 1 and ``kv_transfer_params``
+with ``KvpollConnector``: each ``/v1/completions`` (or chat) request goes
+to the prefill instance with ``max_tokens`` 1 and ``kv_transfer_params``
 ``{"do_remote_decode": true}``, then to the decode instance with the
 ``kv_transfer_params`` the prefill answered; the decode's answer is the
-client's. Non-streaming requests only; one thread per connection::
+client's, streamed through as it comes when the client asked for a
+stream. A client that goes away is not served further: the proxy closes
+its connection to whichever instance it is waiting on, so that instance
+aborts the request (vLLM aborts a request whose client disconnected), as
+it would for a client connected to it directly. One thread per
+connection::
 
     python -m kvpoll.vllm.proxy --prefill http://10.0.0.1:8100 \\
         --decode http://10.0.0.2:8200 --port 8000
@@ -12,41 +17,182 @@ client's. Non-streaming requests only; one thread per connection::
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
-import urllib.error
-import urllib.request
+import select
+import socket
+import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 #: The largest request body the proxy reads.
 MAX_BODY = 16 * 1024 * 1024
+#: The most bytes of a non-streamed answer the proxy holds.
+MAX_ANSWER = 256 * 1024 * 1024
+#: How often a waiting request looks whether its client is still there.
+WATCH_S = 0.2
 
 
-def post(url: str, body: Dict[str, Any], timeout_s: float) -> Tuple[int, bytes]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+
+class Upstream:
+    """The connection a request has open to an instance, which the
+    client's watcher closes when the client goes away (the instance then
+    sees its client gone and aborts the request)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: Optional[http.client.HTTPConnection] = None
+        self.gone = False
+
+    def open(self, url: str, timeout_s: float) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"not an http:// URL: {url!r}")
+        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+        with self._lock:
+            if self.gone:
+                raise ClientGone()
+            self._conn = conn
+        return conn
+
+    def done(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def abandon(self) -> None:
+        """The client went away: cut what is open, refuse what comes."""
+        with self._lock:
+            self.gone = True
+            conn = self._conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _request(
+    up: Upstream, url: str, body: Dict[str, Any], timeout_s: float
+) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    parts = urllib.parse.urlsplit(url)
+    conn = up.open(url, timeout_s)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        conn.request(
+            "POST",
+            parts.path or "/",
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        return conn, conn.getresponse()
+    except (OSError, http.client.HTTPException):
+        if up.gone:
+            raise ClientGone() from None
+        raise
 
 
-def disaggregate(prefill: str, decode: str, path: str, body: Dict[str, Any], timeout_s: float) -> Tuple[int, bytes]:
-    """The prefill's step, then the decode's; an error of either is the answer."""
+def post(url: str, body: Dict[str, Any], timeout_s: float, up: Optional[Upstream] = None) -> Tuple[int, bytes]:
+    """POSTs ``body`` as JSON; the status and the whole answer."""
+    up = up or Upstream()
+    try:
+        _, resp = _request(up, url, body, timeout_s)
+        data = resp.read(MAX_ANSWER + 1)
+        if len(data) > MAX_ANSWER:
+            return 502, json.dumps({"error": f"an answer of more than {MAX_ANSWER} bytes"}).encode()
+        return resp.status, data
+    except (OSError, http.client.HTTPException) as e:
+        if up.gone:
+            raise ClientGone() from None
+        return 502, json.dumps({"error": f"{url}: {type(e).__name__}: {e}"}).encode()
+    finally:
+        up.done()
+
+
+def _prefill(prefill: str, path: str, body: Dict[str, Any], timeout_s: float, up: Upstream):
+    """The prefill's step: the decode's params, or an error answer."""
     first = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     first.pop("max_completion_tokens", None)
-    status, data = post(prefill + path, first, timeout_s)
+    first.pop("stream_options", None)
+    status, data = post(prefill + path, first, timeout_s, up)
     if status != 200:
-        return status, data
+        return None, (status, data)
     try:
         params = json.loads(data).get("kv_transfer_params")
     except (ValueError, AttributeError):
-        return 502, b'{"error": "the prefill answered no JSON object"}'
+        return None, (502, b'{"error": "the prefill answered no JSON object"}')
     if not isinstance(params, dict):
-        return 502, b'{"error": "the prefill answered no kv_transfer_params"}'
-    return post(decode + path, dict(body, kv_transfer_params=params), timeout_s)
+        return None, (502, b'{"error": "the prefill answered no kv_transfer_params"}')
+    return params, None
+
+
+def disaggregate(
+    prefill: str, decode: str, path: str, body: Dict[str, Any], timeout_s: float, up: Optional[Upstream] = None
+) -> Tuple[int, bytes]:
+    """The prefill's step, then the decode's; an error of either is the
+    answer (non-streaming)."""
+    up = up or Upstream()
+    params, err = _prefill(prefill, path, body, timeout_s, up)
+    if err is not None:
+        return err
+    return post(decode + path, dict(body, kv_transfer_params=params), timeout_s, up)
+
+
+def stream(
+    prefill: str, decode: str, path: str, body: Dict[str, Any], timeout_s: float, up: Upstream
+) -> Tuple[int, Optional[bytes], Iterator[bytes]]:
+    """The prefill's step, then the decode's, its answer as it comes:
+    ``(status, error body or None, chunks)``."""
+    params, err = _prefill(prefill, path, body, timeout_s, up)
+    if err is not None:
+        return err[0], err[1], iter(())
+    try:
+        _, resp = _request(up, decode + path, dict(body, kv_transfer_params=params), timeout_s)
+    except (OSError, http.client.HTTPException) as e:
+        up.done()
+        return 502, json.dumps({"error": f"{decode}: {type(e).__name__}: {e}"}).encode(), iter(())
+    if resp.status != 200:
+        try:
+            return resp.status, resp.read(MAX_BODY), iter(())
+        finally:
+            up.done()
+
+    def chunks() -> Iterator[bytes]:
+        try:
+            while True:
+                chunk = resp.read1(64 * 1024)
+                if not chunk:
+                    return
+                yield chunk
+        except (OSError, http.client.HTTPException):
+            if up.gone:
+                raise ClientGone() from None
+            raise
+        finally:
+            up.done()
+
+    return 200, None, chunks()
+
+
+def _watch(sock: socket.socket, up: Upstream, stop: threading.Event) -> None:
+    """Until ``stop``: abandons the request once its client closed."""
+    while not stop.is_set():
+        try:
+            ready, _, _ = select.select([sock], [], [], WATCH_S)
+            if ready:
+                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    up.abandon()
+                    return
+                stop.wait(WATCH_S)  # bytes of a next request: not a close
+        except BlockingIOError:
+            continue
+        except (OSError, ValueError):
+            up.abandon()
+            return
 
 
 def serve(prefill: str, decode: str, host: str, port: int, timeout_s: float = 300.0) -> ThreadingHTTPServer:
@@ -61,11 +207,42 @@ def serve(prefill: str, decode: str, host: str, port: int, timeout_s: float = 30
                 if not 0 <= length <= MAX_BODY:
                     raise ValueError(f"body of {length} bytes")
                 body = json.loads(self.rfile.read(length))
-                if not isinstance(body, dict) or body.get("stream"):
-                    raise ValueError("a non-streaming request object")
+                if not isinstance(body, dict):
+                    raise ValueError("not a JSON object")
             except ValueError as e:
                 return self._answer(400, json.dumps({"error": f"bad request: {e}"}).encode())
-            self._answer(*disaggregate(prefill, decode, self.path, body, timeout_s))
+            self._watched(lambda up: self._serve(body, up))
+
+        def _serve(self, body: Dict[str, Any], up: Upstream) -> None:
+            if not body.get("stream"):
+                return self._answer(*disaggregate(prefill, decode, self.path, body, timeout_s, up))
+            status, error, chunks = stream(prefill, decode, self.path, body, timeout_s, up)
+            if error is not None:
+                return self._answer(status, error)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+
+        def _watched(self, serve_one: Callable[[Upstream], None]) -> None:
+            up = Upstream()
+            stop = threading.Event()
+            watcher = threading.Thread(target=_watch, args=(self.connection, up, stop), daemon=True)
+            watcher.start()
+            try:
+                serve_one(up)
+            except (ClientGone, OSError, http.client.HTTPException):
+                # The client went away, or the decode did mid-stream (the
+                # client sees its stream end without its final event).
+                up.abandon()
+                self.close_connection = True
+            finally:
+                stop.set()
+                up.done()
+                watcher.join()
 
         def _answer(self, status: int, data: bytes) -> None:
             self.send_response(status)
@@ -86,8 +263,9 @@ def main() -> None:
     ap.add_argument("--decode", required=True, help="the decode instance's base URL")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds an instance may take to answer")
     a = ap.parse_args()
-    serve(a.prefill.rstrip("/"), a.decode.rstrip("/"), a.host, a.port).serve_forever()
+    serve(a.prefill.rstrip("/"), a.decode.rstrip("/"), a.host, a.port, a.timeout).serve_forever()
 
 
 if __name__ == "__main__":
