@@ -26,7 +26,7 @@ class Instance:
     answers are held until ``release`` is set; ``gone`` is set when the
     proxy closed the connection of a request still held."""
 
-    def __init__(self, answer_chunks: List[bytes], hold: bool = False) -> None:
+    def __init__(self, answer_chunks: List[bytes], hold: bool = False, port: int = 0) -> None:
         self.bodies: List[Dict[str, Any]] = []
         self.release = threading.Event()
         self.held = threading.Event()
@@ -62,7 +62,7 @@ class Instance:
             def log_message(self, *args: Any) -> None:
                 return
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -155,3 +155,30 @@ def test_a_non_streamed_request_gets_the_decodes_whole_answer(pair):
     assert b" 200 " in head.split(b"\r\n")[0]
     assert json.loads(rest)["kv_transfer_params"] == PARAMS  # the stand-in decode echoes its shape
     assert d.bodies[0]["kv_transfer_params"] == PARAMS
+
+
+def test_a_request_waits_for_a_prefill_that_is_restarting_instead_of_failing(pair):
+    # A prefill that is down (killed, being restarted): its port refuses
+    # connections until the new one listens.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = Instance(CHUNKS)
+    proxy = serve(f"http://127.0.0.1:{port}", d.url, "127.0.0.1", 0, timeout_s=BOUND_S)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    answer: List[bytes] = []
+    try:
+        s = request(proxy.server_address[1], {"prompt": "t3", "max_tokens": 8, "stream": True})
+        reader = threading.Thread(target=lambda: answer.append(read_all(s)))
+        reader.start()
+        reader.join(1.5)
+        assert reader.is_alive(), f"answered before the prefill was back: {answer}"
+        p = Instance([], port=port)
+        reader.join(BOUND_S)
+        assert answer and answer[0].partition(b"\r\n\r\n")[2] == b"".join(CHUNKS), answer
+        assert len(p.bodies) == 1 and len(d.bodies) == 1
+        p.close()
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        d.close()

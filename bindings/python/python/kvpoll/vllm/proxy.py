@@ -4,7 +4,8 @@ to the prefill instance with ``max_tokens`` 1 and ``kv_transfer_params``
 ``{"do_remote_decode": true}``, then to the decode instance with the
 ``kv_transfer_params`` the prefill answered; the decode's answer is the
 client's, streamed through as it comes when the client asked for a
-stream. A client that goes away is not served further: the proxy closes
+stream. An instance that refuses connections (restarting) is tried
+again for up to a minute before the request fails. A client that goes away is not served further: the proxy closes
 its connection to whichever instance it is waiting on, so that instance
 aborts the request (vLLM aborts a request whose client disconnected), as
 it would for a client connected to it directly. One thread per
@@ -22,6 +23,7 @@ import json
 import select
 import socket
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
@@ -32,6 +34,10 @@ MAX_BODY = 16 * 1024 * 1024
 MAX_ANSWER = 256 * 1024 * 1024
 #: How often a waiting request looks whether its client is still there.
 WATCH_S = 0.2
+#: How long a request waits for an instance that refuses connections (one
+#: restarting) before it fails; nothing was sent to it yet, so trying
+#: again is safe.
+CONNECT_WAIT_S = 60.0
 
 
 class ClientGone(Exception):
@@ -81,7 +87,17 @@ def _request(
     up: Upstream, url: str, body: Dict[str, Any], timeout_s: float
 ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     parts = urllib.parse.urlsplit(url)
-    conn = up.open(url, timeout_s)
+    give_up = time.monotonic() + min(CONNECT_WAIT_S, timeout_s)
+    while True:
+        conn = up.open(url, timeout_s)
+        try:
+            conn.connect()
+            break
+        except ConnectionRefusedError:
+            up.done()
+            if time.monotonic() >= give_up:
+                raise
+            time.sleep(0.5)
     try:
         conn.request(
             "POST",
