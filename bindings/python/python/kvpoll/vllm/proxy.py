@@ -211,6 +211,12 @@ def _watch(sock: socket.socket, up: Upstream, stop: threading.Event) -> None:
             return
 
 
+class _Server(ThreadingHTTPServer):
+    # Hundreds of clients may connect at once (a benchmark's burst).
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def serve(prefill: str, decode: str, host: str, port: int, timeout_s: float = 300.0) -> ThreadingHTTPServer:
     """A server on ``(host, port)``; call ``serve_forever`` on it."""
 
@@ -270,7 +276,7 @@ def serve(prefill: str, decode: str, host: str, port: int, timeout_s: float = 30
         def log_message(self, *args: Any) -> None:
             return
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return _Server((host, port), Handler)
 
 
 def main() -> None:
