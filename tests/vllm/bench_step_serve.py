@@ -3,9 +3,10 @@ and NixlConnector's measured the same way one after the other: a prefill
 and a decode ``vllm serve`` behind kvpoll's proxy, their connectors
 wrapped so that the calls on the step path are timed
 (timed_connector.py: ``build_connector_meta``, ``start_load_kv``,
-``get_transfer_results``), under 1, 64 and 512 clients at once; then the
-decode's inter-token latency for a request of its own, unloaded and while
-eight loads wait on a prefill stopped with SIGSTOP. Not collected by
+``get_transfer_results``), under 1, 64 and 512 clients at once (each level on a new pair, for a
+minute); then the decode's step time (between its worker's successive
+``start_load_kv`` calls) while it decodes a request of its own, unloaded
+and while eight loads wait on a prefill stopped with SIGSTOP. Not collected by
 pytest; run by hand:
 
     target/vllm-env/bin/python tests/vllm/bench_step_serve.py
@@ -95,35 +96,51 @@ def prompt(rng: random.Random) -> List[int]:
     return [rng.randrange(3, 500) for _ in range(PROMPT)]
 
 
-def load_phase(pair: Pair, model: str, clients: int, per_client: int, seed: int) -> Tuple[float, float, int]:
-    """``clients`` threads each sending ``per_client`` requests through
-    the proxy, one after the other; the window in which all of them were
-    sending, and the errors."""
-    errors = [0]
+def load_phase(pair: Pair, model: str, clients: int, seed: int, phase_s: float) -> Tuple[float, float, Dict[str, int]]:
+    """``clients`` threads each sending requests through the proxy, one
+    after the other, for ``phase_s``; the window and the outcomes.
+    Requests still in flight at its end are left to the instances (the
+    caller closes them)."""
     started = threading.Barrier(clients + 1)
-    finished_first = threading.Event()
+    outcomes: Dict[str, int] = {}
+    lock = threading.Lock()
+    end = [0.0]
 
     def client(i: int) -> None:
         rng = random.Random(seed * 100003 + i)
         started.wait()
-        for _ in range(per_client):
+        while time.monotonic() < end[0]:
             body = {"model": model, "prompt": prompt(rng), "max_tokens": MAX_TOKENS, "temperature": 0}
             try:
                 post(pair.proxy_url + "/v1/completions", body, 600)
-            except Exception:
-                errors[0] += 1
-        finished_first.set()
+                what = "ok"
+            except Exception as e:
+                what = type(e).__name__
+            with lock:
+                outcomes[what] = outcomes.get(what, 0) + 1
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    end[0] = time.monotonic() + phase_s + 30.0
     for t in threads:
         t.start()
     started.wait()
     t0 = time.monotonic()
-    finished_first.wait()
-    t1 = time.monotonic()
-    for t in threads:
-        t.join()
-    return t0, t1, errors[0]
+    end[0] = t0 + phase_s
+    time.sleep(phase_s)
+    with lock:
+        return t0, time.monotonic(), dict(outcomes)
+
+
+def stamps(folder: str, call: str, t0: float, t1: float) -> List[float]:
+    """When each ``call`` in [t0, t1] returned, in order."""
+    out: List[float] = []
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                t, c, _ = line.split()
+                if c == call and t0 <= float(t) <= t1:
+                    out.append(float(t))
+    return sorted(out)
 
 
 def samples(folder: str, t0: float, t1: float) -> Dict[str, List[float]]:
@@ -137,37 +154,29 @@ def samples(folder: str, t0: float, t1: float) -> Dict[str, List[float]]:
     return out
 
 
-def itl_ms(url: str, model: str, seed: int) -> float:
-    """The median gap between the tokens of one streamed request the
-    decode serves alone (no transfer), in milliseconds."""
-    import http.client
-
+def local_request(url: str, model: str, seed: int) -> Tuple[float, float]:
+    """One request the decode serves alone (no transfer), 64 tokens; the
+    window it ran in."""
     rng = random.Random(seed)
-    body = {"model": model, "prompt": prompt(rng), "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
-    host, port = url.rsplit("/", 1)[1].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=300)
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    stamps = []
-    buf = b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if event.startswith(b"data: {"):
-                stamps.append(time.perf_counter())
-    conn.close()
-    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
-    return statistics.median(gaps) * 1e3
+    body = {"model": model, "prompt": prompt(rng), "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    post(url + "/v1/completions", body, 300)
+    return t0, time.monotonic()
+
+
+def step_ms(pair: Pair, window: Tuple[float, float]) -> float:
+    """The decode's median step in ``window``: the gap between its
+    worker's successive ``start_load_kv`` calls (one a step)."""
+    ts = stamps(os.path.join(pair.out, "decode"), "start_load_kv", *window)
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    return statistics.median(gaps) * 1e3 if gaps else float("nan")
 
 
 def hung_phase(pair: Pair, model: str, seed: int) -> Dict[str, float]:
-    """The decode's inter-token latency alone, then while eight loads
-    wait on its prefill, stopped with SIGSTOP after answering them."""
-    base = statistics.median(itl_ms(pair.url("decode"), model, seed + i) for i in range(3))
+    """The decode's step while it decodes a request of its own, unloaded,
+    then while eight loads wait on its prefill, stopped with SIGSTOP after
+    answering them."""
+    base = [local_request(pair.url("decode"), model, seed + i) for i in range(3)]
     rng = random.Random(seed)
     params = []
     prompts = [prompt(rng) for _ in range(8)]
@@ -175,20 +184,21 @@ def hung_phase(pair: Pair, model: str, seed: int) -> Dict[str, float]:
         first = {"model": model, "prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         params.append(post(pair.url("prefill") + "/v1/completions", first)["kv_transfer_params"])
     os.killpg(pair.procs["prefill"].pid, signal.SIGSTOP)
-    waiting = []
     try:
         for p, prm in zip(prompts, params):
             body = {"model": model, "prompt": p, "max_tokens": 4, "temperature": 0, "kv_transfer_params": prm}
-            t = threading.Thread(target=lambda b=body: _quiet_post(pair.url("decode") + "/v1/completions", b), daemon=True)
-            t.start()
-            waiting.append(t)
+            threading.Thread(target=_quiet_post, args=(pair.url("decode") + "/v1/completions", body), daemon=True).start()
         time.sleep(2.0)
-        hung = statistics.median(itl_ms(pair.url("decode"), model, seed + 10 + i) for i in range(3))
+        hung = [local_request(pair.url("decode"), model, seed + 10 + i) for i in range(3)]
     finally:
         os.killpg(pair.procs["prefill"].pid, signal.SIGCONT)
-    for t in waiting:
-        t.join(120)
-    return {"itl_ms_unloaded": base, "itl_ms_loads_on_stopped_prefill": hung}
+    # The worker writes its times down every half second, on a call.
+    time.sleep(1.0)
+    local_request(pair.url("decode"), model, seed + 20)
+    return {
+        "step_ms_unloaded": statistics.median(step_ms(pair, w) for w in base),
+        "step_ms_loads_on_stopped_prefill": statistics.median(step_ms(pair, w) for w in hung),
+    }
 
 
 def _quiet_post(url: str, body: Dict[str, Any]) -> None:
@@ -198,24 +208,34 @@ def _quiet_post(url: str, body: Dict[str, Any]) -> None:
         pass
 
 
-def run(connector: str, model: str, out: str, levels: List[int]) -> Dict[str, Any]:
-    pair = Pair(model, connector, out)
+def run(connector: str, model: str, out: str, levels: List[int], phase_s: float) -> Dict[str, Any]:
+    """Each level on a pair of its own (what a level leaves in flight
+    would weigh on the next), then the stopped-prefill figure on another."""
     result: Dict[str, Any] = {"levels": {}}
+    for n in levels:
+        folder = os.path.join(out, f"clients-{n}")
+        pair = Pair(model, connector, folder)
+        try:
+            load_phase(pair, model, 4, 0, 5.0)  # handshakes and warm-up, not counted
+            time.sleep(5.0)
+            t0, t1, outcomes = load_phase(pair, model, n, n, phase_s)
+        finally:
+            pair.close()
+        level: Dict[str, Any] = {"window_s": round(t1 - t0, 1), "requests": outcomes}
+        for which in ("prefill", "decode"):
+            for call, xs in samples(os.path.join(folder, which), t0, t1).items():
+                if xs:
+                    q = statistics.quantiles(xs, n=100) if len(xs) >= 2 else [xs[0]] * 99
+                    level[f"{which}.{call}"] = {
+                        "median_us": statistics.median(xs) * 1e6,
+                        "p99_us": q[98] * 1e6,
+                        "calls": len(xs),
+                    }
+        result["levels"][n] = level
+    pair = Pair(model, connector, os.path.join(out, "stopped-prefill"))
     try:
-        load_phase(pair, model, 4, 4, 0)  # handshakes and warm-up, not counted
-        for n in levels:
-            t0, t1, errors = load_phase(pair, model, n, max(3, 192 // n), n)
-            level: Dict[str, Any] = {"window_s": round(t1 - t0, 1), "errors": errors}
-            for which in ("prefill", "decode"):
-                for call, xs in samples(os.path.join(out, which), t0, t1).items():
-                    if xs:
-                        q = statistics.quantiles(xs, n=100) if len(xs) >= 2 else [xs[0]] * 99
-                        level[f"{which}.{call}"] = {
-                            "median_us": statistics.median(xs) * 1e6,
-                            "p99_us": q[98] * 1e6,
-                            "calls": len(xs),
-                        }
-            result["levels"][n] = level
+        load_phase(pair, model, 4, 0, 5.0)
+        time.sleep(5.0)
         result["hung"] = hung_phase(pair, model, 7)
     finally:
         pair.close()
@@ -227,6 +247,7 @@ def main() -> None:
     ap.add_argument("--connectors", default="kvpoll,nixl")
     ap.add_argument("--levels", default="1,64,512")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--phase-s", type=float, default=60.0, help="the longest each level's clients send")
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="step-serve-")
     connectors = a.connectors.split(",")
@@ -236,10 +257,12 @@ def main() -> None:
         ensure("nixl._api", ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"], no_deps=True)
     model = tiny_model(os.path.join(out, "model"))
     levels = [int(x) for x in a.levels.split(",")]
-    results = {c: run(c, model, os.path.join(out, c), levels) for c in connectors}
+    results: Dict[str, Any] = {}
+    for c in connectors:
+        results[c] = run(c, model, os.path.join(out, c), levels, a.phase_s)
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
     names = connectors
     print(f"\n{'clients':>7} {'call':<30} " + " ".join(f"{c + ' median/p99 us':>26}" for c in names) + "  ratio")
     for n in levels:
@@ -260,8 +283,8 @@ def main() -> None:
     for c in names:
         h = results[c]["hung"]
         print(
-            f"{c}: decode inter-token latency {h['itl_ms_unloaded']:.1f} ms unloaded, "
-            f"{h['itl_ms_loads_on_stopped_prefill']:.1f} ms with 8 loads on a stopped prefill"
+            f"{c}: decode step {h['step_ms_unloaded']:.1f} ms unloaded, "
+            f"{h['step_ms_loads_on_stopped_prefill']:.1f} ms with 8 loads on a stopped prefill"
         )
 
 
