@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvpoll::metadata::PeerMetadata;
-use kvpoll::notification::{split, NoteKind, Notification};
+use kvpoll::notification::{split, NoteKind, Notification, Sealer};
 use kvpoll::placement::CoreMapFile;
 use kvpoll::transport::ucx::{PackedRkey, WorkerAddress};
 use kvpoll::wire::{self, Kind};
@@ -107,7 +107,8 @@ fn peer_metadata_rkey_and_address_corpus_decodes_without_panic() {
         engine.register(8).unwrap();
         let meta = engine.local_metadata().unwrap();
         let m = PeerMetadata::decode(&meta).unwrap();
-        seed("peer_metadata", std::slice::from_ref(&meta));
+        let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
+        seed("peer_metadata", &[meta.clone(), m.encode_keyed(Some(&key))]);
         seed(
             "rkey_address",
             &[
@@ -118,8 +119,11 @@ fn peer_metadata_rkey_and_address_corpus_decodes_without_panic() {
         );
         engine.shutdown();
     }
+    let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
     for (path, data) in inputs("peer_metadata") {
-        if let Ok(m) = PeerMetadata::decode(&data) {
+        let _ = PeerMetadata::decode(&data);
+        let _ = PeerMetadata::decode_with_key(&data, Some(&key));
+        if let Ok(m) = PeerMetadata::decode_with_key(&data, None) {
             assert_eq!(m.encode(), data, "{}", path.display());
         }
     }
@@ -156,10 +160,14 @@ fn notification_corpus_decodes_without_panic_and_valid_ones_round_trip() {
             .to_vec()
         })
         .collect();
-    // And a message of two (the coalesced form).
+    // And a message of two (the coalesced form), untagged and tagged.
     seeds.push([seeds[0].clone(), seeds[1].clone()].concat());
+    let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
+    let two = seeds[3].clone();
+    seeds.push([&two[..], &Sealer::new(key.clone()).seal(7, &two)].concat());
     seed("notification", &seeds);
     for (path, data) in inputs("notification") {
+        let _ = Sealer::new(key.clone()).open(7, &data);
         let Ok(parts) = split(&data) else { continue };
         for part in parts {
             if let Ok(n) = Notification::decode(part) {
