@@ -16,7 +16,7 @@ use kvpoll::placement::CoreMapFile;
 use kvpoll::transport::ucx::{PackedRkey, WorkerAddress};
 use kvpoll::wire::{self, Kind};
 use kvpoll::{Engine, RequestId};
-use kvpoll_cli::control::{FrameReader, Layout, Msg};
+use kvpoll_cli::control::{FrameReader, Layout, Msg, Session};
 
 fn corpus(target: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -89,8 +89,16 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
     let mut seeds: Vec<Vec<u8>> = msgs.iter().map(|m| m.encode().unwrap()).collect();
     seeds.push(seeds.concat());
     seeds.push(b"STALL 3600000\n".to_vec());
+    // A keyed client's first frames (HELLO, then STATS).
+    let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
+    let client = Session::new(Some(&key));
+    let hello = client.encode(&msgs[0]).unwrap();
+    seeds.push([hello, client.encode(&Msg::Stats).unwrap()].concat());
     seed("control", &seeds);
     for (path, data) in inputs("control") {
+        let mut r = FrameReader::new(&data[..], Duration::from_secs(1), None)
+            .with_session(Session::new(Some(&key)));
+        while r.read_msg().is_ok() {}
         if let Ok(m) = Msg::decode(&data) {
             assert_eq!(m.encode().as_deref(), Ok(&data[..]), "{}", path.display());
         }
