@@ -576,6 +576,9 @@ pub struct EnginePeerArgs {
     /// engine's). For tests: a small ring fills while lending ahead.
     #[arg(long, value_name = "N", hide = true, value_parser = clap::value_parser!(u32).range(2..))]
     pub command_ring: Option<u32>,
+    /// The deployment's key (`kvpoll bench compare`'s keyed rows).
+    #[command(flatten)]
+    pub auth: AuthArgs,
 }
 
 #[cfg(test)]
