@@ -26,6 +26,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::auth::AuthKey;
 pub use crate::core::BlockBytes;
 use crate::core::{Command, MAX_CONSUMERS};
 use crate::driver::{self, Control, Shared};
@@ -223,6 +224,7 @@ pub struct EngineBuilder {
     read_heartbeat: Duration,
     lend_grace: Duration,
     remote_write: bool,
+    auth: Option<AuthKey>,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
@@ -244,6 +246,7 @@ impl Default for EngineBuilder {
             read_heartbeat: Duration::from_millis(250),
             lend_grace: Duration::from_secs(5),
             remote_write: true,
+            auth: None,
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
@@ -381,6 +384,20 @@ impl EngineBuilder {
         self
     }
 
+    /// The key this engine shares with its peers (default: none). With
+    /// one, its metadata and notification messages are tagged, and it
+    /// refuses a peer's metadata without a tag of that key
+    /// ([`PeerError::Unauthenticated`]) and drops notification messages
+    /// without one, or seen before ([`PollerStats`] counts each). Without
+    /// one, it refuses a peer's metadata that is tagged. The `kvpoll`
+    /// tool and the bindings read the secret from a file or the
+    /// environment ([`crate::auth::ENV`]); this call reads neither.
+    /// [`crate::auth`] and docs/design.md §4 say what it guarantees.
+    pub fn auth_key(mut self, key: Option<AuthKey>) -> Self {
+        self.auth = key;
+        self
+    }
+
     /// Faults to inject (default: none). Test hook: `fault-injection` only.
     #[cfg(feature = "fault-injection")]
     pub fn faults(mut self, faults: Faults) -> Self {
@@ -433,6 +450,7 @@ impl EngineBuilder {
             read_heartbeat: self.read_heartbeat,
             lend_grace: self.lend_grace,
             remote_write: self.remote_write,
+            auth: self.auth.clone(),
             #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };
@@ -499,6 +517,7 @@ impl EngineBuilder {
             confirm_reads: self.confirm_reads,
             remote_write: self.remote_write,
             puts: !self.ucx.without_rma(self.remote_write),
+            auth: self.auth,
             reports_signalled: false,
         })
     }
@@ -654,6 +673,8 @@ pub struct Engine {
     /// Its UCX context can post puts (not over tcp alone without remote
     /// writes: `ContextOptions::without_rma`).
     puts: bool,
+    /// The deployment's key: peers' metadata must carry its tag.
+    auth: Option<AuthKey>,
     /// The last `wait` returned with its eventfd readable: drained before
     /// the next announcement, not on the way to the reports.
     reports_signalled: bool,
@@ -720,6 +741,18 @@ pub struct PollerStats {
     /// Messages they travelled in: the notifications the poller has for
     /// one endpoint at once share one message.
     pub notification_messages: u64,
+    /// Peer metadata [`Engine::add_peer`] refused as unauthenticated
+    /// ([`PeerError::Unauthenticated`]): no tag of this engine's key, or a
+    /// tag where this engine has no key.
+    pub unauthenticated_peers: u64,
+    /// Notification messages dropped whole because their tag did not
+    /// check out (an engine with a key only): sent by a process without
+    /// the key or with another, meant for another engine, or altered.
+    pub unauthenticated_notifications: u64,
+    /// Notification messages dropped whole as copies of one received
+    /// before (an engine with a key only): a valid tag on a counter
+    /// already seen from its sender.
+    pub replayed_notifications: u64,
 }
 
 impl Engine {
@@ -963,9 +996,13 @@ impl Engine {
         self.control(|reply| Control::Metadata { reply })
     }
 
-    /// Adds a peer from its metadata. Bad metadata changes nothing.
+    /// Adds a peer from its metadata. Bad metadata changes nothing. With
+    /// a key ([`EngineBuilder::auth_key`]), metadata not tagged with it is
+    /// refused ([`PeerError::Unauthenticated`]); without one, tagged
+    /// metadata is. Each such refusal is counted
+    /// ([`PollerStats::unauthenticated_peers`]).
     pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, PeerError> {
-        let meta = crate::metadata::PeerMetadata::decode(metadata)?;
+        let meta = self.decode_peer(metadata)?;
         meta.check_compatible(crate::metadata::BlockLayout {
             block_size: self.block_size,
         })?;
@@ -978,8 +1015,24 @@ impl Engine {
     /// sizes differ; part transfers ([`Transfer::part`]) address its blocks
     /// at its own size.
     pub fn add_peer_any_block_size(&mut self, metadata: &[u8]) -> Result<PeerId, PeerError> {
-        let meta = crate::metadata::PeerMetadata::decode(metadata)?;
+        let meta = self.decode_peer(metadata)?;
         self.add_decoded_peer(meta)
+    }
+
+    /// A peer's metadata, checked and authenticated; a refusal as
+    /// unauthenticated is counted.
+    fn decode_peer(&self, metadata: &[u8]) -> Result<crate::metadata::PeerMetadata, PeerError> {
+        crate::metadata::PeerMetadata::decode_with_key(metadata, self.auth.as_ref()).map_err(|e| {
+            let e = PeerError::from(e);
+            if let PeerError::Unauthenticated(why) = &e {
+                // Relaxed: a counter read for display only.
+                self.shared
+                    .unauthenticated_peers
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %why, "peer refused as unauthenticated");
+            }
+            e
+        })
     }
 
     fn add_decoded_peer(
@@ -1607,6 +1660,12 @@ impl Engine {
             bytes_moved: self.shared.bytes_moved.load(Ordering::Relaxed),
             notifications_sent: self.shared.notes_sent.load(Ordering::Relaxed),
             notification_messages: self.shared.note_messages.load(Ordering::Relaxed),
+            unauthenticated_peers: self.shared.unauthenticated_peers.load(Ordering::Relaxed),
+            unauthenticated_notifications: self
+                .shared
+                .unauthenticated_notes
+                .load(Ordering::Relaxed),
+            replayed_notifications: self.shared.replayed_notes.load(Ordering::Relaxed),
         }
     }
 
@@ -1869,6 +1928,9 @@ impl Engine {
                 heartbeats: l.ignored_heartbeats,
                 retires: l.rejected_retires,
                 release_retries: l.failed_release_retries,
+                unauthenticated_peers: p.unauthenticated_peers,
+                unauthenticated_notifications: p.unauthenticated_notifications,
+                replayed_notifications: p.replayed_notifications,
             },
             release_failures: l.release_failures,
             slots: SlotUse {

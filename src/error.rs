@@ -14,6 +14,7 @@
 
 use thiserror::Error;
 
+use crate::auth::AuthError;
 use crate::core::MAX_CONSUMERS;
 use crate::ledger::{BlockId, ConfigError, PeerId, RequestId, MAX_HANDLES};
 use crate::metadata::MetadataError;
@@ -179,7 +180,14 @@ pub enum PeerError {
     /// Peer metadata was refused: it does not decode, or its layout does
     /// not fit this engine's.
     #[error(transparent)]
-    Metadata(#[from] MetadataError),
+    Metadata(MetadataError),
+    /// Peer metadata was refused as unauthenticated: this engine has a
+    /// key ([`crate::EngineBuilder::auth_key`]) and the peer has none or
+    /// another, or the peer has one and this engine none. Counted in
+    /// [`crate::PollerStats::unauthenticated_peers`]. Give both engines
+    /// the same key.
+    #[error("peer refused: {0}")]
+    Unauthenticated(AuthError),
     /// The peer's metadata was given again (the same engine instance)
     /// with different contents while transfers of ours are in flight on
     /// it or a receive waits for its word: replacing its
@@ -312,6 +320,15 @@ pub enum SubmitError {
     Stopped(#[from] Stopped),
 }
 
+impl From<MetadataError> for PeerError {
+    fn from(e: MetadataError) -> Self {
+        match e {
+            MetadataError::Unauthenticated(a) => PeerError::Unauthenticated(a),
+            e => PeerError::Metadata(e),
+        }
+    }
+}
+
 /// Any kvpoll error, for a caller that wants one type: each phase's error
 /// converts into it with `?`.
 #[derive(Debug, Error)]
@@ -386,7 +403,10 @@ impl Error {
                 RegionError::Stopped(_) => K::Stopped,
             },
             Error::Peer(e) => match e {
-                PeerError::Metadata(_) | PeerError::Busy(_) | PeerError::Unknown(_) => K::Peer,
+                PeerError::Metadata(_)
+                | PeerError::Unauthenticated(_)
+                | PeerError::Busy(_)
+                | PeerError::Unknown(_) => K::Peer,
                 PeerError::Ucx(_) => K::Transport,
                 PeerError::Stopped(_) => K::Stopped,
             },

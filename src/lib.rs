@@ -5,7 +5,8 @@
 //! The everyday types are at the crate root: build an [`Engine`] with
 //! [`Engine::builder`] ([`EngineBuilder`]), submit [`Transfer`]s, and collect
 //! [`Outcomes`] with [`Engine::poll`]; requests, blocks, peers and lends are
-//! named by [`RequestId`], [`BlockId`], [`PeerId`] and [`Incarnation`]. By
+//! named by [`RequestId`], [`BlockId`], [`PeerId`] and [`Incarnation`]; a
+//! deployment's engines may share an [`auth::AuthKey`]. By
 //! surface: [`pull`] (lend and read) and [`push`] (receive and write) open
 //! with their guarantees and an example; [`engine`] holds the API's
 //! details, [`placement`] core maps, topology and pinning, [`metadata`]
@@ -16,6 +17,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod auth;
 #[doc(hidden)]
 pub mod core;
 // The poller thread's body. Internal; its `execute` step is public for

@@ -18,15 +18,19 @@
 //!      16 bytes boot id, u64 pid namespace inode, u32 pid,
 //!      u64 probe address, u64 probe value,
 //!      u16 count, then count × u32 ids of regions readable directly
+//! u8   tagged (0: the engine has no key; 1: then a 32-byte tag, keyed
+//!      BLAKE3 under the deployment's key ([`crate::auth`]) of every
+//!      payload byte before it)
 //! ```
-//! (Frame version 3; version 2 had no direct-read offer, version 1 no
-//! lend words.)
+//! (Frame version 4; version 3 had no tag, version 2 no direct-read
+//! offer, version 1 no lend words.)
 //! All integers little endian. Every length is checked against what is
 //! left, every inner frame is checked, and nothing is kept from bytes that
 //! fail.
 
 use thiserror::Error;
 
+use crate::auth::{AuthError, AuthKey, Purpose, TAG_LEN};
 pub use crate::transport::peer::{BlockLayout, DirectReads, Host, PeerMetadata, RegionDescriptor};
 use crate::transport::ucx::{PackedRkey, UcxError, WorkerAddress};
 use crate::wire::{self, FrameError, Kind};
@@ -78,6 +82,13 @@ pub enum MetadataError {
     /// The direct-read offer is malformed or names regions not announced.
     #[error("peer metadata direct-read offer: {0}")]
     BadDirectReads(String),
+    /// The tag flag is neither 0 nor 1.
+    #[error("peer metadata tag flag {0}")]
+    BadTagFlag(u8),
+    /// The metadata is not authenticated by this engine's key, or carries
+    /// a tag where this engine has none ([`PeerMetadata::decode_with_key`]).
+    #[error("peer metadata refused: {0}")]
+    Unauthenticated(AuthError),
     /// The peer's block size differs from ours.
     #[error("peer block size {theirs} is incompatible with ours ({ours})")]
     IncompatibleLayout {
@@ -89,8 +100,13 @@ pub enum MetadataError {
 }
 
 impl PeerMetadata {
-    /// The bytes to hand to a peer.
+    /// The bytes to hand to a peer, untagged (an engine without a key).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_keyed(None)
+    }
+
+    /// The bytes to hand to a peer, tagged with `key` if given.
+    pub fn encode_keyed(&self, key: Option<&AuthKey>) -> Vec<u8> {
         let mut p = Vec::new();
         p.extend_from_slice(&self.instance.to_le_bytes());
         p.extend_from_slice(&self.layout.block_size.to_le_bytes());
@@ -123,12 +139,50 @@ impl PeerMetadata {
                 }
             }
         }
+        match key {
+            None => p.push(0),
+            Some(key) => {
+                p.push(1);
+                let tag = key.tag(Purpose::Metadata, &[&p]);
+                p.extend_from_slice(&tag);
+            }
+        }
         wire::encode(Kind::PeerMetadata, &p)
     }
 
-    /// Checks bytes from a peer. On error nothing is kept.
+    /// Checks the bytes from a peer, but not who made them: a tag, if
+    /// any, is not checked ([`PeerMetadata::decode_with_key`] does). On
+    /// error nothing is kept.
     pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
-        let decoded = Self::decode_checked(bytes);
+        Self::decode_with(bytes, None, false)
+    }
+
+    /// Checks the bytes from a peer and that they are tagged with `key`
+    /// (or, without a key, untagged): what [`crate::Engine::add_peer`]
+    /// does. On error nothing is kept.
+    pub fn decode_with_key(bytes: &[u8], key: Option<&AuthKey>) -> Result<Self, MetadataError> {
+        Self::decode_with(bytes, key, true)
+    }
+
+    fn decode_with(
+        bytes: &[u8],
+        key: Option<&AuthKey>,
+        check: bool,
+    ) -> Result<Self, MetadataError> {
+        let decoded = Self::decode_checked(bytes).and_then(|(meta, tagged)| {
+            let refused = match (check, key, tagged) {
+                (false, ..) | (true, None, None) => return Ok(meta),
+                (true, Some(_), None) => AuthError::Missing,
+                (true, None, Some(_)) => AuthError::Unexpected,
+                (true, Some(key), Some((covered, tag))) => {
+                    if key.verify(Purpose::Metadata, &[covered], tag) {
+                        return Ok(meta);
+                    }
+                    AuthError::BadTag
+                }
+            };
+            Err(MetadataError::Unauthenticated(refused))
+        });
         if let Err(e) = &decoded {
             // Control path (adding a peer): rare, and the caller gets the
             // error; this event is for whoever watches the process.
@@ -137,7 +191,10 @@ impl PeerMetadata {
         decoded
     }
 
-    fn decode_checked(bytes: &[u8]) -> Result<Self, MetadataError> {
+    /// The metadata, and where it is tagged: the bytes the tag covers and
+    /// the tag.
+    #[allow(clippy::type_complexity)]
+    fn decode_checked(bytes: &[u8]) -> Result<(Self, Option<(&[u8], &[u8])>), MetadataError> {
         let payload = wire::decode(bytes, Kind::PeerMetadata)?;
         let mut r = Reader(payload);
         let instance = r.u64("instance")?;
@@ -219,6 +276,14 @@ impl PeerMetadata {
                 return Err(MetadataError::BadDirectReads(format!("flag {f}")));
             }
         };
+        let tagged = match r.take(1, "tag flag")?[0] {
+            0 => None,
+            1 => {
+                let covered = &payload[..payload.len() - r.0.len()];
+                Some((covered, r.take(TAG_LEN, "tag")?))
+            }
+            f => return Err(MetadataError::BadTagFlag(f)),
+        };
         if !r.0.is_empty() {
             return Err(MetadataError::TrailingBytes(r.0.len()));
         }
@@ -226,14 +291,15 @@ impl PeerMetadata {
         // region i moves to or from the peer's region of the i-th smallest
         // id (a kvpoll engine numbers its regions 0..n, one per layer).
         regions.sort_by_key(|r| r.id);
-        Ok(Self {
+        let meta = Self {
             instance,
             layout: BlockLayout { block_size },
             worker,
             regions,
             words,
             direct,
-        })
+        };
+        Ok((meta, tagged))
     }
 
     /// Refuses a peer whose layout differs from `ours`.

@@ -218,6 +218,13 @@ pub struct RejectedInputs {
     pub retires: u64,
     /// Release retries that failed again.
     pub release_retries: u64,
+    /// Peer metadata refused as unauthenticated (an engine key missing on
+    /// one side, or differing).
+    pub unauthenticated_peers: u64,
+    /// Notification messages without a valid tag of this engine's key.
+    pub unauthenticated_notifications: u64,
+    /// Notification messages that were copies of one received before.
+    pub replayed_notifications: u64,
 }
 
 /// One ring between the engine thread and a poller.
@@ -503,6 +510,12 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         ("heartbeat", x.heartbeats),
         ("retire", x.retires),
         ("release_retry", x.release_retries),
+        ("unauthenticated_peer", x.unauthenticated_peers),
+        (
+            "unauthenticated_notification",
+            x.unauthenticated_notifications,
+        ),
+        ("replayed_notification", x.replayed_notifications),
     ] {
         rejected.row(vec![label("kind", kind)], n);
     }

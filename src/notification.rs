@@ -34,8 +34,11 @@
 //! refused. A read done also names the blocks read ([`BlocksRead`]): the
 //! lender confirms, or counts, only a read of blocks of that lend.
 
+use std::collections::HashMap;
+
 use thiserror::Error;
 
+use crate::auth::{AuthKey, Purpose, Window, TAG_LEN};
 use crate::ledger::{BlockId, Incarnation, RequestId};
 use crate::wire::fnv1a64;
 
@@ -289,6 +292,114 @@ impl Notification {
     }
 }
 
+/// Bytes an engine with a key ([`crate::auth`]) appends to each
+/// notification message: a counter of its own for the receiver (a u64
+/// that starts at one) and a tag (keyed BLAKE3) of the receiver's
+/// instance, the counter and the notifications.
+///
+/// ```text
+/// 0        n × 52  the notifications
+/// n × 52   8       counter, little endian
+/// +8       32      tag
+/// ```
+pub const TRAILER: usize = 8 + TAG_LEN;
+
+/// Senders whose counters a receiver remembers; past that, the one heard
+/// from least recently is forgotten.
+pub const MAX_SENDERS: usize = 4096;
+
+/// Why a message of a keyed engine's was dropped before its notes were
+/// read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// No valid tag under this engine's key for this engine: sent without
+    /// the key, with another, for another receiver, or altered.
+    Unauthenticated,
+    /// A valid tag on a counter already received from its sender (or older
+    /// than the window of [`crate::auth`]'s replay check): a copy of a
+    /// message received before.
+    Replayed,
+}
+
+/// What a keyed engine keeps to tag its messages and check its peers':
+/// a counter per receiver, and per sender the counters it accepted.
+#[derive(Debug)]
+pub struct Sealer {
+    key: AuthKey,
+    /// Counter of the last message sent, by receiver instance.
+    sent: HashMap<u64, u64>,
+    /// Counters accepted, and when last (in messages opened), by sender
+    /// instance.
+    received: HashMap<u64, (Window, u64)>,
+    opened: u64,
+}
+
+impl Sealer {
+    /// A sealer for `key`, with no counter yet.
+    pub fn new(key: AuthKey) -> Self {
+        Sealer {
+            key,
+            sent: HashMap::new(),
+            received: HashMap::new(),
+            opened: 0,
+        }
+    }
+
+    /// The trailer of a message of `notes` to the engine of instance
+    /// `to`: its next counter for it, and the tag.
+    pub fn seal(&mut self, to: u64, notes: &[u8]) -> [u8; TRAILER] {
+        let counter = self.sent.entry(to).or_insert(0);
+        *counter += 1;
+        let c = counter.to_le_bytes();
+        let tag = self
+            .key
+            .tag(Purpose::Notifications, &[&to.to_le_bytes(), &c, notes]);
+        let mut t = [0u8; TRAILER];
+        t[..8].copy_from_slice(&c);
+        t[8..].copy_from_slice(&tag);
+        t
+    }
+
+    /// The notifications of `message`, received by the engine of instance
+    /// `me`, if its tag checks out and its counter is new from its sender
+    /// (the sender the first notification names; the counter is then
+    /// remembered). The notifications are still to be checked one by one.
+    pub fn open<'a>(&mut self, me: u64, message: &'a [u8]) -> Result<&'a [u8], Refused> {
+        let Some(body_len) = message.len().checked_sub(TRAILER) else {
+            return Err(Refused::Unauthenticated);
+        };
+        let (notes, trailer) = message.split_at(body_len);
+        let (c, tag) = trailer.split_at(8);
+        if !self
+            .key
+            .verify(Purpose::Notifications, &[&me.to_le_bytes(), c, notes], tag)
+        {
+            return Err(Refused::Unauthenticated);
+        }
+        // Tagged by a holder of the key: its notes are well formed (a
+        // damaged one is refused on its own later).
+        let Some(sender) = notes.get(28..36) else {
+            return Ok(notes);
+        };
+        let sender = u64::from_le_bytes(sender.try_into().expect("8 bytes"));
+        let counter = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+        self.opened += 1;
+        if !self.received.contains_key(&sender) && self.received.len() >= MAX_SENDERS {
+            let oldest = self.received.iter().min_by_key(|(_, (_, at))| *at);
+            if let Some((&s, _)) = oldest {
+                self.received.remove(&s);
+            }
+        }
+        let (window, at) = self.received.entry(sender).or_default();
+        *at = self.opened;
+        if window.accept(counter) {
+            Ok(notes)
+        } else {
+            Err(Refused::Replayed)
+        }
+    }
+}
+
 /// The notifications of one received message, each still to be checked with
 /// [`Notification::decode`]; refused whole if its length is not 1 to
 /// [`MAX_PER_MESSAGE`] notifications.
@@ -303,6 +414,40 @@ pub fn split(message: &[u8]) -> Result<std::slice::ChunksExact<'_, u8>, Notifica
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sealer(secret: &[u8]) -> Sealer {
+        Sealer::new(AuthKey::from_secret(secret).unwrap())
+    }
+
+    #[test]
+    fn a_sealed_message_opens_once_for_its_receiver_under_its_key() {
+        let (mut a, mut b) = (sealer(b"0123456789abcdef"), sealer(b"0123456789abcdef"));
+        let notes = [note().encode(), note().encode()].concat();
+        let first = [&notes[..], &a.seal(9, &notes)].concat();
+        let second = [&notes[..], &a.seal(9, &notes)].concat();
+        assert_eq!(b.open(8, &first), Err(Refused::Unauthenticated), "for 9");
+        assert_eq!(b.open(9, &second), Ok(&notes[..]), "out of order");
+        assert_eq!(b.open(9, &first), Ok(&notes[..]));
+        assert_eq!(b.open(9, &first), Err(Refused::Replayed));
+        assert_eq!(b.open(9, &second), Err(Refused::Replayed));
+        let mut other = sealer(b"0123456789abcdeF");
+        let forged = [&notes[..], &other.seal(9, &notes)].concat();
+        assert_eq!(b.open(9, &forged), Err(Refused::Unauthenticated));
+        assert_eq!(b.open(9, &notes), Err(Refused::Unauthenticated), "untagged");
+        let mut altered = [&notes[..], &a.seal(9, &notes)].concat();
+        altered[4] ^= 1;
+        assert_eq!(b.open(9, &altered), Err(Refused::Unauthenticated));
+        assert_eq!(b.open(9, &[0u8; 3]), Err(Refused::Unauthenticated));
+    }
+
+    #[test]
+    fn each_receiver_has_its_own_counter() {
+        let mut a = sealer(b"0123456789abcdef");
+        let n = note().encode();
+        assert_eq!(a.seal(1, &n)[..8], 1u64.to_le_bytes());
+        assert_eq!(a.seal(2, &n)[..8], 1u64.to_le_bytes());
+        assert_eq!(a.seal(1, &n)[..8], 2u64.to_le_bytes());
+    }
 
     fn note() -> Notification {
         Notification {

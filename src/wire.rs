@@ -24,7 +24,7 @@ const MAGIC: [u8; 4] = *b"KVPL";
 const HEADER: usize = 12;
 const TRAILER: usize = 8;
 /// The frame version this build writes and accepts.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Largest payload a frame may carry (worker addresses and rkeys are far
 /// smaller; the bound keeps a corrupt length from asking for gigabytes).
 pub const MAX_PAYLOAD: usize = 1 << 20;

@@ -234,9 +234,10 @@ fn a_direct_read_offer_cut_short_or_of_an_unknown_flag_is_refused() {
     let payload = kvpoll::wire::decode(&full, Kind::PeerMetadata)
         .unwrap()
         .to_vec();
-    // Every cut inside the offer, whose flag byte is 51 bytes before the
-    // end (flag, 16 + 8 + 4 + 8 + 8, a count of 2 and one id of 4).
-    let offer = payload.len() - 51;
+    // Every cut inside the offer and the tag flag after it: the offer's
+    // flag byte is 52 bytes before the end (flag, 16 + 8 + 4 + 8 + 8, a
+    // count of 2 and one id of 4, then the tag flag).
+    let offer = payload.len() - 52;
     for cut in offer..payload.len() {
         let bytes = kvpoll::wire::encode(Kind::PeerMetadata, &payload[..cut]);
         assert!(
@@ -251,7 +252,9 @@ fn a_direct_read_offer_cut_short_or_of_an_unknown_flag_is_refused() {
     let mut none = kvpoll::wire::decode(&real_metadata(&[(0, 16)]).encode(), Kind::PeerMetadata)
         .unwrap()
         .to_vec();
-    *none.last_mut().unwrap() = 2;
+    // The offer's flag, before the tag flag.
+    let flag = none.len() - 2;
+    none[flag] = 2;
     let bytes = kvpoll::wire::encode(Kind::PeerMetadata, &none);
     assert!(matches!(
         PeerMetadata::decode(&bytes),

@@ -283,6 +283,18 @@ typedef struct kvpoll_config {
    * UCX transport list (`UCX_TLS`, e.g. "tcp"), or NULL to let UCX choose.
    */
   const char *tls;
+  /**
+   * The secret the deployment's engines share (at least 16 bytes), or
+   * NULL (default) for none: with one, metadata and notifications are
+   * tagged, and a peer without it, or with another, is refused by
+   * `kvpoll_add_peer` (`KVPOLL_ERR_PEER`). The bytes are read once, by
+   * `kvpoll_engine_new`.
+   */
+  const uint8_t *auth_key;
+  /**
+   * Bytes of `auth_key`.
+   */
+  size_t auth_key_len;
 } kvpoll_config;
 
 /**
@@ -363,7 +375,8 @@ struct kvpoll_config kvpoll_config_default(void);
  *
  * # Safety
  * `config` is NULL (the defaults) or valid; its `tls` is NULL or a
- * NUL-terminated string; `out` is valid for a write; `err` is NULL or
+ * NUL-terminated string; its `auth_key` NULL or valid for
+ * `auth_key_len` bytes; `out` is valid for a write; `err` is NULL or
  * valid for `err_len` bytes.
  */
 int32_t kvpoll_engine_new(const struct kvpoll_config *config,

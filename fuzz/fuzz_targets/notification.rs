@@ -1,8 +1,10 @@
-//! Notification messages as the poller receives them: 1 to 64
-//! notifications back to back, each checked on its own.
+//! Notification messages as the poller receives them: 1 to 33
+//! notifications back to back, each checked on its own; and as an engine
+//! with a key receives them, trailer first.
 #![no_main]
 
-use kvpoll::notification::{split, Notification};
+use kvpoll::auth::AuthKey;
+use kvpoll::notification::{split, Notification, Sealer};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -13,4 +15,6 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+    let key = AuthKey::from_secret(b"fuzzing's shared secret").expect("key");
+    let _ = Sealer::new(key).open(7, data);
 });

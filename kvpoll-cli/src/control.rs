@@ -10,11 +10,26 @@
 //! offset  size  field
 //! 0       4     magic "KVPC"
 //! 4       1     version
-//! 5       3     reserved, zero
+//! 5       1     flags: bit 0, the frame is tagged (others zero)
+//! 6       2     reserved, zero
 //! 8       4     payload length, little endian, at most MAX_PAYLOAD
 //! 12      n     payload: a message tag, then its fields (little endian)
-//! 12+n    8     FNV-1a 64 of bytes 0..12+n, little endian
+//!               tagged frames only (AUTH bytes):
+//! 12+n    16    the sender's nonce for this connection
+//! 28+n    8     the sender's frame number on it (0, 1, 2, …)
+//! 36+n    32    tag: keyed BLAKE3 (kvpoll::auth, control frames) of the
+//!               receiver's nonce as the sender knew it (zeros before it
+//!               heard from the receiver: only a frame numbered 0 may say
+//!               so), bytes 0..12+n, the sender's nonce and number
+//! end     8     FNV-1a 64 of every byte before it, little endian
 //! ```
+//!
+//! With a key (`--auth-key-file`, `KVPOLL_AUTH_KEY`) both sides tag every
+//! frame ([`Session`]) and refuse a frame that is untagged, tagged with
+//! another key, numbered out of turn, or bound to another connection's
+//! nonce: a client without the key is refused at its HELLO, and a frame
+//! recorded on one connection is refused on any other and on its own
+//! again. Without a key nothing is tagged, and a tagged frame is refused.
 //!
 //! The length is checked as soon as the header is in: an over-long frame is
 //! refused before a byte of its payload is read, so a peer cannot make the
@@ -23,11 +38,15 @@
 //! A connection starts with a handshake: the client sends [`Msg::Hello`]
 //! with the layout it expects; the server answers with its own `Hello` and
 //! its engine metadata ([`Msg::Meta`]), or with [`Msg::Refused`] and closes.
-//! The port trusts whoever can reach it (there is no authentication): bind
-//! it to a private address.
+//! Without a key the port trusts whoever can reach it: bind it to a
+//! private address. Nothing is encrypted either way.
 
 use std::io::{self, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+
+use kvpoll::auth::{AuthKey, Purpose, TAG_LEN};
 
 use thiserror::Error;
 
@@ -37,7 +56,10 @@ pub const HEADER: usize = 12;
 /// Bytes after the payload (the checksum).
 pub const TRAILER: usize = 8;
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
+/// Bytes a tagged frame carries between its payload and its checksum.
+pub const AUTH: usize = 16 + 8 + TAG_LEN;
+const TAGGED: u8 = 1;
 /// Largest payload a control frame may carry: engine metadata of the
 /// largest layout the tool accepts fits with room to spare.
 pub const MAX_PAYLOAD: usize = 256 * 1024;
@@ -174,6 +196,10 @@ pub enum FrameError {
     /// More bytes than the length says.
     #[error("control frame has {0} trailing bytes")]
     TrailingBytes(usize),
+    /// The frame is not authenticated for this connection (what it says
+    /// is for an operator: a missing key, another key, a replay).
+    #[error("control frame refused: {0}")]
+    Unauthenticated(&'static str),
     /// The checksum does not match: damaged bytes.
     #[error("control frame checksum mismatch")]
     BadChecksum,
@@ -411,46 +437,37 @@ impl Msg {
         Ok(msg)
     }
 
-    /// The message in a frame, ready to send.
+    /// The message in an untagged frame, ready to send (a connection
+    /// without a key; [`Session::encode`] otherwise).
     ///
     /// A payload over [`MAX_PAYLOAD`] (metadata of an oversized layout) is
     /// an error, never a frame the peer would refuse.
     pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
-        let p = self.payload();
-        if p.len() > MAX_PAYLOAD {
-            return Err(FrameError::TooLong { len: p.len() });
-        }
-        let mut f = Vec::with_capacity(HEADER + p.len() + TRAILER);
-        f.extend_from_slice(&MAGIC);
-        f.extend_from_slice(&[VERSION, 0, 0, 0]);
-        f.extend_from_slice(&(p.len() as u32).to_le_bytes());
-        f.extend_from_slice(&p);
-        let sum = kvpoll::wire::fnv1a64(&f);
-        f.extend_from_slice(&sum.to_le_bytes());
-        Ok(f)
+        Session::none().encode(self)
     }
 
-    /// Checks one whole frame and parses its message.
+    /// Checks one whole untagged frame and parses its message (a tagged
+    /// one is refused: [`Session::decode`] checks those).
     pub fn decode(frame: &[u8]) -> Result<Msg, FrameError> {
-        let len = check_header(frame)?;
-        let need = HEADER + len + TRAILER;
-        if frame.len() < need {
-            return Err(FrameError::Truncated {
-                got: frame.len(),
-                need,
-            });
-        }
-        if frame.len() > need {
-            return Err(FrameError::TrailingBytes(frame.len() - need));
-        }
-        check_sum(frame)?;
-        Msg::from_payload(&frame[HEADER..HEADER + len])
+        Session::none().decode(frame)
     }
 }
 
 /// Checks a frame's header (its first [`HEADER`] bytes) and returns the
 /// payload length it announces.
 pub fn check_header(h: &[u8]) -> Result<usize, FrameError> {
+    header(h).map(|(len, _)| len)
+}
+
+/// Checks a frame's header and returns the whole frame's length: header,
+/// payload, tag if it is tagged, and checksum.
+pub fn frame_len(h: &[u8]) -> Result<usize, FrameError> {
+    header(h).map(|(len, tagged)| HEADER + len + if tagged { AUTH } else { 0 } + TRAILER)
+}
+
+/// The payload length a header announces, and whether the frame is
+/// tagged.
+fn header(h: &[u8]) -> Result<(usize, bool), FrameError> {
     if h.len() < HEADER {
         return Err(FrameError::Truncated {
             got: h.len(),
@@ -463,14 +480,14 @@ pub fn check_header(h: &[u8]) -> Result<usize, FrameError> {
     if h[4] != VERSION {
         return Err(FrameError::WrongVersion { got: h[4] });
     }
-    if h[5..8] != [0, 0, 0] {
+    if h[5] & !TAGGED != 0 || h[6..8] != [0, 0] {
         return Err(FrameError::Message("reserved header bytes are not zero"));
     }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
     if len > MAX_PAYLOAD {
         return Err(FrameError::TooLong { len });
     }
-    Ok(len)
+    Ok((len, h[5] & TAGGED != 0))
 }
 
 fn check_sum(frame: &[u8]) -> Result<(), FrameError> {
@@ -483,10 +500,182 @@ fn check_sum(frame: &[u8]) -> Result<(), FrameError> {
     Ok(())
 }
 
-/// Writes one message; the error says why the link is unusable.
+/// One side of one connection: with a key, what tags the frames it sends
+/// and checks those it receives (its nonce, the peer's once heard, and
+/// both directions' frame numbers); without one, nothing. Clones share
+/// the state, so a reader thread and a writer may each hold one.
+#[derive(Clone, Default)]
+pub struct Session {
+    keyed: Option<Arc<Keyed>>,
+}
+
+struct Keyed {
+    key: AuthKey,
+    ours: [u8; 16],
+    theirs: OnceLock<[u8; 16]>,
+    sent: AtomicU64,
+    received: AtomicU64,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.keyed.is_some() {
+            "Session(keyed)"
+        } else {
+            "Session(none)"
+        })
+    }
+}
+
+impl Session {
+    /// A connection without a key: frames untagged, tagged ones refused.
+    pub fn none() -> Self {
+        Session { keyed: None }
+    }
+
+    /// A new connection's side: with `key`, a fresh random nonce.
+    pub fn new(key: Option<&AuthKey>) -> Self {
+        let keyed = key.map(|key| {
+            let mut ours = [0u8; 16];
+            ours[..8].copy_from_slice(&kvpoll::Incarnation::draw().0.to_le_bytes());
+            ours[8..].copy_from_slice(&kvpoll::Incarnation::draw().0.to_le_bytes());
+            Arc::new(Keyed {
+                key: key.clone(),
+                ours,
+                theirs: OnceLock::new(),
+                sent: AtomicU64::new(0),
+                received: AtomicU64::new(0),
+            })
+        });
+        Session { keyed }
+    }
+
+    /// Whether frames are tagged.
+    pub fn is_keyed(&self) -> bool {
+        self.keyed.is_some()
+    }
+
+    /// Whether a tagged frame of the peer's checked out (with a key).
+    pub fn heard(&self) -> bool {
+        self.keyed
+            .as_ref()
+            .is_some_and(|k| k.received.load(Ordering::Relaxed) > 0)
+    }
+
+    /// `msg` in a frame, tagged (and numbered) if this side has a key.
+    pub fn encode(&self, msg: &Msg) -> Result<Vec<u8>, FrameError> {
+        let p = msg.payload();
+        if p.len() > MAX_PAYLOAD {
+            return Err(FrameError::TooLong { len: p.len() });
+        }
+        let mut f = Vec::with_capacity(HEADER + p.len() + AUTH + TRAILER);
+        f.extend_from_slice(&MAGIC);
+        let flags = if self.keyed.is_some() { TAGGED } else { 0 };
+        f.extend_from_slice(&[VERSION, flags, 0, 0]);
+        f.extend_from_slice(&(p.len() as u32).to_le_bytes());
+        f.extend_from_slice(&p);
+        if let Some(k) = &self.keyed {
+            // Relaxed: one writer per direction; the number only orders
+            // this side's own frames.
+            let seq = k.sent.fetch_add(1, Ordering::Relaxed).to_le_bytes();
+            let theirs = k.theirs.get().copied().unwrap_or([0; 16]);
+            let tag = k.key.tag(Purpose::Control, &[&theirs, &f, &k.ours, &seq]);
+            f.extend_from_slice(&k.ours);
+            f.extend_from_slice(&seq);
+            f.extend_from_slice(&tag);
+        }
+        let sum = kvpoll::wire::fnv1a64(&f);
+        f.extend_from_slice(&sum.to_le_bytes());
+        Ok(f)
+    }
+
+    /// Checks one whole frame received on this connection (its tag, its
+    /// nonce and number, if this side has a key) and parses its message.
+    pub fn decode(&self, frame: &[u8]) -> Result<Msg, FrameError> {
+        let need = frame_len(frame)?;
+        if frame.len() < need {
+            return Err(FrameError::Truncated {
+                got: frame.len(),
+                need,
+            });
+        }
+        if frame.len() > need {
+            return Err(FrameError::TrailingBytes(frame.len() - need));
+        }
+        check_sum(frame)?;
+        let (len, tagged) = header(frame)?;
+        let body = &frame[..HEADER + len];
+        match (&self.keyed, tagged) {
+            (None, false) => {}
+            (None, true) => {
+                return Err(FrameError::Unauthenticated(
+                    "the peer tags its frames and this side has no key (--auth-key-file or KVPOLL_AUTH_KEY)",
+                ))
+            }
+            (Some(k), false) => {
+                // A refusal before the peer said anything tagged is shown
+                // as it is: a peer without the key (or with another)
+                // cannot tag it, and it asks for nothing to be done.
+                let refusal = Msg::from_payload(&frame[HEADER..HEADER + len]);
+                if let (0, Ok(m @ Msg::Refused(_))) = (k.received.load(Ordering::Relaxed), refusal) {
+                    return Ok(m);
+                }
+                return Err(FrameError::Unauthenticated(
+                    "the peer has no key: its frame is not tagged (give it --auth-key-file or KVPOLL_AUTH_KEY)",
+                ));
+            }
+            (Some(k), true) => k.check(body, &frame[HEADER + len..need - TRAILER])?,
+        }
+        Msg::from_payload(&frame[HEADER..HEADER + len])
+    }
+}
+
+impl Keyed {
+    fn check(&self, body: &[u8], auth: &[u8]) -> Result<(), FrameError> {
+        let (nonce, rest) = auth.split_at(16);
+        let (seq, tag) = rest.split_at(8);
+        let n = u64::from_le_bytes(seq.try_into().expect("8 bytes"));
+        // Only a sender's first frame may be sent before it heard our
+        // nonce; every later one is bound to this connection.
+        let ours = [self.ours];
+        let first = [[0u8; 16], self.ours];
+        let bound: &[[u8; 16]] = if n == 0 { &first } else { &ours };
+        let ok = bound.iter().any(|b| {
+            self.key
+                .verify(Purpose::Control, &[b, body, nonce, seq], tag)
+        });
+        if !ok {
+            return Err(FrameError::Unauthenticated(
+                "its tag does not check out: the peer holds another key, or the frame belongs to another connection",
+            ));
+        }
+        let nonce: [u8; 16] = nonce.try_into().expect("16 bytes");
+        if *self.theirs.get_or_init(|| nonce) != nonce {
+            return Err(FrameError::Unauthenticated(
+                "the frame names another connection's nonce",
+            ));
+        }
+        // Relaxed: one reader per direction.
+        if self.received.load(Ordering::Relaxed) != n {
+            return Err(FrameError::Unauthenticated(
+                "the frame is out of turn: replayed, or frames were lost",
+            ));
+        }
+        self.received.store(n + 1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Writes one message, untagged; the error says why the link is
+/// unusable.
 pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
-    let f = msg
-        .encode()
+    send_in(w, &Session::none(), msg)
+}
+
+/// Writes one message as `session` frames it.
+pub fn send_in(w: &mut impl Write, session: &Session, msg: &Msg) -> io::Result<()> {
+    let f = session
+        .encode(msg)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     w.write_all(&f)
 }
@@ -504,6 +693,7 @@ pub struct FrameReader<R> {
     pub frame_timeout: Duration,
     /// How long to wait for a frame to start (`None`: for ever).
     pub idle: Option<Duration>,
+    session: Session,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -514,6 +704,7 @@ impl<R: Read> FrameReader<R> {
             buf: Vec::new(),
             frame_timeout,
             idle,
+            session: Session::none(),
         }
     }
 
@@ -570,17 +761,23 @@ impl<R: Read> FrameReader<R> {
         Ok(())
     }
 
+    /// Checks frames as `session` (this connection's side) does: with a
+    /// key, every frame must be tagged for this connection, in turn.
+    pub fn with_session(mut self, session: Session) -> Self {
+        self.session = session;
+        self
+    }
+
     /// The next message. The header is checked before any of the payload is
-    /// read: at most [`HEADER`] + [`MAX_PAYLOAD`] + [`TRAILER`] bytes are
-    /// ever buffered.
+    /// read: at most [`HEADER`] + [`MAX_PAYLOAD`] + [`AUTH`] + [`TRAILER`]
+    /// bytes are ever buffered.
     pub fn read_msg(&mut self) -> Result<Msg, ReadError> {
         self.buf.clear();
         let mut started = None;
         self.fill(HEADER, &mut started)?;
-        let len = check_header(&self.buf)?;
-        self.fill(len + TRAILER, &mut started)?;
-        check_sum(&self.buf)?;
-        Ok(Msg::from_payload(&self.buf[HEADER..HEADER + len])?)
+        let len = frame_len(&self.buf)?;
+        self.fill(len - HEADER, &mut started)?;
+        Ok(self.session.decode(&self.buf)?)
     }
 }
 
@@ -721,6 +918,78 @@ mod tests {
             "Slow only after {took:?}"
         );
     }
+
+    fn key(secret: &[u8]) -> AuthKey {
+        AuthKey::from_secret(secret).unwrap()
+    }
+
+    /// A client and a server side of one connection, with `a` and `b`.
+    fn pair(a: Option<&AuthKey>, b: Option<&AuthKey>) -> (Session, Session) {
+        (Session::new(a), Session::new(b))
+    }
+
+    fn refused(r: Result<Msg, FrameError>) -> bool {
+        matches!(r, Err(FrameError::Unauthenticated(_)))
+    }
+
+    #[test]
+    fn keyed_sides_exchange_tagged_frames_in_turn() {
+        let k = key(b"0123456789abcdef");
+        let (client, server) = pair(Some(&k), Some(&k));
+        let hello = Msg::Hello(LAYOUT);
+        let f = client.encode(&hello).unwrap();
+        assert_eq!(f.len(), HEADER + 17 + AUTH + TRAILER);
+        assert_eq!(server.decode(&f), Ok(hello.clone()));
+        let mut stream = Vec::new();
+        for m in all() {
+            stream.extend_from_slice(&server.encode(&m).unwrap());
+        }
+        let mut r = FrameReader::new(&stream[..], Duration::from_secs(1), None)
+            .with_session(client.clone());
+        for m in all() {
+            assert_eq!(r.read_msg().unwrap(), m);
+        }
+        let stats = client.encode(&Msg::Stats).unwrap();
+        assert_eq!(server.decode(&stats), Ok(Msg::Stats));
+        assert!(refused(server.decode(&stats)), "the same frame again");
+    }
+
+    #[test]
+    fn a_side_without_the_key_or_with_another_is_refused_at_hello() {
+        let (k, other) = (key(b"0123456789abcdef"), key(b"0123456789abcdeF"));
+        let hello = Msg::Hello(LAYOUT);
+        let (plain, server) = pair(None, Some(&k));
+        assert!(refused(server.decode(&plain.encode(&hello).unwrap())));
+        let (forger, server) = pair(Some(&other), Some(&k));
+        assert!(refused(server.decode(&forger.encode(&hello).unwrap())));
+        let (keyed, plain) = pair(Some(&k), None);
+        assert!(refused(plain.decode(&keyed.encode(&hello).unwrap())));
+        assert!(refused(Msg::decode(&keyed.encode(&hello).unwrap())));
+    }
+
+    /// A recorded session replayed to a new server side: its HELLO (sent
+    /// before the client heard anything) is accepted, nothing after it.
+    #[test]
+    fn frames_recorded_on_one_connection_are_refused_on_another() {
+        let k = key(b"0123456789abcdef");
+        let (client, server) = pair(Some(&k), Some(&k));
+        let hello = client.encode(&Msg::Hello(LAYOUT)).unwrap();
+        server.decode(&hello).unwrap();
+        client
+            .decode(&server.encode(&Msg::Hello(LAYOUT)).unwrap())
+            .unwrap();
+        let stall = client.encode(&Msg::Stall { ms: 400 }).unwrap();
+        assert_eq!(server.decode(&stall), Ok(Msg::Stall { ms: 400 }));
+        let fresh = Session::new(Some(&k));
+        assert_eq!(fresh.decode(&hello), Ok(Msg::Hello(LAYOUT)));
+        assert!(refused(fresh.decode(&stall)), "bound to the first server");
+    }
+
+    const LAYOUT: Layout = Layout {
+        block_size: 16384,
+        layers: 2,
+        blocks: 512,
+    };
 
     #[test]
     fn oversized_block_lists_and_unknown_tags_are_refused() {

@@ -110,10 +110,12 @@ fn bench_compare_prints_the_rows_of_a_group_that_did_not_run_as_failed_and_exits
             .unwrap_or_else(|| panic!("no row {figure:?}: {text}"))
             .to_owned()
     };
-    assert!(
-        row("16 KiB reads, tcp: vs Mooncake").ends_with(" FAILED"),
-        "{text}"
-    );
+    for figure in [
+        "16 KiB reads, tcp: vs Mooncake",
+        "16 KiB reads, tcp: keyed vs no key",
+    ] {
+        assert!(row(figure).ends_with(" FAILED"), "{text}");
+    }
     assert!(
         row("CPU s/GB, 64 MiB read, tcp").ends_with(" n/a"),
         "{text}"
@@ -123,7 +125,7 @@ fn bench_compare_prints_the_rows_of_a_group_that_did_not_run_as_failed_and_exits
             && text.contains("small_tcp_caller_pull did not run: "),
         "{text}"
     );
-    assert!(text.contains("1 row FAILED (did not run)"), "{text}");
+    assert!(text.contains("2 rows FAILED (did not run)"), "{text}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("tcp_small_vs_mooncake"), "{err}");
 }
@@ -142,5 +144,6 @@ fn bench_compare_json_names_the_rows_of_a_group_that_did_not_run_and_exits_1() {
         row.contains("\"failed\":\"small_tcp_caller_pull did not run: "),
         "{row}"
     );
-    assert!(json.contains("\"failed_rows\":1"), "{json}");
+    // And the keyed-vs-not row of the same group.
+    assert!(json.contains("\"failed_rows\":2"), "{json}");
 }

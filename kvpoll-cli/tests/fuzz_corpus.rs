@@ -11,12 +11,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvpoll::metadata::PeerMetadata;
-use kvpoll::notification::{split, NoteKind, Notification};
+use kvpoll::notification::{split, NoteKind, Notification, Sealer};
 use kvpoll::placement::CoreMapFile;
 use kvpoll::transport::ucx::{PackedRkey, WorkerAddress};
 use kvpoll::wire::{self, Kind};
 use kvpoll::{Engine, RequestId};
-use kvpoll_cli::control::{FrameReader, Layout, Msg};
+use kvpoll_cli::control::{FrameReader, Layout, Msg, Session};
 
 fn corpus(target: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -89,8 +89,16 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
     let mut seeds: Vec<Vec<u8>> = msgs.iter().map(|m| m.encode().unwrap()).collect();
     seeds.push(seeds.concat());
     seeds.push(b"STALL 3600000\n".to_vec());
+    // A keyed client's first frames (HELLO, then STATS).
+    let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
+    let client = Session::new(Some(&key));
+    let hello = client.encode(&msgs[0]).unwrap();
+    seeds.push([hello, client.encode(&Msg::Stats).unwrap()].concat());
     seed("control", &seeds);
     for (path, data) in inputs("control") {
+        let mut r = FrameReader::new(&data[..], Duration::from_secs(1), None)
+            .with_session(Session::new(Some(&key)));
+        while r.read_msg().is_ok() {}
         if let Ok(m) = Msg::decode(&data) {
             assert_eq!(m.encode().as_deref(), Ok(&data[..]), "{}", path.display());
         }
@@ -107,7 +115,8 @@ fn peer_metadata_rkey_and_address_corpus_decodes_without_panic() {
         engine.register(8).unwrap();
         let meta = engine.local_metadata().unwrap();
         let m = PeerMetadata::decode(&meta).unwrap();
-        seed("peer_metadata", std::slice::from_ref(&meta));
+        let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
+        seed("peer_metadata", &[meta.clone(), m.encode_keyed(Some(&key))]);
         seed(
             "rkey_address",
             &[
@@ -118,8 +127,11 @@ fn peer_metadata_rkey_and_address_corpus_decodes_without_panic() {
         );
         engine.shutdown();
     }
+    let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
     for (path, data) in inputs("peer_metadata") {
-        if let Ok(m) = PeerMetadata::decode(&data) {
+        let _ = PeerMetadata::decode(&data);
+        let _ = PeerMetadata::decode_with_key(&data, Some(&key));
+        if let Ok(m) = PeerMetadata::decode_with_key(&data, None) {
             assert_eq!(m.encode(), data, "{}", path.display());
         }
     }
@@ -156,10 +168,14 @@ fn notification_corpus_decodes_without_panic_and_valid_ones_round_trip() {
             .to_vec()
         })
         .collect();
-    // And a message of two (the coalesced form).
+    // And a message of two (the coalesced form), untagged and tagged.
     seeds.push([seeds[0].clone(), seeds[1].clone()].concat());
+    let key = kvpoll::auth::AuthKey::from_secret(b"fuzzing's shared secret").unwrap();
+    let two = seeds[3].clone();
+    seeds.push([&two[..], &Sealer::new(key.clone()).seal(7, &two)].concat());
     seed("notification", &seeds);
     for (path, data) in inputs("notification") {
+        let _ = Sealer::new(key.clone()).open(7, &data);
         let Ok(parts) = split(&data) else { continue };
         for part in parts {
             if let Ok(n) = Notification::decode(part) {

@@ -9,8 +9,8 @@ use super::*;
 pub(super) enum NoteTarget {
     /// An endpoint generation of a peer.
     Ep(Ep),
-    /// The reply handle of a received message.
-    Reply(u32),
+    /// The reply handle of a received message, and its sender's instance.
+    Reply(u32, u64),
 }
 
 /// Notifications for one target, not yet queued.
@@ -124,12 +124,23 @@ impl Core {
             // No queued action refers to these bytes any more.
             self.note_bytes.clear();
         }
+        let start = self.note_bytes.len();
+        let body = &b.bytes[..b.count as usize * NOTE_LEN];
+        self.note_bytes.extend_from_slice(body);
+        if let Some(sealer) = self.sealer.as_mut() {
+            let to = match b.to {
+                NoteTarget::Ep(ep) => self.peers[ep.peer.0 as usize]
+                    .as_ref()
+                    .map_or(0, |p| p.instance),
+                NoteTarget::Reply(_, instance) => instance,
+            };
+            self.note_bytes.extend_from_slice(&sealer.seal(to, body));
+        }
         let notes = Notes {
-            start: self.note_bytes.len() as u32,
+            start: start as u32,
             count: b.count,
+            len: (self.note_bytes.len() - start) as u32,
         };
-        self.note_bytes
-            .extend_from_slice(&b.bytes[..b.count as usize * NOTE_LEN]);
         self.stats.notification_messages += 1;
         let token = T_NOTE | u64::from(b.count);
         self.actions.push_back(match b.to {
@@ -139,7 +150,7 @@ impl Core {
                 token,
                 want_reply: b.want_reply,
             },
-            NoteTarget::Reply(to) => Action::Reply { to, notes, token },
+            NoteTarget::Reply(to, _) => Action::Reply { to, notes, token },
         });
     }
 
@@ -217,7 +228,8 @@ impl Core {
     pub(super) fn answer(&mut self, reply: Option<u32>, kind: NoteKind, to_note: &Notification) {
         if let Some(to) = reply {
             let note = self.note(kind, to_note.id, to_note.incarnation, to_note.nonce);
-            self.enqueue_note(NoteTarget::Reply(to), &note.encode(), false);
+            let to = NoteTarget::Reply(to, to_note.sender);
+            self.enqueue_note(to, &note.encode(), false);
         }
     }
 }

@@ -44,7 +44,9 @@ use crate::ledger::{
     Begun, BlockId, Cancel, Cause, Event, HandleKey, Incarnation, Kind, Ledger, Nanos, Outcome,
     PeerId, Reason, Request, RequestId, RequestKey, Slots, MAX_HANDLES,
 };
-use crate::notification::{BlocksRead, NoteKind, Notification, LEN as NOTE_LEN, MAX_PER_MESSAGE};
+use crate::notification::{
+    BlocksRead, NoteKind, Notification, Refused, Sealer, LEN as NOTE_LEN, MAX_PER_MESSAGE,
+};
 use crate::transport::{
     lend_word_of, Direction, Ep, LendWords, PostFailure, TransportEvent, CANCELED,
 };
@@ -138,11 +140,14 @@ pub struct Notes {
     pub start: u32,
     /// Notifications (1 to [`MAX_PER_MESSAGE`]).
     pub count: u32,
+    /// Bytes of the message: the notifications, and with a key their
+    /// trailer ([`crate::notification::TRAILER`]).
+    pub len: u32,
 }
 
 impl Notes {
     fn range(self) -> std::ops::Range<usize> {
-        self.start as usize..self.start as usize + self.count as usize * NOTE_LEN
+        self.start as usize..self.start as usize + self.len as usize
     }
 }
 
@@ -336,6 +341,12 @@ pub struct CoreStats {
     /// them so, or never knew their lend (its grace period or the read's
     /// deadline ran out while it answered pending).
     pub reads_not_lent: u64,
+    /// Notification messages dropped whole: no valid tag of this engine's
+    /// key (an engine with a key only).
+    pub unauthenticated_notifications: u64,
+    /// Notification messages dropped whole: a copy of one received before
+    /// (an engine with a key only).
+    pub replayed_notifications: u64,
 }
 
 /// The protocol core. See the module docs.
@@ -424,6 +435,9 @@ pub struct Core {
     scanned: usize,
     /// This engine's lend words, if its transport has them.
     words: Option<LendWords>,
+    /// With a key: what tags this engine's messages and checks its
+    /// peers' (`crate::auth`).
+    sealer: Option<Sealer>,
     /// Reads and writes begun and not yet reported: while there are any,
     /// this engine awaits answers from its peers (data, confirmations,
     /// acknowledgements). Lends and receives await peers too, but on the
@@ -497,8 +511,17 @@ impl Core {
             shutting_down: false,
             scanned: 0,
             words: None,
+            sealer: None,
             own_live: 0,
         }
+    }
+
+    /// The core tags every notification message it sends with `key`, and
+    /// drops every message that is not tagged with it for this engine, or
+    /// that it received before (`crate::auth`).
+    pub fn with_auth_key(mut self, key: Option<crate::auth::AuthKey>) -> Self {
+        self.sealer = key.map(Sealer::new);
+        self
     }
 
     /// The core writes its lends' incarnations into `words` (see
@@ -834,6 +857,22 @@ impl Core {
     }
 
     fn on_message(&mut self, bytes: &[u8], reply: Option<u32>, now: Nanos) {
+        let bytes = match self
+            .sealer
+            .as_mut()
+            .map(|s| s.open(self.cfg.instance, bytes))
+        {
+            None => bytes,
+            Some(Ok(notes)) => notes,
+            Some(Err(Refused::Unauthenticated)) => {
+                self.stats.unauthenticated_notifications += 1;
+                return;
+            }
+            Some(Err(Refused::Replayed)) => {
+                self.stats.replayed_notifications += 1;
+                return;
+            }
+        };
         let Ok(notes) = crate::notification::split(bytes) else {
             self.stats.malformed_notifications += 1;
             return;

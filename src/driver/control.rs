@@ -73,7 +73,9 @@ impl Driver {
                 }
                 Control::Metadata { reply } => {
                     let instance = self.cfg.instance;
-                    let _ = reply.send(self.ucx().metadata(instance).map_err(PeerError::from));
+                    let meta = self.ucx().describe(instance);
+                    let bytes = meta.map(|m| m.encode_keyed(self.cfg.auth.as_ref()));
+                    let _ = reply.send(bytes.map_err(PeerError::from));
                 }
                 Control::AddPeer { meta, reply } => {
                     self.drain_commands(&mut None);

@@ -105,7 +105,9 @@ impl Driver {
         let wire = crate::transport::faulty::Faulty::new(ucx, cfg.faults);
         #[cfg(not(feature = "fault-injection"))]
         let wire = ucx;
-        let core = Core::new(CoreConfig::from(&cfg), ledger).with_lend_words(wire.lend_words());
+        let core = Core::new(CoreConfig::from(&cfg), ledger)
+            .with_lend_words(wire.lend_words())
+            .with_auth_key(cfg.auth.clone());
         let idle = idle::Idle::new(Nanos(shared.epoch.elapsed().as_nanos() as u64));
         Ok(Self {
             cfg,

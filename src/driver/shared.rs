@@ -43,6 +43,11 @@ pub(crate) struct Shared {
     pub(crate) rejected_notes: AtomicU64,
     pub(crate) refused_reads: AtomicU64,
     pub(crate) reads_not_lent: AtomicU64,
+    /// Peer metadata refused as unauthenticated (counted by the engine
+    /// thread, in `add_peer`).
+    pub(crate) unauthenticated_peers: AtomicU64,
+    pub(crate) unauthenticated_notes: AtomicU64,
+    pub(crate) replayed_notes: AtomicU64,
     pub(crate) ops_posted: AtomicU64,
     pub(crate) ops_completed: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
@@ -79,6 +84,9 @@ impl Shared {
             rejected_notes: AtomicU64::new(0),
             refused_reads: AtomicU64::new(0),
             reads_not_lent: AtomicU64::new(0),
+            unauthenticated_peers: AtomicU64::new(0),
+            unauthenticated_notes: AtomicU64::new(0),
+            replayed_notes: AtomicU64::new(0),
             ops_posted: AtomicU64::new(0),
             ops_completed: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
@@ -107,6 +115,8 @@ pub(crate) struct Config {
     pub(crate) lend_grace: Duration,
     /// Peers may write into the regions (`EngineBuilder::remote_write`).
     pub(crate) remote_write: bool,
+    /// The deployment's key (`EngineBuilder::auth_key`).
+    pub(crate) auth: Option<crate::auth::AuthKey>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: crate::transport::faulty::Faults,
 }

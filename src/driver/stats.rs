@@ -34,6 +34,10 @@ impl Driver {
             .store(stats.refused_reads, Ordering::Relaxed);
         s.reads_not_lent
             .store(stats.reads_not_lent, Ordering::Relaxed);
+        s.unauthenticated_notes
+            .store(stats.unauthenticated_notifications, Ordering::Relaxed);
+        s.replayed_notes
+            .store(stats.replayed_notifications, Ordering::Relaxed);
         self.shared
             .ops_posted
             .store(stats.ops_posted, Ordering::Relaxed);

@@ -178,6 +178,14 @@ pub struct kvpoll_config {
     pub read_deadline_ns: u64,
     /// UCX transport list (`UCX_TLS`, e.g. "tcp"), or NULL to let UCX choose.
     pub tls: *const c_char,
+    /// The secret the deployment's engines share (at least 16 bytes), or
+    /// NULL (default) for none: with one, metadata and notifications are
+    /// tagged, and a peer without it, or with another, is refused by
+    /// `kvpoll_add_peer` (`KVPOLL_ERR_PEER`). The bytes are read once, by
+    /// `kvpoll_engine_new`.
+    pub auth_key: *const u8,
+    /// Bytes of `auth_key`.
+    pub auth_key_len: usize,
 }
 
 /// One handle of a read or write: `n_blocks` local blocks paired with as
@@ -355,6 +363,8 @@ pub extern "C" fn kvpoll_config_default() -> kvpoll_config {
         max_blocks: 512,
         read_deadline_ns: 30_000_000_000,
         tls: std::ptr::null(),
+        auth_key: std::ptr::null(),
+        auth_key_len: 0,
     }
 }
 
@@ -362,7 +372,8 @@ pub extern "C" fn kvpoll_config_default() -> kvpoll_config {
 ///
 /// # Safety
 /// `config` is NULL (the defaults) or valid; its `tls` is NULL or a
-/// NUL-terminated string; `out` is valid for a write; `err` is NULL or
+/// NUL-terminated string; its `auth_key` NULL or valid for
+/// `auth_key_len` bytes; `out` is valid for a write; `err` is NULL or
 /// valid for `err_len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn kvpoll_engine_new(
@@ -398,6 +409,15 @@ pub unsafe extern "C" fn kvpoll_engine_new(
                     .map_err(|_| arg("tls is not UTF-8"))?;
                 ContextOptions::with_transports(tls)
             };
+            let auth = if c.auth_key.is_null() {
+                None
+            } else {
+                let secret = std::slice::from_raw_parts(c.auth_key, c.auth_key_len);
+                Some(
+                    kvpoll::auth::AuthKey::from_secret(secret)
+                        .map_err(|e| Fail(KVPOLL_ERR_CONFIG, e.to_string()))?,
+                )
+            };
             let inner = Engine::builder()
                 .block_size(c.block_size)
                 .core(core)
@@ -405,6 +425,7 @@ pub unsafe extern "C" fn kvpoll_engine_new(
                 .ledger(c.slots, c.max_blocks)
                 .read_deadline(Duration::from_nanos(c.read_deadline_ns))
                 .ucx(ucx)
+                .auth_key(auth)
                 .build()?;
             let e = Box::new(kvpoll_engine {
                 inner,

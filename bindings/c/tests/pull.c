@@ -180,6 +180,24 @@ int main(void) {
     CHECK(strstr(err, "request 12345 ") != NULL, "the unknown request is named by its id (\"%s\")",
           err);
 
+    /* A keyed engine refuses the unkeyed producer; a short secret is refused. */
+    kvpoll_config keyed = kvpoll_config_default();
+    keyed.block_size = BS;
+    keyed.tls = "tcp";
+    keyed.auth_key = (const uint8_t *)"the deployment's shared secret";
+    keyed.auth_key_len = strlen((const char *)keyed.auth_key);
+    kvpoll_engine *guarded = NULL;
+    MUST(kvpoll_engine_new(&keyed, &guarded, err, sizeof err));
+    s = kvpoll_add_peer(guarded, meta, len, &peer, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_PEER && strstr(err, "no key") != NULL,
+          "a keyed engine refuses an unkeyed peer: KVPOLL_ERR_PEER (\"%s\")", err);
+    kvpoll_engine_free(guarded);
+    guarded = NULL;
+    keyed.auth_key_len = 5;
+    s = kvpoll_engine_new(&keyed, &guarded, err, sizeof err);
+    CHECK(s == KVPOLL_ERR_CONFIG && guarded == NULL && strstr(err, "at least 16") != NULL,
+          "a secret under 16 bytes: KVPOLL_ERR_CONFIG (\"%s\")", err);
+
     /* Settings the machine cannot meet name what was asked. */
     kvpoll_config unmet = kvpoll_config_default();
     unmet.block_size = BS;

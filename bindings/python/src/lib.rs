@@ -678,6 +678,12 @@ struct Span {
 ///   pull-only prefill or decode: ``receive`` is then refused
 ///   (``ConfigError``), and over ``tls="tcp"`` alone peers' writes are
 ///   refused and the engine cannot ``write`` either.
+/// - ``auth_key``: the secret (``bytes``, at least 16) the deployment's
+///   engines share: metadata and notifications are then tagged with it,
+///   ``add_peer`` refuses a peer without it or with another (``PeerError``)
+///   and notifications without it are dropped; each is counted
+///   (``poller_stats()``). ``None`` (default): no key; a keyed peer's
+///   metadata is refused. It authenticates, it does not encrypt.
 ///
 /// Request ids are ``str`` or ``int``; reports give back the same objects.
 /// Use it as a context manager (``with Engine(...) as e:``) or call
@@ -907,9 +913,9 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true, remote_write=true))]
+    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true, remote_write=true, auth_key=None))]
     #[pyo3(
-        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512, confirm_reads=True, remote_write=True)"
+        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512, confirm_reads=True, remote_write=True, auth_key=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -923,7 +929,15 @@ impl Engine {
         max_blocks: UInt<u32>,
         confirm_reads: bool,
         remote_write: bool,
+        auth_key: Option<Vec<u8>>,
     ) -> PyResult<Self> {
+        let auth = match auth_key {
+            None => None,
+            Some(secret) => Some(
+                kvpoll::auth::AuthKey::from_secret(&secret)
+                    .map_err(|e| PyValueError::new_err(format!("auth_key: {e}")))?,
+            ),
+        };
         let block_size = block_size.0;
         let core = core.map(|c| c.0);
         let idle = match idle {
@@ -948,6 +962,7 @@ impl Engine {
             .read_deadline(deadline)
             .confirm_reads(confirm_reads)
             .remote_write(remote_write)
+            .auth_key(auth)
             .ledger(slots, max_blocks)
             .ucx(ucx);
         let inner = py
@@ -1403,6 +1418,38 @@ impl Engine {
     #[getter]
     fn is_shut_down(&self) -> bool {
         self.shut_down
+    }
+
+    /// The poller's counters, a ``dict`` of ``str`` -> ``int``: among
+    /// them what was refused as unauthenticated (``unauthenticated_peers``,
+    /// ``unauthenticated_notifications``, ``replayed_notifications``).
+    fn poller_stats(&mut self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let s = self.inner.get().poller_stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("busy_iterations", s.busy_iterations),
+            ("idle_iterations", s.idle_iterations),
+            ("busy_ns", s.busy_ns),
+            ("idle_ns", s.idle_ns),
+            ("malformed_notifications", s.malformed_notifications),
+            ("rejected_notifications", s.rejected_notifications),
+            ("refused_reads", s.refused_reads),
+            ("reads_not_lent", s.reads_not_lent),
+            ("ops_posted", s.ops_posted),
+            ("ops_completed", s.ops_completed),
+            ("bytes_moved", s.bytes_moved),
+            ("notifications_sent", s.notifications_sent),
+            ("notification_messages", s.notification_messages),
+            ("unauthenticated_peers", s.unauthenticated_peers),
+            (
+                "unauthenticated_notifications",
+                s.unauthenticated_notifications,
+            ),
+            ("replayed_notifications", s.replayed_notifications),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d.unbind())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -291,6 +291,8 @@ impl PeerProcess {
         let mut child = Command::new(exe)
             .arg(what)
             .args(args)
+            // A peer is keyed only where the caller says so.
+            .env_remove(kvpoll::auth::ENV)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -392,6 +392,11 @@ pub const KVPOLL_UNCONFIRMED: &str = "kvpoll, no confirmation";
 pub const KVPOLL_BATCHED: &str = "kvpoll, batched";
 /// kvpoll with the UCX options of [`Peers::alt_ucx`] on top.
 pub const KVPOLL_ALT: &str = "kvpoll, other UCX options";
+/// kvpoll with both engines keyed (`kvpoll::auth`): what tagging every
+/// notification message and checking it costs.
+pub const KVPOLL_KEYED: &str = "kvpoll, keyed";
+/// The secret of [`KVPOLL_KEYED`]'s engines.
+const BENCH_SECRET: &str = "kvpoll bench compare's shared secret";
 /// The raw UCX loop.
 pub const RAW: &str = "raw UCX loop";
 /// `memcpy` in one process.
@@ -600,12 +605,13 @@ fn read_peer_lines(p: &mut PeerProcess) -> PeerLines {
 
 impl KvpollRunner {
     /// `ucx`: UCX options (names without `UCX_`) for both processes, over
-    /// kvpoll's own.
+    /// kvpoll's own; `keyed`: both engines share [`BENCH_SECRET`].
     fn new(
         exe: &Path,
         g: &Group,
         confirm: bool,
         ucx: &[(String, String)],
+        keyed: bool,
     ) -> Result<Self, E2eError> {
         let s = g.shape;
         let mut args: Vec<String> = vec![
@@ -637,10 +643,17 @@ impl KvpollRunner {
                 WRITER_SEED.to_string(),
             ]);
         }
-        let env: Vec<(String, String)> = ucx
+        let mut env: Vec<(String, String)> = ucx
             .iter()
             .map(|(k, v)| (format!("UCX_{}", k.trim_start_matches("UCX_")), v.clone()))
             .collect();
+        if keyed {
+            env.push((kvpoll::auth::ENV.into(), BENCH_SECRET.into()));
+        }
+        let key = keyed
+            .then(|| kvpoll::auth::AuthKey::from_secret(BENCH_SECRET.as_bytes()))
+            .transpose()
+            .map_err(|e| failed("the bench key", e))?;
         let mut peer = PeerProcess::spawn_with_env(exe, "engine-peer", &args, &env)?;
         let mut options = ContextOptions::with_transports(&g.tls);
         for (k, v) in ucx {
@@ -655,6 +668,7 @@ impl KvpollRunner {
             .block_size(s.block_size)
             .ucx(options)
             .confirm_reads(confirm)
+            .auth_key(key)
             .build()?;
         let local_blocks = match g.op {
             Op::Read => u64::from(s.slots()),
@@ -874,7 +888,7 @@ impl KvpollWavesRunner {
             requests: g.requests.div_ceil(wave),
             ..g.clone()
         };
-        let mut inner = KvpollRunner::new(exe, &waves, true, &[])?;
+        let mut inner = KvpollRunner::new(exe, &waves, true, &[], false)?;
         inner.check_blocks = s.blocks as usize;
         Ok(KvpollWavesRunner { inner, wave })
     }
@@ -1462,18 +1476,27 @@ pub fn run_group(
     }
     let mut runners: Vec<(&'static str, Box<dyn Runner>)> = Vec::new();
     let mut absent = Vec::new();
-    runners.push((KVPOLL, Box::new(KvpollRunner::new(exe, g, true, &[])?)));
+    runners.push((
+        KVPOLL,
+        Box::new(KvpollRunner::new(exe, g, true, &[], false)?),
+    ));
     if !peers.alt_ucx.is_empty() {
         runners.push((
             KVPOLL_ALT,
-            Box::new(KvpollRunner::new(exe, g, true, &peers.alt_ucx)?),
+            Box::new(KvpollRunner::new(exe, g, true, &peers.alt_ucx, false)?),
+        ));
+    }
+    if g.op == Op::Read && g.memory == Memory::Caller && (g.shape == SMALL || g.shape == LAYERS) {
+        runners.push((
+            KVPOLL_KEYED,
+            Box::new(KvpollRunner::new(exe, g, true, &[], true)?),
         ));
     }
     let small_read = g.shape == SMALL && g.op == Op::Read;
     if small_read {
         runners.push((
             KVPOLL_UNCONFIRMED,
-            Box::new(KvpollRunner::new(exe, g, false, &[])?),
+            Box::new(KvpollRunner::new(exe, g, false, &[], false)?),
         ));
         runners.push((KVPOLL_BATCHED, Box::new(KvpollWavesRunner::new(exe, g)?)));
     }

@@ -490,8 +490,13 @@ impl UcxTransport {
         self.regions.len()
     }
 
-    /// This engine's metadata for its peers.
+    /// This engine's metadata for its peers, encoded (untagged).
     pub fn metadata(&self, instance: u64) -> Result<Vec<u8>, UcxError> {
+        Ok(self.describe(instance)?.encode())
+    }
+
+    /// This engine's metadata for its peers.
+    pub fn describe(&self, instance: u64) -> Result<PeerMetadata, UcxError> {
         let meta = PeerMetadata {
             instance,
             layout: BlockLayout {
@@ -515,7 +520,7 @@ impl UcxTransport {
                 .filter(|_| !self.device_regions && !self.direct_regions.is_empty())
                 .map(|d| d.announce(self.direct_regions.clone())),
         };
-        Ok(meta.encode())
+        Ok(meta)
     }
 
     /// The open connection for `ep`, connecting if `ep` is newer than what

@@ -133,6 +133,7 @@ class Engine:
         max_blocks: int = 512,
         confirm_reads: bool = True,
         remote_write: bool = True,
+        auth_key: Optional[bytes] = None,
     ) -> None: ...
     def register(self, n_blocks: int) -> int:
         """Registers a region of ``n_blocks`` blocks the engine allocates; returns its index."""
@@ -212,6 +213,10 @@ class Engine:
         a new engine."""
     @property
     def is_shut_down(self) -> bool: ...
+    def poller_stats(self) -> Dict[str, int]:
+        """The poller's counters, among them what was refused as
+        unauthenticated (``unauthenticated_peers``,
+        ``unauthenticated_notifications``, ``replayed_notifications``)."""
     def __enter__(self) -> "Engine": ...
     def __exit__(
         self,

@@ -196,6 +196,32 @@ pub struct DemoArgs {
     /// Sizes and counts.
     #[command(flatten)]
     pub workload: Workload,
+    /// The deployment's key.
+    #[command(flatten)]
+    pub auth: AuthArgs,
+}
+
+/// The deployment's key (`kvpoll::auth`): engines and control links keyed.
+#[derive(Debug, Clone, Default, Args)]
+pub struct AuthArgs {
+    /// Authenticate peers with the secret in this file (at least 16
+    /// bytes; white space around it is left out): engine metadata,
+    /// notifications and control frames are tagged with it, and a peer
+    /// without it is refused. Without this flag, the secret in
+    /// KVPOLL_AUTH_KEY if set; otherwise none.
+    #[arg(long, value_name = "PATH")]
+    pub auth_key_file: Option<PathBuf>,
+}
+
+impl AuthArgs {
+    /// The key from the file, else from KVPOLL_AUTH_KEY, else none.
+    pub fn key(&self) -> Result<Option<kvpoll::auth::AuthKey>, CliError> {
+        let key = match &self.auth_key_file {
+            Some(path) => kvpoll::auth::AuthKey::from_file(path).map(Some),
+            None => kvpoll::auth::AuthKey::from_env(),
+        };
+        key.map_err(|e| CliError::Usage(e.to_string()))
+    }
 }
 
 /// `kvpoll serve`.
@@ -250,6 +276,9 @@ pub struct ServeArgs {
     /// (the demo, a test) stops its ranks, and stops them if it dies.
     #[arg(long)]
     pub until_stdin_closes: bool,
+    /// The deployment's key.
+    #[command(flatten)]
+    pub auth: AuthArgs,
 }
 
 /// `kvpoll connect`.
@@ -288,6 +317,9 @@ pub struct ConnectArgs {
     /// ranks').
     #[command(flatten)]
     pub workload: Workload,
+    /// The deployment's key (the prefill ranks' own).
+    #[command(flatten)]
+    pub auth: AuthArgs,
 }
 
 /// `kvpoll transfer`.
@@ -544,6 +576,9 @@ pub struct EnginePeerArgs {
     /// engine's). For tests: a small ring fills while lending ahead.
     #[arg(long, value_name = "N", hide = true, value_parser = clap::value_parser!(u32).range(2..))]
     pub command_ring: Option<u32>,
+    /// The deployment's key (`kvpoll bench compare`'s keyed rows).
+    #[command(flatten)]
+    pub auth: AuthArgs,
 }
 
 #[cfg(test)]

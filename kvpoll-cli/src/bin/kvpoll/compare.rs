@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use kvpoll_cli::bench::memory::huge_pages;
 use kvpoll_cli::bench::shapes::{
     default_groups, run_group, GroupFigures, Peers, SystemFigures, KVPOLL, KVPOLL_BATCHED,
-    KVPOLL_UNCONFIRMED, MEMCPY, MOONCAKE, NIXL, NIXL_BATCHED, PVREADV, RAW,
+    KVPOLL_KEYED, KVPOLL_UNCONFIRMED, MEMCPY, MOONCAKE, NIXL, NIXL_BATCHED, PVREADV, RAW,
 };
 
 use crate::bench::{Met, Row};
@@ -233,6 +233,46 @@ impl Comparison {
             "kvpoll, no confirmation",
             Some(0.8),
             false,
+        );
+        rate_of(
+            KVPOLL_KEYED,
+            "key_small_caller_shm",
+            "small_shm_caller_pull",
+            "16 KiB reads, caller memory, shm: keyed vs no key",
+            KVPOLL,
+            "kvpoll, no key",
+            None,
+            false,
+        );
+        rate_of(
+            KVPOLL_KEYED,
+            "key_small_tcp",
+            "small_tcp_caller_pull",
+            "16 KiB reads, tcp: keyed vs no key",
+            KVPOLL,
+            "kvpoll, no key",
+            None,
+            false,
+        );
+        rate_of(
+            KVPOLL_KEYED,
+            "key_8mib_caller_shm",
+            "layers_shm_caller_pull",
+            "8 MiB requests, caller memory, shm: keyed vs no key",
+            KVPOLL,
+            "kvpoll, no key",
+            None,
+            true,
+        );
+        rate_of(
+            KVPOLL_KEYED,
+            "key_8mib_tcp",
+            "layers_tcp_caller_pull",
+            "8 MiB requests, tcp: keyed vs no key",
+            KVPOLL,
+            "kvpoll, no key",
+            None,
+            true,
         );
         rate_of(
             KVPOLL_BEST,
@@ -566,7 +606,7 @@ impl Comparison {
             for s in &g.systems {
                 let w = ((W - LABEL - 250) as f64 * s.gb_per_s / max).round() as usize;
                 let colour = match s.system.as_str() {
-                    KVPOLL | KVPOLL_UNCONFIRMED | KVPOLL_BATCHED => "#1f77b4",
+                    KVPOLL | KVPOLL_UNCONFIRMED | KVPOLL_BATCHED | KVPOLL_KEYED => "#1f77b4",
                     RAW => "#7f7f7f",
                     MEMCPY | PVREADV => "#2ca02c",
                     n if n.starts_with(NIXL) => "#d62728",

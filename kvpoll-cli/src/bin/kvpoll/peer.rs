@@ -114,6 +114,7 @@ pub fn run(args: &UcxPeerArgs) -> Result<(), CliError> {
 pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     let EnginePeerArgs {
         ref tls,
+        ref auth,
         blocks,
         block_size,
         seed,
@@ -132,7 +133,8 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
     }
     let mut builder = kvpoll::Engine::builder()
         .block_size(block_size)
-        .ucx(ContextOptions::with_transports(tls));
+        .ucx(ContextOptions::with_transports(tls))
+        .auth_key(auth.key()?);
     if lend_ahead > 0 {
         // Room for what is lent ahead, and for as many reported but not
         // yet polled.

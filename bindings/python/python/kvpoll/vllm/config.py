@@ -42,6 +42,12 @@ class KvpollConfig:
     #: alone a peer's write into the cache is refused (docs/design.md
     #: says what guards each transport). For deployments that only pull.
     remote_write: bool = True
+    #: A file holding the deployment's secret (at least 16 bytes): the
+    #: engine, its metadata and notifications, and the side channel are
+    #: then keyed, and a peer without the key is refused and counted
+    #: (``auth.py``). None: the secret in ``KVPOLL_AUTH_KEY`` if set, else
+    #: no key.
+    auth_key_file: Optional[str] = None
 
     def for_data_parallel_rank(self, dp_index: int, tp_size: int) -> "KvpollConfig":
         """The settings of data-parallel rank ``dp_index`` of an instance of
@@ -94,6 +100,8 @@ class KvpollConfig:
             raise ValueError(f"mode must be 'pull' or 'push', not {cfg.mode!r}")
         if not isinstance(cfg.remote_write, bool):
             raise ValueError(f"remote_write must be true or false, not {cfg.remote_write!r}")
+        if cfg.auth_key_file is not None and not isinstance(cfg.auth_key_file, str):
+            raise ValueError(f"auth_key_file must be a path, not {cfg.auth_key_file!r}")
         if cfg.idle not in ("adaptive", "busy"):
             raise ValueError(f"idle must be 'adaptive' or 'busy', not {cfg.idle!r}")
         return cfg

@@ -21,6 +21,11 @@ threads of their own, and an asking side gives the answer its timeout, so
 bytes trickled in keep nobody waiting. Nothing here runs on vLLM's step:
 ``HandshakeCache`` fetches on a thread pool and the worker half sends its
 push requests and releases there too.
+
+With the deployment's key (``auth.SideChannelKey``) every request starts
+with a ``KEY`` line and every answer with one: a client without the key,
+with another, or replaying a request is refused (``NO <why>``) and
+counted, and a client refuses an answer whose tag does not check out.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .auth import SideChannelKey
 from .log import get_logger
 
 MAGIC = b"KVPH"
@@ -44,7 +50,8 @@ HEADER = struct.Struct(">4sHI")
 #: The largest frame either side accepts (kvpoll's engine metadata is a
 #: few hundred bytes).
 MAX_FRAME = 64 * 1024
-_REQUEST_MAX = 64
+#: The longest request line (a ``KEY`` line is 115 bytes).
+_REQUEST_MAX = 192
 
 logger = get_logger(__name__)
 
@@ -330,8 +337,10 @@ class HandshakeServer:
         handshake: Handshake,
         on_push: Optional[Callable[[PushRequest], Optional[str]]] = None,
         on_free: Optional[Callable[["PushRelease"], None]] = None,
+        key: Optional[SideChannelKey] = None,
     ) -> None:
         self._frame = handshake.encode()
+        self._key = key
         self._on_push = on_push
         self._on_free = on_free
         self._rank = handshake.tp_rank
@@ -362,15 +371,34 @@ class HandshakeServer:
             with conn:
                 reader = _Deadline(conn, FRAME_DEADLINE_S, "side-channel request")
                 line, rest = _read_line(reader)
+                key_line = None
+                if line.startswith(b"KEY "):
+                    key_line, (line, rest) = line, _read_line(reader, rest)
+                frame = b""
+                if line in (f"PUSH {self._rank}".encode(), f"FREE {self._rank}".encode()):
+                    frame = _read_frame(reader, rest)
+                nonce = None
+                if self._key is not None or key_line is not None:
+                    if self._key is None:
+                        why = "this side channel has no key (auth_key_file or KVPOLL_AUTH_KEY): its workers run without one"
+                    else:
+                        nonce, why = self._key.check_request(key_line or b"", line + b"\n" + frame)
+                    if nonce is None:
+                        logger.warning("kvpoll side channel: unauthenticated request refused: %s", why)
+                        conn.settimeout(FRAME_DEADLINE_S)
+                        conn.sendall(f"NO {why}\n".encode())
+                        return
                 if line == f"GET {self._rank}".encode():
                     answer = self._frame
                 elif line == f"PUSH {self._rank}".encode() and self._on_push is not None:
-                    answer = self._push(reader, rest)
+                    answer = self._push(frame)
                 elif line == f"FREE {self._rank}".encode() and self._on_free is not None:
-                    answer = self._free(reader, rest)
+                    answer = self._free(frame)
                 else:
                     logger.warning("kvpoll side channel: refused request %r", line[:_REQUEST_MAX])
                     return
+                if self._key is not None and nonce is not None:
+                    answer = self._key.seal_answer(nonce, answer)
                 conn.settimeout(FRAME_DEADLINE_S)
                 conn.sendall(answer)
         except OSError as e:
@@ -378,12 +406,11 @@ class HandshakeServer:
         finally:
             self._clients.release()
 
-    def _push(self, reader: _Deadline, data: bytes) -> bytes:
-        """Reads one push request frame (``data`` is what came with the
-        request line) and answers it."""
+    def _push(self, frame: bytes) -> bytes:
+        """Answers one push request frame."""
         assert self._on_push is not None
         try:
-            why = self._on_push(PushRequest.decode(_read_frame(reader, data)))
+            why = self._on_push(PushRequest.decode(frame))
         except HandshakeError as e:
             why = str(e)
         if why is not None:
@@ -391,11 +418,11 @@ class HandshakeServer:
             return f"NO {why}\n".encode()[:MAX_FRAME]
         return b"OK\n"
 
-    def _free(self, reader: _Deadline, data: bytes) -> bytes:
-        """Reads one release frame and hands it on."""
+    def _free(self, frame: bytes) -> bytes:
+        """Hands one release frame on."""
         assert self._on_free is not None
         try:
-            self._on_free(PushRelease.decode(_read_frame(reader, data)))
+            self._on_free(PushRelease.decode(frame))
         except HandshakeError as e:
             logger.warning("kvpoll side channel: release refused: %s", e)
             return f"NO {e}\n".encode()[:MAX_FRAME]
@@ -424,9 +451,9 @@ def _read_frame(reader: "_Deadline", data: bytes) -> bytes:
     return data
 
 
-def _read_line(reader: "_Deadline") -> Tuple[bytes, bytes]:
-    """The request line, and what arrived after it."""
-    data = b""
+def _read_line(reader: "_Deadline", data: bytes = b"") -> Tuple[bytes, bytes]:
+    """The request line (after what already arrived, ``data``), and what
+    arrived after it."""
     while b"\n" not in data and len(data) <= _REQUEST_MAX:
         chunk = reader.recv(_REQUEST_MAX)
         if not chunk:
@@ -436,10 +463,32 @@ def _read_line(reader: "_Deadline") -> Tuple[bytes, bytes]:
     return line, rest
 
 
-def _exchange(host: str, port: int, request: bytes, timeout_s: float, what: str, until: Callable[[bytes], bool]) -> bytes:
+def _exchange(
+    host: str,
+    port: int,
+    request: bytes,
+    timeout_s: float,
+    what: str,
+    until: Callable[[bytes], bool],
+    key: Optional[SideChannelKey] = None,
+) -> bytes:
     """Sends ``request`` and reads the answer until ``until(answer)``, the
     server closes, or MAX_FRAME is passed, all within ``timeout_s`` from
-    the connect: an answer trickled in is refused like a missing one."""
+    the connect: an answer trickled in is refused like a missing one. With
+    ``key``, the request is tagged and the answer's tag checked (a ``NO``
+    refusal, which the server cannot tag for a request it refused, is
+    given back as it came)."""
+    if key is not None:
+        request, nonce = key.seal_request(request)
+        answer = _exchange(host, port, request, timeout_s, what, lambda a: b"\n" in a and until(a.partition(b"\n")[2]))
+        if answer.startswith(b"NO "):
+            return answer
+        opened = key.open_answer(nonce, answer)
+        if opened is None:
+            raise HandshakeError(
+                f"{host}:{port}: the {what}'s tag does not check out (the worker holds another key, or none)"
+            )
+        return opened
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
             reader = _Deadline(s, timeout_s, what)
@@ -461,29 +510,38 @@ def _line_ok(host: str, port: int, answer: bytes, what: str) -> None:
         raise HandshakeError(f"{host}:{port} refused the {what}: {line.decode(errors='replace')[:200]}")
 
 
-def send_push_request(host: str, port: int, tp_rank: int, req: PushRequest, timeout_s: float = 5.0) -> None:
+def send_push_request(
+    host: str, port: int, tp_rank: int, req: PushRequest, timeout_s: float = 5.0, key: Optional[SideChannelKey] = None
+) -> None:
     """Asks prefill rank ``tp_rank`` at ``(host, port)`` to write ``req``;
     raises ``HandshakeError`` if it cannot be reached or refuses."""
     request = f"PUSH {tp_rank}\n".encode() + req.encode()
-    answer = _exchange(host, port, request, timeout_s, "answer to a push request", lambda a: b"\n" in a)
+    answer = _exchange(host, port, request, timeout_s, "answer to a push request", lambda a: b"\n" in a, key)
     _line_ok(host, port, answer, "push request")
 
 
-def send_push_release(host: str, port: int, tp_rank: int, rel: "PushRelease", timeout_s: float = 5.0) -> None:
+def send_push_release(
+    host: str, port: int, tp_rank: int, rel: "PushRelease", timeout_s: float = 5.0, key: Optional[SideChannelKey] = None
+) -> None:
     """Tells prefill rank ``tp_rank`` that nobody will ask for ``rel``'s
     request: it frees the blocks it holds for it now, not at the lease's
     end. Raises ``HandshakeError`` if it cannot be reached or refuses."""
     request = f"FREE {tp_rank}\n".encode() + rel.encode()
-    answer = _exchange(host, port, request, timeout_s, "answer to a release", lambda a: b"\n" in a)
+    answer = _exchange(host, port, request, timeout_s, "answer to a release", lambda a: b"\n" in a, key)
     _line_ok(host, port, answer, "release")
 
 
-def fetch_handshake(host: str, port: int, tp_rank: int, timeout_s: float = 5.0) -> Handshake:
+def fetch_handshake(
+    host: str, port: int, tp_rank: int, timeout_s: float = 5.0, key: Optional[SideChannelKey] = None
+) -> Handshake:
     """Asks the worker at ``(host, port)`` for its handshake; raises
     ``HandshakeError`` if it cannot be reached, does not answer in full
     within ``timeout_s``, or answers anything but a valid handshake for
     ``tp_rank``."""
-    frame = _exchange(host, port, f"GET {tp_rank}\n".encode(), timeout_s, "handshake", lambda a: False)
+    frame = _exchange(host, port, f"GET {tp_rank}\n".encode(), timeout_s, "handshake", lambda a: False, key)
+    if frame.startswith(b"NO "):
+        why = frame[3:].partition(b"\n")[0].decode(errors="replace")[:200]
+        raise HandshakeError(f"{host}:{port} refused the handshake: {why}")
     if len(frame) > MAX_FRAME:
         raise HandshakeError(f"{host}:{port} sent more than {MAX_FRAME} bytes")
     hs = Handshake.decode(frame)
@@ -504,8 +562,15 @@ class HandshakeCache:
     that the next use fetches again (the remote may have restarted).
     ``get`` is the same, waiting for the answer."""
 
-    def __init__(self, timeout_s: float = 5.0, backoff_s: Tuple[float, float] = (1.0, 10.0), threads: int = 4) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        backoff_s: Tuple[float, float] = (1.0, 10.0),
+        threads: int = 4,
+        key: Optional[SideChannelKey] = None,
+    ) -> None:
         self.timeout_s = timeout_s
+        self.key = key
         self.backoff_s = backoff_s
         self._known: Dict[Tuple[str, int], Handshake] = {}
         self._fetching: Dict[Tuple[str, int], "Future[Handshake]"] = {}
@@ -551,7 +616,7 @@ class HandshakeCache:
             wait([self._fetching[(engine_id, tp_rank)]])
 
     def _fetch(self, engine_id: str, host: str, port: int, tp_rank: int) -> Handshake:
-        hs = fetch_handshake(host, port + tp_rank, tp_rank, self.timeout_s)
+        hs = fetch_handshake(host, port + tp_rank, tp_rank, self.timeout_s, self.key)
         if hs.engine_id != engine_id:
             raise HandshakeError(f"{host}:{port + tp_rank} is engine {hs.engine_id!r}, the request names {engine_id!r}")
         return hs

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 from kvpoll import KvpollError, device_memory, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 
+from .auth import SideChannelKey, load_secret
 from .config import KvpollConfig
 from .log import get_logger
 from .metadata import KvpollConnectorMetadata, LoadSpec, RemotePrefill
@@ -239,7 +240,10 @@ class KvpollWorker:
         self.num_regions = 0
         self.block_bytes = 0
         self._server: Optional[HandshakeServer] = None
-        self._handshakes = HandshakeCache(config.handshake_timeout_s)
+        # The deployment's secret keys the engine and the side channel.
+        self._secret = load_secret(config.auth_key_file)
+        self._key = SideChannelKey(self._secret) if self._secret is not None else None
+        self._handshakes = HandshakeCache(config.handshake_timeout_s, key=self._key)
         self._peers: Dict[Tuple[str, str], int] = {}  # (engine id, instance) -> peer
         # Decode side: loads and releases not finished with, by the
         # prefill's request id (what the engine reports them under).
@@ -281,6 +285,7 @@ class KvpollWorker:
             "slots": slots,
             "max_blocks": max_blocks,
             "remote_write": self.config.remote_write,
+            "auth_key": self._secret,
         }
         if self.config.ucx_tls:
             kwargs["tls"] = self.config.ucx_tls
@@ -304,6 +309,7 @@ class KvpollWorker:
                 hs,
                 self._on_push,
                 self._on_free,
+                self._key,
             )
         except BaseException:
             core.shutdown()
@@ -426,7 +432,7 @@ class KvpollWorker:
         rel = PushRelease(engine_id=remote.engine_id, request_id=remote.request_id)
         for rank in self._ranks(remote):
             fut = self._handshakes.submit(
-                send_push_release, remote.host, remote.port + rank, rank, rel, self.config.handshake_timeout_s
+                send_push_release, remote.host, remote.port + rank, rank, rel, self.config.handshake_timeout_s, self._key
             )
             fut.add_done_callback(partial(_log_release, remote.request_id, rank))
 
@@ -505,7 +511,7 @@ class KvpollWorker:
             )
             load.asks.append(
                 self._handshakes.submit(
-                    send_push_request, remote.host, remote.port + rank, rank, ask, self.config.handshake_timeout_s
+                    send_push_request, remote.host, remote.port + rank, rank, ask, self.config.handshake_timeout_s, self._key
                 )
             )
 
@@ -694,6 +700,13 @@ class KvpollWorker:
         return out
 
     def get_kv_connector_stats(self) -> Optional[Dict[str, Any]]:
+        refused = self._key.take_refused() if self._key is not None else 0
+        if self.core is not None:
+            s = self.core.engine.poller_stats()
+            refused += self._stats.engine_refusals(
+                s["unauthenticated_peers"] + s["unauthenticated_notifications"] + s["replayed_notifications"]
+            )
+        self._stats.data["num_unauthenticated"] += refused
         return self._stats.take()
 
     @property
@@ -722,10 +735,18 @@ class _Stats:
 
     def __init__(self) -> None:
         self._started: Dict[str, Tuple[float, int]] = {}
+        # The engine's refusals as unauthenticated counted so far.
+        self._engine_refused = 0
         self._reset()
 
     def _reset(self) -> None:
-        self.data: Dict[str, Any] = {"num_transfers": 0, "num_failed": 0, "bytes": 0, "durations_s": []}
+        self.data: Dict[str, Any] = {
+            "num_transfers": 0,
+            "num_failed": 0,
+            "bytes": 0,
+            "durations_s": [],
+            "num_unauthenticated": 0,
+        }
 
     def started(self, req_id: str, nbytes: int) -> None:
         self._started[req_id] = (time.monotonic(), nbytes)
@@ -741,8 +762,14 @@ class _Stats:
         self._started.pop(req_id, None)
         self.data["num_failed"] += 1
 
+    def engine_refusals(self, total: int) -> int:
+        """The engine's refusals as unauthenticated since the last call, of
+        its running ``total``."""
+        new, self._engine_refused = total - self._engine_refused, total
+        return new
+
     def take(self) -> Optional[Dict[str, Any]]:
-        if not (self.data["num_transfers"] or self.data["num_failed"]):
+        if not (self.data["num_transfers"] or self.data["num_failed"] or self.data["num_unauthenticated"]):
             return None
         out = self.data
         self._reset()

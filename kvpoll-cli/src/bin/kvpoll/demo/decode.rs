@@ -18,7 +18,7 @@ use kvpoll::{BlockId, ContextOptions, Engine, Outcomes, PeerId, RequestId, Trans
 use kvpoll_cli::RunError;
 
 use kvpoll::Cause;
-use kvpoll_cli::control;
+use kvpoll_cli::control::{self, Session};
 
 use super::link::{self, Incoming, LinkError};
 use super::pool::{seed, Expect, Pool};
@@ -92,6 +92,8 @@ pub struct DecodeConfig {
     /// Where this rank publishes its rings' occupancy (commands and events
     /// waiting), about once a second, for the soak's samples.
     pub rings: Option<std::sync::Arc<AtomicU64>>,
+    /// The deployment's key: the engine and the control links are keyed.
+    pub auth: Option<kvpoll::auth::AuthKey>,
 }
 
 /// Injected faults that fired on a decode rank.
@@ -191,6 +193,8 @@ pub struct DecodeReport {
 
 struct Link {
     stream: Option<TcpStream>,
+    /// The open connection's framing.
+    session: Session,
     peer: Option<PeerId>,
     generation: u64,
     /// Connections made so far; tags of its reader's events.
@@ -208,6 +212,7 @@ impl Link {
     fn new() -> Link {
         Link {
             stream: None,
+            session: Session::none(),
             peer: None,
             generation: u64::MAX,
             epoch: 0,
@@ -472,6 +477,7 @@ fn start_engine(cfg: &DecodeConfig) -> Result<Engine, RunError> {
         .confirm_reads(cfg.fence)
         .fence_push_leases(cfg.fence)
         .faults(cfg.faults)
+        .auth_key(cfg.auth.clone())
         .build()?;
     for _ in 0..cfg.layers {
         engine.register(u64::from(cfg.blocks))?;
@@ -579,33 +585,35 @@ impl Decoder<'_> {
             if link.stream.is_some() || Instant::now() < link.next_try {
                 continue;
             }
-            let tried = link::handshake(addr, ours).and_then(|o| {
+            let tried = link::handshake(addr, ours, self.cfg.auth.as_ref()).and_then(|o| {
                 let peer = self
                     .engine
                     .add_peer(&o.meta)
                     .map_err(|e| LinkError::Refused(format!("its metadata: {e}")))?;
-                Ok((o.stream, peer))
+                Ok((o.stream, o.session, peer))
             });
             let link = &mut self.links[i];
-            let result = tried.and_then(|(mut stream, peer)| {
+            let result = tried.and_then(|(mut stream, session, peer)| {
                 let meta = self
                     .engine
                     .local_metadata()
                     .map_err(|e| LinkError::Refused(format!("our metadata: {e}")))?;
-                control::send(&mut stream, &Msg::Meta(meta)).map_err(LinkError::Write)?;
+                control::send_in(&mut stream, &session, &Msg::Meta(meta))
+                    .map_err(LinkError::Write)?;
                 link.epoch += 1;
                 link::spawn_reader(
                     &stream,
+                    &session,
                     i + 2 * link.epoch,
                     self.tx.clone(),
                     None,
                     Some(self.engine.waker()),
                 )
                 .map_err(LinkError::Connect)?;
-                Ok((stream, peer))
+                Ok((stream, session, peer))
             });
             match result {
-                Ok((stream, peer)) => {
+                Ok((stream, session, peer)) => {
                     if link.attempts > 0 {
                         tracing::info!(
                             rank,
@@ -615,6 +623,7 @@ impl Decoder<'_> {
                         );
                     }
                     link.stream = Some(stream);
+                    link.session = session;
                     link.peer = Some(peer);
                     link.attempts = 0;
                     link.backoff = BACKOFF_FIRST;
@@ -680,6 +689,7 @@ impl Decoder<'_> {
                     if let Some(s) = &mut l.stream {
                         link::send(
                             s,
+                            &l.session,
                             &Msg::Prepare {
                                 req: id,
                                 n: h as u32,
@@ -718,6 +728,7 @@ impl Decoder<'_> {
                     if let Some(s) = &mut l.stream {
                         link::send(
                             s,
+                            &l.session,
                             &Msg::Push {
                                 req: id,
                                 lend: lend.0,

@@ -29,7 +29,8 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpoll_cli::control::{check_header, HEADER, MAX_PAYLOAD, TRAILER};
+use kvpoll::auth::AuthKey;
+use kvpoll_cli::control::{check_header, frame_len, Session, HEADER, MAX_PAYLOAD};
 
 use super::link;
 use super::proto::{Layout, Msg};
@@ -141,6 +142,7 @@ pub fn start(
     listener: TcpListener,
     ours: Layout,
     meta: Vec<u8>,
+    auth: Option<AuthKey>,
     testing: bool,
     limits: Limits,
     rank: u32,
@@ -155,7 +157,8 @@ pub fn start(
     let mut door = Door {
         listener,
         ours,
-        hello: hello(ours, meta)?,
+        meta: checked(meta)?,
+        auth,
         testing,
         limits,
         rank,
@@ -183,17 +186,18 @@ pub fn start(
     })
 }
 
-/// Our HELLO and META frames, as every handshake gets them.
-fn hello(ours: Layout, meta: Vec<u8>) -> io::Result<Vec<u8>> {
-    Ok([Msg::Hello(ours).encode(), Msg::Meta(meta).encode()]
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
-        .concat())
+/// Engine metadata that fits a META frame.
+fn checked(meta: Vec<u8>) -> io::Result<Vec<u8>> {
+    Msg::Meta(meta.clone())
+        .encode()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    Ok(meta)
 }
 
 struct Conn {
     stream: TcpStream,
+    /// This side of the connection's framing (tagged with a key).
+    session: Session,
     /// Past the handshake.
     greeted: bool,
     /// Sent its engine metadata (PREPARE and PUSH need it first).
@@ -210,8 +214,10 @@ struct Conn {
 struct Door {
     listener: TcpListener,
     ours: Layout,
-    /// Our HELLO and META frames, sent on every handshake.
-    hello: Vec<u8>,
+    /// Our engine's metadata, sent on every handshake.
+    meta: Vec<u8>,
+    /// The deployment's key: every connection's frames are tagged with it.
+    auth: Option<AuthKey>,
     testing: bool,
     limits: Limits,
     rank: u32,
@@ -299,6 +305,7 @@ impl Door {
                         let _ = s.set_nonblocking(true);
                         let _ = link::send(
                             &mut s,
+                            &Session::none(),
                             &Msg::Refused("server out of file descriptors".into()),
                         );
                     }
@@ -337,6 +344,7 @@ impl Door {
             self.next_tag,
             Conn {
                 stream,
+                session: Session::new(self.auth.as_ref()),
                 greeted: false,
                 meta: false,
                 input: Vec::new(),
@@ -360,8 +368,8 @@ impl Door {
             // Never more than the frame being read needs.
             let want = match c.input.len() {
                 n if n < HEADER => HEADER - n,
-                n => match check_header(&c.input[..HEADER]) {
-                    Ok(len) => HEADER + len + TRAILER - n,
+                n => match frame_len(&c.input[..HEADER]) {
+                    Ok(len) => len - n,
                     Err(_) => 0,
                 },
             };
@@ -390,12 +398,12 @@ impl Door {
                 }
                 Err(e) => return self.refuse(tag, e.to_string()),
             };
-            if c.input.len() < HEADER + len + TRAILER {
+            if c.input.len() < frame_len(&c.input[..HEADER]).unwrap_or(HEADER + len) {
                 continue;
             }
             let frame = std::mem::take(&mut c.input);
             c.frame_started = None;
-            match Msg::decode(&frame) {
+            match c.session.decode(&frame) {
                 Ok(m) => self.handle(tag, m),
                 Err(e) => return self.refuse(tag, e.to_string()),
             }
@@ -420,8 +428,8 @@ impl Door {
                     if let Some(c) = self.conns.get_mut(&tag) {
                         c.greeted = true;
                     }
-                    let hello = self.hello.clone();
-                    self.queue(tag, &hello);
+                    self.send(tag, &Msg::Hello(self.ours));
+                    self.send(tag, &Msg::Meta(self.meta.clone()));
                 }
                 Msg::Hello(theirs) => {
                     // Our hello lets the client name the mismatch.
@@ -501,7 +509,10 @@ impl Door {
 
     /// Queues `msg` for connection `tag` and writes what the socket takes.
     fn send(&mut self, tag: usize, msg: &Msg) {
-        if let Ok(f) = msg.encode() {
+        let Some(c) = self.conns.get(&tag) else {
+            return;
+        };
+        if let Ok(f) = c.session.encode(msg) {
             self.queue(tag, &f);
         }
     }
@@ -553,7 +564,14 @@ impl Door {
     fn close(&mut self, tag: usize, why: Option<String>) {
         if let Some(why) = why {
             if let Some(c) = self.conns.get_mut(&tag) {
-                if let Ok(f) = Msg::Refused(why).encode() {
+                // Tagged once the client proved it holds the key; before
+                // that, plain, so a client without it can read why.
+                let session = if c.session.heard() {
+                    c.session.clone()
+                } else {
+                    Session::none()
+                };
+                if let Ok(f) = session.encode(&Msg::Refused(why)) {
                     c.out.extend_from_slice(&f);
                 }
                 let _ = c.stream.write(&c.out);
@@ -573,8 +591,8 @@ impl Door {
     /// connection past its handshake (whose client holds the old one) is
     /// told and closed.
     fn renew(&mut self, meta: Vec<u8>) {
-        match hello(self.ours, meta) {
-            Ok(h) => self.hello = h,
+        match checked(meta) {
+            Ok(m) => self.meta = m,
             Err(e) => {
                 tracing::warn!(rank = self.rank, "new engine metadata not sent: {e}");
                 return;

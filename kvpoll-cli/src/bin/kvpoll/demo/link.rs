@@ -7,7 +7,8 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use kvpoll_cli::control::{self, FrameReader, ReadError};
+use kvpoll::auth::AuthKey;
+use kvpoll_cli::control::{self, FrameReader, ReadError, Session};
 
 use super::proto::{Layout, Msg};
 
@@ -34,6 +35,7 @@ pub enum Incoming {
 /// sent on also wakes that engine's thread out of `Engine::wait`.
 pub fn spawn_reader(
     stream: &TcpStream,
+    session: &Session,
     tag: usize,
     tx: Sender<Incoming>,
     idle: Option<Duration>,
@@ -41,8 +43,9 @@ pub fn spawn_reader(
 ) -> std::io::Result<()> {
     let reader = stream.try_clone()?;
     reader.set_read_timeout(Some(TICK))?;
+    let session = session.clone();
     std::thread::spawn(move || {
-        let mut frames = FrameReader::new(reader, FRAME_TIMEOUT, idle);
+        let mut frames = FrameReader::new(reader, FRAME_TIMEOUT, idle).with_session(session);
         loop {
             let ev = match frames.read_msg() {
                 Ok(m) => Incoming::Line(tag, m),
@@ -65,8 +68,8 @@ pub fn spawn_reader(
 }
 
 /// Sends one message; a failed write means the link is gone.
-pub fn send(stream: &mut TcpStream, msg: &Msg) -> bool {
-    control::send(stream, msg).is_ok()
+pub fn send(stream: &mut TcpStream, session: &Session, msg: &Msg) -> bool {
+    control::send_in(stream, session, msg).is_ok()
 }
 
 /// Why a client could not open a link to a server.
@@ -115,11 +118,14 @@ fn msg_name(m: &Msg) -> &'static str {
 pub struct Opened {
     pub stream: TcpStream,
     pub meta: Vec<u8>,
+    /// The connection's framing: what every later frame on it is sent
+    /// and read with.
+    pub session: Session,
 }
 
 /// Connects to `addr`, says hello with `ours`, and reads the server's hello
 /// and metadata, all within [`HANDSHAKE_TIMEOUT`].
-pub fn handshake(addr: &str, ours: Layout) -> Result<Opened, LinkError> {
+pub fn handshake(addr: &str, ours: Layout, key: Option<&AuthKey>) -> Result<Opened, LinkError> {
     let sa: SocketAddr = addr
         .to_socket_addrs()
         .map_err(|_| LinkError::Resolve(addr.to_owned()))?
@@ -135,10 +141,11 @@ pub fn handshake(addr: &str, ours: Layout) -> Result<Opened, LinkError> {
     stream
         .set_read_timeout(Some(TICK))
         .map_err(LinkError::Connect)?;
-    control::send(&mut stream, &Msg::Hello(ours)).map_err(LinkError::Write)?;
+    let session = Session::new(key);
+    control::send_in(&mut stream, &session, &Msg::Hello(ours)).map_err(LinkError::Write)?;
     let left = HANDSHAKE_TIMEOUT.saturating_sub(t0.elapsed());
     let reader = stream.try_clone().map_err(LinkError::Connect)?;
-    let mut frames = FrameReader::new(reader, left, Some(left));
+    let mut frames = FrameReader::new(reader, left, Some(left)).with_session(session.clone());
     match frames.read_msg()? {
         Msg::Hello(theirs) if theirs == ours => {}
         Msg::Hello(theirs) => return Err(LinkError::Layout { ours, theirs }),
@@ -146,7 +153,11 @@ pub fn handshake(addr: &str, ours: Layout) -> Result<Opened, LinkError> {
         other => return Err(LinkError::Unexpected(msg_name(&other))),
     }
     match frames.read_msg()? {
-        Msg::Meta(meta) => Ok(Opened { stream, meta }),
+        Msg::Meta(meta) => Ok(Opened {
+            stream,
+            meta,
+            session,
+        }),
         Msg::Refused(why) => Err(LinkError::Refused(why)),
         other => Err(LinkError::Unexpected(msg_name(&other))),
     }

@@ -80,6 +80,10 @@ struct Settings {
     soak_csv: Option<std::path::PathBuf>,
     /// Raw UCX transfers timed before each mode (0: none).
     raw_requests: u32,
+    /// The deployment's key, and the file it came from (handed to the
+    /// prefill rank processes; from the environment they inherit it).
+    auth: Option<kvpoll::auth::AuthKey>,
+    auth_key_file: Option<std::path::PathBuf>,
 }
 
 impl Settings {
@@ -107,6 +111,8 @@ impl Settings {
         s.sample_every = Duration::from_secs(a.sample_secs);
         s.soak_csv = a.soak_csv.clone();
         s.raw_requests = a.raw_requests;
+        s.auth = a.auth.key()?;
+        s.auth_key_file = a.auth.auth_key_file.clone();
         Ok(s)
     }
 
@@ -139,6 +145,8 @@ impl Settings {
             sample_every: Duration::from_secs(5),
             soak_csv: None,
             raw_requests: 0,
+            auth: None,
+            auth_key_file: None,
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -206,6 +214,7 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         stall: None,
         doze: None,
         rings: None,
+        auth: s.auth.clone(),
     }
 }
 
@@ -223,6 +232,7 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         limits: door::Limits { max_conns: 256 },
         // The demo stalls its ranks on purpose.
         testing: s.faults,
+        auth: s.auth.clone(),
         faults: Faults {
             handle_error_every: if s.faults {
                 s.handle_error_every * 2
@@ -274,6 +284,11 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
             ])
             // The coordinator stalls ranks: fault injection must be allowed.
             .args(s.faults.then_some("--testing"))
+            .args(
+                s.auth_key_file
+                    .iter()
+                    .flat_map(|f| [std::ffi::OsStr::new("--auth-key-file"), f.as_os_str()]),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -313,12 +328,13 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
 /// One control request to a prefill rank on a fresh connection, after the
 /// handshake; its reply if one is wanted.
 fn ask(addr: &str, s: &Settings, msg: &Msg, want_reply: bool) -> Result<Option<Msg>, LinkError> {
-    let mut o = link::handshake(addr, layout(s))?;
-    control::send(&mut o.stream, msg).map_err(LinkError::Write)?;
+    let mut o = link::handshake(addr, layout(s), s.auth.as_ref())?;
+    control::send_in(&mut o.stream, &o.session, msg).map_err(LinkError::Write)?;
     if !want_reply {
         return Ok(None);
     }
-    let mut frames = FrameReader::new(o.stream, link::FRAME_TIMEOUT, Some(link::HANDSHAKE_TIMEOUT));
+    let mut frames = FrameReader::new(o.stream, link::FRAME_TIMEOUT, Some(link::HANDSHAKE_TIMEOUT))
+        .with_session(o.session);
     match frames.read_msg()? {
         Msg::Refused(why) => Err(LinkError::Refused(why)),
         m => Ok(Some(m)),
@@ -425,6 +441,7 @@ fn raw_baseline(s: &Settings, mode: Mode, registry: &Registry) -> RawFigures {
         mode,
         requests: s.raw_requests,
         window,
+        auth: s.auth.clone(),
     };
     let pair = |d: u32| -> Result<[String; 2], String> {
         match addrs.get(2 * d as usize..2 * d as usize + 2) {
@@ -1195,6 +1212,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
             max_conns: args.max_connections as usize,
         },
         testing: args.testing,
+        auth: args.auth.key()?,
     };
     check_sizes(u64::from(args.layers), args.blocks, args.block_size, 1)?;
     let listener = TcpListener::bind(listen)
@@ -1239,6 +1257,7 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     let mode = args.mode;
     let mut s = Settings::workload(&args.workload, &args.tls)?;
     s.give_up_after = Duration::from_secs(args.give_up_after);
+    s.auth = args.auth.key()?;
     check_sizes(s.layers as u64, s.blocks, s.block_size, 1)?;
     let registry = Registry::default();
     if let Ok(mut a) = registry.addrs.lock() {

@@ -35,6 +35,8 @@ pub struct ServeConfig {
     /// Where to publish the engine's metrics (`serve --metrics`), about
     /// every 100 ms.
     pub metrics: Option<Arc<Mutex<MetricsSnapshot>>>,
+    /// The deployment's key: the engine and the control port are keyed.
+    pub auth: Option<kvpoll::auth::AuthKey>,
 }
 
 /// How often a serving rank refreshes its published metrics.
@@ -70,8 +72,16 @@ pub fn serve(
             "engine metadata does not fit in a control frame: fewer layers",
         ));
     }
-    let door = door::start(listener, ours, meta, cfg.testing, cfg.limits, cfg.rank)
-        .map_err(|_| RunError::Stuck("the control port cannot be served"))?;
+    let door = door::start(
+        listener,
+        ours,
+        meta,
+        cfg.auth.clone(),
+        cfg.testing,
+        cfg.limits,
+        cfg.rank,
+    )
+    .map_err(|_| RunError::Stuck("the control port cannot be served"))?;
 
     let mut pool = Pool::new(cfg.blocks);
     // The peer of each connection that sent its metadata.
@@ -204,6 +214,7 @@ fn start_engine(cfg: &ServeConfig) -> Result<(Engine, Vec<u8>), RunError> {
         .block_size(cfg.block_size)
         .ucx(ContextOptions::with_transports(&cfg.tls))
         .faults(cfg.faults)
+        .auth_key(cfg.auth.clone())
         .build()?;
     for _ in 0..cfg.layers {
         engine.register(u64::from(cfg.blocks))?;

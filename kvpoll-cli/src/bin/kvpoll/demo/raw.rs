@@ -34,6 +34,9 @@ pub struct RawConfig {
     pub requests: u32,
     /// Requests in flight at once.
     pub window: usize,
+    /// The deployment's key, for the handshake (the raw loop's UCX reads
+    /// need none: the key does not guard one-sided access).
+    pub auth: Option<kvpoll::auth::AuthKey>,
 }
 
 /// How long a raw run may take before it is called failed.
@@ -67,7 +70,7 @@ pub fn measure(cfg: &RawConfig, addrs: [&str; 2]) -> Result<Latencies, String> {
     for (i, addr) in addrs.iter().enumerate() {
         // The control stream is dropped once the metadata is read: the
         // prefill rank forgets the connection, nothing else.
-        let opened = link::handshake(addr, cfg.layout)
+        let opened = link::handshake(addr, cfg.layout, cfg.auth.as_ref())
             .map_err(|e| format!("prefill rank at {addr}: {e}"))?;
         let meta = PeerMetadata::decode(&opened.meta)
             .map_err(|e| format!("prefill rank at {addr}: {e}"))?;
