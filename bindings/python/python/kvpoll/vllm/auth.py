@@ -6,7 +6,8 @@ With a key every side-channel request starts with a line::
     KEY <nonce, 32 hex> <unix time, ms> <tag, 64 hex>
 
 the tag being HMAC-SHA-256, under a key derived from the secret, of the
-nonce, the time and every request byte after the line. The server refuses
+nonce, the time, a newline (the time's digits end there) and every
+request byte after the line. The server refuses
 (answers ``NO <why>`` and counts) a request without that line, with a tag
 that does not check out (another key, altered bytes), with a time more
 than ``WINDOW_S`` from its own clock, or with a nonce it accepted before
@@ -82,7 +83,7 @@ class SideChannelKey:
         answer with."""
         nonce = os.urandom(16)
         ms = str(int(time.time() * 1000)).encode()
-        tag = self._tag(b"request", nonce, ms, request)
+        tag = self._tag(b"request", nonce, ms, b"\n", request)
         return b"KEY %s %s %s\n" % (nonce.hex().encode(), ms, tag.hex().encode()) + request, nonce
 
     def open_answer(self, nonce: bytes, answer: bytes) -> Optional[bytes]:
@@ -118,7 +119,7 @@ class SideChannelKey:
             nonce, ms, tag = bytes.fromhex(parts[1].decode()), int(parts[2]), bytes.fromhex(parts[3].decode())
         except ValueError:
             return None, "a malformed KEY line"
-        if len(nonce) != 16 or not hmac.compare_digest(tag, self._tag(b"request", nonce, parts[2], request)):
+        if len(nonce) != 16 or not hmac.compare_digest(tag, self._tag(b"request", nonce, parts[2], b"\n", request)):
             return None, "the request's tag does not check out: another key, or altered bytes"
         now = time.time()
         if abs(now - ms / 1000) > WINDOW_S:
