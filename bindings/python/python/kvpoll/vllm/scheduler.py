@@ -145,7 +145,9 @@ class KvpollScheduler:
         return delay, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": blocks,
+            # One list per KV cache group (kvpoll has one), as
+            # NixlConnector's routers forward them.
+            "remote_block_ids": [blocks],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.config.side_channel_host,
