@@ -55,6 +55,9 @@ class RemotePrefill:
     readers: int = 1
     #: "pull": read the prefill's lend; "push": lend to the prefill's writes.
     mode: str = "pull"
+    #: Tokens a prefill block holds (``remote_block_size``, NIXL's key);
+    #: 0 where the params do not say.
+    block_size: int = 0
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RemotePrefill":
@@ -81,6 +84,11 @@ class RemotePrefill:
         readers = params.get(READERS_KEY, 1)
         if not isinstance(readers, int) or isinstance(readers, bool) or readers <= 0:
             raise TransferParamsError(f"kv_transfer_params[{READERS_KEY!r}] not a positive int: {readers!r}")
+        block_size = params.get("remote_block_size")
+        if block_size is None:  # not named, or null as NIXL allows
+            block_size = 0
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+            raise TransferParamsError(f"kv_transfer_params['remote_block_size'] not a block size: {block_size!r}")
         mode = params.get(MODE_KEY, "pull")
         if mode not in ("pull", "push"):
             raise TransferParamsError(f"kv_transfer_params[{MODE_KEY!r}] not 'pull' or 'push': {mode!r}")
@@ -94,6 +102,7 @@ class RemotePrefill:
             incarnation=incarnation,
             readers=readers,
             mode=mode,
+            block_size=block_size,
         )
 
 
