@@ -52,7 +52,7 @@ def instances(model_dir, reference):
 def prefill(p: Instance, ps):
     outs = p.generate(ps, 1, [{"do_remote_decode": True} for _ in ps])
     params = [o["kv_transfer_params"] for o in outs]
-    assert all(x and x["do_remote_prefill"] and x["remote_block_ids"] for x in params), params[:2]
+    assert all(x and x["do_remote_prefill"] and x["remote_block_ids"][0] for x in params), params[:2]
     return params
 
 
@@ -77,7 +77,7 @@ def test_a_decode_handed_another_requests_blocks_under_a_live_lend_fails_the_loa
     p, d_fail, d_rec = instances
     ps = prompts()
     params = prefill(p, [ps[0], ps[1], ps[0], ps[1]])
-    assert len(params[0]["remote_block_ids"]) == len(params[1]["remote_block_ids"])
+    assert len(params[0]["remote_block_ids"][0]) == len(params[1]["remote_block_ids"][0])
     mixed = [{**params[i], "remote_block_ids": params[i + 1]["remote_block_ids"]} for i in (0, 2)]
     (failed,) = d_fail.generate([ps[0]], MAX_TOKENS, [mixed[0]])
     assert failed["finish_reason"] == "error", failed

@@ -63,7 +63,7 @@ def disaggregate_and_check(p, pws, d, dws, prompts: Dict[str, List[int]]) -> Tup
             local[rid] = spec.local_block_ids
         for rid in kv_out.finished_recving or ():
             prefill_id = rid[2:]
-            remote = params[prefill_id]["remote_block_ids"]
+            remote = params[prefill_id]["remote_block_ids"][0]
             assert len(local[rid]) == len(remote) > 0
             # What the prefill's forward wrote, whole: every head, every layer.
             want = [fill_pattern(prefill_id, i, BLOCK_BYTES) * LAYERS for i in range(len(remote))]
@@ -86,7 +86,7 @@ def test_decode_ranks_hold_the_prefill_ranks_heads_byte_for_byte_and_both_end_em
     # The ranks' stats, merged by vLLM's aggregator, through its Prometheus
     # logger: one load per decode rank and request, every byte of every
     # head of every layer once.
-    blocks = sum(len(params[r]["remote_block_ids"]) for r in prompts)
+    blocks = sum(len(params[r]["remote_block_ids"][0]) for r in prompts)
     metrics = prometheus_after(d.vllm_config, stats)
     assert metrics["vllm:kvpoll_num_transfers_total"] == len(prompts) * len(dws)
     assert metrics["vllm:kvpoll_num_failed_transfers_total"] == 0

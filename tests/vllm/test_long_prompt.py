@@ -37,7 +37,7 @@ def test_a_32k_token_prompt_transfers_in_one_load_and_decodes_as_the_aggregated_
         d.ready()
         (pre,) = p.generate([prompt], 1, [{"do_remote_decode": True}], timeout=900)
         params = pre["kv_transfer_params"]
-        assert params and len(params["remote_block_ids"]) == TOKENS // BLOCK, params and len(params["remote_block_ids"])
+        assert params and len(params["remote_block_ids"][0]) == TOKENS // BLOCK, params and params["remote_block_ids"]
         # Policy fail: a load that did not happen is an error, so the
         # aggregated tokens mean the whole prompt's KV came over kvpoll.
         (out,) = d.generate([prompt], MAX_TOKENS, [params], timeout=900)

@@ -55,7 +55,7 @@ def test_decode_kv_equals_prefill_kv_byte_for_byte_and_both_schedulers_end_empty
         for rid, spec in so.kv_connector_metadata.reqs_to_recv.items():
             local[rid] = spec.local_block_ids
         for rid in kv_out.finished_recving or ():
-            remote = params[rid[2:]]["remote_block_ids"]
+            remote = params[rid[2:]]["remote_block_ids"][0]
             assert len(local[rid]) == len(remote)
             assert dw.dump(local[rid]) == pw.dump(remote), f"{rid}: decode KV differs from prefill KV"
             compared.append(rid)

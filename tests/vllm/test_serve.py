@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import urllib.error
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 
@@ -19,11 +19,11 @@ N = 6
 MAX_TOKENS = 8
 
 
-def kvpoll_lines(logs: Any) -> str:
+def kvpoll_lines(logs: Any, names: Tuple[str, ...] = ("prefill.log", "decode.log")) -> str:
     """The connector's lines of both instances' logs (failed loads carry
     their reason)."""
     out = []
-    for name in ("prefill.log", "decode.log"):
+    for name in names:
         with open(logs / name, errors="replace") as f:
             out += [f"{name}: {line.rstrip()}" for line in f if "kvpoll" in line and "non-default args" not in line]
     return "\n".join(out[-40:])

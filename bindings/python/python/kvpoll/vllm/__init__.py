@@ -87,7 +87,7 @@ class KvpollConnector(KVConnectorBase_V1):
         self.connector_scheduler: Optional[KvpollScheduler] = None
         self.connector_worker: Optional[KvpollWorker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config)
+            self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config, vllm_config.cache_config.block_size)
         else:
             self.connector_worker = KvpollWorker(
                 engine_id,

@@ -21,6 +21,24 @@ class TransferParamsError(ValueError):
     """``kv_transfer_params`` that name no readable remote prefill."""
 
 
+def remote_block_ids(blocks: Any) -> Tuple[int, ...]:
+    """The prefill's block ids from ``remote_block_ids``: one list per KV
+    cache group (``[[...]]``, as NixlConnector names them and kvpoll's
+    prefill answers) or one flat list (kvpoll's earlier params). kvpoll
+    moves one group; block ids are the engine's, 32 bits."""
+    if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks):
+        if len(blocks) != 1:
+            raise TransferParamsError(
+                f"kv_transfer_params['remote_block_ids'] names {len(blocks)} KV cache groups, kvpoll moves one"
+            )
+        blocks = blocks[0]
+    if not isinstance(blocks, (list, tuple)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
+    ):
+        raise TransferParamsError(f"kv_transfer_params['remote_block_ids'] not a list of block ids: {blocks!r}")
+    return tuple(blocks)
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """Where a decode reads a request's KV from, parsed from the
@@ -37,6 +55,9 @@ class RemotePrefill:
     readers: int = 1
     #: "pull": read the prefill's lend; "push": lend to the prefill's writes.
     mode: str = "pull"
+    #: Tokens a prefill block holds (``remote_block_size``, NIXL's key);
+    #: 0 where the params do not say.
+    block_size: int = 0
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RemotePrefill":
@@ -46,14 +67,7 @@ class RemotePrefill:
                 raise TransferParamsError(f"kv_transfer_params[{key!r}] missing or not {kind.__name__}: {value!r}")
             return value
 
-        blocks = params.get("remote_block_ids")
-        # One KV cache group: vLLM may hand the ids as [[...]].
-        if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
-            blocks = blocks[0]
-        if not isinstance(blocks, (list, tuple)) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
-        ):
-            raise TransferParamsError(f"kv_transfer_params['remote_block_ids'] not a list of block ids: {blocks!r}")
+        blocks = remote_block_ids(params.get("remote_block_ids"))
         inc = params.get(INCARNATION_KEY)
         try:
             incarnation = int(inc, 16) if isinstance(inc, str) else -1
@@ -70,6 +84,11 @@ class RemotePrefill:
         readers = params.get(READERS_KEY, 1)
         if not isinstance(readers, int) or isinstance(readers, bool) or readers <= 0:
             raise TransferParamsError(f"kv_transfer_params[{READERS_KEY!r}] not a positive int: {readers!r}")
+        block_size = params.get("remote_block_size")
+        if block_size is None:  # not named, or null as NIXL allows
+            block_size = 0
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+            raise TransferParamsError(f"kv_transfer_params['remote_block_size'] not a block size: {block_size!r}")
         mode = params.get(MODE_KEY, "pull")
         if mode not in ("pull", "push"):
             raise TransferParamsError(f"kv_transfer_params[{MODE_KEY!r}] not 'pull' or 'push': {mode!r}")
@@ -79,10 +98,11 @@ class RemotePrefill:
             host=need("remote_host", str),
             port=port,
             tp_size=tp_size,
-            block_ids=tuple(blocks),
+            block_ids=blocks,
             incarnation=incarnation,
             readers=readers,
             mode=mode,
+            block_size=block_size,
         )
 
 

@@ -40,10 +40,12 @@ class KvpollScheduler:
     cannot be loaded are refused at the match: no tokens are claimed, so
     vLLM computes the prompt itself instead of failing the request."""
 
-    def __init__(self, engine_id: str, tp_size: int, config: KvpollConfig) -> None:
+    def __init__(self, engine_id: str, tp_size: int, config: KvpollConfig, block_size: int = 0) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.config = config
+        #: Tokens a block holds (vLLM's ``block_size``); 0 if unknown.
+        self.block_size = block_size or 0
         self._recv: Dict[str, LoadSpec] = {}
         self._send: Dict[str, Tuple[List[int], int]] = {}
         # Matched requests refused: why, and the remote to release (None
@@ -94,6 +96,15 @@ class KvpollScheduler:
             remote = RemotePrefill.from_params(params)
         except TransferParamsError as e:
             return LoadSpec(local, None, str(e))
+        if remote.block_size and self.block_size and remote.block_size != self.block_size:
+            # Found here rather than at the handshake (a failed load, an
+            # error under policy "fail"): the prompt is computed here.
+            return LoadSpec(
+                local,
+                remote,
+                f"prefill blocks of {remote.block_size} tokens, decode blocks of {self.block_size}: "
+                "kvpoll moves blocks between equal block sizes only",
+            )
         p_tp, d_tp = remote.tp_size, self.tp_size
         if max(p_tp, d_tp) % min(p_tp, d_tp):
             return LoadSpec(local, remote, f"prefill tp_size {p_tp}, decode tp_size {d_tp}: one must divide the other")
@@ -142,10 +153,12 @@ class KvpollScheduler:
             # Freed when the decode read them (finished_sending) or the
             # lease ended, never earlier.
             self._send[request.request_id] = (blocks, inc)
-        return delay, {
+        answer = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": blocks,
+            # One list per KV cache group (kvpoll has one), as
+            # NixlConnector's routers forward them.
+            "remote_block_ids": [blocks],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.config.side_channel_host,
@@ -155,3 +168,6 @@ class KvpollScheduler:
             READERS_KEY: self.config.readers_per_lend(self.tp_size),
             MODE_KEY: self.config.mode,
         }
+        if self.block_size:
+            answer["remote_block_size"] = self.block_size
+        return delay, answer

@@ -1,0 +1,131 @@
+"""The ``kv_transfer_params`` between the scheduler halves, in the shape
+the routers written for vLLM's NixlConnector forward: the prefill names
+its blocks per KV cache group (``[[...]]``) beside NIXL's other keys and
+kvpoll's own; the decode loads them in that shape or kvpoll's earlier
+flat list, and refuses any other at the match (no tokens claimed, the
+prompt computed locally), never with anything but a
+``TransferParamsError``. vLLM's own ``Scheduler`` runs the decode; no
+workers are needed to see what it hands them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pytest
+
+from harness import free_port, request, scheduler, vllm_config
+
+PROMPT = list(range(3, 40))  # 37 tokens: 3 blocks of 16
+#: What routers for NixlConnector send a prefill (vllm-router's
+#: ``--vllm-pd-disaggregation``): NIXL's keys present, null.
+ROUTER_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def finished_prefill(model_dir: str, blocks: List[int], params: Dict[str, Any]) -> Dict[str, Any]:
+    """The params a prefill's scheduler half answers for a request that
+    finished holding ``blocks``, as a router forwards them (through JSON)."""
+    from vllm.v1.request import RequestStatus
+
+    p = scheduler(vllm_config(model_dir, free_port()))
+    r = request("p-0", PROMPT, 1, dict(params))
+    # A prefill request claims nothing from a remote.
+    assert p.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, out = p.connector.request_finished(r, blocks)
+    assert delay, "the prefill frees its blocks before the decode read them"
+    assert out is not None
+    return json.loads(json.dumps(out))
+
+
+def test_a_finished_prefill_names_its_blocks_per_kv_cache_group_beside_nixls_and_kvpolls_keys(model_dir):
+    params = finished_prefill(model_dir, [4, 5, 6], {"do_remote_decode": True})
+    assert params["remote_block_ids"] == [[4, 5, 6]]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_request_id"] == "p-0"
+    assert isinstance(params["remote_engine_id"], str) and params["remote_engine_id"]
+    assert params["remote_host"] == "127.0.0.1" and isinstance(params["remote_port"], int)
+    assert params["tp_size"] == 1
+    assert int(params["kvpoll_incarnation"], 16) > 0
+    assert params["kvpoll_readers"] == 1 and params["kvpoll_mode"] == "pull"
+
+
+def test_a_prefill_request_with_nixls_keys_null_as_routers_send_it_lends_its_blocks(model_dir):
+    params = finished_prefill(model_dir, [7, 8, 9], ROUTER_PREFILL_PARAMS)
+    assert params["remote_block_ids"] == [[7, 8, 9]]
+    assert params["do_remote_prefill"] is True
+
+
+def loaded(model_dir: str, params: Dict[str, Any]) -> Any:
+    """The decode's first step for a request with ``params``: the load
+    spec its scheduler half hands the workers, after checking the claim."""
+    d = scheduler(vllm_config(model_dir, free_port()))
+    r = request("d-0", PROMPT, 3, params)
+    assert d.connector.get_num_new_matched_tokens(r, 0) == (len(PROMPT), True)
+    d.add_request(r)
+    so = d.schedule()
+    return so.kv_connector_metadata.reqs_to_recv["d-0"]
+
+
+@pytest.mark.parametrize("shape", ["per_group", "flat"])
+def test_the_decode_loads_the_prefills_blocks_named_per_kv_cache_group_or_flat(model_dir, shape):
+    params = finished_prefill(model_dir, [4, 5, 6], {"do_remote_decode": True})
+    if shape == "flat":  # kvpoll's params before they named groups
+        params["remote_block_ids"] = params["remote_block_ids"][0]
+    spec = loaded(model_dir, params)
+    assert spec.error is None, spec.error
+    assert spec.remote.block_ids == (4, 5, 6)
+    assert len(spec.local_block_ids) == 3
+
+
+def _params(blocks: Any) -> Dict[str, Any]:
+    from kvpoll import draw_incarnation
+
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": blocks,
+        "remote_engine_id": "engine-x",
+        "remote_request_id": "p-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),
+        "tp_size": 1,
+        "kvpoll_incarnation": f"{draw_incarnation():x}",
+        "kvpoll_readers": 1,
+        "kvpoll_mode": "pull",
+    }
+
+
+@pytest.mark.parametrize(
+    "blocks, why",
+    [
+        ([[1, 2], [3, 4]], "2 KV cache groups"),
+        ([[1], [2], [3]], "3 KV cache groups"),
+        ([1, [2]], "not a list of block ids"),
+        ([[[1]]], "not a list of block ids"),
+        ([[1, -2]], "not a list of block ids"),
+        ([[1, 2**32]], "not a list of block ids"),
+        ([2**40], "not a list of block ids"),
+        ([[True]], "not a list of block ids"),
+        ([[1.0]], "not a list of block ids"),
+        ([[None]], "not a list of block ids"),
+        ("1,2", "not a list of block ids"),
+        ({"0": [1]}, "not a list of block ids"),
+        (None, "not a list of block ids"),
+    ],
+)
+def test_block_ids_in_no_shape_the_decode_knows_are_refused_at_the_match_with_a_typed_error(model_dir, blocks, why):
+    from kvpoll.vllm.metadata import RemotePrefill, TransferParamsError
+
+    params = _params(blocks)
+    with pytest.raises(TransferParamsError, match=why):
+        RemotePrefill.from_params(params)
+    d = scheduler(vllm_config(model_dir, free_port()))
+    assert d.connector.get_num_new_matched_tokens(request("d-0", PROMPT, 3, params), 0) == (0, False)
