@@ -93,19 +93,27 @@ def server(
         return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    """Waits until the server at ``url`` answers /health."""
+def healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0, log: Optional[str] = None) -> None:
+    """Waits until the server at ``url`` answers /health; a failure quotes
+    the end of ``log``, if given."""
+
+    def tail() -> str:
+        if log is None:
+            return ""
+        with open(log, errors="replace") as f:
+            return ":\n" + f.read()[-2000:]
+
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        assert proc.poll() is None, f"the server at {url} exited with {proc.returncode}"
+        assert proc.poll() is None, f"the server at {url} exited with {proc.returncode}{tail()}"
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(2)
-    raise TimeoutError(f"the server at {url} did not come up")
+        time.sleep(1)
+    raise TimeoutError(f"the server at {url} did not come up{tail()}")
 
 
 def alive(url: str) -> bool:

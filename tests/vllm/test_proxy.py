@@ -182,3 +182,26 @@ def test_a_request_waits_for_a_prefill_that_is_restarting_instead_of_failing(pai
         proxy.shutdown()
         proxy.server_close()
         d.close()
+
+
+def test_a_proxy_holding_more_than_1024_descriptors_still_serves(pair):
+    # Hundreds of clients at once give the proxy's process descriptors
+    # numbered past 1024, where select() cannot watch a socket.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"a descriptor limit of {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [socket.socket() for _ in range(1100)]
+    try:
+        p, d, port = pair()
+        s = request(port, {"prompt": "t3", "max_tokens": 8, "stream": True})
+        assert s.fileno() > 1024
+        head, _, rest = read_all(s).partition(b"\r\n\r\n")
+        assert b" 200 " in head.split(b"\r\n")[0], head
+        assert rest == b"".join(CHUNKS)
+    finally:
+        for h in held:
+            h.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -54,21 +53,6 @@ def router_binary() -> Path:
     return exe
 
 
-def wait_routing(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
-    """Until the router answers its health check (it checks its workers')."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        assert proc.poll() is None, f"vllm-router exited with {proc.returncode}:\n{log.read_text()[-2000:]}"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"vllm-router did not come up:\n{log.read_text()[-2000:]}")
-
-
 @pytest.fixture(scope="module")
 def routed(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """(router URL, decode URL, logs folder): a prefill and a decode
@@ -92,7 +76,7 @@ def routed(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         with open(logs / "router.log", "wb") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         url = f"http://127.0.0.1:{r_port}"
-        wait_routing(url, procs[-1], logs / "router.log")
+        healthy(url, procs[-1], 120.0, str(logs / "router.log"))
         yield url, f"http://127.0.0.1:{d_port}", logs
     finally:
         for proc in reversed(procs):

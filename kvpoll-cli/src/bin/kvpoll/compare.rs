@@ -234,46 +234,45 @@ impl Comparison {
             Some(0.8),
             false,
         );
-        rate_of(
-            KVPOLL_KEYED,
-            "key_small_caller_shm",
-            "small_shm_caller_pull",
-            "16 KiB reads, caller memory, shm: keyed vs no key",
-            KVPOLL,
-            "kvpoll, no key",
-            None,
-            false,
-        );
-        rate_of(
-            KVPOLL_KEYED,
-            "key_small_tcp",
-            "small_tcp_caller_pull",
-            "16 KiB reads, tcp: keyed vs no key",
-            KVPOLL,
-            "kvpoll, no key",
-            None,
-            false,
-        );
-        rate_of(
-            KVPOLL_KEYED,
-            "key_8mib_caller_shm",
-            "layers_shm_caller_pull",
-            "8 MiB requests, caller memory, shm: keyed vs no key",
-            KVPOLL,
-            "kvpoll, no key",
-            None,
-            true,
-        );
-        rate_of(
-            KVPOLL_KEYED,
-            "key_8mib_tcp",
-            "layers_tcp_caller_pull",
-            "8 MiB requests, tcp: keyed vs no key",
-            KVPOLL,
-            "kvpoll, no key",
-            None,
-            true,
-        );
+        // What a shared key costs: the keyed engine against the same
+        // shapes without one.
+        for (key, group, what, bytes) in [
+            (
+                "key_small_caller_shm",
+                "small_shm_caller_pull",
+                "16 KiB reads, caller memory, shm: keyed vs no key",
+                false,
+            ),
+            (
+                "key_small_tcp",
+                "small_tcp_caller_pull",
+                "16 KiB reads, tcp: keyed vs no key",
+                false,
+            ),
+            (
+                "key_8mib_caller_shm",
+                "layers_shm_caller_pull",
+                "8 MiB requests, caller memory, shm: keyed vs no key",
+                true,
+            ),
+            (
+                "key_8mib_tcp",
+                "layers_tcp_caller_pull",
+                "8 MiB requests, tcp: keyed vs no key",
+                true,
+            ),
+        ] {
+            rate_of(
+                KVPOLL_KEYED,
+                key,
+                group,
+                what,
+                KVPOLL,
+                "kvpoll, no key",
+                None,
+                bytes,
+            );
+        }
         rate_of(
             KVPOLL_BEST,
             "small_ucx_shm_vs_nixl",

@@ -195,11 +195,13 @@ def stream(
 
 
 def _watch(sock: socket.socket, up: Upstream, stop: threading.Event) -> None:
-    """Until ``stop``: abandons the request once its client closed."""
+    """Until ``stop``: abandons the request once its client closed. (poll,
+    not select: a busy proxy holds descriptors past select's 1024.)"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
     while not stop.is_set():
         try:
-            ready, _, _ = select.select([sock], [], [], WATCH_S)
-            if ready:
+            if poller.poll(int(WATCH_S * 1000)):
                 if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                     up.abandon()
                     return
