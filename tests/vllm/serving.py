@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -154,6 +155,16 @@ def metrics(url: str, prefix: str = "vllm:") -> Dict[str, float]:
                 except ValueError:
                     pass
     return out
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """What ``sock`` receives until its peer closes."""
+    out = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
 
 
 def post(url: str, body: Dict[str, Any], timeout_s: float = 300.0) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 import pytest
 
 from kvpoll.vllm.proxy import serve
+from serving import read_to_end as read_all
 
 PARAMS = {"kvpoll_lend": "x", "remote_block_ids": [1, 2]}
 BOUND_S = 30.0
@@ -104,15 +105,6 @@ def request(port: int, body: Dict[str, Any]) -> socket.socket:
         + data
     )
     return s
-
-
-def read_all(s: socket.socket) -> bytes:
-    out = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            return out
-        out += b
 
 
 def test_a_streamed_request_is_prefilled_whole_then_streamed_from_the_decode_with_the_prefills_params(pair):

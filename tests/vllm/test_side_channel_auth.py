@@ -22,6 +22,7 @@ from kvpoll.vllm.side_channel import (
     send_push_request,
 )
 from kvpoll.vllm.stats import KvpollStats
+from serving import read_to_end
 
 HS = Handshake("engine-a", "00ff", 0, 1, 4096, 2, 64, b"\x01\x02meta", block_heads=2)
 SECRET = b"the deployment's shared secret"
@@ -64,12 +65,7 @@ def test_a_client_without_the_key_or_with_another_is_refused_and_counted(keyed):
 def exchange(address, data: bytes) -> bytes:
     with socket.create_connection(address, timeout=5) as s:
         s.sendall(data)
-        answer = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return answer
-            answer += chunk
+        return read_to_end(s)
 
 
 def test_a_replayed_request_is_refused_and_counted(keyed):
