@@ -142,12 +142,21 @@ class Gate:
     def _relay(self, conn: socket.socket, port: int) -> None:
         self.opened.wait()
         with conn, socket.create_connection(("127.0.0.1", port)) as up:
-            up.sendall(conn.recv(64))
+            threading.Thread(target=self._copy, args=(conn, up), daemon=True).start()
+            self._copy(up, conn)
+            # Wakes the other copy's recv and tells the client the answer ended.
+            conn.shutdown(socket.SHUT_RDWR)
+
+    @staticmethod
+    def _copy(src: socket.socket, dst: socket.socket) -> None:
+        try:
             while True:
-                chunk = up.recv(65536)
+                chunk = src.recv(65536)
                 if not chunk:
                     break
-                conn.sendall(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
 
     def open(self) -> None:
         self.opened.set()

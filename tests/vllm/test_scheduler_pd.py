@@ -184,8 +184,12 @@ def test_two_data_parallel_ranks_on_one_host_answer_on_ports_of_their_own_and_na
 
     from harness import kv_cache_config, vllm_config, worker_connector
     from kvpoll.vllm import KvpollConnector
+    from kvpoll.vllm.auth import SideChannelKey, load_secret
     from kvpoll.vllm.side_channel import fetch_handshake
 
+    # The deployment's key, when the suite runs with one (KVPOLL_AUTH_KEY).
+    secret = load_secret(None)
+    key = SideChannelKey(secret) if secret else None
     base = free_port()
     made = []
     try:
@@ -193,7 +197,7 @@ def test_two_data_parallel_ranks_on_one_host_answer_on_ports_of_their_own_and_na
             conn, _ = worker_connector(model_dir, base, dp=dp)
             made.append(conn)
         for dp in (0, 1):
-            hs = fetch_handshake("127.0.0.1", base + dp, 0, timeout_s=5)
+            hs = fetch_handshake("127.0.0.1", base + dp, 0, timeout_s=5, key=key)
             assert hs.engine_id == f"engine-{base}" + (f"_dp{dp}" if dp else ""), hs.engine_id
             sched = KvpollConnector(vllm_config(model_dir, base, dp=dp), KVConnectorRole.SCHEDULER, kv_cache_config())
             assert sched.connector_scheduler.config.side_channel_port == base + dp
