@@ -197,3 +197,9 @@ def test_a_proxy_holding_more_than_1024_descriptors_still_serves(pair):
         for h in held:
             h.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_instance_url_the_proxy_cannot_reach_is_refused_at_start():
+    for bad in ("https://127.0.0.1:8100", "127.0.0.1:8100", "http://"):
+        with pytest.raises(ValueError, match="http://"):
+            serve(bad, "http://127.0.0.1:8200", "127.0.0.1", 0)

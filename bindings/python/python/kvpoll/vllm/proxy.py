@@ -220,7 +220,12 @@ class _Server(ThreadingHTTPServer):
 
 
 def serve(prefill: str, decode: str, host: str, port: int, timeout_s: float = 300.0) -> ThreadingHTTPServer:
-    """A server on ``(host, port)``; call ``serve_forever`` on it."""
+    """A server on ``(host, port)``; call ``serve_forever`` on it. The
+    instances' URLs must be ``http://host:port`` (a ``ValueError`` if not)."""
+    for url in (prefill, decode):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"not an http:// URL: {url!r}")
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
