@@ -242,7 +242,7 @@ def run(connector: str, model: str, out: str, levels: List[int], phase_s: float)
     return result
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connectors", default="kvpoll,nixl")
     ap.add_argument("--levels", default="1,64,512")
@@ -264,16 +264,19 @@ def main() -> None:
             json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))
     names = connectors
+    failed = 0
     print(f"\n{'clients':>7} {'call':<30} " + " ".join(f"{c + ' median/p99 us':>26}" for c in names) + "  ratio")
     for n in levels:
         for which in ("prefill", "decode"):
             for call in CALLS:
                 key = f"{which}.{call}"
                 cells = [results[c]["levels"][n].get(key) for c in names]
-                if not any(cells):
-                    continue
+                # A call never timed in the window is a run that failed,
+                # not a blank.
+                failed += sum(cell is None for cell in cells)
                 text = " ".join(
-                    f"{cell['median_us']:>12.1f}/{cell['p99_us']:<13.1f}" if cell else f"{'-':>26}" for cell in cells
+                    f"{cell['median_us']:>12.1f}/{cell['p99_us']:<13.1f}" if cell else f"{'FAILED: no calls':>26}"
+                    for cell in cells
                 )
                 ratio = ""
                 if len(cells) == 2 and all(cells):
@@ -282,11 +285,15 @@ def main() -> None:
     print()
     for c in names:
         h = results[c]["hung"]
+        failed += sum(v != v for v in h.values())  # NaN: no steps seen
         print(
             f"{c}: decode step {h['step_ms_unloaded']:.1f} ms unloaded, "
             f"{h['step_ms_loads_on_stopped_prefill']:.1f} ms with 8 loads on a stopped prefill"
         )
+    if failed:
+        print(f"FAILED: {failed} figures did not come")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,28 +39,24 @@ def _record(call: str, seconds: float) -> None:
         f.writelines(f"{t:.6f} {c} {s:.9f}\n" for t, c, s in lines)
 
 
+def _timed_call(call: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _record(call, time.perf_counter() - t0)
+
+
 def _timed(cls: Any) -> Any:
     class Timed(cls):  # type: ignore[misc, valid-type]
         def build_connector_meta(self, scheduler_output: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return super().build_connector_meta(scheduler_output)
-            finally:
-                _record("build_connector_meta", time.perf_counter() - t0)
+            return _timed_call("build_connector_meta", super().build_connector_meta, scheduler_output)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            t0 = time.perf_counter()
-            try:
-                return super().start_load_kv(forward_context, **kwargs)
-            finally:
-                _record("start_load_kv", time.perf_counter() - t0)
+            return _timed_call("start_load_kv", super().start_load_kv, forward_context, **kwargs)
 
         def get_transfer_results(self, finished_req_ids: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return super().get_transfer_results(finished_req_ids)
-            finally:
-                _record("get_transfer_results", time.perf_counter() - t0)
+            return _timed_call("get_transfer_results", super().get_transfer_results, finished_req_ids)
 
     Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
     return Timed
