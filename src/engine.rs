@@ -729,6 +729,13 @@ pub struct PollerStats {
     /// As a reader: reads that failed `Cause::NotLent` (their lender
     /// refused them so, or never knew their lend).
     pub reads_not_lent: u64,
+    /// As a push destination: writers' words refused because the blocks
+    /// they wrote were not their receive's (another receive's, or none),
+    /// or the receive's blocks may hold another write's bytes.
+    pub refused_writes: u64,
+    /// As a writer: writes that failed `Cause::NotLent` (their
+    /// destination did not take their word).
+    pub writes_not_lent: u64,
     /// Transfer operations posted (one block of one region each, plus
     /// flushes).
     pub ops_posted: u64,
@@ -1655,6 +1662,8 @@ impl Engine {
             rejected_notifications: self.shared.rejected_notes.load(Ordering::Relaxed),
             refused_reads: self.shared.refused_reads.load(Ordering::Relaxed),
             reads_not_lent: self.shared.reads_not_lent.load(Ordering::Relaxed),
+            refused_writes: self.shared.refused_writes.load(Ordering::Relaxed),
+            writes_not_lent: self.shared.writes_not_lent.load(Ordering::Relaxed),
             ops_posted: self.shared.ops_posted.load(Ordering::Relaxed),
             ops_completed: self.shared.ops_completed.load(Ordering::Relaxed),
             bytes_moved: self.shared.bytes_moved.load(Ordering::Relaxed),
@@ -1925,6 +1934,7 @@ impl Engine {
                 malformed_notifications: p.malformed_notifications,
                 notifications: l.rejected_notifications,
                 not_lent_reads: p.refused_reads,
+                not_lent_writes: p.refused_writes,
                 heartbeats: l.ignored_heartbeats,
                 retires: l.rejected_retires,
                 release_retries: l.failed_release_retries,

@@ -212,6 +212,10 @@ pub struct RejectedInputs {
     /// Of those, reads refused because this engine did not lend what they
     /// read under the incarnation they named.
     pub not_lent_reads: u64,
+    /// Of those, writers' words refused because the blocks written were
+    /// not their receive's (or the receive's blocks may hold another
+    /// write's bytes).
+    pub not_lent_writes: u64,
     /// Heartbeats for no live write or lend.
     pub heartbeats: u64,
     /// Retires the ledger refused.
@@ -507,6 +511,7 @@ pub fn render(s: &MetricsSnapshot) -> Result<String, std::fmt::Error> {
         ("malformed_notification", x.malformed_notifications),
         ("notification", x.notifications),
         ("not_lent_read", x.not_lent_reads),
+        ("not_lent_write", x.not_lent_writes),
         ("heartbeat", x.heartbeats),
         ("retire", x.retires),
         ("release_retry", x.release_retries),

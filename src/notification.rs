@@ -178,6 +178,11 @@ pub enum NoteKind {
     /// incarnation is not one this engine lent or will lend): fail the
     /// read (`Cause::NotLent`).
     ReadNotLent = 12,
+    /// Destination → writer: this receive does not take the write's word
+    /// (the blocks it wrote are not the receive's, or the receive's blocks
+    /// may hold another write's bytes): fail the write
+    /// (`Cause::NotLent`); the receive fails too.
+    WriteNotLent = 13,
 }
 
 /// One notification.
@@ -272,6 +277,7 @@ impl Notification {
             10 => NoteKind::WriteQuiet,
             11 => NoteKind::ReadPending,
             12 => NoteKind::ReadNotLent,
+            13 => NoteKind::WriteNotLent,
             k => return Err(NotificationError::Kind(k)),
         };
         let incarnation = Incarnation(word(12..20));

@@ -549,8 +549,8 @@ fn a_notification_of_the_wrong_kind_does_not_complete_a_request() {
             rejected(&p) - base
         ));
     }
-    // The right kind completes it.
-    peer.send(NoteKind::WriteDone, push, lend, 7, &[]);
+    // The right kind, naming the receive's blocks, completes it.
+    peer.send(NoteKind::WriteDone, push, lend, 7, &[1, 2]);
     peer.pump(&mut p, &mut out, GUARD, |_, o| reported(o, push));
     if !out.finished_recving.contains(&push) || reports_of(&out, push) != 1 {
         problems.push(format!(

@@ -1741,6 +1741,8 @@ fn whole_run(seed: u64) -> Harness {
                         NoteKind::WriteQuery,
                         NoteKind::WriteQuiet,
                         NoteKind::ReadPending,
+                        NoteKind::ReadNotLent,
+                        NoteKind::WriteNotLent,
                     ];
                     let kind = kinds[rng.below(kinds.len() as u64) as usize];
                     let sender = h.nodes[others[0]].instance;

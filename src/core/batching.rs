@@ -212,7 +212,13 @@ impl Core {
         self.send_to(peer, None, &note, ask);
     }
 
-    fn send_to(&mut self, peer: PeerId, on: Option<u32>, note: &Notification, want_reply: bool) {
+    pub(super) fn send_to(
+        &mut self,
+        peer: PeerId,
+        on: Option<u32>,
+        note: &Notification,
+        want_reply: bool,
+    ) {
         let Some(p) = self.peers.get(peer.0 as usize).and_then(|p| p.as_ref()) else {
             return;
         };

@@ -31,8 +31,9 @@ pub(super) struct Progress {
     /// A read's first handle to a lender: the lender's lend word is being
     /// read.
     pub(super) checking: bool,
-    /// A read's first handle to a lender: the lender blocks the read reads
-    /// (all its handles to that lender), which its read done names.
+    /// A read's (or write's) first handle to a lender (or destination):
+    /// the remote blocks the transfer moves there (all its handles to that
+    /// engine), which its read done (or write done) names.
     pub(super) read: BlocksRead,
 }
 

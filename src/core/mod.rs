@@ -275,8 +275,13 @@ struct Info {
     words: u8,
     /// A lend's own lend word (its index), or [`NO_WORD`].
     word: u32,
-    /// A lend's blocks (all of them): a read done is checked against them.
+    /// A lend's or receive's blocks (all of them): a read done, or a
+    /// writer's word, is checked against them.
     lent: BlocksRead,
+    /// A receive that takes no writer's word: one wrote blocks that are
+    /// not its own, or another receive's writer wrote into its blocks. It
+    /// fails `NotLent` once every writer has spoken.
+    not_lent: bool,
 }
 
 /// Counters, for metrics and tests.
@@ -341,6 +346,15 @@ pub struct CoreStats {
     /// them so, or never knew their lend (its grace period or the read's
     /// deadline ran out while it answered pending).
     pub reads_not_lent: u64,
+    /// Writers' words this engine refused as a push destination: the
+    /// blocks written were not the receive's (another receive's, or none),
+    /// or the receive's blocks may hold another write's bytes. Answered
+    /// [`NoteKind::WriteNotLent`]; the receive fails `Cause::NotLent`.
+    /// Also counted in `rejected_notifications`.
+    pub refused_writes: u64,
+    /// Writes of this engine that failed `Cause::NotLent`: a destination
+    /// did not take their word.
+    pub writes_not_lent: u64,
     /// Notification messages dropped whole: no valid tag of this engine's
     /// key (an engine with a key only).
     pub unauthenticated_notifications: u64,
@@ -421,7 +435,8 @@ pub struct Core {
     handle_peers: Vec<PeerId>,
     handle_pairs: Vec<u32>,
     handle_lends: Vec<Incarnation>,
-    /// A read's lender blocks, on the first handle to each lender.
+    /// A read's lender blocks (a write's destination blocks), on the
+    /// first handle to each lender (destination).
     handle_reads: Vec<BlocksRead>,
     /// Scratch: the remote block ids of one lender of a read being begun.
     read_ids: Vec<u32>,
@@ -476,6 +491,7 @@ impl Core {
                     words: 0,
                     word: NO_WORD,
                     lent: BlocksRead::NONE,
+                    not_lent: false,
                 };
                 capacity
             ],
@@ -760,11 +776,12 @@ impl Core {
             unnamed: receive && !named,
             words: 0,
             word: NO_WORD,
-            lent: if matches!(kind, Kind::Lend { .. }) {
+            lent: if matches!(kind, Kind::Lend { .. } | Kind::Receive { .. }) {
                 BlocksRead::of(self.blocks.iter().copied())
             } else {
                 BlocksRead::NONE
             },
+            not_lent: false,
         };
         if fenced {
             let base = slot * MAX_HANDLES;
@@ -823,7 +840,7 @@ impl Core {
             self.ledger.expect(key, distinct as u32);
         }
         self.handle_reads.clear();
-        if kind == Kind::Read {
+        if matches!(kind, Kind::Read | Kind::Write { .. }) {
             self.name_blocks_read();
         }
         let dir = match kind {
@@ -913,6 +930,12 @@ impl Core {
                 if self.owns(live, &note, |k| matches!(k, Kind::Receive { .. })) =>
             {
                 self.receive_note(live.expect("owned"), &note, now)
+            }
+            NoteKind::WriteNotLent => {
+                match live.filter(|&k| self.attempt_of(k, &note, Kind::Write { acks: 0 })) {
+                    Some(key) => self.write_not_lent(key, &note),
+                    None => self.stale(),
+                }
             }
             NoteKind::ReadConfirmed
             | NoteKind::ReadRefused

@@ -44,10 +44,11 @@ pub(super) struct Ask {
 }
 
 impl Core {
-    /// Names, on the first handle of the read being begun to each lender,
-    /// the lender blocks it reads there (of every handle to that lender):
-    /// its read done names them, and the lender confirms only blocks of
-    /// the lend.
+    /// Names, on the first handle of the read (or write) being begun to
+    /// each lender (or destination), the remote blocks it moves there (of
+    /// every handle to that engine): its read done (or write done) names
+    /// them, and the lender confirms (the destination takes) only blocks
+    /// of the lend (the receive).
     pub(super) fn name_blocks_read(&mut self) {
         let n = self.handle_peers.len();
         for h in 0..n {

@@ -57,16 +57,17 @@ impl Core {
         });
         if all {
             let p = self.progress[Self::index(hk)];
-            let on = Some(p.ep_generation);
-            self.send_note(
-                peer,
-                on,
-                NoteKind::WriteDone,
-                info.id,
-                p.lend,
-                info.token,
-                false,
-            );
+            // The destination blocks written there, named on the write's
+            // first handle to that engine.
+            let blocks = (0..info.handles as usize)
+                .map(|h| self.progress[base + h])
+                .find(|q| q.peer == peer)
+                .map_or(BlocksRead::NONE, |q| q.read);
+            let note = Notification {
+                blocks,
+                ..self.note(NoteKind::WriteDone, info.id, p.lend, info.token)
+            };
+            self.send_to(peer, Some(p.ep_generation), &note, false);
         }
     }
 
@@ -111,6 +112,49 @@ impl Core {
         }
     }
 
+    /// A writer's word this destination does not take: counted, logged,
+    /// and answered so that the write fails at once.
+    fn refuse_write(&mut self, done: &Notification) {
+        self.stats.refused_writes += 1;
+        self.reject();
+        if let Some(&peer) = self.by_instance.get(&done.sender) {
+            let (id, inc, nonce) = (done.id, done.incarnation, done.nonce);
+            self.send_note(peer, None, NoteKind::WriteNotLent, id, inc, nonce, false);
+        }
+    }
+
+    /// A write named `blocks` under receive `named`'s incarnation but they
+    /// are not its own: every other live receive whose blocks they are (a
+    /// run of them) may now hold that write's bytes, and takes no word.
+    /// Rare (a writer's mistake), so a scan of the live receives is cheap.
+    fn taint_receives(&mut self, blocks: BlocksRead, named: RequestKey) {
+        for &key in self.by_token.values() {
+            let info = &mut self.info[key.slot() as usize];
+            if key == named
+                || info.generation != key.generation()
+                || !matches!(info.kind, Kind::Receive { .. })
+                || !self.ledger.is_live(key)
+            {
+                continue;
+            }
+            if blocks.within(self.slots.blocks_of(key.slot()), info.lent) {
+                info.not_lent = true;
+                info.abandoned = true;
+            }
+        }
+    }
+
+    /// A destination did not take write `key`'s word: the write fails.
+    pub(super) fn write_not_lent(&mut self, key: RequestKey, note: &Notification) {
+        let slot = key.slot() as usize;
+        if self.seen(slot, note.sender) {
+            return self.reject();
+        }
+        self.counted(slot, note.sender);
+        self.stats.writes_not_lent += 1;
+        self.ledger_fail(key, Cause::NotLent);
+    }
+
     /// A writer's note about receive `key`.
     pub(super) fn receive_note(&mut self, key: RequestKey, note: &Notification, now: Nanos) {
         let slot = key.slot() as usize;
@@ -130,19 +174,42 @@ impl Core {
                 self.answered(key, sender);
                 let words = info.words.saturating_add(1);
                 self.info[slot].words = words;
-                let abandoned = info.abandoned || note.kind == NoteKind::WriteAbandoned;
+                let done = note.kind == NoteKind::WriteDone;
+                // A word about blocks that are not this receive's: its
+                // bytes landed elsewhere (in another receive's blocks, or
+                // in free ones), and this receive's blocks lack them.
+                if done
+                    && !note
+                        .blocks
+                        .within(self.slots.blocks_of(key.slot()), info.lent)
+                {
+                    self.info[slot].not_lent = true;
+                    self.taint_receives(note.blocks, key);
+                }
+                let not_lent = self.info[slot].not_lent;
+                let abandoned = info.abandoned || !done || not_lent;
                 self.info[slot].abandoned = abandoned;
                 let counted = if abandoned && u32::from(words) >= writers {
-                    // Every writer has spoken and one gave up: nothing more
-                    // lands; the blocks hold partial data.
-                    self.ledger_fail(key, Cause::LeaseLost);
+                    // Every writer has spoken and one gave up (or one wrote
+                    // where it should not): nothing more lands; the blocks
+                    // hold partial data.
+                    let cause = if not_lent {
+                        Cause::NotLent
+                    } else {
+                        Cause::LeaseLost
+                    };
+                    self.ledger_fail(key, cause);
+                    false
+                } else if not_lent {
                     false
                 } else {
                     self.ledger_notify(note.id)
                 };
-                // Acknowledged only if its data counted: a destination that
-                // failed (or whose lease ran out) does not hold it.
-                if note.kind == NoteKind::WriteDone && counted {
+                if done && not_lent {
+                    self.refuse_write(note);
+                } else if done && counted {
+                    // Acknowledged only if its data counted: a destination
+                    // that failed (or whose lease ran out) does not hold it.
                     self.acknowledge(note);
                 }
                 self.lift_fence(key);

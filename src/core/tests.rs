@@ -43,7 +43,8 @@ fn lend(c: &mut Core, id: u64, token: u64, now: Nanos) {
     );
 }
 
-/// A note; a read done names the one block [`lend`] lends.
+/// A note; a read done names the one block [`lend`] lends, a write done
+/// the one block [`receive`] opens.
 fn note(kind: NoteKind, id: u64, incarnation: u64, nonce: u64, sender: u64) -> Notification {
     Notification {
         kind,
@@ -53,6 +54,7 @@ fn note(kind: NoteKind, id: u64, incarnation: u64, nonce: u64, sender: u64) -> N
         sender,
         blocks: match kind {
             NoteKind::ReadDone => BlocksRead::of(std::iter::once(BlockId(1))),
+            NoteKind::WriteDone => BlocksRead::of(std::iter::once(BlockId(3))),
             _ => BlocksRead::NONE,
         },
     }

@@ -43,6 +43,8 @@ pub(crate) struct Shared {
     pub(crate) rejected_notes: AtomicU64,
     pub(crate) refused_reads: AtomicU64,
     pub(crate) reads_not_lent: AtomicU64,
+    pub(crate) refused_writes: AtomicU64,
+    pub(crate) writes_not_lent: AtomicU64,
     /// Peer metadata refused as unauthenticated (counted by the engine
     /// thread, in `add_peer`).
     pub(crate) unauthenticated_peers: AtomicU64,
@@ -84,6 +86,8 @@ impl Shared {
             rejected_notes: AtomicU64::new(0),
             refused_reads: AtomicU64::new(0),
             reads_not_lent: AtomicU64::new(0),
+            refused_writes: AtomicU64::new(0),
+            writes_not_lent: AtomicU64::new(0),
             unauthenticated_peers: AtomicU64::new(0),
             unauthenticated_notes: AtomicU64::new(0),
             replayed_notes: AtomicU64::new(0),

@@ -34,6 +34,10 @@ impl Driver {
             .store(stats.refused_reads, Ordering::Relaxed);
         s.reads_not_lent
             .store(stats.reads_not_lent, Ordering::Relaxed);
+        s.refused_writes
+            .store(stats.refused_writes, Ordering::Relaxed);
+        s.writes_not_lent
+            .store(stats.writes_not_lent, Ordering::Relaxed);
         s.unauthenticated_notes
             .store(stats.unauthenticated_notifications, Ordering::Relaxed);
         s.replayed_notes
@@ -71,7 +75,7 @@ pub(super) struct Counters {
     run_start: Nanos,
     /// Refused reads, reads not lent and rejected notifications as last
     /// logged, and when.
-    logged: [u64; 3],
+    logged: [u64; 5],
     logged_at: Option<Nanos>,
 }
 
@@ -84,7 +88,7 @@ impl Counters {
             idle_ns: 0,
             busy_run: false,
             run_start: now,
-            logged: [0; 3],
+            logged: [0; 5],
             logged_at: None,
         }
     }
@@ -95,6 +99,8 @@ impl Counters {
         let seen = [
             stats.refused_reads,
             stats.reads_not_lent,
+            stats.refused_writes,
+            stats.writes_not_lent,
             stats.rejected_notifications,
         ];
         let recent = self
@@ -103,7 +109,7 @@ impl Counters {
         if seen == self.logged || recent {
             return;
         }
-        let [refused, not_lent, rejected] =
+        let [refused, not_lent, refused_writes, writes_not_lent, rejected] =
             std::array::from_fn(|i| seen[i].saturating_sub(self.logged[i]));
         if refused > 0 {
             tracing::warn!(
@@ -119,10 +125,25 @@ impl Counters {
                 "reads failed: their lender did not lend what they read"
             );
         }
-        if rejected > refused {
-            tracing::debug!(
-                rejected = rejected - refused,
+        if refused_writes > 0 {
+            tracing::warn!(
+                refused = refused_writes,
                 total = seen[2],
+                "refused writers' words about blocks that are not their receive's"
+            );
+        }
+        if writes_not_lent > 0 {
+            tracing::warn!(
+                not_lent = writes_not_lent,
+                total = seen[3],
+                "writes failed: their destination did not take what they wrote"
+            );
+        }
+        let refusals = refused + refused_writes;
+        if rejected > refusals {
+            tracing::debug!(
+                rejected = rejected - refusals,
+                total = seen[4],
                 "notifications rejected"
             );
         }
@@ -172,12 +193,13 @@ mod tests {
             ..CoreStats::default()
         };
         c.log_refusals(&s, Nanos(10));
-        assert_eq!(c.logged, [1, 0, 0]);
+        assert_eq!(c.logged, [1, 0, 0, 0, 0]);
         s.refused_reads = 5;
-        s.rejected_notifications = 2;
+        s.refused_writes = 1;
+        s.rejected_notifications = 3;
         c.log_refusals(&s, Nanos(500_000_000));
-        assert_eq!(c.logged, [1, 0, 0], "logged again within the second");
+        assert_eq!(c.logged, [1, 0, 0, 0, 0], "logged again within the second");
         c.log_refusals(&s, Nanos(1_000_000_010));
-        assert_eq!(c.logged, [5, 0, 2]);
+        assert_eq!(c.logged, [5, 0, 1, 0, 3]);
     }
 }

@@ -1435,6 +1435,8 @@ impl Engine {
             ("rejected_notifications", s.rejected_notifications),
             ("refused_reads", s.refused_reads),
             ("reads_not_lent", s.reads_not_lent),
+            ("refused_writes", s.refused_writes),
+            ("writes_not_lent", s.writes_not_lent),
             ("ops_posted", s.ops_posted),
             ("ops_completed", s.ops_completed),
             ("bytes_moved", s.bytes_moved),
