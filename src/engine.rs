@@ -225,9 +225,19 @@ pub struct EngineBuilder {
     lend_grace: Duration,
     remote_write: bool,
     auth: Option<AuthKey>,
+    /// [`EngineBuilder::auth_key`] was called (the test hook leaves such
+    /// an engine's key alone).
+    #[cfg(feature = "fault-injection")]
+    auth_given: bool,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
+
+/// Test hook (`fault-injection` builds only): the secret an engine takes
+/// when its builder was given no key ([`EngineBuilder::auth_key`]), so
+/// that a whole test suite can run keyed.
+#[cfg(feature = "fault-injection")]
+pub const TEST_AUTH_ENV: &str = "KVPOLL_TEST_AUTH_KEY";
 
 impl Default for EngineBuilder {
     fn default() -> Self {
@@ -247,6 +257,8 @@ impl Default for EngineBuilder {
             lend_grace: Duration::from_secs(5),
             remote_write: true,
             auth: None,
+            #[cfg(feature = "fault-injection")]
+            auth_given: false,
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
         }
@@ -393,8 +405,17 @@ impl EngineBuilder {
     /// tool and the bindings read the secret from a file or the
     /// environment ([`crate::auth::ENV`]); this call reads neither.
     /// [`crate::auth`] and docs/design.md §4 say what it guarantees.
+    ///
+    /// Test hook (`fault-injection` builds only): an engine whose builder
+    /// was not given a key (this call not made) takes the secret in
+    /// [`TEST_AUTH_ENV`] if set and not empty, so that a whole test suite
+    /// runs keyed.
     pub fn auth_key(mut self, key: Option<AuthKey>) -> Self {
         self.auth = key;
+        #[cfg(feature = "fault-injection")]
+        {
+            self.auth_given = true;
+        }
         self
     }
 
@@ -407,6 +428,15 @@ impl EngineBuilder {
 
     /// Starts the poller and returns the engine.
     pub fn build(self) -> Result<Engine, BuildError> {
+        #[cfg(feature = "fault-injection")]
+        let auth = match std::env::var_os(TEST_AUTH_ENV) {
+            Some(secret) if !self.auth_given && !secret.is_empty() => Some(AuthKey::from_secret(
+                std::os::unix::ffi::OsStrExt::as_bytes(secret.as_os_str()).trim_ascii(),
+            )?),
+            _ => self.auth.clone(),
+        };
+        #[cfg(not(feature = "fault-injection"))]
+        let auth = self.auth.clone();
         if self.block_size == 0 {
             return Err(BuildError::BlockSize(0));
         }
@@ -450,7 +480,7 @@ impl EngineBuilder {
             read_heartbeat: self.read_heartbeat,
             lend_grace: self.lend_grace,
             remote_write: self.remote_write,
-            auth: self.auth.clone(),
+            auth: auth.clone(),
             #[cfg(feature = "fault-injection")]
             faults: self.faults,
         };
@@ -517,7 +547,7 @@ impl EngineBuilder {
             confirm_reads: self.confirm_reads,
             remote_write: self.remote_write,
             puts: !self.ucx.without_rma(self.remote_write),
-            auth: self.auth,
+            auth,
             reports_signalled: false,
         })
     }

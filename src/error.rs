@@ -65,6 +65,10 @@ pub enum BuildError {
     /// The poller thread could not be started.
     #[error("starting the poller thread: {0}")]
     Spawn(String),
+    /// The shared key could not be made from the secret given (the test
+    /// hook's environment variable; see [`crate::EngineBuilder::auth_key`]).
+    #[error("the shared key: {0}")]
+    AuthKey(#[from] crate::auth::AuthKeyError),
 }
 
 /// The engine takes nothing more: every call after this fails with it.
@@ -383,7 +387,8 @@ impl Error {
                 | BuildError::NoPoller
                 | BuildError::NoSuchCpu { .. }
                 | BuildError::Ledger(_)
-                | BuildError::Placement(_) => K::Config,
+                | BuildError::Placement(_)
+                | BuildError::AuthKey(_) => K::Config,
                 BuildError::Ucx(_) => K::Transport,
                 BuildError::Spawn(_) => K::Other,
             },

@@ -441,6 +441,8 @@ struct RawPeer {
     ep: kvpoll::transport::ucx::Endpoint,
     _ctx: kvpoll::transport::ucx::Context,
     sent: u64,
+    seal: common::RawSeal,
+    to: u64,
 }
 
 impl RawPeer {
@@ -456,6 +458,8 @@ impl RawPeer {
             ep,
             _ctx: ctx,
             sent: 0,
+            seal: common::RawSeal::new(),
+            to: meta.instance,
         }
     }
 
@@ -478,8 +482,9 @@ impl RawPeer {
             blocks: kvpoll::notification::BlocksRead::of(read.iter().map(|&b| BlockId(b))),
         };
         self.sent += 1;
+        let message = self.seal.wrap(self.to, &note.encode());
         self.ep
-            .send_active_message(kvpoll::engine::NOTIFY_AM_ID, &note.encode(), self.sent)
+            .send_active_message(kvpoll::engine::NOTIFY_AM_ID, &message, self.sent)
             .unwrap();
     }
 

@@ -2,6 +2,8 @@
 //! what a forced close keeps alive, and what a foreign peer cannot do to a
 //! poller.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kvpoll::engine::{Engine, Outcomes};
@@ -111,9 +113,13 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
         blocks: kvpoll::notification::BlocksRead::of(std::iter::once(BlockId(1))),
     }
     .encode();
+    // Sealed when the suite runs keyed: refused for how it came, not for
+    // want of a tag.
+    let mut seal = common::RawSeal::new();
     let mut sent = Vec::new();
     for i in 0..20u64 {
-        ep.send_active_message_rendezvous(NOTIFY_AM_ID, &note, i)
+        let message = seal.wrap(meta.instance, &note);
+        ep.send_active_message_rendezvous(NOTIFY_AM_ID, &message, i)
             .unwrap();
         sent.push(i);
     }
@@ -133,7 +139,8 @@ fn rendezvous_messages_to_the_notification_id_are_refused_and_released_once() {
     assert_eq!(p.in_flight(), 1);
 
     // The same note, sent as kvpoll sends it, releases it.
-    ep.send_active_message(NOTIFY_AM_ID, &note, 100).unwrap();
+    let message = seal.wrap(meta.instance, &note);
+    ep.send_active_message(NOTIFY_AM_ID, &message, 100).unwrap();
     let t = Instant::now();
     while out.finished_sending.is_empty() {
         w.progress();

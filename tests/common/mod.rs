@@ -237,3 +237,38 @@ pub fn engine_with_grace(
     e.register(blocks).unwrap();
     e
 }
+
+/// What a test that speaks the notification wire itself (a raw UCX worker
+/// playing a peer) sends: the message as given, or, when the suite runs
+/// keyed (`KVPOLL_TEST_AUTH_KEY` set in a `fault-injection` build: every
+/// engine built without a key of its own takes that one), the message
+/// sealed with that key for receiver `to`, so that the engine judges
+/// what the test sends by its contents rather than dropping it untagged.
+pub struct RawSeal(Option<kvpoll::notification::Sealer>);
+
+impl RawSeal {
+    pub fn new() -> Self {
+        let secret = std::env::var("KVPOLL_TEST_AUTH_KEY")
+            .ok()
+            .filter(|_| cfg!(feature = "fault-injection"));
+        RawSeal(secret.map(|s| {
+            let key = kvpoll::auth::AuthKey::from_secret(s.trim().as_bytes()).expect("test key");
+            kvpoll::notification::Sealer::new(key)
+        }))
+    }
+
+    /// `message` as it goes to the engine of instance `to`.
+    pub fn wrap(&mut self, to: u64, message: &[u8]) -> Vec<u8> {
+        let mut out = message.to_vec();
+        if let Some(s) = self.0.as_mut() {
+            out.extend_from_slice(&s.seal(to, message));
+        }
+        out
+    }
+}
+
+impl Default for RawSeal {
+    fn default() -> Self {
+        Self::new()
+    }
+}
