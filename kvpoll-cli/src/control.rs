@@ -56,7 +56,7 @@ pub const HEADER: usize = 12;
 /// Bytes after the payload (the checksum).
 pub const TRAILER: usize = 8;
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 /// Bytes a tagged frame carries between its payload and its checksum.
 pub const AUTH: usize = 16 + 8 + TAG_LEN;
 const TAGGED: u8 = 1;
@@ -161,6 +161,12 @@ pub enum Msg {
         transfer_errors: u64,
         /// Handle releases that failed, since the rank started.
         release_failures: u64,
+        /// Control clients this rank refused (and closed), since it
+        /// started: at the handshake, for a bad frame, or when full.
+        refused_clients: u64,
+        /// Of those, clients refused for their key: none, another, or a
+        /// frame recorded on another connection.
+        unauthenticated_clients: u64,
     },
     /// Either direction: the last message (or the connection) was refused,
     /// and why.
@@ -366,9 +372,20 @@ impl Msg {
                 idle,
                 transfer_errors,
                 release_failures,
+                refused_clients,
+                unauthenticated_clients,
             } => {
                 o.u8(10);
-                for v in [total, free, busy, idle, transfer_errors, release_failures] {
+                for v in [
+                    total,
+                    free,
+                    busy,
+                    idle,
+                    transfer_errors,
+                    release_failures,
+                    refused_clients,
+                    unauthenticated_clients,
+                ] {
                     o.u64(*v);
                 }
             }
@@ -427,6 +444,8 @@ impl Msg {
                 idle: r.u64()?,
                 transfer_errors: r.u64()?,
                 release_failures: r.u64()?,
+                refused_clients: r.u64()?,
+                unauthenticated_clients: r.u64()?,
             },
             11 => Msg::Refused(String::from_utf8_lossy(r.bytes(MAX_TEXT)?).into_owned()),
             _ => return Err(FrameError::Message("unknown message tag")),
@@ -816,6 +835,8 @@ mod tests {
                 idle: 2,
                 transfer_errors: 3,
                 release_failures: 4,
+                refused_clients: 5,
+                unauthenticated_clients: 6,
             },
             Msg::Refused("no".into()),
         ]

@@ -97,6 +97,38 @@ fn a_client_without_the_key_or_with_another_is_refused_at_hello() {
         r.read_msg().is_err(),
         "the server sent more than its refusal"
     );
+    // Each refusal is counted where an operator asks: three clients at
+    // least were refused for their key, and no other refusal came.
+    let key = AuthKey::from_secret(SECRET.as_bytes()).unwrap();
+    match keyed_stats(&serve.addr, &key) {
+        Msg::StatsReply {
+            refused_clients,
+            unauthenticated_clients,
+            ..
+        } => {
+            assert!(unauthenticated_clients >= 3, "{unauthenticated_clients}");
+            assert_eq!(refused_clients, unauthenticated_clients);
+        }
+        other => panic!("expected STATS' reply, got {other:?}"),
+    }
+}
+
+/// A keyed client's HELLO, then STATS: the reply.
+fn keyed_stats(addr: &str, key: &AuthKey) -> Msg {
+    let session = Session::new(Some(key));
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut r = FrameReader::new(
+        s.try_clone().unwrap(),
+        Duration::from_secs(10),
+        Some(Duration::from_secs(30)),
+    )
+    .with_session(session.clone());
+    s.write_all(&session.encode(&Msg::Hello(LAYOUT)).unwrap())
+        .unwrap();
+    assert_eq!(r.read_msg().unwrap(), Msg::Hello(LAYOUT));
+    assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
+    s.write_all(&session.encode(&Msg::Stats).unwrap()).unwrap();
+    r.read_msg().unwrap()
 }
 
 /// A keyed client's HELLO replayed on a new connection gets the server's

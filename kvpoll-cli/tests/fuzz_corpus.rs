@@ -83,6 +83,8 @@ fn control_corpus_decodes_without_panic_and_valid_frames_round_trip() {
             idle: 2,
             transfer_errors: 3,
             release_failures: 4,
+            refused_clients: 5,
+            unauthenticated_clients: 6,
         },
         Msg::Refused("STALL refused".into()),
     ];

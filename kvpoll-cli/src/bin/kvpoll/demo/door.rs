@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpoll::auth::AuthKey;
-use kvpoll_cli::control::{check_header, frame_len, Session, HEADER, MAX_PAYLOAD};
+use kvpoll_cli::control::{check_header, frame_len, FrameError, Session, HEADER, MAX_PAYLOAD};
 
 use super::link;
 use super::proto::{Layout, Msg};
@@ -170,6 +170,8 @@ pub fn start(
         wake: wake.clone(),
         stats: stats.clone(),
         spare: std::fs::File::open("/dev/null").ok(),
+        refused: 0,
+        unauthenticated: 0,
     };
     let flag = done.clone();
     let thread = std::thread::Builder::new()
@@ -230,6 +232,10 @@ struct Door {
     stats: Arc<Mutex<Stats>>,
     /// Given up to accept (and refuse) one connection when out of fds.
     spare: Option<std::fs::File>,
+    /// Clients refused (and closed) since the rank started, and of those
+    /// the ones refused for their key: what STATS reports.
+    refused: u64,
+    unauthenticated: u64,
 }
 
 impl Door {
@@ -405,7 +411,12 @@ impl Door {
             c.frame_started = None;
             match c.session.decode(&frame) {
                 Ok(m) => self.handle(tag, m),
-                Err(e) => return self.refuse(tag, e.to_string()),
+                Err(e) => {
+                    if matches!(e, FrameError::Unauthenticated(_)) {
+                        self.unauthenticated += 1;
+                    }
+                    return self.refuse(tag, e.to_string());
+                }
             }
         }
     }
@@ -452,6 +463,8 @@ impl Door {
                         idle: s.idle,
                         transfer_errors: s.transfer_errors,
                         release_failures: s.release_failures,
+                        refused_clients: self.refused,
+                        unauthenticated_clients: self.unauthenticated,
                     },
                 );
             }
@@ -555,6 +568,9 @@ impl Door {
 
     /// Tells connection `tag` why it is refused, then closes it.
     fn refuse(&mut self, tag: usize, why: String) {
+        if self.conns.contains_key(&tag) {
+            self.refused += 1;
+        }
         tracing::warn!(rank = self.rank, conn = tag, "control link refused: {why}");
         self.close(tag, Some(why));
     }

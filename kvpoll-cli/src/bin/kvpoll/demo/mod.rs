@@ -864,6 +864,7 @@ fn run_mode(
                 idle,
                 transfer_errors,
                 release_failures,
+                ..
             })) = reply
             {
                 if free == total || Instant::now() > give_up {
