@@ -124,6 +124,41 @@ fn a_read_of_another_live_lends_blocks_fails_not_lent_when_the_lend_word_is_read
     another_lends_blocks_are_not_confirmed(SHM);
 }
 
+/// Over tcp the lender serves a read's bytes itself, so it checks the
+/// blocks against the live lend the read names before any byte leaves:
+/// the reader's blocks keep what they held.
+#[test]
+fn over_tcp_a_read_of_another_lends_blocks_is_refused_before_any_byte_leaves_the_lender() {
+    let (mut p, mut d, peer) = lender_and_reader(TCP);
+    const OWN: u64 = 99;
+    for b in [8, 9] {
+        fill(&d, OWN, b);
+    }
+    let (four, _five) = two_lends(&mut p);
+    let cause = read_once(&mut d, peer, RequestId(4), &[8, 9], &[2, 3], four);
+    assert_eq!(cause, Some(Cause::NotLent));
+    for b in [8, 9] {
+        assert!(
+            holds(&d, b, OWN, b),
+            "block {b}: bytes of lend 5's blocks left the lender"
+        );
+    }
+    assert!(counted(&p, |s| s.refused_reads), "{:?}", p.poller_stats());
+    assert!(counted(&d, |s| s.reads_not_lent), "{:?}", d.poller_stats());
+    // Lend 5 is untouched: its own reader reads it whole.
+    let five = {
+        let mut out = Outcomes::default();
+        p.poll(&mut out);
+        assert!(!reported(&out, RequestId(5)), "{out:?}");
+        _five
+    };
+    assert_eq!(
+        read_once(&mut d, peer, RequestId(5), &[10, 11], &[2, 3], five),
+        None
+    );
+    assert!(holds(&d, 10, SEED, 2) && holds(&d, 11, SEED, 3));
+}
+
 fn blocks_not_lent_are_not_confirmed(tls: &str) {
     let (mut p, mut d, peer) = lender_and_reader(tls);
     let (four, _five) = two_lends(&mut p);

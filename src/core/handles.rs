@@ -254,6 +254,10 @@ impl Core {
         }
         if status != 0 && p.failure.is_none() {
             let reason = self.cancel_reason(p.peer, p.ep_generation, status);
+            if reason.cause == Cause::NotLent {
+                // Its lender refused to serve what it asked for.
+                self.stats.reads_not_lent += 1;
+            }
             self.progress[idx].failure = Some(reason);
         }
         self.progress[idx].remaining -= 1;

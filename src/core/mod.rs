@@ -48,7 +48,7 @@ use crate::notification::{
     BlocksRead, NoteKind, Notification, Refused, Sealer, LEN as NOTE_LEN, MAX_PER_MESSAGE,
 };
 use crate::transport::{
-    lend_word_of, Direction, Ep, LendWords, PostFailure, TransportEvent, CANCELED,
+    lend_word_of, Direction, Ep, LendWords, PostFailure, TransportEvent, CANCELED, NOT_LENT,
 };
 pub use crate::transport::{T_TRANSPORT, T_WORD};
 use batching::Batch;
@@ -170,6 +170,14 @@ pub enum Action {
         pairs: (u32, u32),
         /// The bytes of each block pair to move; whole blocks if none.
         part: Option<BlockBytes>,
+    },
+    /// Serve (`lent`) or refuse the read a peer asked this engine to serve
+    /// itself ([`TransportEvent::ReadAsked`]).
+    ServeRead {
+        /// The transport's handle for the request.
+        request: u32,
+        /// Whether its blocks may leave.
+        lent: bool,
     },
     /// Flush `ep` (the endpoint the handle's puts travelled on); feed a
     /// failure to [`Core::on_flush_failed`].
@@ -870,7 +878,48 @@ impl Core {
                 word,
             } => self.on_word(token, status, word),
             TransportEvent::EndpointFailed { ep, status } => self.on_endpoint_failed(ep, status),
+            TransportEvent::ReadAsked {
+                request,
+                lend,
+                first,
+                last,
+            } => self.read_asked(request, lend, first, last),
         }
+    }
+
+    /// The lend (or receive) handle `hk` moves blocks of
+    /// ([`Incarnation::NONE`]: memory no lend guards).
+    pub fn lend_of(&self, hk: HandleKey) -> Incarnation {
+        self.progress
+            .get(Self::index(hk))
+            .map_or(Incarnation::NONE, |p| p.lend)
+    }
+
+    /// A peer asks this engine to serve blocks `first..=last` itself under
+    /// lend `lend`: refused if `lend` is a live lend here and those blocks
+    /// are not all its own (nothing of them leaves; the reader fails
+    /// `NotLent`), served otherwise — a lend not known here may still be
+    /// on its way (read before lend), and its confirmation decides.
+    fn read_asked(&mut self, request: u32, lend: Incarnation, first: BlockId, last: BlockId) {
+        let refused = self.by_token.get(&lend).is_some_and(|&key| {
+            let info = &self.info[key.slot() as usize];
+            let live = info.generation == key.generation()
+                && matches!(info.kind, Kind::Lend { .. })
+                && self.ledger.is_live(key);
+            // More blocks than the lend has cannot all be its own (and a
+            // peer's long range costs nothing to refuse).
+            let fits = u64::from(last.0.saturating_sub(first.0)) < u64::from(info.lent.count);
+            let lent = |b: u32| self.slots.blocks_of(key.slot()).any(|x| x.0 == b);
+            live && !(first.0 <= last.0 && fits && (first.0..=last.0).all(lent))
+        });
+        if refused {
+            self.stats.refused_reads += 1;
+            self.reject();
+        }
+        self.actions.push_back(Action::ServeRead {
+            request,
+            lent: !refused,
+        });
     }
 
     fn on_message(&mut self, bytes: &[u8], reply: Option<u32>, now: Nanos) {

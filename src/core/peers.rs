@@ -241,6 +241,8 @@ impl Core {
             .and_then(|p| p.close_cause(generation));
         match closed {
             Some(cause) if status == CANCELED => Reason::new(cause, status),
+            // Its lender refused to serve it: not the live lend's blocks.
+            _ if status == NOT_LENT => Reason::new(Cause::NotLent, status),
             _ if peer_gone(status) => Reason::new(Cause::PeerLost, status),
             _ => Reason::new(Cause::Transfer, status.min(-1)),
         }

@@ -30,10 +30,8 @@ pub fn perform<W: Transport + ?Sized>(core: &mut Core, wire: &mut W, action: Act
             pairs,
             part,
         } => {
-            let r = match part {
-                None => wire.post(ep, dir, core.pairs(pairs), token),
-                Some(part) => wire.post_part(ep, dir, core.pairs(pairs), part, token),
-            };
+            let lend = core.lend_of(handle);
+            let r = wire.post_lent(ep, dir, core.pairs(pairs), part, lend, token);
             core.on_posted(handle, r);
         }
         Action::Flush { ep, handle, token } => {
@@ -66,6 +64,7 @@ pub fn perform<W: Transport + ?Sized>(core: &mut Core, wire: &mut W, action: Act
                 core.on_word_failed(handle, status);
             }
         }
+        Action::ServeRead { request, lent } => wire.serve_read(request, lent),
         Action::Close { ep } => wire.close(ep),
         Action::Release { handle } => {
             let released = wire.release(handle);

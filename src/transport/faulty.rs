@@ -103,6 +103,32 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.post_part(ep, dir, pairs, part, token)
     }
 
+    fn post_lent(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: Option<crate::transport::BlockBytes>,
+        lend: crate::ledger::Incarnation,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        self.posts += 1;
+        if part.is_none()
+            && self.faults.panic_at_post != 0
+            && self.posts == u64::from(self.faults.panic_at_post)
+        {
+            panic!(
+                "kvpoll fault injection: poller panics at post {}",
+                self.posts
+            );
+        }
+        self.inner.post_lent(ep, dir, pairs, part, lend, token)
+    }
+
+    fn serve_read(&mut self, request: u32, lent: bool) {
+        self.inner.serve_read(request, lent)
+    }
+
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
         self.inner.flush(ep, token)
     }

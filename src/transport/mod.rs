@@ -66,6 +66,10 @@ pub const NO_RESOURCE: i8 = -2;
 /// `UCS_ERR_UNSUPPORTED`: an operation this transport cannot perform, or
 /// a peer that announced no lend words.
 pub const UNSUPPORTED: i8 = -22;
+/// `UCS_ERR_REJECTED`: a read its lender refused to serve because the
+/// blocks it asked for are not those of the live lend it named
+/// ([`TransportEvent::ReadAsked`]); the read fails `Cause::NotLent`.
+pub const NOT_LENT: i8 = -23;
 
 /// Most lend words an engine announces (a peer announcing more is
 /// refused); a power of two.
@@ -251,6 +255,22 @@ pub enum TransportEvent<'a> {
         /// The word (0 unless `status` is 0).
         word: u64,
     },
+    /// A peer asks this engine to serve a read itself (a transport whose
+    /// reads are messages the lender answers): blocks `first..=last` of
+    /// region `region`, under lend `lend`. The core answers with
+    /// [`Transport::serve_read`] before the transport's next `progress`:
+    /// served if those blocks are the lend's or the lend is not one it
+    /// knows (the read's confirmation decides then), refused otherwise.
+    ReadAsked {
+        /// The transport's handle for the request.
+        request: u32,
+        /// The lend the reader named.
+        lend: Incarnation,
+        /// The first block the bytes lie in.
+        first: BlockId,
+        /// The last block the bytes lie in.
+        last: BlockId,
+    },
     /// An endpoint failed (peer gone, link down).
     EndpointFailed {
         /// Which endpoint.
@@ -303,6 +323,32 @@ pub trait Transport {
             posted: 0,
             status: UNSUPPORTED,
         })
+    }
+
+    /// [`Transport::post`] (or, with `part`, [`Transport::post_part`]) of
+    /// a handle that moves blocks of lend (or receive) `lend`: a
+    /// transport whose lender serves reads itself sends it along, so that
+    /// the lender checks the blocks before any byte leaves.
+    fn post_lent(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: Option<BlockBytes>,
+        lend: Incarnation,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        let _ = lend;
+        match part {
+            None => self.post(ep, dir, pairs, token),
+            Some(part) => self.post_part(ep, dir, pairs, part, token),
+        }
+    }
+
+    /// Serves (`lent`) or refuses ([`NOT_LENT`]) the read of a
+    /// [`TransportEvent::ReadAsked`].
+    fn serve_read(&mut self, request: u32, lent: bool) {
+        let _ = (request, lent);
     }
 
     /// Flushes endpoint `ep`: completes with `token` once every operation

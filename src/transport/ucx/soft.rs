@@ -11,7 +11,9 @@
 //! - the reader sends a [`Request`] (which region, where, how many bytes,
 //!   and the [`Slot`] the answer lands in) as an active message that may be
 //!   answered;
-//! - the lender checks it against its own regions and answers with the
+//! - the lender checks it against its own regions and, where the request
+//!   names a lend the lender's core knows, against that lend's blocks
+//!   (the core decides: `TransportEvent::ReadAsked`), and answers with the
 //!   bytes, in pieces of at most [`PIECE`] bytes, each an active message
 //!   with a [`Piece`] header — sends of its own, which fail like any other
 //!   send when the reader is gone;
@@ -44,7 +46,8 @@ pub(crate) const PIECE: usize = 64 * 1024 - 256;
 pub(crate) const SEQ_MASK: u32 = (1 << 30) - 1;
 
 /// A read request: `len` bytes at `offset` of the lender's region
-/// `region`, into the reader's slot `slot` of sequence `seq`.
+/// `region`, into the reader's slot `slot` of sequence `seq`, read under
+/// lend `lend` (0: memory no lend guards).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Request {
     pub slot: u32,
@@ -52,10 +55,11 @@ pub(crate) struct Request {
     pub region: u32,
     pub offset: u64,
     pub len: u64,
+    pub lend: u64,
 }
 
 impl Request {
-    pub const LEN: usize = 32;
+    pub const LEN: usize = 40;
 
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
@@ -64,6 +68,7 @@ impl Request {
         b[8..12].copy_from_slice(&self.region.to_le_bytes());
         b[16..24].copy_from_slice(&self.offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..40].copy_from_slice(&self.lend.to_le_bytes());
         b
     }
 
@@ -80,6 +85,7 @@ impl Request {
             region: u32_at(8),
             offset: u64_at(16),
             len: u64_at(24),
+            lend: u64_at(32),
         })
     }
 }
@@ -302,9 +308,10 @@ mod tests {
             region: 2,
             offset: 1 << 40,
             len: 65536,
+            lend: 0x5eed,
         };
         assert_eq!(Request::decode(&r.encode()), Some(r));
-        assert_eq!(Request::decode(&r.encode()[..31]), None);
+        assert_eq!(Request::decode(&r.encode()[..39]), None);
         let p = Piece {
             slot: 3,
             seq: u32::MAX,
@@ -410,6 +417,7 @@ mod tests {
             region,
             offset,
             len,
+            lend: 0,
         };
         assert_eq!(
             source(&req(1, 4096, 8192), &regions),

@@ -18,7 +18,7 @@ use crate::transport::peer::{BlockLayout, PeerMetadata, RegionDescriptor};
 use crate::transport::BlockBytes;
 use crate::transport::{
     lend_word_of, Direction, Ep, LendWords, PostFailure, Transport, TransportEvent, CANCELED,
-    INVALID_PARAM, IO_ERROR, NO_RESOURCE, UNSUPPORTED,
+    INVALID_PARAM, IO_ERROR, NOT_LENT, NO_RESOURCE, UNSUPPORTED,
 };
 use crate::transport::{T_TRANSPORT, T_WORD};
 
@@ -237,8 +237,13 @@ pub struct UcxTransport {
     progresses: u64,
     /// What registered device memory needs until the context is gone.
     owners: Vec<Box<dyn std::any::Any>>,
-    /// Read requests received, served after the messages were taken.
+    /// Read requests received in this drain (their reply handles: taken
+    /// once answered), served as the messages were taken or once the core
+    /// decided ([`Transport::serve_read`]).
     requests: Vec<(Request, Option<u32>)>,
+    /// The lend of the handle being posted ([`Transport::post_lent`]):
+    /// what its soft reads name.
+    post_lend: Incarnation,
     /// This engine's side of direct reads (`None`: it neither reads nor
     /// offers them), the ids of its regions it offers, and what its direct
     /// reads left for the next drain.
@@ -362,6 +367,7 @@ impl UcxTransport {
             progresses: 0,
             owners: Vec::new(),
             requests: Vec::with_capacity(64),
+            post_lend: Incarnation::NONE,
             direct: options.reads_directly().then(direct::Local::new).flatten(),
             mapped_reads: options.mapped_reads,
             direct_regions: Vec::new(),
@@ -835,7 +841,8 @@ impl UcxTransport {
                     }
                     let res = match dir {
                         Direction::Get if conn.soft => {
-                            soft_get_batch(&self.worker, conn, region, &self.regions, &ops)
+                            let lend = self.post_lend;
+                            soft_get_batch(&self.worker, conn, region, &self.regions, &ops, lend)
                         }
                         Direction::Get => conn.ep.get_batch(region, rkey, &ops),
                         Direction::Put => conn.ep.put_batch(region, rkey, &ops),
@@ -1016,67 +1023,94 @@ impl UcxTransport {
 }
 
 impl UcxTransport {
-    /// Answers the soft reads asked since the last progress from this
-    /// engine's regions: the bytes in pieces, or a refusal for a request
-    /// that names no region or bytes outside it. A piece that cannot be
-    /// sent ends the answer (the reader's endpoint failed: it learns so).
-    fn serve_requests(&mut self) {
-        if self.requests.is_empty() {
-            return;
+    /// The soft reads asked in this drain: one that names a lend goes to
+    /// the core ([`TransportEvent::ReadAsked`]), which answers through
+    /// [`Transport::serve_read`] before the next progress; any other is
+    /// served (or refused, outside every region) now.
+    fn ask_requests(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
+        for i in 0..self.requests.len() {
+            let req = self.requests[i].0;
+            let inside = soft::source(&req, &self.spans).is_some() && !self.device_regions;
+            let bs = self.block_size.max(1);
+            let blocks = (req.offset / bs, req.offset.saturating_add(req.len - 1) / bs);
+            match (req.lend, inside, blocks) {
+                (lend, true, (first, last)) if lend != 0 => {
+                    let (Ok(first), Ok(last)) = (u32::try_from(first), u32::try_from(last)) else {
+                        self.serve(i, false);
+                        continue;
+                    };
+                    sink(TransportEvent::ReadAsked {
+                        request: i as u32,
+                        lend: Incarnation(lend),
+                        first: BlockId(first),
+                        last: BlockId(last),
+                    });
+                }
+                _ => self.serve(i, true),
+            }
         }
+    }
+
+    /// Answers soft read `i` of this drain (once): its bytes in pieces if
+    /// `lent`, or a refusal — [`NOT_LENT`], or for a request that names no
+    /// region or bytes outside it, `INVALID_PARAM`. A piece that cannot be
+    /// sent ends the answer (the reader's endpoint failed: it learns so).
+    fn serve(&mut self, i: usize, lent: bool) {
+        let Some((req, reply)) = self.requests.get_mut(i).map(|r| (r.0, r.1.take())) else {
+            return;
+        };
+        let Some(to) = reply else {
+            return; // answered already, or unanswerable
+        };
         let Self {
-            requests,
             returns,
             worker,
             spans,
             device_regions,
             ..
         } = self;
-        for (req, reply) in requests.drain(..) {
-            let Some(to) = reply else {
-                continue;
-            };
-            let Ok(own) = answer_on(worker, returns, to) else {
-                // Unanswerable (its reader is gone): its read ends with the
-                // reader's deadline, if the reader lives.
-                continue;
-            };
-            // SAFETY: the caller's promise, passed on.
-            let send = |header: &[u8], data: *const u8, len: usize| unsafe {
-                let token = T_TRANSPORT | T_SOFT_PIECE;
-                match own {
-                    Some(ep) => ep.send_with_data(PIECE_AM_ID, header, data, len, token),
-                    None => worker.reply_with_data(to, PIECE_AM_ID, header, data, len, token),
-                }
-            };
-            let mut piece = Piece {
-                slot: req.slot,
-                seq: req.seq,
-                offset: 0,
-                status: 0,
-            };
-            let found = soft::source(&req, spans).filter(|_| !*device_regions);
-            let Some((base, len)) = found else {
-                piece.status = if *device_regions {
-                    UNSUPPORTED
-                } else {
-                    INVALID_PARAM
-                };
-                let _ = send(&piece.encode(), std::ptr::null(), 0);
-                continue;
-            };
-            let mut off = 0usize;
-            while off < len {
-                let n = PIECE.min(len - off);
-                piece.offset = off as u64;
-                // base + off .. + n lies inside a registered region (checked
-                // by `source`), mapped until the transport drops, after the
-                // worker last progresses.
-                if send(&piece.encode(), (base + off) as *const u8, n).is_err() {
-                    break;
-                }
-                off += n;
+        let Ok(own) = answer_on(worker, returns, to) else {
+            // Unanswerable (its reader is gone): its read ends with the
+            // reader's deadline, if the reader lives.
+            return;
+        };
+        // SAFETY: the caller's promise, passed on.
+        let send = |header: &[u8], data: *const u8, len: usize| unsafe {
+            let token = T_TRANSPORT | T_SOFT_PIECE;
+            match own {
+                Some(ep) => ep.send_with_data(PIECE_AM_ID, header, data, len, token),
+                None => worker.reply_with_data(to, PIECE_AM_ID, header, data, len, token),
             }
+        };
+        let mut piece = Piece {
+            slot: req.slot,
+            seq: req.seq,
+            offset: 0,
+            status: 0,
+        };
+        let found = soft::source(&req, spans).filter(|_| !*device_regions && lent);
+        let Some((base, len)) = found else {
+            piece.status = if *device_regions {
+                UNSUPPORTED
+            } else if !lent {
+                NOT_LENT
+            } else {
+                INVALID_PARAM
+            };
+            let _ = send(&piece.encode(), std::ptr::null(), 0);
+            return;
+        };
+        let mut off = 0usize;
+        while off < len {
+            let n = PIECE.min(len - off);
+            piece.offset = off as u64;
+            // base + off .. + n lies inside a registered region (checked
+            // by `source`), mapped until the transport drops, after the
+            // worker last progresses.
+            if send(&piece.encode(), (base + off) as *const u8, n).is_err() {
+                break;
+            }
+            off += n;
         }
     }
 }
@@ -1090,6 +1124,7 @@ fn soft_get_batch(
     local: &MemoryRegion,
     regions: &[MemoryRegion],
     ops: &[BlockOp],
+    lend: Incarnation,
 ) -> Result<(), super::PostError> {
     let region = regions
         .iter()
@@ -1112,6 +1147,7 @@ fn soft_get_batch(
             region,
             offset: op.remote_offset,
             len: op.len as u64,
+            lend: lend.0,
         };
         let token = T_TRANSPORT | T_SOFT_REQUEST | u64::from(slot) << 32 | u64::from(seq);
         let sent = match key {
@@ -1204,6 +1240,28 @@ impl Transport for UcxTransport {
             }
         };
         self.post_ops(ep, dir, pairs, token, remote_bs, part)
+    }
+
+    fn post_lent(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: Option<BlockBytes>,
+        lend: Incarnation,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
+        self.post_lend = lend;
+        let r = match part {
+            None => self.post(ep, dir, pairs, token),
+            Some(part) => self.post_part(ep, dir, pairs, part, token),
+        };
+        self.post_lend = Incarnation::NONE;
+        r
+    }
+
+    fn serve_read(&mut self, request: u32, lent: bool) {
+        self.serve(request as usize, lent);
     }
 
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
@@ -1425,6 +1483,8 @@ impl Transport for UcxTransport {
         }
         self.completions.clear();
         let probe = &mut self.probe;
+        // The last drain's reads were all answered in its execution.
+        self.requests.clear();
         let requests = &mut self.requests;
         let (returns, seq) = (&mut self.returns, &mut self.close_seq);
         self.worker.take_active_messages(|m| {
@@ -1454,7 +1514,7 @@ impl Transport for UcxTransport {
                 reply: m.reply,
             })
         });
-        self.serve_requests();
+        self.ask_requests(sink);
         for f in self.failures.drain(..) {
             sink(TransportEvent::EndpointFailed {
                 ep: Ep::from_u64(f.endpoint),
