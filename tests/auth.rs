@@ -334,13 +334,12 @@ fn a_replayed_note_is_dropped_and_counted() {
     assert_eq!(p.metrics().rejected.replayed_notifications, 1);
 }
 
-/// The suites run keyed by setting `KVPOLL_TEST_AUTH_KEY` (a test hook of
-/// `fault-injection` builds): every engine whose builder was given no key
-/// takes that one, and one given a key (or none, explicitly) keeps it.
+/// The suites run keyed by setting `KVPOLL_TEST_AUTH_KEY` (a test hook):
+/// every engine whose builder was given no key takes that one, and one
+/// given a key (or none, explicitly) keeps it.
 #[test]
 fn a_keyed_run_gives_every_engine_built_without_a_key_the_suites_key_and_no_other() {
-    let keyed_run = cfg!(feature = "fault-injection")
-        && std::env::var_os("KVPOLL_TEST_AUTH_KEY").is_some_and(|s| !s.is_empty());
+    let keyed_run = std::env::var_os(kvpoll::engine::TEST_AUTH_ENV).is_some_and(|s| !s.is_empty());
     let mut plain = Engine::builder()
         .block_size(BS)
         .ucx(ContextOptions::with_transports(TCP))

@@ -355,15 +355,18 @@ fn any_single_byte_flip_of_a_real_remote_key_is_refused_or_unpacks_without_abort
 }
 
 /// A soft read request as a reader sends it (`src/transport/ucx/soft.rs`):
-/// slot, sequence, region, 4 bytes of padding, offset, length.
+/// slot, sequence, region, 4 bytes of padding, offset, length, the lend it
+/// names (here one nobody lent: served from the regions, and left to the
+/// read's confirmation).
 fn soft_request(region: u32, offset: u64, len: u64) -> Vec<u8> {
-    let mut b = Vec::with_capacity(32);
+    let mut b = Vec::with_capacity(40);
     b.extend_from_slice(&1u32.to_le_bytes());
     b.extend_from_slice(&1u32.to_le_bytes());
     b.extend_from_slice(&region.to_le_bytes());
     b.extend_from_slice(&[0; 4]);
     b.extend_from_slice(&offset.to_le_bytes());
     b.extend_from_slice(&len.to_le_bytes());
+    b.extend_from_slice(&0x5eed_u64.to_le_bytes());
     b
 }
 
@@ -382,7 +385,7 @@ fn soft_read_requests_a_peer_forges_are_answered_or_refused_and_the_lender_still
         soft_request(0, 0, 0),          // nothing
         soft_request(0, BS, BS),        // a real block: its bytes
     ];
-    let short = &soft_request(0, 0, 8)[..31]; // no request at all
+    let short = &soft_request(0, 0, 8)[..39]; // no request at all
     ep.send_active_message_with_reply(SOFT_REQUEST_AM_ID, short, 1)
         .unwrap();
     for (i, r) in answered.iter().enumerate() {

@@ -240,17 +240,17 @@ pub fn engine_with_grace(
 
 /// What a test that speaks the notification wire itself (a raw UCX worker
 /// playing a peer) sends: the message as given, or, when the suite runs
-/// keyed (`KVPOLL_TEST_AUTH_KEY` set in a `fault-injection` build: every
-/// engine built without a key of its own takes that one), the message
+/// keyed (`KVPOLL_TEST_AUTH_KEY` set: every engine built without a key of
+/// its own takes that one), the message
 /// sealed with that key for receiver `to`, so that the engine judges
 /// what the test sends by its contents rather than dropping it untagged.
 pub struct RawSeal(Option<kvpoll::notification::Sealer>);
 
 impl RawSeal {
     pub fn new() -> Self {
-        let secret = std::env::var("KVPOLL_TEST_AUTH_KEY")
+        let secret = std::env::var(kvpoll::engine::TEST_AUTH_ENV)
             .ok()
-            .filter(|_| cfg!(feature = "fault-injection"));
+            .filter(|s| !s.is_empty());
         RawSeal(secret.map(|s| {
             let key = kvpoll::auth::AuthKey::from_secret(s.trim().as_bytes()).expect("test key");
             kvpoll::notification::Sealer::new(key)

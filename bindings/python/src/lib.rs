@@ -682,8 +682,10 @@ struct Span {
 ///   engines share: metadata and notifications are then tagged with it,
 ///   ``add_peer`` refuses a peer without it or with another (``PeerError``)
 ///   and notifications without it are dropped; each is counted
-///   (``poller_stats()``). ``None`` (default): no key; a keyed peer's
-///   metadata is refused. It authenticates, it does not encrypt.
+///   (``poller_stats()``). ``None`` (default): no key (unless the test
+///   hook ``KVPOLL_TEST_AUTH_KEY`` gives one, so that a test suite runs
+///   keyed); a keyed peer's metadata is refused. It authenticates, it
+///   does not encrypt.
 ///
 /// Request ids are ``str`` or ``int``; reports give back the same objects.
 /// Use it as a context manager (``with Engine(...) as e:``) or call
@@ -955,16 +957,20 @@ impl Engine {
             Some(t) => ContextOptions::with_transports(&t),
             None => ContextOptions::default(),
         };
-        let builder = RsEngine::builder()
+        let mut builder = RsEngine::builder()
             .block_size(block_size)
             .core(core)
             .idle(idle)
             .read_deadline(deadline)
             .confirm_reads(confirm_reads)
             .remote_write(remote_write)
-            .auth_key(auth)
             .ledger(slots, max_blocks)
             .ucx(ucx);
+        // Without one, the library's test hook may give it the test
+        // suite's key (KVPOLL_TEST_AUTH_KEY).
+        if let Some(key) = auth {
+            builder = builder.auth_key(Some(key));
+        }
         let inner = py
             .allow_threads(move || builder.build())
             .map_err(|e| engine_err(py, e))?;

@@ -5,6 +5,8 @@ is refused at ``add_peer`` with ``PeerError`` and counted in
 
 from __future__ import annotations
 
+import os
+
 import kvpoll
 import pytest
 
@@ -44,3 +46,18 @@ def test_a_peer_without_the_key_or_with_another_is_refused_at_add_peer_and_count
 def test_a_secret_too_short_is_refused():
     with pytest.raises(ValueError, match="at least 16"):
         kvpoll.Engine(block_size=BS, tls="tcp", auth_key=b"short")
+
+
+def test_a_keyed_run_gives_every_engine_built_without_a_key_the_suites_key(make_consumer):
+    # KVPOLL_TEST_AUTH_KEY (the library's test hook) runs a whole suite
+    # keyed: an engine built without auth_key takes that secret.
+    secret = os.environ.get("KVPOLL_TEST_AUTH_KEY", "").strip()
+    plain = make_consumer()
+    if not secret:
+        keyed = make_consumer(auth_key=KEY)
+        with pytest.raises(kvpoll.PeerError, match="peer refused"):
+            plain.add_peer(keyed.local_metadata())
+        return
+    plain.add_peer(make_consumer(auth_key=secret.encode()).local_metadata())
+    with pytest.raises(kvpoll.PeerError, match="peer refused"):
+        plain.add_peer(make_consumer(auth_key=KEY).local_metadata())

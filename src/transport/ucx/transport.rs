@@ -1030,24 +1030,25 @@ impl UcxTransport {
     fn ask_requests(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
         for i in 0..self.requests.len() {
             let req = self.requests[i].0;
+            // Bytes inside a region (so at least one, and no wrap), of
+            // host memory, under a lend: the core decides.
             let inside = soft::source(&req, &self.spans).is_some() && !self.device_regions;
-            let bs = self.block_size.max(1);
-            let blocks = (req.offset / bs, req.offset.saturating_add(req.len - 1) / bs);
-            match (req.lend, inside, blocks) {
-                (lend, true, (first, last)) if lend != 0 => {
-                    let (Ok(first), Ok(last)) = (u32::try_from(first), u32::try_from(last)) else {
-                        self.serve(i, false);
-                        continue;
-                    };
-                    sink(TransportEvent::ReadAsked {
-                        request: i as u32,
-                        lend: Incarnation(lend),
-                        first: BlockId(first),
-                        last: BlockId(last),
-                    });
-                }
-                _ => self.serve(i, true),
+            if req.lend == 0 || !inside {
+                self.serve(i, true);
+                continue;
             }
+            let bs = self.block_size.max(1);
+            let (first, last) = (req.offset / bs, (req.offset + (req.len - 1)) / bs);
+            let (Ok(first), Ok(last)) = (u32::try_from(first), u32::try_from(last)) else {
+                self.serve(i, false);
+                continue;
+            };
+            sink(TransportEvent::ReadAsked {
+                request: i as u32,
+                lend: Incarnation(req.lend),
+                first: BlockId(first),
+                last: BlockId(last),
+            });
         }
     }
 
