@@ -56,16 +56,32 @@ fn bench_trace_without_out_is_a_usage_error() {
 #[test]
 fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-        .args(["bench", "compare", "--only", "small_tcp", "--scale", "0.02"])
-        .args(["--rounds", "1", "--peers-python", "none", "--json"])
+        .args([
+            "bench",
+            "compare",
+            "--only",
+            "small_loopback",
+            "--scale",
+            "0.01",
+        ])
+        .args(["--rounds", "2", "--peers-python", "none", "--json"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let json = String::from_utf8(out.stdout).unwrap();
     assert!(
-        json.contains("\"group\":\"small_tcp_caller_pull\""),
+        json.contains("\"group\":\"small_loopback_caller_pull\""),
         "{json}"
     );
+    // Two rounds each, their spread beside the median; the serving
+    // loop's caller beside the blocking one.
+    assert!(json.contains("\"per_s_min\":"), "{json}");
+    assert!(json.contains("\"rounds_per_s\":["), "{json}");
+    assert!(
+        json.contains("\"system\":\"kvpoll, serving loop\""),
+        "{json}"
+    );
+    assert!(json.contains("\"system\":\"tcp stream\""), "{json}");
     assert!(json.contains("peer systems not measured"), "{json}");
     assert!(json.contains("\"system\":\"kvpoll\""), "{json}");
     // Small reads also run in waves, one request a wave, as NIXL's
@@ -85,12 +101,19 @@ fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured(
 }
 
 /// `bench compare` of the small tcp group whose second kvpoll system's
-/// UCX options name no transport: the group does not run.
+/// UCX options name no transport: that system fails, and the group.
 fn compare_a_group_that_does_not_run(json: bool) -> std::process::Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
-    cmd.args(["bench", "compare", "--only", "small_tcp", "--scale", "0.02"])
-        .args(["--rounds", "1", "--peers-python", "none"])
-        .args(["--alt-ucx", "TLS=no_such_transport"]);
+    cmd.args([
+        "bench",
+        "compare",
+        "--only",
+        "small_loopback",
+        "--scale",
+        "0.01",
+    ])
+    .args(["--rounds", "1", "--peers-python", "none"])
+    .args(["--alt-ucx", "TLS=no_such_transport"]);
     if json {
         cmd.arg("--json");
     }
@@ -102,32 +125,31 @@ fn bench_compare_prints_the_rows_of_a_group_that_did_not_run_as_failed_and_exits
     let out = compare_a_group_that_does_not_run(false);
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
-    // The group's row (no target) and the CPU rows of groups left out by
-    // --only: failed, and not run.
-    let row = |figure: &str| {
-        text.lines()
-            .find(|l| l.starts_with(figure))
-            .unwrap_or_else(|| panic!("no row {figure:?}: {text}"))
-            .to_owned()
-    };
+    // The group's rows: failed; a row of a group left out by --only: not
+    // run.
+    let row = |figure: &str| row_of(&text, figure);
     for figure in [
-        "16 KiB reads, tcp: vs Mooncake",
-        "16 KiB reads, tcp: keyed vs no key",
+        "16 KiB reads, tcp over loopback: vs Mooncake",
+        "16 KiB reads, tcp over loopback: keyed vs no key",
     ] {
         assert!(row(figure).ends_with(" FAILED"), "{text}");
     }
     assert!(
-        row("CPU s/GB, 64 MiB read, tcp").ends_with(" n/a"),
+        row("CPU s/GB, kvpoll, 64 MiB read, tcp over loopback").ends_with(" n/a"),
         "{text}"
     );
     assert!(
-        text.contains("tcp_small_vs_mooncake")
-            && text.contains("small_tcp_caller_pull did not run: "),
+        text.contains("loopback_small_vs_mooncake")
+            && text.contains("small_loopback_caller_pull: kvpoll, other UCX options FAILED: "),
         "{text}"
     );
-    assert!(text.contains("2 rows FAILED (did not run)"), "{text}");
+    assert!(text.contains("2 rows FAILED"), "{text}");
+    assert!(
+        text.contains("1 group FAILED: small_loopback_caller_pull"),
+        "{text}"
+    );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("tcp_small_vs_mooncake"), "{err}");
+    assert!(err.contains("loopback_small_vs_mooncake"), "{err}");
 }
 
 #[test]
@@ -136,14 +158,85 @@ fn bench_compare_json_names_the_rows_of_a_group_that_did_not_run_and_exits_1() {
     let json = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let row = json
-        .split("\"tcp_small_vs_mooncake\":")
+        .split("\"loopback_small_vs_mooncake\":")
         .nth(1)
         .unwrap_or_else(|| panic!("no row: {json}"));
     let row = &row[..row.find('}').unwrap()];
     assert!(
-        row.contains("\"failed\":\"small_tcp_caller_pull did not run: "),
+        row.contains("\"failed\":\"small_loopback_caller_pull: kvpoll, other UCX options FAILED: "),
         "{row}"
     );
     // And the keyed-vs-not row of the same group.
     assert!(json.contains("\"failed_rows\":2"), "{json}");
+    assert!(
+        json.contains("\"failed_groups\":[\"small_loopback_caller_pull\"]"),
+        "{json}"
+    );
+}
+
+/// `bench compare` of the small tcp group with `python` as the peer
+/// systems' Python: NIXL and Mooncake are started through it.
+fn compare_with_peers_python(python: &std::path::Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args([
+            "bench",
+            "compare",
+            "--only",
+            "small_loopback",
+            "--scale",
+            "0.01",
+        ])
+        .args(["--rounds", "1", "--peers-python"])
+        .arg(python)
+        .output()
+        .unwrap()
+}
+
+/// The row of the table whose figure starts with `figure`.
+fn row_of(text: &str, figure: &str) -> String {
+    text.lines()
+        .find(|l| l.starts_with(figure))
+        .unwrap_or_else(|| panic!("no row {figure:?}: {text}"))
+        .to_owned()
+}
+
+#[test]
+fn bench_compare_with_a_peer_python_that_cannot_start_them_fails_the_group_and_exits_1() {
+    // A Python that is given but never says READY: the peers were asked
+    // for and did not run, which is a failed group, not an absent peer.
+    let out = compare_with_peers_python(std::path::Path::new("/bin/false"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        row_of(&text, "16 KiB reads, tcp over loopback: vs Mooncake").ends_with(" FAILED"),
+        "{text}"
+    );
+    assert!(!text.contains("all targets met"), "{text}");
+    assert!(text.contains("group FAILED"), "{text}");
+}
+
+#[test]
+fn bench_compare_with_a_peer_that_dies_mid_round_fails_the_group_and_exits_1() {
+    // A peer driver that starts, then ends in the middle of its first
+    // round, as a lending peer that exits on a full ring did.
+    let dir = tempfile::tempdir().unwrap();
+    let python = dir.path().join("python");
+    std::fs::write(&python, "#!/bin/sh\necho READY\nread cmd\nexit 3\n").unwrap();
+    let mut perm = std::fs::metadata(&python).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&python, perm).unwrap();
+    let out = compare_with_peers_python(&python);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        row_of(&text, "16 KiB reads, tcp over loopback: vs Mooncake").ends_with(" FAILED"),
+        "{text}"
+    );
+    // The group's table names the system that failed, and how.
+    let mooncake = row_of(&text, "    Mooncake ");
+    assert!(
+        mooncake.contains("FAILED") && mooncake.contains("ended mid-round"),
+        "{text}"
+    );
+    assert!(!text.contains("all targets met"), "{text}");
 }

@@ -41,8 +41,8 @@ mod compare {
     use std::path::Path;
 
     use kvpoll_cli::bench::shapes::{
-        run_group, Group, Memory, Op, Peers, KVPOLL, KVPOLL_UNCONFIRMED, LAYERS, LOOPBACK, MEMCPY,
-        NIXL, PVREADV, RAW, SMALL,
+        run_group, Group, Link, Memory, Op, Peers, RoundSize, KVPOLL, KVPOLL_SERVING,
+        KVPOLL_UNCONFIRMED, LAYERS, MEMCPY, NIXL, PVREADV, RAW, SMALL, TCP_STREAM,
     };
 
     fn exe() -> &'static Path {
@@ -51,31 +51,48 @@ mod compare {
 
     #[test]
     fn small_reads_of_caller_memory_run_every_local_system_and_check_their_bytes() {
-        let mut g = Group::new(SMALL, "posix,sysv,cma", Memory::Caller, Op::Read);
+        let mut g = Group::new(SMALL, Link::Shm, "posix,sysv,cma", Memory::Caller, Op::Read);
         g.requests = 256;
-        let f = run_group(exe(), &g, &Peers::default(), 1).unwrap();
-        for s in [KVPOLL, KVPOLL_UNCONFIRMED, RAW, PVREADV, MEMCPY] {
+        // A round: 256 reads' bytes, however short.
+        let size = RoundSize {
+            min_bytes: 256.0 * 16384.0,
+            min_secs: 0.0,
+        };
+        let f = run_group(exe(), &g, &Peers::default(), 1, size).unwrap();
+        for s in [
+            KVPOLL,
+            KVPOLL_SERVING,
+            KVPOLL_UNCONFIRMED,
+            RAW,
+            PVREADV,
+            MEMCPY,
+        ] {
             let s = f.get(s).unwrap_or_else(|| panic!("{s} missing: {f:?}"));
             assert!(s.per_s > 0.0 && s.cpu_s_per_gb > 0.0, "{s:?}");
-            // 256 + 64 (warm-up) requests, every 64th checked.
+            // A round of 256 requests or more, every 64th checked.
             assert!(s.checked >= 4 && s.bad == 0, "{s:?}");
         }
         // No Python given: the peers are said not to be measured, and why.
         let (_, why) = f.absent.iter().find(|(s, _)| s == NIXL).unwrap();
         assert!(why.contains("make bench-peers"), "{why}");
-        assert!(f
-            .to_json()
-            .contains("\"not_measured\":[{\"system\":\"NIXL\""));
+        let json = f.to_json();
+        assert!(json.contains("{\"system\":\"NIXL\",\"why\":"), "{json}");
+        assert!(json.contains("\"failed\":[]"), "{json}");
     }
 
     #[test]
     fn a_multi_layer_push_over_tcp_is_checked_by_its_destination() {
-        let mut g = Group::new(LAYERS, "tcp", Memory::Ucx, Op::Write);
+        let mut g = Group::new(LAYERS, Link::Loopback, "", Memory::Ucx, Op::Write);
         g.requests = 8;
-        let f = run_group(exe(), &g, &Peers::default(), 1).unwrap();
+        let size = RoundSize {
+            min_bytes: 8.0 * 8.0 * 1048576.0,
+            min_secs: 0.0,
+        };
+        let f = run_group(exe(), &g, &Peers::default(), 1, size).unwrap();
         let k = f.get(KVPOLL).unwrap();
         assert!(k.gb_per_s > 0.0, "{k:?}");
         assert!(k.checked >= 1 && k.bad == 0, "{k:?}");
-        assert!(f.get(LOOPBACK).is_some_and(|l| l.gb_per_s > 0.0));
+        assert!(f.get(TCP_STREAM).is_some_and(|l| l.gb_per_s > 0.0));
+        assert!(f.failed.is_empty(), "{:?}", f.failed);
     }
 }

@@ -2,12 +2,16 @@
 """Drives another transfer system over the shapes of `kvpoll bench compare`,
 two processes, so that its figures sit next to kvpoll's in the same run.
 
-Systems: NIXL (`nixl_agent`, its UCX backend) and Mooncake Transfer Engine
-(`mooncake.engine.TransferEngine`, its tcp transport), written from their
-documented Python APIs. `make bench-peers` installs both into a venv.
+Systems: NIXL (`nixl_agent`, its UCX backend; its progress thread on, as
+installed, or off) and Mooncake Transfer Engine
+(`mooncake.engine.TransferEngine`, its tcp transport; `in_flight` requests
+in flight, each one asynchronous batch), written from their documented
+Python APIs. `make bench-peers` installs both into a venv.
 
 The bench runs this script as the initiator; it starts the target (the
-same script, `--role target`) as its own child. Memory on both sides is an
+same script, `--role target`) as its own child, in the network namespace
+`--target-netns` names when one does (a veth link; `--host` is then the
+target's address on it). Memory on both sides is an
 anonymous mmap (huge pages asked for with madvise), laid out as the kvpoll
 bench lays its regions: region-major, `peer_blocks` blocks a region on the
 target, `in_flight * blocks_per_request` slots a region on the initiator
@@ -26,6 +30,7 @@ import argparse
 import ctypes
 import mmap
 import os
+import select
 import subprocess
 import sys
 import time
@@ -113,22 +118,24 @@ class Layout:
 SEED = 0x5EED
 
 
-def mooncake_engine(mem):
-    """A Mooncake TransferEngine on tcp (no metadata server: peers
-    handshake directly) with `mem` registered."""
+def mooncake_engine(mem, host):
+    """A Mooncake TransferEngine on tcp at `host` (no metadata server:
+    peers handshake directly) with `mem` registered."""
     from mooncake.engine import TransferEngine
     te = TransferEngine()
-    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+    if te.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
         raise SystemExit("mooncake initialize failed")
     if te.register_memory(mem.addr, mem.len) != 0:
         raise SystemExit("mooncake register_memory failed")
     return te
 
 
-def nixl_agent_on(name, mem):
-    """A NIXL agent (UCX backend) with `mem` registered as DRAM."""
+def nixl_agent_on(name, mem, progress_thread):
+    """A NIXL agent (UCX backend) with `mem` registered as DRAM; its
+    progress thread on (as installed) or off."""
     from nixl_cu12._api import nixl_agent, nixl_agent_config
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    agent = nixl_agent(name, config)
     agent.register_memory([(mem.addr, mem.len, 0, "")], "DRAM")
     return agent
 
@@ -141,19 +148,21 @@ def target_main(a):
         mem.fill(SEED, lay.target_len())
     out = sys.stdout
     if a.system == "nixl":
-        agent = nixl_agent_on("target", mem)
+        agent = nixl_agent_on("target", mem, a.progress_thread == "on")
         out.write(f"READY {agent.get_agent_metadata().hex()} {mem.addr:x}\n")
         out.flush()
         line = sys.stdin.readline().split()
         agent.add_remote_agent(bytes.fromhex(line[1]))
     else:
-        te = mooncake_engine(mem)
-        out.write(f"READY 127.0.0.1:{te.get_rpc_port()} {mem.addr:x}\n")
+        te = mooncake_engine(mem, a.host)
+        out.write(f"READY {a.host}:{te.get_rpc_port()} {mem.addr:x}\n")
         out.flush()
     # Commands: CHECK <request ids...> (a write's destination checks what
-    # landed), or end of input.
-    os.set_blocking(sys.stdin.fileno(), True)
-    for line in sys.stdin:
+    # landed), or end of input. A NIXL agent without its progress thread
+    # is progressed here between commands, as its user's serving loop
+    # would (each step a call into NIXL, then the core is given up).
+    poll = a.system == "nixl" and a.progress_thread == "off"
+    for line in lines(sys.stdin, (lambda: agent.get_new_notifs()) if poll else None):
         parts = line.split()
         if parts and parts[0] == "CHECK":
             bad = 0
@@ -164,6 +173,29 @@ def target_main(a):
             out.flush()
         if a.system == "nixl":
             agent.get_new_notifs()
+
+
+def lines(stream, idle):
+    """The lines of `stream`; while none is there, `idle()` is called
+    over and over (the core given up after each), if given."""
+    if idle is None:
+        yield from stream
+        return
+    fd = stream.fileno()
+    buf = b""
+    while True:
+        r, _, _ = select.select([fd], [], [], 0)
+        if not r:
+            idle()
+            os.sched_yield()
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode()
 
 
 def tagged(proc, tag):
@@ -185,12 +217,14 @@ def initiator_main(a):
         mem.fill(SEED, local_len)
     me = os.path.abspath(__file__)
     args = [sys.executable, me, "--role", "target"] + [x for x in sys.argv[1:] if x != "--role" and x != "initiator"]
+    if a.target_netns:
+        args = ["ip", "netns", "exec", a.target_netns] + args
     target = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready = tagged(target, "READY")
     remote_base = int(ready[2], 16)
     op = "WRITE" if write else "READ"
     if a.system == "nixl":
-        agent = nixl_agent_on("initiator", mem)
+        agent = nixl_agent_on("initiator", mem, a.progress_thread == "on")
         peer = agent.add_remote_agent(bytes.fromhex(ready[1]))
         target.stdin.write(f"META {agent.get_agent_metadata().hex()}\n")
         target.stdin.flush()
@@ -273,25 +307,39 @@ def initiator_main(a):
                         raise SystemExit("nixl transfer failed")
             return n
     else:
-        te = mooncake_engine(mem)
+        te = mooncake_engine(mem, a.client_host or a.host)
         session = ready[1]
-        xfer = te.batch_transfer_sync_write if write else te.batch_transfer_sync_read
+        submit = te.batch_transfer_async_write if write else te.batch_transfer_async_read
 
         def run(first, n, check):
-            """Waves of in_flight requests, each wave one batch."""
+            """Keeps in_flight requests going, each one asynchronous batch
+            of its blocks: a new one is submitted as the oldest ends.
+            (`transfer_check_status` looks at a batch's first transfer
+            only, so the wait is `get_batch_transfer_status`, which
+            returns when the whole batch has ended.)"""
+            free = list(range(lay.in_flight))
+            going = []
+            nxt = first
             done = 0
             while done < n:
-                wave = range(first + done, first + min(n, done + lay.in_flight))
-                locs, rems = [], []
-                for slot, i in enumerate(wave):
-                    for (loc, rem) in lay.pairs(i, slot, write):
+                while free and nxt < first + n:
+                    slot = free.pop()
+                    locs, rems = [], []
+                    for (loc, rem) in lay.pairs(nxt, slot, write):
                         locs.append(mem.addr + loc)
                         rems.append(remote_base + rem)
-                if xfer(session, locs, rems, [lay.bs] * len(locs)) != 0:
-                    raise SystemExit("mooncake transfer failed")
-                for slot, i in enumerate(wave):
-                    check(i, slot)
-                done += len(wave)
+                    batch = submit(session, locs, rems, [lay.bs] * len(locs))
+                    if batch <= 0:
+                        raise SystemExit(f"mooncake submit failed ({batch})")
+                    going.append((batch, nxt, slot))
+                    nxt += 1
+                batch, i, slot = going.pop(0)
+                st = te.get_batch_transfer_status([batch])
+                if st != 0:
+                    raise SystemExit(f"mooncake transfer failed ({st})")
+                check(i, slot)
+                free.append(slot)
+                done += 1
             return n
 
     print("READY", flush=True)
@@ -349,6 +397,14 @@ def main():
     p.add_argument("--check-every", type=int, default=0)
     p.add_argument("--batch", action="store_true",
                    help="NIXL: one transfer a wave of in_flight requests")
+    p.add_argument("--progress-thread", choices=["on", "off"], default="on",
+                   help="NIXL: its agents' progress thread (on as installed)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="Mooncake: the target's address (the initiator's too, unless --client-host)")
+    p.add_argument("--client-host", default="",
+                   help="Mooncake: the initiator's own address")
+    p.add_argument("--target-netns", default="",
+                   help="run the target in this network namespace (ip netns exec)")
     a = p.parse_args()
     if a.role == "target":
         target_main(a)

@@ -8,24 +8,36 @@
 //! different memory, and every `check_every`th request's bytes are
 //! compared with the pattern the producer wrote (its time is not counted).
 //!
-//! A [`Group`] is one shape over one transport list, one kind of memory
-//! (UCX-allocated, or caller memory: an mmap the engine did not allocate,
-//! on huge pages where the kernel gives them) and one direction (pull or
-//! push). Its systems run in interleaved rounds, each round timed alone;
-//! a system's figure is its median round and its CPU is every thread of
-//! both of its processes over all rounds (`/proc/<pid>/task/*/schedstat`):
+//! A [`Group`] is one shape over one [`Link`] (shared memory, tcp over
+//! loopback, tcp over a veth pair between two network namespaces), one
+//! kind of memory (UCX-allocated, or caller memory: an mmap the engine
+//! did not allocate, on huge pages where the kernel gives them) and one
+//! direction (pull or push). Its systems run a warm-up round each, then
+//! interleaved timed rounds (round i of every system, then round i + 1),
+//! each at least [`RoundSize`] long (1 GB and 2 s by default); a system's
+//! figure is its median round with the slowest and fastest beside it, and
+//! its CPU is every thread of both of its processes over all rounds
+//! (`/proc/<pid>/task/*/schedstat`):
 //!
 //! - **kvpoll**: an [`Engine`] here against a `kvpoll engine-peer`
 //!   process; read confirmation on (the default: the peer lends every
-//!   request), and for small reads also off.
+//!   request), its caller blocking in `Engine::wait`, and in caller
+//!   memory also as a serving loop drives it (one poll a step, then the
+//!   core given up); for small reads also without confirmation.
 //! - **raw UCX loop**: `get_batch` + `progress` against a `kvpoll
 //!   ucx-peer`, one notification a request, no bookkeeping.
 //! - **limits**: `memcpy` in this process and `process_vm_readv` from a
-//!   `kvpoll mem-peer` (shared memory), a loopback tcp socket pushing the
-//!   same bytes (tcp).
-//! - **peers**: NIXL and Mooncake Transfer Engine through
+//!   `kvpoll mem-peer` (shared memory), a plain tcp stream of the same
+//!   bytes over the group's link (tcp).
+//! - **peers**: NIXL (progress threads on, as installed, and off; the
+//!   best of its settings is "NIXL best") and Mooncake Transfer Engine
+//!   (asynchronous batches in flight) through
 //!   `benches/peers/peer_bench.py`, when a Python that imports them is
 //!   given ([`Peers`]); otherwise they are listed as not measured.
+//!
+//! A system that was to run and did not start, or failed a round, is a
+//! failed system, and its group failed; one not installed or not
+//! applicable is not measured.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -166,33 +178,78 @@ pub enum Memory {
     Caller,
 }
 
-/// One comparison: a shape over a transport list, a memory kind and a
-/// direction.
+/// What a group's two sides talk over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// Shared memory (and cma) on one host.
+    Shm,
+    /// tcp over the loopback device of one network namespace.
+    Loopback,
+    /// tcp over a veth pair between two network namespaces (MTU 1500):
+    /// a real socket path, each side's packets through its own stack.
+    Veth,
+}
+
+impl Link {
+    /// Its name in keys and titles.
+    pub fn name(self) -> &'static str {
+        match self {
+            Link::Shm => "shm",
+            Link::Loopback => "loopback",
+            Link::Veth => "veth",
+        }
+    }
+
+    /// Whether it is a tcp link.
+    pub fn tcp(self) -> bool {
+        self != Link::Shm
+    }
+}
+
+/// The two ends of a veth link, as the processes of a group over it see
+/// them: the peers run in `netns`, this process in the other one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VethEnds {
+    /// The network namespace of the peers' side.
+    pub netns: String,
+    /// This side's address.
+    pub near: String,
+    /// The peers' side's address.
+    pub far: String,
+}
+
+/// One comparison: a shape over a link, a memory kind and a direction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Group {
     /// The shape.
     pub shape: Shape,
+    /// The link.
+    pub link: Link,
     /// UCX transports (`tcp`, or shared memory: `posix,sysv,cma`).
     pub tls: String,
     /// Memory kind.
     pub memory: Memory,
     /// Direction.
     pub op: Op,
-    /// Requests a round (the shape's, for this transport, unless scaled).
+    /// Requests of a system's warm-up round, four times over (the
+    /// shape's, for this link, unless scaled). A timed round's size is
+    /// [`RoundSize`]'s.
     pub requests: u32,
 }
 
 impl Group {
-    /// The shape over `tls` with its default request count.
-    pub fn new(shape: Shape, tls: &str, memory: Memory, op: Op) -> Self {
-        let requests = if is_tcp(tls) {
+    /// The shape over `link` (shared memory: the transports `shm`) with
+    /// its default request count.
+    pub fn new(shape: Shape, link: Link, shm: &str, memory: Memory, op: Op) -> Self {
+        let requests = if link.tcp() {
             shape.requests_tcp
         } else {
             shape.requests_shm
         };
         Group {
             shape,
-            tls: tls.to_owned(),
+            link,
+            tls: if link.tcp() { "tcp".into() } else { shm.into() },
             memory,
             op,
             requests,
@@ -201,15 +258,15 @@ impl Group {
 
     /// Whether it runs over tcp.
     pub fn tcp(&self) -> bool {
-        is_tcp(&self.tls)
+        self.link.tcp()
     }
 
-    /// A key for JSON: `layers_shm_caller_read`.
+    /// A key for JSON: `layers_shm_caller_pull`, `large_veth_caller_pull`.
     pub fn key(&self) -> String {
         format!(
             "{}_{}_{}_{}",
             self.shape.name,
-            if self.tcp() { "tcp" } else { "shm" },
+            self.link.name(),
             match self.memory {
                 Memory::Ucx => "ucx",
                 Memory::Caller => "caller",
@@ -226,7 +283,11 @@ impl Group {
         format!(
             "{}, {}, {}, {}",
             self.shape.label,
-            if self.tcp() { "tcp" } else { "shm" },
+            match self.link {
+                Link::Shm => "shm",
+                Link::Loopback => "tcp over loopback",
+                Link::Veth => "tcp over veth",
+            },
             match self.memory {
                 Memory::Ucx => "UCX-allocated memory",
                 Memory::Caller => "caller memory",
@@ -239,30 +300,68 @@ impl Group {
     }
 }
 
-fn is_tcp(tls: &str) -> bool {
-    tls.split(',').any(|t| t.trim() == "tcp")
-}
-
 /// The comparison groups `kvpoll bench compare` runs: every shape over
 /// shared memory in both memory kinds and over tcp in caller memory, pull;
-/// the multi-layer request also pushed.
-pub fn default_groups(shm: &str) -> Vec<Group> {
+/// the multi-layer request also pushed. The tcp groups run over loopback,
+/// and over a veth link too where `veth` (one can be made here).
+pub fn default_groups(shm: &str, veth: bool) -> Vec<Group> {
     let mut v = Vec::new();
     for shape in [SMALL, LAYERS, LARGE] {
         for memory in [Memory::Ucx, Memory::Caller] {
-            v.push(Group::new(shape, shm, memory, Op::Read));
+            v.push(Group::new(shape, Link::Shm, shm, memory, Op::Read));
         }
         if shape == LAYERS {
-            v.push(Group::new(shape, shm, Memory::Caller, Op::Write));
+            v.push(Group::new(shape, Link::Shm, shm, Memory::Caller, Op::Write));
         }
     }
-    for shape in [SMALL, LAYERS, LARGE] {
-        v.push(Group::new(shape, "tcp", Memory::Caller, Op::Read));
-        if shape == LAYERS {
-            v.push(Group::new(shape, "tcp", Memory::Caller, Op::Write));
+    let links: &[Link] = if veth {
+        &[Link::Veth, Link::Loopback]
+    } else {
+        &[Link::Loopback]
+    };
+    for &link in links {
+        for shape in [SMALL, LAYERS, LARGE] {
+            v.push(Group::new(shape, link, shm, Memory::Caller, Op::Read));
+            if shape == LAYERS {
+                v.push(Group::new(shape, link, shm, Memory::Caller, Op::Write));
+            }
         }
     }
     v
+}
+
+/// How long a timed round of each system is: at least `min_bytes` moved
+/// and at least `min_secs` long, whichever takes longer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoundSize {
+    /// Bytes a round moves at least.
+    pub min_bytes: f64,
+    /// Seconds a round lasts at least.
+    pub min_secs: f64,
+}
+
+impl RoundSize {
+    /// 1 GB or 2 s, whichever is longer, times `scale`.
+    pub fn scaled(scale: f64) -> Self {
+        RoundSize {
+            min_bytes: 1e9 * scale,
+            min_secs: 2.0 * scale,
+        }
+    }
+
+    /// Requests still to run, at `per_s`, for a round that has moved
+    /// `bytes` in `secs` so far (requests of `request_bytes`); 0: done.
+    fn more(&self, request_bytes: f64, per_s: f64, bytes: f64, secs: f64) -> u32 {
+        if bytes >= self.min_bytes && secs >= self.min_secs {
+            return 0;
+        }
+        let for_bytes = (self.min_bytes - bytes).max(0.0) / request_bytes;
+        let for_secs = (self.min_secs - secs).max(0.0) * per_s;
+        // A little over, so that one run usually does it.
+        (for_bytes.max(for_secs) * 1.05)
+            .ceil()
+            .clamp(1.0, 50_000_000.0) as u32
+    }
 }
 
 /// Where the other systems come from.
@@ -277,6 +376,10 @@ pub struct Peers {
     /// [`KVPOLL_ALT`], for comparing settings in one run; none: no such
     /// system.
     pub alt_ucx: Vec<(String, String)>,
+    /// Over a veth link: where the peers' side is. Every peer process
+    /// (kvpoll's, the raw loop's, NIXL's and Mooncake's targets, the tcp
+    /// stream's receiver) runs there; this process is the other end.
+    pub veth: Option<VethEnds>,
 }
 
 /// One timed round of one system.
@@ -300,10 +403,21 @@ pub struct Round {
 pub struct SystemFigures {
     /// Which system.
     pub system: String,
+    /// Requests per second of each timed round, in round order (round i
+    /// of every system of a group ran back to back).
+    pub rates: Vec<f64>,
     /// Requests per second, median round.
     pub per_s: f64,
+    /// Requests per second, slowest round.
+    pub per_s_min: f64,
+    /// Requests per second, fastest round.
+    pub per_s_max: f64,
     /// Gigabytes (10⁹ bytes) per second, median round.
     pub gb_per_s: f64,
+    /// Seconds of the median round.
+    pub round_secs: f64,
+    /// Gigabytes the median round moved.
+    pub round_gb: f64,
     /// CPU seconds per gigabyte moved, both processes, all rounds.
     pub cpu_s_per_gb: f64,
     /// CPU microseconds per request, both processes, all rounds.
@@ -314,15 +428,100 @@ pub struct SystemFigures {
     pub bad: u64,
 }
 
-/// Every system's figures in one group, and the systems not measured.
+impl SystemFigures {
+    /// The figures of `rounds` (each a whole timed round) of requests of
+    /// `bytes`.
+    fn of(system: &str, rounds: &[Round], bytes: f64) -> Self {
+        let rates: Vec<f64> = rounds
+            .iter()
+            .map(|r| f64::from(r.requests) / r.secs.max(1e-9))
+            .collect();
+        let mut sorted = rates.clone();
+        let per_s = median(&mut sorted);
+        let mut secs: Vec<f64> = rounds.iter().map(|r| r.secs).collect();
+        let mut gb: Vec<f64> = rounds
+            .iter()
+            .map(|r| f64::from(r.requests) * bytes / 1e9)
+            .collect();
+        let requests: u64 = rounds.iter().map(|r| u64::from(r.requests)).sum();
+        let cpu: u64 = rounds.iter().map(|r| r.cpu_ns).sum();
+        SystemFigures {
+            system: system.to_owned(),
+            per_s,
+            per_s_min: sorted.first().copied().unwrap_or(0.0),
+            per_s_max: sorted.last().copied().unwrap_or(0.0),
+            rates,
+            gb_per_s: per_s * bytes / 1e9,
+            round_secs: median(&mut secs),
+            round_gb: median(&mut gb),
+            cpu_s_per_gb: cpu as f64 / (bytes * requests.max(1) as f64),
+            cpu_us_per_request: cpu as f64 / 1e3 / requests.max(1) as f64,
+            checked: rounds.iter().map(|r| r.checked).sum(),
+            bad: rounds.iter().map(|r| r.bad).sum(),
+        }
+    }
+
+    /// One tab-separated line for the process that runs a group
+    /// elsewhere ([`GroupFigures::from_lines`] reads it).
+    fn to_line(&self) -> String {
+        let rates: Vec<String> = self.rates.iter().map(|r| format!("{r:e}")).collect();
+        format!(
+            "SYSTEM\t{}\t{:e}\t{:e}\t{:e}\t{:e}\t{:e}\t{:e}\t{:e}\t{:e}\t{}\t{}\t{}",
+            self.system,
+            self.per_s,
+            self.per_s_min,
+            self.per_s_max,
+            self.gb_per_s,
+            self.round_secs,
+            self.round_gb,
+            self.cpu_s_per_gb,
+            self.cpu_us_per_request,
+            self.checked,
+            self.bad,
+            rates.join(",")
+        )
+    }
+
+    fn from_fields(f: &[&str]) -> Option<Self> {
+        let x = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+        let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+        let rates = match f.get(12) {
+            Some(r) if !r.is_empty() => r
+                .split(',')
+                .map(|v| v.parse::<f64>().ok())
+                .collect::<Option<Vec<_>>>()?,
+            _ => Vec::new(),
+        };
+        Some(SystemFigures {
+            system: (*f.get(1)?).to_owned(),
+            per_s: x(2)?,
+            per_s_min: x(3)?,
+            per_s_max: x(4)?,
+            gb_per_s: x(5)?,
+            round_secs: x(6)?,
+            round_gb: x(7)?,
+            cpu_s_per_gb: x(8)?,
+            cpu_us_per_request: x(9)?,
+            checked: n(10)?,
+            bad: n(11)?,
+            rates,
+        })
+    }
+}
+
+/// Every system's figures in one group, the systems not measured, and
+/// those that failed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupFigures {
     /// What ran.
     pub group: Group,
     /// Those measured.
     pub systems: Vec<SystemFigures>,
-    /// Those not measured, and why.
+    /// Those not measured (not installed, not applicable), and why.
     pub absent: Vec<(String, String)>,
+    /// Those that were to be measured and failed (did not start, or
+    /// failed in a round), and how: the group failed.
+    pub failed: Vec<(String, String)>,
 }
 
 impl GroupFigures {
@@ -331,7 +530,30 @@ impl GroupFigures {
         self.systems.iter().find(|s| s.system == system)
     }
 
-    /// The better of NIXL's settings (per request, batched) by rate.
+    /// Why `system` failed, if it did. [`NIXL_BEST`] and [`KVPOLL_BEST`]:
+    /// why one of their settings failed.
+    pub fn failure(&self, system: &str) -> Option<&str> {
+        self.failed
+            .iter()
+            .find(|(s, _)| match system {
+                NIXL_BEST => s.starts_with(NIXL),
+                KVPOLL_BEST => s == KVPOLL || s == KVPOLL_BATCHED,
+                _ => s == system,
+            })
+            .map(|(_, why)| why.as_str())
+    }
+
+    /// A system, or the best of [`NIXL_BEST`]'s or [`KVPOLL_BEST`]'s.
+    pub fn pick(&self, system: &str) -> Option<&SystemFigures> {
+        match system {
+            NIXL_BEST => self.nixl_best(),
+            KVPOLL_BEST => self.kvpoll_best(),
+            _ => self.get(system),
+        }
+    }
+
+    /// The best of NIXL's settings (progress threads on as installed, or
+    /// off; per request or batched) by rate: its name says which.
     pub fn nixl_best(&self) -> Option<&SystemFigures> {
         self.systems
             .iter()
@@ -350,41 +572,85 @@ impl GroupFigures {
 
     /// One JSON object.
     pub fn to_json(&self) -> String {
+        let text = |s: &str| s.replace(['"', '\\'], "'").replace(['\n', '\t'], " ");
         let systems: Vec<String> = self
             .systems
             .iter()
             .map(|s| {
+                let rates: Vec<String> = s.rates.iter().map(|r| format!("{r:.2}")).collect();
                 format!(
-                    "{{\"system\":\"{}\",\"per_s\":{:.2},\"gb_per_s\":{:.4},\"cpu_s_per_gb\":{:.4},\"cpu_us_per_request\":{:.3},\"checked\":{},\"bad\":{}}}",
-                    s.system, s.per_s, s.gb_per_s, s.cpu_s_per_gb, s.cpu_us_per_request, s.checked, s.bad
+                    "{{\"system\":\"{}\",\"per_s\":{:.2},\"per_s_min\":{:.2},\"per_s_max\":{:.2},\"rounds_per_s\":[{}],\"gb_per_s\":{:.4},\"round_secs\":{:.3},\"round_gb\":{:.3},\"cpu_s_per_gb\":{:.4},\"cpu_us_per_request\":{:.3},\"checked\":{},\"bad\":{}}}",
+                    s.system, s.per_s, s.per_s_min, s.per_s_max, rates.join(","), s.gb_per_s, s.round_secs, s.round_gb, s.cpu_s_per_gb, s.cpu_us_per_request, s.checked, s.bad
                 )
             })
             .collect();
-        let absent: Vec<String> = self
-            .absent
-            .iter()
-            .map(|(s, why)| {
-                format!(
-                    "{{\"system\":\"{s}\",\"why\":\"{}\"}}",
-                    why.replace(['"', '\\'], "'")
-                )
-            })
-            .collect();
+        let list = |v: &[(String, String)]| -> String {
+            v.iter()
+                .map(|(s, why)| format!("{{\"system\":\"{s}\",\"why\":\"{}\"}}", text(why)))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         format!(
-            "{{\"group\":\"{}\",\"title\":\"{}\",\"tls\":\"{}\",\"bytes_per_request\":{},\"requests_per_round\":{},\"systems\":[{}],\"not_measured\":[{}]}}",
+            "{{\"group\":\"{}\",\"title\":\"{}\",\"link\":\"{}\",\"tls\":\"{}\",\"bytes_per_request\":{},\"nixl_best\":{},\"systems\":[{}],\"not_measured\":[{}],\"failed\":[{}]}}",
             self.group.key(),
             self.group.title(),
+            self.group.link.name(),
             self.group.tls,
             self.group.shape.bytes(),
-            self.group.requests,
+            self.nixl_best()
+                .map_or("null".into(), |s| format!("\"{}\"", s.system)),
             systems.join(","),
-            absent.join(",")
+            list(&self.absent),
+            list(&self.failed)
         )
+    }
+
+    /// Lines for the process that runs the group elsewhere: one a system
+    /// measured, absent or failed.
+    pub fn to_lines(&self) -> String {
+        let clean = |s: &str| s.replace(['\t', '\n'], " ");
+        let mut out = String::new();
+        for s in &self.systems {
+            out.push_str(&s.to_line());
+            out.push('\n');
+        }
+        for (s, why) in &self.absent {
+            out.push_str(&format!("ABSENT\t{s}\t{}\n", clean(why)));
+        }
+        for (s, why) in &self.failed {
+            out.push_str(&format!("FAILED\t{s}\t{}\n", clean(why)));
+        }
+        out
+    }
+
+    /// The figures of `group` from [`GroupFigures::to_lines`]'s lines
+    /// (other lines are skipped); none if a `SYSTEM` line is malformed.
+    pub fn from_lines(group: Group, text: &str) -> Option<Self> {
+        let mut g = GroupFigures {
+            group,
+            systems: Vec::new(),
+            absent: Vec::new(),
+            failed: Vec::new(),
+        };
+        for line in text.lines() {
+            let f: Vec<&str> = line.split('\t').collect();
+            match f[0] {
+                "SYSTEM" => g.systems.push(SystemFigures::from_fields(&f)?),
+                "ABSENT" if f.len() == 3 => g.absent.push((f[1].into(), f[2].into())),
+                "FAILED" if f.len() == 3 => g.failed.push((f[1].into(), f[2].into())),
+                _ => {}
+            }
+        }
+        Some(g)
     }
 }
 
-/// kvpoll with read confirmation (the default).
+/// kvpoll with read confirmation (the default), its caller blocking in
+/// `Engine::wait` while its transfers run.
 pub const KVPOLL: &str = "kvpoll";
+/// kvpoll as a serving loop drives it: the caller polls once a step and
+/// gives up the core after each step (`Engine::poll`, then yield).
+pub const KVPOLL_SERVING: &str = "kvpoll, serving loop";
 /// kvpoll with `confirm_reads(false)`.
 pub const KVPOLL_UNCONFIRMED: &str = "kvpoll, no confirmation";
 /// kvpoll in waves, as NIXL's batched setting runs: a wave of small
@@ -403,13 +669,25 @@ pub const RAW: &str = "raw UCX loop";
 pub const MEMCPY: &str = "memcpy";
 /// `process_vm_readv` from another process.
 pub const PVREADV: &str = "process_vm_readv";
-/// A loopback tcp socket.
-pub const LOOPBACK: &str = "loopback tcp";
-/// NIXL, one transfer a request.
+/// A plain tcp socket stream over the group's link (loopback, or the
+/// veth pair): the wire's rate and CPU on this path.
+pub const TCP_STREAM: &str = "tcp stream";
+/// NIXL as installed (its agents' progress threads on), one transfer a
+/// request. Every NIXL system's name starts with this.
 pub const NIXL: &str = "NIXL";
-/// NIXL, one transfer a wave of requests.
+/// NIXL with its progress threads off: the initiator's loop and the
+/// target's progress it between transfers.
+pub const NIXL_NO_PT: &str = "NIXL, no progress thread";
+/// NIXL as installed, one transfer a wave of requests.
 pub const NIXL_BATCHED: &str = "NIXL, batched";
-/// Mooncake Transfer Engine.
+/// NIXL without progress threads, one transfer a wave of requests.
+pub const NIXL_BATCHED_NO_PT: &str = "NIXL, batched, no progress thread";
+/// The best of NIXL's settings in a group ([`GroupFigures::nixl_best`]).
+pub const NIXL_BEST: &str = "NIXL best";
+/// The better of kvpoll's confirmed settings in a group
+/// ([`GroupFigures::kvpoll_best`]).
+pub const KVPOLL_BEST: &str = "kvpoll (best)";
+/// Mooncake Transfer Engine, several asynchronous batches in flight.
 pub const MOONCAKE: &str = "Mooncake";
 
 /// A system that can run rounds.
@@ -531,8 +809,22 @@ impl Slots {
 
 // ---------------------------------------------------------------- kvpoll
 
+/// How a kvpoll system is set up: read confirmation, UCX options on top
+/// of kvpoll's own (names without `UCX_`), a shared key, and how its
+/// caller waits.
+#[derive(Clone, Copy, Default)]
+struct KvpollSetting<'a> {
+    unconfirmed: bool,
+    ucx: &'a [(String, String)],
+    keyed: bool,
+    serving_loop: bool,
+}
+
 struct KvpollRunner {
     engine: Engine,
+    /// The caller polls once a step and yields (a serving loop), rather
+    /// than blocking in `Engine::wait`.
+    serving_loop: bool,
     peer: PeerId,
     shape: Shape,
     op: Op,
@@ -604,15 +896,20 @@ fn read_peer_lines(p: &mut PeerProcess) -> PeerLines {
 }
 
 impl KvpollRunner {
-    /// `ucx`: UCX options (names without `UCX_`) for both processes, over
-    /// kvpoll's own; `keyed`: both engines share [`BENCH_SECRET`].
+    /// The engine-peer runs in `veth`'s far namespace, where given.
     fn new(
         exe: &Path,
         g: &Group,
-        confirm: bool,
-        ucx: &[(String, String)],
-        keyed: bool,
+        veth: Option<&VethEnds>,
+        setting: KvpollSetting<'_>,
     ) -> Result<Self, E2eError> {
+        let KvpollSetting {
+            unconfirmed,
+            ucx,
+            keyed,
+            serving_loop,
+        } = setting;
+        let confirm = !unconfirmed;
         let s = g.shape;
         let mut args: Vec<String> = vec![
             "--tls".into(),
@@ -654,7 +951,9 @@ impl KvpollRunner {
             .then(|| kvpoll::auth::AuthKey::from_secret(BENCH_SECRET.as_bytes()))
             .transpose()
             .map_err(|e| failed("the bench key", e))?;
-        let mut peer = PeerProcess::spawn_with_env(exe, "engine-peer", &args, &env)?;
+        let mut peer = in_netns(veth, || {
+            PeerProcess::spawn_with_env(exe, "engine-peer", &args, &env)
+        })??;
         let mut options = ContextOptions::with_transports(&g.tls);
         for (k, v) in ucx {
             options = options.option(k, v);
@@ -717,6 +1016,7 @@ impl KvpollRunner {
         }
         Ok(KvpollRunner {
             engine,
+            serving_loop,
             peer: peer_id,
             shape: s,
             op: g.op,
@@ -809,8 +1109,18 @@ impl Runner for KvpollRunner {
                 slots.of[submitted as usize] = slot;
                 submitted += 1;
             }
-            if !poll_some(&mut self.engine, &mut self.out, Waiting::Block, t0, done, n)? {
+            let waiting = if self.serving_loop {
+                Waiting::Yield
+            } else {
+                Waiting::Block
+            };
+            if !poll_some(&mut self.engine, &mut self.out, waiting, t0, done, n)? {
                 continue;
+            }
+            if self.serving_loop {
+                // The rest of the step (the model's work) runs elsewhere:
+                // one poll a step, then the core is given up.
+                std::thread::yield_now();
             }
             let ended = match self.op {
                 Op::Read => std::mem::take(&mut self.out.finished_recving),
@@ -868,7 +1178,7 @@ struct KvpollWavesRunner {
 }
 
 impl KvpollWavesRunner {
-    fn new(exe: &Path, g: &Group) -> Result<Self, E2eError> {
+    fn new(exe: &Path, g: &Group, veth: Option<&VethEnds>) -> Result<Self, E2eError> {
         let s = g.shape;
         let wave = s.in_flight;
         // Request w names blocks w·wave + j: the blocks of reads
@@ -888,7 +1198,7 @@ impl KvpollWavesRunner {
             requests: g.requests.div_ceil(wave),
             ..g.clone()
         };
-        let mut inner = KvpollRunner::new(exe, &waves, true, &[], false)?;
+        let mut inner = KvpollRunner::new(exe, &waves, veth, KvpollSetting::default())?;
         inner.check_blocks = s.blocks as usize;
         Ok(KvpollWavesRunner { inner, wave })
     }
@@ -931,7 +1241,7 @@ struct RawRunner {
 }
 
 impl RawRunner {
-    fn new(exe: &Path, g: &Group) -> Result<Self, E2eError> {
+    fn new(exe: &Path, g: &Group, veth: Option<&VethEnds>) -> Result<Self, E2eError> {
         let s = g.shape;
         let mut args: Vec<String> = vec![
             "--tls".into(),
@@ -943,7 +1253,7 @@ impl RawRunner {
             u64::from(s.regions) * s.peer_blocks,
             s.block_size,
         ));
-        let peer = PeerProcess::spawn(exe, "ucx-peer", &args)?;
+        let peer = in_netns(veth, || PeerProcess::spawn(exe, "ucx-peer", &args))??;
         let (addr, rkey) = super::e2e::ucx_peer_ready(&peer.ready)?;
         let ctx = Context::new(&ContextOptions::with_transports(&g.tls))?;
         let worker = Worker::new(&ctx)?;
@@ -1240,9 +1550,10 @@ impl Runner for VmReadvRunner {
     }
 }
 
-/// A loopback tcp connection pushing the same bytes, as fast as one
-/// writer and one reader thread move them: the wire's rate on this host.
-struct LoopbackRunner {
+/// A plain tcp connection pushing the same bytes over the group's link,
+/// as fast as one writer and one reader thread move them: the wire's rate
+/// and CPU on this path. Over veth the reader is in the far namespace.
+struct TcpStreamRunner {
     tx: TcpStream,
     received: Arc<AtomicU64>,
     sent: u64,
@@ -1250,14 +1561,18 @@ struct LoopbackRunner {
     bytes: u64,
 }
 
-impl LoopbackRunner {
-    fn new(g: &Group) -> Result<Self, E2eError> {
-        let l = TcpListener::bind("127.0.0.1:0").map_err(|e| failed("loopback bind", e))?;
-        let addr = l.local_addr().map_err(|e| failed("loopback", e))?;
+impl TcpStreamRunner {
+    fn new(g: &Group, veth: Option<&VethEnds>) -> Result<Self, E2eError> {
+        let far = veth.map_or("127.0.0.1", |v| v.far.as_str());
+        let listener = in_netns(veth, || TcpListener::bind((far, 0)))?
+            .map_err(|e| failed("tcp stream bind", e))?;
+        let addr = listener.local_addr().map_err(|e| failed("tcp stream", e))?;
         let received = Arc::new(AtomicU64::new(0));
         let count = received.clone();
         std::thread::spawn(move || {
-            let Ok((mut s, _)) = l.accept() else { return };
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
             let mut buf = vec![0u8; 1 << 20];
             while let Ok(n) = s.read(&mut buf) {
                 if n == 0 {
@@ -1266,10 +1581,10 @@ impl LoopbackRunner {
                 count.fetch_add(n as u64, Ordering::Release);
             }
         });
-        let tx = TcpStream::connect(addr).map_err(|e| failed("loopback connect", e))?;
+        let tx = TcpStream::connect(addr).map_err(|e| failed("tcp stream connect", e))?;
         let _ = tx.set_nodelay(true);
         let bytes = g.shape.bytes();
-        Ok(LoopbackRunner {
+        Ok(TcpStreamRunner {
             tx,
             received,
             sent: 0,
@@ -1279,7 +1594,7 @@ impl LoopbackRunner {
     }
 }
 
-impl Runner for LoopbackRunner {
+impl Runner for TcpStreamRunner {
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let total = self.bytes * u64::from(n);
         let cpu0 = self_cpu();
@@ -1289,13 +1604,13 @@ impl Runner for LoopbackRunner {
             let c = left.min(self.chunk.len() as u64) as usize;
             self.tx
                 .write_all(&self.chunk[..c])
-                .map_err(|e| failed("loopback write", e))?;
+                .map_err(|e| failed("tcp stream write", e))?;
             left -= c as u64;
         }
         self.sent += total;
         while self.received.load(Ordering::Acquire) < self.sent {
             if t0.elapsed() > GUARD {
-                return Err(E2eError::Failed("loopback tcp stalled".into()));
+                return Err(E2eError::Failed("the tcp stream stalled".into()));
             }
             std::thread::yield_now();
         }
@@ -1318,14 +1633,21 @@ struct ExternalRunner {
     child: Child,
     stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
+    /// The last lines the driver (and its target) wrote to standard
+    /// error: why it failed, when it does.
+    stderr: Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
     scale: f64,
 }
 
 impl ExternalRunner {
-    fn new(peers: &Peers, g: &Group, system: &str) -> Result<Self, String> {
-        let (Some(python), Some(script)) = (&peers.python, &peers.script) else {
-            return Err("no Python with the peer systems (make bench-peers)".into());
-        };
+    /// `python`: the peers' Python, `script` the driver.
+    fn new(
+        python: &Path,
+        script: &Path,
+        g: &Group,
+        system: &str,
+        veth: Option<&VethEnds>,
+    ) -> Result<Self, String> {
         let s = g.shape;
         let mut cmd = Command::new(python);
         cmd.arg(script)
@@ -1346,16 +1668,27 @@ impl ExternalRunner {
             .args(["--check-every", &s.check_every.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+            .stderr(Stdio::piped());
         // Its own process group, the target with it: paused and resumed
         // together.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        if system == NIXL_BATCHED {
+        if system == NIXL_BATCHED || system == NIXL_BATCHED_NO_PT {
             cmd.arg("--batch");
+        }
+        if system == NIXL_NO_PT || system == NIXL_BATCHED_NO_PT {
+            cmd.args(["--progress-thread", "off"]);
+        }
+        if let Some(v) = veth {
+            cmd.args(["--target-netns", &v.netns])
+                .args(["--host", &v.far])
+                .args(["--client-host", &v.near]);
         }
         if system != MOONCAKE {
             // NIXL's UCX backend reads UCX_TLS; it asks UCX for peer
-            // failure handling, which shared memory gives only with this.
+            // failure handling, which shared memory gives only with
+            // UCX_MM_ERROR_HANDLING=y, as NIXL's deployments set it
+            // (without it, shared memory alone has no transport and NIXL
+            // does not start).
             cmd.env("UCX_TLS", format!("{},self", g.tls));
             if !g.tcp() {
                 cmd.env("UCX_MM_ERROR_HANDLING", "y");
@@ -1366,6 +1699,19 @@ impl ExternalRunner {
             .spawn()
             .map_err(|e| format!("spawning {}: {e}", python.display()))?;
         let stdin = child.stdin.take();
+        let stderr = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+        if let Some(err) = child.stderr.take() {
+            let tail = stderr.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    let Ok(mut t) = tail.lock() else { return };
+                    if t.len() == 4 {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            });
+        }
         let Some(out) = child.stdout.take() else {
             let _ = child.kill();
             let _ = child.wait();
@@ -1375,13 +1721,41 @@ impl ExternalRunner {
             child,
             stdin,
             stdout: BufReader::new(out),
-            // Python drives one request at a time: small reads run a
-            // quarter as many (a round still lasts long enough to time).
+            stderr,
+            // Python drives one request at a time: small reads warm up
+            // with a quarter as many.
             scale: if s == SMALL { 0.25 } else { 1.0 },
         };
-        r.line("READY")
-            .ok_or_else(|| format!("{system} did not start (its driver ended before READY)"))?;
+        if r.line("READY").is_none() {
+            let why = r.why();
+            return Err(format!(
+                "{system} did not start (its driver ended before READY){why}"
+            ));
+        }
         Ok(r)
+    }
+
+    /// The driver's last words on standard error, if it said any.
+    fn why(&mut self) -> String {
+        // Its standard error ends with it: give the reader a moment.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(500) {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                std::thread::sleep(Duration::from_millis(50));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let tail = self
+            .stderr
+            .lock()
+            .map(|t| t.iter().cloned().collect::<Vec<_>>().join(" | "))
+            .unwrap_or_default();
+        if tail.is_empty() {
+            String::new()
+        } else {
+            format!(": {tail}")
+        }
     }
 
     /// The next line starting with `tag`, the rest of it.
@@ -1407,9 +1781,12 @@ impl Runner for ExternalRunner {
         writeln!(stdin, "RUN {n}")
             .and_then(|_| stdin.flush())
             .map_err(|e| failed("peer driver", e))?;
-        let rest = self
-            .line("RESULT")
-            .ok_or_else(|| E2eError::Failed("the peer driver ended mid-round".into()))?;
+        let Some(rest) = self.line("RESULT") else {
+            let why = self.why();
+            return Err(E2eError::Failed(format!(
+                "the peer driver ended mid-round{why}"
+            )));
+        };
         let f: Vec<&str> = rest.split_whitespace().collect();
         let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
         match (num(0), num(1), num(2), num(3), num(4)) {
@@ -1460,119 +1837,217 @@ impl Drop for ExternalRunner {
     }
 }
 
+// ---------------------------------------------------------------- veth
+
+/// Runs `f` with this thread in `veth`'s far network namespace, where
+/// given (what it spawns or binds is there), and brings the thread back.
+pub fn in_netns<T>(veth: Option<&VethEnds>, f: impl FnOnce() -> T) -> Result<T, E2eError> {
+    let Some(v) = veth else { return Ok(f()) };
+    let open =
+        |path: &str| std::fs::File::open(path).map_err(|e| failed(&format!("opening {path}"), e));
+    let here = open("/proc/thread-self/ns/net")?;
+    let there = open(&format!("/run/netns/{}", v.netns))?;
+    set_netns(&there).map_err(|e| failed(&format!("entering {}", v.netns), e))?;
+    let out = f();
+    if let Err(e) = set_netns(&here) {
+        // A thread left in the wrong namespace would measure the wrong
+        // link from here on: stop.
+        panic!("kvpoll bench: could not leave {}: {e}", v.netns);
+    }
+    Ok(out)
+}
+
+fn set_netns(ns: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setns(2) on a descriptor this function's caller holds open.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------- a group
 
-/// Runs one group: every system that applies, `rounds` interleaved rounds
-/// each after one warm-up round; medians. kvpoll failing is an error;
-/// another system failing is listed as not measured.
-pub fn run_group(
-    exe: &Path,
-    g: &Group,
-    peers: &Peers,
-    rounds: u32,
-) -> Result<GroupFigures, E2eError> {
-    if g.requests == 0 || rounds == 0 {
-        return Err(E2eError::Shape("requests and rounds must be >= 1"));
-    }
+/// The systems of group `g`, set up; those not applicable or not
+/// installed as absent, those that failed to start as failed.
+type Setup = (
+    Vec<(&'static str, Box<dyn Runner>)>,
+    Vec<(String, String)>,
+    Vec<(String, String)>,
+);
+
+fn set_up(exe: &Path, g: &Group, peers: &Peers) -> Setup {
+    let veth = peers.veth.as_ref();
     let mut runners: Vec<(&'static str, Box<dyn Runner>)> = Vec::new();
     let mut absent = Vec::new();
-    runners.push((
-        KVPOLL,
-        Box::new(KvpollRunner::new(exe, g, true, &[], false)?),
-    ));
+    let mut failed = Vec::new();
+    let mut add = |name: &'static str, r: Result<Box<dyn Runner>, String>| match r {
+        Ok(r) => runners.push((name, r)),
+        Err(why) => failed.push((name.to_owned(), why)),
+    };
+    let boxed = |r: Result<Box<dyn Runner>, E2eError>| r.map_err(|e| e.to_string());
+    let kvpoll = |setting: KvpollSetting<'_>| {
+        boxed(KvpollRunner::new(exe, g, veth, setting).map(|r| Box::new(r) as Box<dyn Runner>))
+    };
+    add(KVPOLL, kvpoll(KvpollSetting::default()));
+    if g.memory == Memory::Caller {
+        add(
+            KVPOLL_SERVING,
+            kvpoll(KvpollSetting {
+                serving_loop: true,
+                ..KvpollSetting::default()
+            }),
+        );
+    }
     if !peers.alt_ucx.is_empty() {
-        runners.push((
+        add(
             KVPOLL_ALT,
-            Box::new(KvpollRunner::new(exe, g, true, &peers.alt_ucx, false)?),
-        ));
+            kvpoll(KvpollSetting {
+                ucx: &peers.alt_ucx,
+                ..KvpollSetting::default()
+            }),
+        );
     }
     if g.op == Op::Read && g.memory == Memory::Caller && (g.shape == SMALL || g.shape == LAYERS) {
-        runners.push((
+        add(
             KVPOLL_KEYED,
-            Box::new(KvpollRunner::new(exe, g, true, &[], true)?),
-        ));
+            kvpoll(KvpollSetting {
+                keyed: true,
+                ..KvpollSetting::default()
+            }),
+        );
     }
     let small_read = g.shape == SMALL && g.op == Op::Read;
     if small_read {
-        runners.push((
+        add(
             KVPOLL_UNCONFIRMED,
-            Box::new(KvpollRunner::new(exe, g, false, &[], false)?),
-        ));
-        runners.push((KVPOLL_BATCHED, Box::new(KvpollWavesRunner::new(exe, g)?)));
+            kvpoll(KvpollSetting {
+                unconfirmed: true,
+                ..KvpollSetting::default()
+            }),
+        );
+        add(
+            KVPOLL_BATCHED,
+            boxed(KvpollWavesRunner::new(exe, g, veth).map(|r| Box::new(r) as Box<dyn Runner>)),
+        );
     }
-    let mut optional = |name: &'static str, r: Result<Box<dyn Runner>, String>| match r {
-        Ok(r) => runners.push((name, r)),
-        Err(why) => absent.push((name.to_owned(), why)),
-    };
-    let boxed = |r: Result<Box<dyn Runner>, E2eError>| r.map_err(|e| e.to_string());
     if g.op == Op::Read {
-        optional(
+        add(
             RAW,
-            boxed(RawRunner::new(exe, g).map(|r| Box::new(r) as Box<dyn Runner>)),
+            boxed(RawRunner::new(exe, g, veth).map(|r| Box::new(r) as Box<dyn Runner>)),
         );
     }
     if g.tcp() {
-        optional(
-            LOOPBACK,
-            boxed(LoopbackRunner::new(g).map(|r| Box::new(r) as Box<dyn Runner>)),
+        add(
+            TCP_STREAM,
+            boxed(TcpStreamRunner::new(g, veth).map(|r| Box::new(r) as Box<dyn Runner>)),
         );
     } else if g.op == Op::Read {
-        optional(
+        add(
             PVREADV,
             boxed(VmReadvRunner::new(exe, g).map(|r| Box::new(r) as Box<dyn Runner>)),
         );
-        optional(
+        add(
             MEMCPY,
             boxed(MemcpyRunner::new(g).map(|r| Box::new(r) as Box<dyn Runner>)),
         );
     }
-    let external = |system: &str| {
-        ExternalRunner::new(peers, g, system).map(|r| Box::new(r) as Box<dyn Runner>)
-    };
-    optional(NIXL, external(NIXL));
+    let mut external: Vec<&'static str> = vec![NIXL, NIXL_NO_PT];
     if small_read {
-        optional(NIXL_BATCHED, external(NIXL_BATCHED));
+        external.extend([NIXL_BATCHED, NIXL_BATCHED_NO_PT]);
     }
     if g.tcp() {
-        optional(MOONCAKE, external(MOONCAKE));
+        external.push(MOONCAKE);
     } else {
         absent.push((
             MOONCAKE.to_owned(),
             "its tcp transport only here (no shared memory in this build)".into(),
         ));
     }
-    let count = |r: &dyn Runner, n: u32| ((f64::from(n) * r.scale()).round() as u32).max(1);
-    for (name, r) in runners.iter_mut() {
-        let n = count(r.as_ref(), g.requests).div_ceil(4);
-        r.run(n)
-            .map_err(|e| E2eError::Failed(format!("{name} warm-up: {e}")))?;
+    match (&peers.python, &peers.script) {
+        (Some(python), Some(script)) => {
+            for system in external {
+                add(
+                    system,
+                    ExternalRunner::new(python, script, g, system, veth)
+                        .map(|r| Box::new(r) as Box<dyn Runner>),
+                );
+            }
+        }
+        _ => {
+            for system in external {
+                absent.push((
+                    system.to_owned(),
+                    "no Python with the peer systems (make bench-peers)".into(),
+                ));
+            }
+        }
+    }
+    (runners, absent, failed)
+}
+
+/// Runs one group: every system that applies, a warm-up round each, then
+/// `rounds` timed rounds interleaved across the systems (round i of
+/// every system, then round i + 1), each round as long as `size` says.
+/// A system that does not start or fails a round is listed as failed (so
+/// is the group); one not installed or not applicable, as not measured.
+pub fn run_group(
+    exe: &Path,
+    g: &Group,
+    peers: &Peers,
+    rounds: u32,
+    size: RoundSize,
+) -> Result<GroupFigures, E2eError> {
+    if g.requests == 0 || rounds == 0 {
+        return Err(E2eError::Shape("requests and rounds must be >= 1"));
+    }
+    let (mut runners, absent, mut failed) = set_up(exe, g, peers);
+    let bytes = g.shape.bytes() as f64;
+    let mut failed_at: Vec<Option<String>> = vec![None; runners.len()];
+    // Each system's rate so far: how many requests its next round needs.
+    let mut rate = vec![0.0f64; runners.len()];
+    for (i, (_, r)) in runners.iter_mut().enumerate() {
+        let n = ((f64::from(g.requests) * r.scale()).round() as u32)
+            .max(1)
+            .div_ceil(4);
+        match r.run(n) {
+            Ok(w) => rate[i] = f64::from(w.requests) / w.secs.max(1e-9),
+            Err(e) => failed_at[i] = Some(format!("warm-up: {e}")),
+        }
         r.pause();
     }
-    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); runners.len()];
-    let mut totals = vec![Round::default(); runners.len()];
-    let mut failed_at: Vec<Option<String>> = vec![None; runners.len()];
+    let mut done: Vec<Vec<Round>> = vec![Vec::new(); runners.len()];
     for _ in 0..rounds {
-        for (i, (name, r)) in runners.iter_mut().enumerate() {
+        for (i, (_, r)) in runners.iter_mut().enumerate() {
             if failed_at[i].is_some() {
                 continue;
             }
-            let n = count(r.as_ref(), g.requests);
             r.resume();
-            let result = r.run(n);
+            let mut round = Round::default();
+            let result = loop {
+                let moved = bytes * f64::from(round.requests);
+                let mut n = size.more(bytes, rate[i], moved, round.secs);
+                if round.requests == 0 {
+                    n = n.max(1);
+                }
+                if n == 0 {
+                    break Ok(());
+                }
+                match r.run(n) {
+                    Ok(part) => {
+                        round.requests += part.requests;
+                        round.secs += part.secs;
+                        round.cpu_ns += part.cpu_ns;
+                        round.checked += part.checked;
+                        round.bad += part.bad;
+                        rate[i] = f64::from(round.requests) / round.secs.max(1e-9);
+                    }
+                    Err(e) => break Err(e),
+                }
+            };
             r.pause();
             match result {
-                Ok(round) => {
-                    rates[i].push(f64::from(round.requests) / round.secs.max(1e-9));
-                    let t = &mut totals[i];
-                    t.requests += round.requests;
-                    t.secs += round.secs;
-                    t.cpu_ns += round.cpu_ns;
-                    t.checked += round.checked;
-                    t.bad += round.bad;
-                }
-                Err(e) if name.starts_with(KVPOLL) => {
-                    return Err(E2eError::Failed(format!("{name}: {e}")))
-                }
+                Ok(()) => done[i].push(round),
                 Err(e) => failed_at[i] = Some(e.to_string()),
             }
         }
@@ -1580,30 +2055,18 @@ pub fn run_group(
     let names: Vec<&'static str> = runners.iter().map(|(n, _)| *n).collect();
     // Peers and engines go before the figures are made.
     drop(runners);
-    let bytes = g.shape.bytes() as f64;
     let mut systems = Vec::new();
     for (i, name) in names.into_iter().enumerate() {
-        if let Some(why) = failed_at[i].take() {
-            absent.push((name.to_owned(), format!("failed: {why}")));
-            continue;
+        match failed_at[i].take() {
+            Some(why) => failed.push((name.to_owned(), why)),
+            None => systems.push(SystemFigures::of(name, &done[i], bytes)),
         }
-        let per_s = median(&mut rates[i]);
-        let t = totals[i];
-        let moved = bytes * f64::from(t.requests);
-        systems.push(SystemFigures {
-            system: name.to_owned(),
-            per_s,
-            gb_per_s: per_s * bytes / 1e9,
-            cpu_s_per_gb: t.cpu_ns as f64 / moved,
-            cpu_us_per_request: t.cpu_ns as f64 / 1e3 / f64::from(t.requests.max(1)),
-            checked: t.checked,
-            bad: t.bad,
-        });
     }
     Ok(GroupFigures {
         group: g.clone(),
         systems,
         absent,
+        failed,
     })
 }
 

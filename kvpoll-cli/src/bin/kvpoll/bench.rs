@@ -14,6 +14,7 @@ use crate::cli::{
     BenchArgs, BenchWhat, CliError, CompareArgs, E2eArgs, JsonArgs, SuiteArgs, TraceArgs,
 };
 use crate::compare::Comparison;
+use crate::report::{human, json_text, num, Curves, Met, Row, Verdict};
 
 /// Interleaved runs of each tracker (about 25 ms a pair here).
 const RUNS: u32 = 31;
@@ -106,131 +107,6 @@ fn json_number(text: &str, key: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
-/// One line of the table.
-pub struct Row {
-    pub key: &'static str,
-    pub figure: &'static str,
-    pub unit: &'static str,
-    pub kvpoll: Option<f64>,
-    pub baseline_name: &'static str,
-    pub baseline: Option<f64>,
-    /// kvpoll / baseline, or the figure's own ratio.
-    pub ratio: Option<f64>,
-    pub target: &'static str,
-    pub met: Met,
-    pub note: String,
-}
-
-/// What a row says of its target.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Met {
-    Yes,
-    Missed,
-    /// No target, or nothing measured to hold it against: a baseline that
-    /// is not installed, a group that `--only` left out.
-    NotJudged,
-    /// The row's measurement did not run, and why: the run failed.
-    Failed(String),
-}
-
-impl From<bool> for Met {
-    fn from(met: bool) -> Self {
-        if met {
-            Met::Yes
-        } else {
-            Met::Missed
-        }
-    }
-}
-
-impl From<Option<bool>> for Met {
-    fn from(met: Option<bool>) -> Self {
-        met.map_or(Met::NotJudged, Met::from)
-    }
-}
-
-/// The closing verdict: targets met and missed, rows that did not run.
-struct Verdict<'a> {
-    met: usize,
-    missed: usize,
-    failed: Vec<&'a Row>,
-}
-
-impl<'a> Verdict<'a> {
-    fn of(rows: &'a [Row]) -> Self {
-        let count = |m: Met| rows.iter().filter(|r| r.met == m).count();
-        Verdict {
-            met: count(Met::Yes),
-            missed: count(Met::Missed),
-            failed: rows
-                .iter()
-                .filter(|r| matches!(r.met, Met::Failed(_)))
-                .collect(),
-        }
-    }
-
-    fn keys(&self) -> String {
-        let keys: Vec<&str> = self.failed.iter().map(|r| r.key).collect();
-        keys.join(", ")
-    }
-
-    fn line(&self) -> String {
-        let mut line = format!("targets: {} met, {} missed", self.met, self.missed);
-        match self.failed.len() {
-            0 => {}
-            1 => line += &format!("; 1 row FAILED (did not run): {}", self.keys()),
-            n => line += &format!("; {n} rows FAILED (did not run): {}", self.keys()),
-        }
-        line
-    }
-
-    fn to_json(&self) -> String {
-        format!(
-            "{{\"met\":{},\"missed\":{},\"failed_rows\":{}}}",
-            self.met,
-            self.missed,
-            self.failed.len()
-        )
-    }
-
-    /// A run with a row that did not run failed (exit 1); missed targets
-    /// are figures, not failures.
-    fn result(&self) -> Result<(), CliError> {
-        if self.failed.is_empty() {
-            return Ok(());
-        }
-        Err(CliError::Failed(format!(
-            "{} of the rows did not run ({}); their notes say why",
-            self.failed.len(),
-            self.keys()
-        )))
-    }
-}
-
-fn num(x: Option<f64>) -> String {
-    match x {
-        Some(v) if v.is_finite() => format!("{v:.4}"),
-        _ => "null".into(),
-    }
-}
-
-fn human(x: Option<f64>, unit: &str) -> String {
-    match x {
-        Some(v) if v.is_finite() => {
-            if v >= 1e9 {
-                format!("{:.2} G{unit}", v / 1e9)
-            } else if v >= 1e6 {
-                format!("{:.2} M{unit}", v / 1e6)
-            } else if v >= 1e4 {
-                format!("{:.1} k{unit}", v / 1e3)
-            } else {
-                format!("{v:.1} {unit}")
-            }
-        }
-        _ => "n/a".into(),
-    }
-}
-
 /// Everything `bench all` measured.
 pub struct Suite {
     rows: Vec<Row>,
@@ -248,13 +124,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
 
     let ledger = compare(cfg, RUNS).map_err(failed)?;
     rows.push(Row {
-        key: "ledger_vs_locked",
-        figure: "handle completions/s, ledger vs Mutex<HashMap>",
+        key: "ledger_vs_locked".into(),
+        figure: "handle completions/s, ledger vs Mutex<HashMap>".into(),
         unit: "/s",
         kvpoll: Some(ledger.ledger_completions_per_s),
-        baseline_name: "Mutex+HashMap",
+        baseline_name: "Mutex+HashMap".into(),
         baseline: Some(ledger.locked_completions_per_s),
         ratio: Some(ledger.ratio),
+        spread: None,
         target: ">= 10x",
         met: (ledger.ratio >= 10.0).into(),
         note: format!("median of {RUNS} interleaved runs"),
@@ -265,13 +142,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     };
     let py_ratio = py.map(|p| ledger.ledger_completions_per_s / p);
     rows.push(Row {
-        key: "ledger_vs_python",
-        figure: "handle completions/s, ledger vs vLLM-style Python",
+        key: "ledger_vs_python".into(),
+        figure: "handle completions/s, ledger vs vLLM-style Python".into(),
         unit: "/s",
         kvpoll: Some(ledger.ledger_completions_per_s),
-        baseline_name: "Python dict of handle lists",
+        baseline_name: "Python dict of handle lists".into(),
         baseline: py,
         ratio: py_ratio,
+        spread: None,
         target: ">= 200x",
         met: py_ratio.map(|r| r >= 200.0).into(),
         note: py_note,
@@ -285,13 +163,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     let cache_line_ns: Vec<u64> = handoff.round_trip_ns.iter().map(|&ns| ns as u64).collect();
     let r = handoff.ratio_p50();
     rows.push(Row {
-        key: "completion_visible_vs_cache_line",
-        figure: "completion -> visible p50 vs cache-line round trip",
+        key: "completion_visible_vs_cache_line".into(),
+        figure: "completion -> visible p50 vs cache-line round trip".into(),
         unit: "ns",
         kvpoll: Some(p50),
-        baseline_name: "cache-line round trip",
+        baseline_name: "cache-line round trip".into(),
         baseline: Some(rtt),
         ratio: Some(r),
+        spread: None,
         target: "<= 1.5x",
         met: (r <= 1.5).into(),
         note: format!(
@@ -300,13 +179,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     });
     let poll = engine_bench::poll_idle(2_000_000).map_err(failed)?;
     rows.push(Row {
-        key: "poll_idle_ns",
-        figure: "Engine::poll, nothing new",
+        key: "poll_idle_ns".into(),
+        figure: "Engine::poll, nothing new".into(),
         unit: "ns",
         kvpoll: Some(poll),
-        baseline_name: "",
+        baseline_name: "".into(),
         baseline: None,
         ratio: None,
+        spread: None,
         target: "<= 20 ns",
         met: (poll <= 20.0).into(),
         note: String::new(),
@@ -335,13 +215,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     ] {
         let rates = e2e.as_ref().ok().map(pick);
         rows.push(Row {
-            key,
-            figure,
+            key: key.into(),
+            figure: figure.into(),
             unit: "/s",
             kvpoll: rates.map(|r| r.kvpoll_per_s),
-            baseline_name: "raw UCX loop",
+            baseline_name: "raw UCX loop".into(),
             baseline: rates.map(|r| r.raw_per_s),
             ratio: rates.map(|r| r.kvpoll_per_s / r.raw_per_s),
+            spread: None,
             target: "overhead <= 10 % (>= 0.91x)",
             met: e2e_met(rates.map(|r| r.overhead_pct <= 10.0)),
             note: match &e2e {
@@ -379,13 +260,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     ] {
         let c = e2e.as_ref().ok().map(pick);
         rows.push(Row {
-            key,
-            figure,
+            key: key.into(),
+            figure: figure.into(),
             unit: "/s",
             kvpoll: c.map(|c| c.confirmed_per_s),
-            baseline_name,
+            baseline_name: baseline_name.into(),
             baseline: c.map(|c| c.unconfirmed_per_s),
             ratio: c.map(|c| c.ratio),
+            spread: None,
             target: "(measured, no target)",
             met: e2e_met(None),
             note: match (&e2e, c) {
@@ -410,13 +292,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     let busy = engine_bench::idle_cpu(IdlePolicy::Busy, quiet).map_err(failed)?;
     let pct = |x: Option<f64>| x.map(|v| v * 100.0);
     rows.push(Row {
-        key: "idle_cpu_pct",
-        figure: "idle CPU of the poller, adaptive vs busy policy",
+        key: "idle_cpu_pct".into(),
+        figure: "idle CPU of the poller, adaptive vs busy policy".into(),
         unit: "% core",
         kvpoll: pct(adaptive),
-        baseline_name: "busy-poll thread",
+        baseline_name: "busy-poll thread".into(),
         baseline: pct(busy),
         ratio: adaptive.zip(busy).map(|(a, b)| a / b),
+        spread: None,
         target: "<= 2 % of a core",
         met: adaptive.map(|a| a <= 0.02).into(),
         note: "one quiet second each".into(),
@@ -427,13 +310,14 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     let wake = engine_bench::wake_up(20, quiet).map_err(failed)?;
     let w50 = engine_bench::quantile(&wake, 0.5);
     rows.push(Row {
-        key: "wake_up_us",
-        figure: "wake-up on a submit after 20 ms quiet, p50",
+        key: "wake_up_us".into(),
+        figure: "wake-up on a submit after 20 ms quiet, p50".into(),
         unit: "us",
         kvpoll: Some(w50 / 1e3),
-        baseline_name: "thread park/unpark",
+        baseline_name: "thread park/unpark".into(),
         baseline: Some(park50 / 1e3),
         ratio: Some(w50 / park50),
+        spread: None,
         target: "<= 20 us, <= 2x park/unpark",
         met: (w50 <= 20_000.0 && w50 <= 2.0 * park50).into(),
         note: format!(
@@ -461,7 +345,13 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
     ));
     let compare = match with_compare {
         Some(python) => {
-            let c = crate::compare::run("posix,sysv,cma", 5, 1.0, None, python, None)?;
+            let c = crate::compare::run(&CompareArgs {
+                shm: "posix,sysv,cma".into(),
+                rounds: 3,
+                scale: 1.0,
+                peers_python: python.map(Path::to_path_buf),
+                ..CompareArgs::default()
+            })?;
             rows.extend(c.rows());
             Some(c)
         }
@@ -479,18 +369,17 @@ fn suite(tls: Option<&str>, with_compare: Option<Option<&Path>>) -> Result<Suite
 
 fn print_table(s: &Suite) {
     println!(
-        "{:<58} {:>14} {:>14} {:>9}  {:<28} met",
-        "figure", "kvpoll", "baseline", "ratio", "target"
+        "{:<58} {:>14} {:>14} {:>19}  {:<28} met",
+        "figure", "kvpoll", "baseline", "ratio (spread)", "target"
     );
     for r in &s.rows {
-        let met = match r.met {
-            Met::Yes => "yes",
-            Met::Missed => "MISSED",
-            Met::NotJudged => "n/a",
-            Met::Failed(_) => "FAILED",
+        let ratio = match (r.ratio.filter(|x| x.is_finite()), r.spread) {
+            (Some(x), Some((lo, hi))) => format!("{x:.2}x ({lo:.2}-{hi:.2})"),
+            (Some(x), None) => format!("{x:.2}x"),
+            (None, _) => "-".into(),
         };
         println!(
-            "{:<58} {:>14} {:>14} {:>9}  {:<28} {}",
+            "{:<58} {:>14} {:>14} {:>19}  {:<28} {}",
             r.figure,
             human(r.kvpoll, r.unit),
             if r.baseline_name.is_empty() {
@@ -498,23 +387,28 @@ fn print_table(s: &Suite) {
             } else {
                 human(r.baseline, r.unit)
             },
-            r.ratio
-                .filter(|x| x.is_finite())
-                .map_or("-".into(), |x| format!("{x:.2}x")),
+            ratio,
             r.target,
-            met
+            r.met.word()
         );
     }
     println!("\nbaselines and notes:");
     for r in &s.rows {
         if !r.baseline_name.is_empty() || !r.note.is_empty() {
-            println!("  {:<34} baseline: {}; {}", r.key, r.baseline_name, r.note);
+            let failed = match &r.met {
+                Met::Failed(why) => format!(" -- FAILED: {why}"),
+                _ => String::new(),
+            };
+            println!(
+                "  {:<34} baseline: {}; {}{failed}",
+                r.key, r.baseline_name, r.note
+            );
         }
     }
     if let Some(c) = &s.compare {
         c.print_groups();
     }
-    println!("\n{}", Verdict::of(&s.rows).line());
+    println!("\n{}", s.verdict().line());
     println!("suite ran in {:.1} s", s.seconds);
 }
 
@@ -524,14 +418,16 @@ fn print_json(s: &Suite) {
         .iter()
         .map(|r| {
             format!(
-                "\"{}\":{{\"figure\":\"{}\",\"unit\":\"{}\",\"kvpoll\":{},\"baseline\":\"{}\",\"baseline_value\":{},\"ratio\":{},\"target\":\"{}\",\"met\":{},\"failed\":{},\"note\":\"{}\"}}",
+                "\"{}\":{{\"figure\":\"{}\",\"unit\":\"{}\",\"kvpoll\":{},\"baseline\":\"{}\",\"baseline_value\":{},\"ratio\":{},\"ratio_min\":{},\"ratio_max\":{},\"target\":\"{}\",\"met\":{},\"failed\":{},\"note\":\"{}\"}}",
                 r.key,
-                r.figure,
+                json_text(&r.figure),
                 r.unit,
                 num(r.kvpoll),
-                r.baseline_name,
+                json_text(&r.baseline_name),
                 num(r.baseline),
                 num(r.ratio),
+                num(r.spread.map(|s| s.0)),
+                num(r.spread.map(|s| s.1)),
                 r.target,
                 match r.met {
                     Met::Yes => "true",
@@ -539,10 +435,10 @@ fn print_json(s: &Suite) {
                     Met::NotJudged | Met::Failed(_) => "null",
                 },
                 match &r.met {
-                    Met::Failed(why) => format!("\"{}\"", why.replace(['"', '\\'], "'")),
+                    Met::Failed(why) => format!("\"{}\"", json_text(why)),
                     _ => "null".into(),
                 },
-                r.note.replace(['"', '\\'], "'")
+                json_text(&r.note)
             )
         })
         .collect();
@@ -551,7 +447,7 @@ fn print_json(s: &Suite) {
         "{{\"cores\":{cores},\"load_average\":\"{}\",\"seconds\":{:.1},\"verdict\":{},\"e2e\":{},\"compare\":{},{}}}",
         load_average(),
         s.seconds,
-        Verdict::of(&s.rows).to_json(),
+        s.verdict().to_json(),
         s.e2e.as_ref().map_or("null".into(), |f| f.to_json()),
         s.compare.as_ref().map_or("null".into(), Comparison::to_json),
         rows.join(",")
@@ -579,7 +475,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 println!("load average at the start: {load}");
             }
             if let Some(path) = svg {
-                crate::plot::cdf(&path, &s).map_err(failed)?;
+                crate::plot::cdf(&path, &s.curves()).map_err(failed)?;
                 eprintln!("kvpoll: latency CDFs written to {}", path.display());
                 if let Some(c) = &s.compare {
                     let p = compare_svg_path(&path);
@@ -587,28 +483,18 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     eprintln!("kvpoll: the comparison written to {}", p.display());
                 }
             }
-            Verdict::of(&s.rows).result()?;
+            s.verdict().result()?;
         }
-        BenchWhat::Compare(CompareArgs {
-            json,
-            svg,
-            shm,
-            rounds,
-            scale,
-            only,
-            alt_ucx,
-            peers_python,
-        }) => {
+        BenchWhat::Compare(args) if args.peer_netns.is_some() => {
+            // One group inside a network namespace, for the process that
+            // made the link: its figures as lines, no table.
+            crate::compare::run_linked_group(&args)?;
+        }
+        BenchWhat::Compare(args) => {
             let load = load_average();
             let t0 = Instant::now();
-            let c = crate::compare::run(
-                &shm,
-                rounds,
-                scale,
-                only.as_deref(),
-                peers_python.as_deref(),
-                alt_ucx.as_deref(),
-            )?;
+            let c = crate::compare::run(&args)?;
+            let (json, svg) = (args.json, args.svg);
             let s = Suite {
                 rows: c.rows(),
                 compare: Some(c),
@@ -627,7 +513,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 c.svg(&path).map_err(failed)?;
                 eprintln!("kvpoll: the comparison written to {}", path.display());
             }
-            Verdict::of(&s.rows).result()?;
+            s.verdict().result()?;
         }
         BenchWhat::Trace(TraceArgs { out }) => {
             write_trace(BenchConfig::default(), &out).map_err(CliError::Failed)?;
@@ -709,15 +595,17 @@ fn compare_svg_path(p: &Path) -> std::path::PathBuf {
     p.with_file_name(format!("{stem}-compare.svg"))
 }
 
-/// What the plot needs from a suite run.
-pub struct Curves<'a> {
-    pub title: &'a str,
-    pub unit: &'a str,
-    pub series: Vec<(&'a str, &'a [u64])>,
-}
-
 impl Suite {
-    pub fn curves(&self) -> Vec<Curves<'_>> {
+    /// The verdict of its rows, and of the comparison's groups.
+    fn verdict(&self) -> Verdict<'_> {
+        let groups = self
+            .compare
+            .as_ref()
+            .map_or_else(Vec::new, Comparison::failed_groups);
+        Verdict::of(&self.rows, groups)
+    }
+
+    fn curves(&self) -> Vec<Curves<'_>> {
         let mut v = vec![Curves {
             title: "completion -> visible vs cache-line round trip",
             unit: "ns",
@@ -770,13 +658,14 @@ fn remote_wake_row(
         }
     };
     Row {
-        key,
-        figure,
+        key: key.into(),
+        figure: figure.into(),
         unit: "us",
         kvpoll: p50.map(|v| v / 1e3),
-        baseline_name: "thread park/unpark",
+        baseline_name: "thread park/unpark".into(),
         baseline: Some(park50 / 1e3),
         ratio: p50.map(|v| v / park50),
+        spread: None,
         target: "<= 2x park/unpark",
         met: failed.map_or_else(|| p50.map(|v| v <= 2.0 * park50).into(), Met::Failed),
         note,

@@ -390,13 +390,18 @@ pub struct CompareArgs {
     /// Shared-memory transports.
     #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
     pub shm: String,
-    /// Interleaved rounds per system (medians are reported).
-    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    /// Interleaved rounds per system (medians and min-max are reported).
+    /// Each round of a system moves at least 1 GB and lasts at least 2 s.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub rounds: u32,
-    /// Scale every round's request count (0.01 to 10): a quick look, or a
-    /// longer one.
+    /// Scale every round (0.001 to 10): its 1 GB and 2 s, and the
+    /// warm-up's requests. A quick look, or a longer one.
     #[arg(long, value_name = "X", default_value_t = 1.0)]
     pub scale: f64,
+    /// Run the tcp groups over loopback only, even where a veth link
+    /// between two network namespaces can be made.
+    #[arg(long)]
+    pub loopback_only: bool,
     /// Only the groups whose key contains this (e.g. `tcp`, `layers_shm`).
     #[arg(long, value_name = "TEXT")]
     pub only: Option<String>,
@@ -409,6 +414,12 @@ pub struct CompareArgs {
     /// directory; $KVPOLL_BENCH_PYTHON]. `none`: do not measure them.
     #[arg(long, value_name = "PATH")]
     pub peers_python: Option<PathBuf>,
+    /// Internal: run the one group `--only` names in this process's
+    /// network namespace, its peers in this one (the far end of a veth
+    /// link), and print its figures as lines for the process that made
+    /// the link.
+    #[arg(long, value_name = "NAME", hide = true, requires = "only")]
+    pub peer_netns: Option<String>,
 }
 
 /// `kvpoll bench [all]`.

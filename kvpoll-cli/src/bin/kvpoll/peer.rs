@@ -266,6 +266,23 @@ fn check_received(
 /// reports before it lends again: its poller drains the ring meanwhile.
 const RING_FULL_WAIT: Duration = Duration::from_micros(50);
 
+/// Lends made between two looks at the engine's reports while lending
+/// ahead: the lender polls as it lends, so that what its readers
+/// released is taken in (and their slots lent again) without waiting
+/// for thousands of lends to be queued first.
+const LENDS_PER_POLL: u32 = 256;
+
+/// Where lending ahead stopped.
+enum TopUp {
+    /// Caught up: `ahead` past what was released.
+    CaughtUp,
+    /// [`LENDS_PER_POLL`] lends made: look at the reports, lend on.
+    Batch,
+    /// The command ring is full (the poller is behind): wait a little
+    /// for the reports, lend on.
+    RingFull,
+}
+
 /// Lends request ids in order, `ahead` more than were released: id i
 /// names blocks i*K .. i*K+K modulo the region's blocks.
 struct Lender {
@@ -311,31 +328,38 @@ impl Lender {
         Ok(())
     }
 
-    /// Lends up to `ahead` past what was released. A full command ring
-    /// (the poller is behind) is no failure: it takes the engine's
-    /// reports meanwhile and lends again.
+    /// Lends up to `ahead` past what was released, polling its engine as
+    /// it goes. A full command ring (the poller is behind) is no failure:
+    /// it takes the engine's reports meanwhile and lends again.
     fn catch_up(
         &mut self,
         engine: &mut kvpoll::Engine,
         out: &mut kvpoll::Outcomes,
     ) -> Result<(), CliError> {
-        while !self
-            .top_up(engine)
-            .map_err(|e| CliError::Failed(e.to_string()))?
-        {
-            self.take_reports(engine, out, RING_FULL_WAIT)?;
+        loop {
+            match self
+                .top_up(engine)
+                .map_err(|e| CliError::Failed(e.to_string()))?
+            {
+                TopUp::CaughtUp => return Ok(()),
+                TopUp::Batch => self.take_reports(engine, out, Duration::ZERO)?,
+                TopUp::RingFull => self.take_reports(engine, out, RING_FULL_WAIT)?,
+            }
         }
-        Ok(())
     }
 
-    /// Lends up to `ahead` past what was released, printing `LENT <id>
-    /// <incarnation, hex>` for each: the reader reads each id with that
-    /// incarnation. False: the command ring filled first.
-    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<bool, kvpoll::SubmitError> {
+    /// Lends up to `ahead` past what was released, [`LENDS_PER_POLL`] at
+    /// most, printing `LENT <id> <incarnation, hex>` for each: the reader
+    /// reads each id with that incarnation.
+    fn top_up(&mut self, engine: &mut kvpoll::Engine) -> Result<TopUp, kvpoll::SubmitError> {
         let mut lent = String::new();
+        let mut made = 0;
         let caught_up = loop {
             if self.next >= self.released + self.ahead {
-                break Ok(true);
+                break Ok(TopUp::CaughtUp);
+            }
+            if made == LENDS_PER_POLL {
+                break Ok(TopUp::Batch);
             }
             let mut ids = std::mem::take(&mut self.ids);
             ids.clear();
@@ -351,8 +375,9 @@ impl Lender {
                 Ok(inc) => {
                     lent.push_str(&format!("LENT {} {:x}\n", self.next, inc.0));
                     self.next += 1;
+                    made += 1;
                 }
-                Err(kvpoll::SubmitError::RingFull(_)) => break Ok(false),
+                Err(kvpoll::SubmitError::RingFull(_)) => break Ok(TopUp::RingFull),
                 Err(e) => break Err(e),
             }
         };

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::bench::Curves;
+use crate::report::Curves;
 
 /// Points of the CDF of `samples`, at most about 400 of them.
 fn cdf_points(samples: &[u64]) -> Vec<(f64, f64)> {
@@ -23,9 +23,9 @@ fn cdf_points(samples: &[u64]) -> Vec<(f64, f64)> {
     pts
 }
 
-/// Draws every panel of `suite` into the SVG file at `path`.
-pub fn cdf(path: &Path, suite: &crate::bench::Suite) -> Result<(), String> {
-    draw(path, &suite.curves()).map_err(|e| format!("{}: {e}", path.display()))
+/// Draws every panel into the SVG file at `path`.
+pub fn cdf(path: &Path, panels: &[Curves<'_>]) -> Result<(), String> {
+    draw(path, panels).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 fn draw(path: &Path, panels: &[Curves<'_>]) -> Result<(), Box<dyn std::error::Error>> {
