@@ -787,6 +787,12 @@ impl<R: Read> FrameReader<R> {
         self
     }
 
+    /// This connection's side: what the frames sent on it are encoded
+    /// with ([`Session::encode`]).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
     /// The next message. The header is checked before any of the payload is
     /// read: at most [`HEADER`] + [`MAX_PAYLOAD`] + [`AUTH`] + [`TRAILER`]
     /// bytes are ever buffered.

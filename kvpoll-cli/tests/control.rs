@@ -40,9 +40,11 @@ fn fake_server(serve_one: fn(TcpStream)) -> String {
 }
 
 /// Runs `connect` against `addr` (both ranks) and returns its exit code
-/// and standard error, killing it if it outlives the guard.
+/// and standard error, killing it if it outlives the guard. Without a key,
+/// whatever the environment says: the fake servers speak the unkeyed wire.
 fn connect_to(addr: &str, give_up_after: u64) -> (Option<i32>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .env_remove("KVPOLL_AUTH_KEY")
         .args(["connect", "--to", &format!("{addr},{addr}")])
         .args(["--requests", "20", "--give-up-after"])
         .arg(give_up_after.to_string())
@@ -184,17 +186,16 @@ impl Ask for Server {
 fn stall_sent_to_a_server_not_started_for_testing_is_refused_and_it_keeps_serving() {
     let server = Server::start(&[]);
     let (mut s, mut r) = server.client();
-    s.write_all(&Msg::Stall { ms: 3_600_000 }.encode().unwrap())
-        .unwrap();
+    procs::send(&mut s, &r, &Msg::Stall { ms: 3_600_000 });
     match r.read_msg().unwrap() {
         Msg::Refused(why) => assert!(why.contains("--testing"), "{why}"),
         other => panic!("STALL was not refused: {other:?}"),
     }
     // The same connection and a new one are both still served.
-    s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
+    procs::send(&mut s, &r, &Msg::Stats);
     assert!(matches!(r.read_msg().unwrap(), Msg::StatsReply { .. }));
     let (mut s2, mut r2) = server.client();
-    s2.write_all(&Msg::Stats.encode().unwrap()).unwrap();
+    procs::send(&mut s2, &r2, &Msg::Stats);
     assert!(matches!(r2.read_msg().unwrap(), Msg::StatsReply { .. }));
 }
 
@@ -202,9 +203,8 @@ fn stall_sent_to_a_server_not_started_for_testing_is_refused_and_it_keeps_servin
 fn stall_sent_to_a_server_started_for_testing_is_taken() {
     let server = Server::start(&["--testing"]);
     let (mut s, mut r) = server.client();
-    s.write_all(&Msg::Stall { ms: 10 }.encode().unwrap())
-        .unwrap();
-    s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
+    procs::send(&mut s, &r, &Msg::Stall { ms: 10 });
+    procs::send(&mut s, &r, &Msg::Stats);
     // No refusal comes before the stats reply.
     assert!(matches!(r.read_msg().unwrap(), Msg::StatsReply { .. }));
 }
@@ -249,7 +249,7 @@ fn an_over_long_control_frame_is_refused_after_its_header_without_growing_memory
     );
     // And it still serves others.
     let (mut s2, mut r2) = server.client();
-    s2.write_all(&Msg::Stats.encode().unwrap()).unwrap();
+    procs::send(&mut s2, &r2, &Msg::Stats);
     assert!(matches!(r2.read_msg().unwrap(), Msg::StatsReply { .. }));
 }
 
@@ -292,8 +292,7 @@ fn prepare_before_meta_and_prepare_for_no_blocks_are_refused_and_lend_nothing() 
     let server = Server::start(&[]);
     let (mut s, mut r) = server.client();
     for req in 0..200u64 {
-        s.write_all(&Msg::Prepare { req, n: 4 }.encode().unwrap())
-            .unwrap();
+        procs::send(&mut s, &r, &Msg::Prepare { req, n: 4 });
     }
     for _ in 0..200 {
         match r.read_msg().unwrap() {
@@ -304,16 +303,14 @@ fn prepare_before_meta_and_prepare_for_no_blocks_are_refused_and_lend_nothing() 
     let (total, free) = stats(&mut s, &mut r);
     assert_eq!(free, total, "PREPAREs before META lent blocks");
     let (_engine, meta) = our_metadata();
-    s.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
-    s.write_all(&Msg::Prepare { req: 7, n: 0 }.encode().unwrap())
-        .unwrap();
+    procs::send(&mut s, &r, &Msg::Meta(meta));
+    procs::send(&mut s, &r, &Msg::Prepare { req: 7, n: 0 });
     match r.read_msg().unwrap() {
         Msg::Refused(why) => assert!(why.contains("0 blocks"), "{why}"),
         other => panic!("a PREPARE for 0 blocks was answered {other:?}"),
     }
     // A proper one is served.
-    s.write_all(&Msg::Prepare { req: 8, n: 4 }.encode().unwrap())
-        .unwrap();
+    procs::send(&mut s, &r, &Msg::Prepare { req: 8, n: 4 });
     assert!(
         matches!(r.read_msg().unwrap(), Msg::Ready { req: 8, ref blocks, .. } if blocks.len() == 4)
     );
@@ -323,15 +320,13 @@ fn prepare_before_meta_and_prepare_for_no_blocks_are_refused_and_lend_nothing() 
 fn a_stalled_poller_leaves_the_control_plane_answering_stats_and_handshakes() {
     let server = Server::start(&["--testing"]);
     let (_engine, meta) = our_metadata();
-    let (mut a, _ra) = server.client();
-    a.write_all(&Msg::Stall { ms: 20_000 }.encode().unwrap())
-        .unwrap();
+    let (mut a, ra) = server.client();
+    procs::send(&mut a, &ra, &Msg::Stall { ms: 20_000 });
     std::thread::sleep(Duration::from_millis(300));
     // A client whose metadata the stalled engine cannot take yet.
-    let (mut b, _rb) = server.client();
-    b.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
-    b.write_all(&Msg::Prepare { req: 1, n: 4 }.encode().unwrap())
-        .unwrap();
+    let (mut b, rb) = server.client();
+    procs::send(&mut b, &rb, &Msg::Meta(meta));
+    procs::send(&mut b, &rb, &Msg::Prepare { req: 1, n: 4 });
     std::thread::sleep(Duration::from_millis(300));
     // New handshakes and STATS are still answered (the client's reader
     // gives up after 10 s: well before the stall ends).

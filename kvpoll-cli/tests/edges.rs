@@ -10,7 +10,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpoll_cli::control::{FrameReader, Layout, Msg};
+use kvpoll_cli::control::{FrameReader, Layout, Msg, Session};
 
 mod procs;
 
@@ -89,14 +89,17 @@ fn pump(from: TcpStream, mut to: TcpStream, pass: impl Fn(Msg) -> Option<Msg>) {
     let _ = to.shutdown(std::net::Shutdown::Both);
 }
 
-/// `connect` (pull, 20 requests, JSON) to a real rank and a proxied one.
+/// `connect` (pull, 20 requests, JSON) to a real rank and a proxied one;
+/// all three without a key whatever the environment says (the proxy
+/// speaks the unkeyed wire).
 fn connect_through(lie: fn(Msg) -> Option<Msg>, extra: &[&str]) -> (Output, Serve, Serve) {
     let (a, b) = (
-        Serve::start(&["--rank", "0"]),
-        Serve::start(&["--rank", "1"]),
+        Serve::start_unkeyed(&["--rank", "0"]),
+        Serve::start_unkeyed(&["--rank", "1"]),
     );
     let proxy = lying_proxy(b.addr.clone(), lie);
     let child = kvpoll()
+        .env_remove("KVPOLL_AUTH_KEY")
         .args(["connect", "--to", &format!("{},{proxy}", a.addr)])
         .args(["--requests", "20", "--json"])
         .args(extra)
@@ -161,11 +164,12 @@ fn assert_all_failed(out: &Output, reason: &str) {
     );
 }
 
-/// Blocks free on a rank (its STATS), once they all came back or 10 s passed.
-fn free_blocks(addr: &str) -> (u64, u64) {
+/// Blocks free on a rank (its STATS, asked on a connection whose side
+/// `session` makes), once they all came back or 10 s passed.
+fn free_blocks(addr: &str, session: fn() -> Session) -> (u64, u64) {
     let t = Instant::now();
     loop {
-        let (mut s, mut r) = procs::client(addr, LAYOUT);
+        let (mut s, mut r) = procs::client_in(addr, LAYOUT, session());
         let (total, free) = procs::stats(&mut s, &mut r);
         if free == total || t.elapsed() > Duration::from_secs(10) {
             return (free, total);
@@ -179,7 +183,7 @@ fn a_ready_naming_too_few_blocks_fails_its_request_at_once_and_connect_exits_1()
     let (out, a, b) = connect_through(one_block_short, &[]);
     assert_all_failed(&out, "READY with 3 blocks");
     // The honest rank's lends were given back at once, not at their lease.
-    let (free, total) = free_blocks(&a.addr);
+    let (free, total) = free_blocks(&a.addr, Session::none);
     assert_eq!(free, total);
     drop(b);
 }
@@ -249,7 +253,7 @@ fn serve_with_stdin_at_end_of_file_serves_until_a_signal() {
         child.try_wait().unwrap().is_none(),
         "serve exited with its standard input at end of file"
     );
-    let (free, total) = free_blocks(&addr);
+    let (free, total) = free_blocks(&addr, procs::session);
     assert_eq!(free, total);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
@@ -493,7 +497,8 @@ fn pushes_that_keep_arriving_do_not_keep_serve_from_giving_blocks_back() {
     };
     let writer = dest.add_peer(&meta).unwrap();
     let ours = dest.local_metadata().unwrap();
-    s.write_all(&Msg::Meta(ours).encode().unwrap()).unwrap();
+    procs::send(&mut s, &r, &Msg::Meta(ours));
+    let session = r.session().clone();
     // The rank's answers, as they come.
     let (tx, answers) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -531,7 +536,7 @@ fn pushes_that_keep_arriving_do_not_keep_serve_from_giving_blocks_back() {
                 lend: lend.0,
                 blocks: blocks.iter().map(|b| b.0).collect(),
             };
-            s.write_all(&push.encode().unwrap()).unwrap();
+            s.write_all(&session.encode(&push).unwrap()).unwrap();
             issued += 1;
         }
         while let Ok(m) = answers.try_recv() {

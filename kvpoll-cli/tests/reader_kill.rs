@@ -193,15 +193,19 @@ fn reader(
 fn free_blocks(addr: &str) -> Option<(u64, u64)> {
     let mut s = TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(Duration::from_millis(200))).ok()?;
+    // Keyed as the lenders are (`KVPOLL_AUTH_KEY`, if set).
+    let session = procs::session();
     let mut r = FrameReader::new(
         s.try_clone().ok()?,
         Duration::from_secs(5),
         Some(Duration::from_secs(5)),
-    );
-    s.write_all(&Msg::Hello(LAYOUT).encode().ok()?).ok()?;
+    )
+    .with_session(session.clone());
+    s.write_all(&session.encode(&Msg::Hello(LAYOUT)).ok()?)
+        .ok()?;
     r.read_msg().ok()?;
     r.read_msg().ok()?;
-    s.write_all(&Msg::Stats.encode().ok()?).ok()?;
+    s.write_all(&session.encode(&Msg::Stats).ok()?).ok()?;
     match r.read_msg().ok()? {
         Msg::StatsReply { total, free, .. } => Some((free, total)),
         _ => None,
@@ -479,7 +483,8 @@ fn lends_still_held_for_an_earlier_readers_requests_refuse_nothing_of_the_next_r
         panic!("lender 1 sent no META");
     };
     let (mut s, r) = procs::client(&lenders[0].addr, LAYOUT);
-    s.write_all(&Msg::Meta(meta).encode().unwrap()).unwrap();
+    procs::send(&mut s, &r, &Msg::Meta(meta));
+    let session = r.session().clone();
     // Its answers are read (and dropped) until the connection ends.
     let answers = std::thread::spawn(move || {
         let mut r = r;
@@ -498,7 +503,7 @@ fn lends_still_held_for_an_earlier_readers_requests_refuse_nothing_of_the_next_r
                         req: (1 << 40) | seq,
                         n: 1,
                     };
-                    if s.write_all(&ask.encode().unwrap()).is_err() {
+                    if s.write_all(&session.encode(&ask).unwrap()).is_err() {
                         return;
                     }
                 }

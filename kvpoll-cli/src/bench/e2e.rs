@@ -407,6 +407,8 @@ impl KvpollSide {
             .block_size(cfg.block_size)
             .ucx(ContextOptions::with_transports(&cfg.tls))
             .confirm_reads(confirm)
+            // Keyed as its peer processes are: not at all.
+            .auth_key(None)
             .build()?;
         engine.register(local_blocks)?;
         let peer = engine.add_peer(metadata)?;

@@ -6,11 +6,30 @@ use std::net::TcpStream;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpoll_cli::control::{FrameReader, Layout, Msg};
+use kvpoll_cli::control::{FrameReader, Layout, Msg, Session};
+
+/// A new connection's side, keyed as the `kvpoll` processes the tests
+/// start are: with the secret in `KVPOLL_AUTH_KEY` (which a keyed run of
+/// the suites sets), else none.
+pub fn session() -> Session {
+    let key = kvpoll::auth::AuthKey::from_env().expect("KVPOLL_AUTH_KEY");
+    Session::new(key.as_ref())
+}
 
 /// A control connection to `addr` that said HELLO with `layout`, and a
-/// reader of what comes back (10 s a frame, 30 s of silence at most).
+/// reader of what comes back (10 s a frame, 30 s of silence at most),
+/// keyed as [`session`] says: [`send`] more frames on it.
 pub fn hello(addr: &str, layout: Layout) -> (TcpStream, FrameReader<TcpStream>) {
+    hello_in(addr, layout, session())
+}
+
+/// [`hello`] on a connection whose side is `session` ([`Session::none`]
+/// for a server started without a key: [`Serve::start_unkeyed`]).
+pub fn hello_in(
+    addr: &str,
+    layout: Layout,
+    session: Session,
+) -> (TcpStream, FrameReader<TcpStream>) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_millis(200)))
         .unwrap();
@@ -18,15 +37,31 @@ pub fn hello(addr: &str, layout: Layout) -> (TcpStream, FrameReader<TcpStream>) 
         s.try_clone().unwrap(),
         Duration::from_secs(10),
         Some(Duration::from_secs(30)),
-    );
-    s.write_all(&Msg::Hello(layout).encode().unwrap()).unwrap();
+    )
+    .with_session(session.clone());
+    s.write_all(&session.encode(&Msg::Hello(layout)).unwrap())
+        .unwrap();
     (s, r)
+}
+
+/// Sends `msg` on the connection `r` reads, encoded as its side does.
+pub fn send(s: &mut TcpStream, r: &FrameReader<TcpStream>, msg: &Msg) {
+    s.write_all(&r.session().encode(msg).unwrap()).unwrap();
 }
 
 /// [`hello`], and the server's HELLO and META read: a connection past
 /// the handshake.
 pub fn client(addr: &str, layout: Layout) -> (TcpStream, FrameReader<TcpStream>) {
-    let (s, mut r) = hello(addr, layout);
+    client_in(addr, layout, session())
+}
+
+/// [`client`] on a connection whose side is `session`.
+pub fn client_in(
+    addr: &str,
+    layout: Layout,
+    session: Session,
+) -> (TcpStream, FrameReader<TcpStream>) {
+    let (s, mut r) = hello_in(addr, layout, session);
     assert_eq!(r.read_msg().unwrap(), Msg::Hello(layout));
     assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
     (s, r)
@@ -35,7 +70,7 @@ pub fn client(addr: &str, layout: Layout) -> (TcpStream, FrameReader<TcpStream>)
 /// Blocks in the pool and free, as the rank at `addr` answers STATS on a
 /// connection past the handshake.
 pub fn stats(s: &mut TcpStream, r: &mut FrameReader<TcpStream>) -> (u64, u64) {
-    s.write_all(&Msg::Stats.encode().unwrap()).unwrap();
+    send(s, r, &Msg::Stats);
     match r.read_msg().unwrap() {
         Msg::StatsReply { total, free, .. } => (total, free),
         other => panic!("STATS answered {other:?}"),
@@ -106,8 +141,26 @@ pub struct Serve {
 }
 
 impl Serve {
+    /// `kvpoll serve` with `extra` flags, keyed as the environment says
+    /// (`KVPOLL_AUTH_KEY`, which a keyed run of the suites sets).
     pub fn start(extra: &[&str]) -> Serve {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        Self::spawn(extra, false)
+    }
+
+    /// [`Serve::start`] without a key whatever the environment says: for
+    /// a test that plays a control peer itself and speaks the unkeyed wire
+    /// ([`hello`], [`client`], [`stats`]; the keyed wire's edges are
+    /// `auth.rs`'s).
+    pub fn start_unkeyed(extra: &[&str]) -> Serve {
+        Self::spawn(extra, true)
+    }
+
+    fn spawn(extra: &[&str], unkeyed: bool) -> Serve {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
+        if unkeyed {
+            cmd.env_remove("KVPOLL_AUTH_KEY");
+        }
+        let mut child = cmd
             .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
             .args(extra)
             .stdin(Stdio::piped())
