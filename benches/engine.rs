@@ -2,8 +2,8 @@
 //!
 //! Every poller here is adaptive (it spins briefly, then blocks until work
 //! comes) and the caller blocks in `Engine::wait`, so that no thread spins
-//! for long: the figures include the wake-ups, and the bench runs on a
-//! 2-core machine without starving anything.
+//! for long: the figures include the caller's wake-up, and the bench runs
+//! on a 2-core machine without starving anything.
 //!
 //! - `engine/poll_nothing_new`: `Engine::poll` with nothing in flight.
 //! - `engine/prefix_hit`: a read with nothing to move (`Engine::read` with

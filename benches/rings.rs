@@ -6,11 +6,11 @@
 //! - `rings_two_threads`: one thread pushes, another pops, as the engine
 //!   and its poller do; items a second. A side that finds the ring full or
 //!   empty waits with `crossbeam_utils::Backoff` (spin, then yield).
-//! - `rings_handoff`: one item there and back between two threads, a round
-//!   trip a sample: a command over a command ring answered by an event over
-//!   an event ring, next to the floor of any cross-core hand-off, one cache
-//!   line bounced between the same two threads. The threads are not
-//!   pinned: the OS places them.
+//! - `rings_handoff`: one item there and back between two threads, the
+//!   time of a round trip: a command over a command ring answered by an
+//!   event over an event ring, next to the floor of any cross-core
+//!   hand-off, one cache line bounced between the same two threads. The
+//!   threads are not pinned: the OS places them.
 //!
 //! `cargo bench --bench rings`; `cargo test --bench rings` runs each once.
 
