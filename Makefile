@@ -59,12 +59,16 @@ gpu-check:
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test --release --lib --tests loom -- --test-threads=1
 
-# The benches live beside the tool (kvpoll-cli/benches); e2e spawns its peer
-# processes from the release binary. Both are the production build: without
-# the demo's fault-injection hooks (`kvpoll bench` says which it ran).
+# The criterion benches, measured: the library's (benches/: the ledger, the
+# rings, an engine in one process), then the tool's end to end across
+# processes (kvpoll-cli/benches/e2e.rs), which spawns its peers from the
+# release binary. Both the production build: without the demo's
+# fault-injection hooks (`kvpoll bench` says which it ran). `make test`
+# runs each bench once, unmeasured.
 bench: deps
+	$(CARGO) bench -p kvpoll --benches
 	$(CARGO) build --release -p kvpoll-cli --no-default-features --bin kvpoll
-	$(CARGO) bench -p kvpoll-cli --no-default-features
+	$(CARGO) bench -p kvpoll-cli --no-default-features --benches
 
 # The systems `kvpoll bench compare` measures kvpoll against: NIXL (CPU
 # only; its wheel bundles its own UCX) and Mooncake Transfer Engine, in a

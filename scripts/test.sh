@@ -61,8 +61,11 @@ step "${KEYED[@]}" "$CARGO" test -p kvpoll --no-fail-fast \
     --test ucx_transport -- --test-threads="$THREADS"
 # The rest of the workspace (the tool, its demo and drills, the C ABI).
 step "$CARGO" test --workspace --exclude kvpoll --no-fail-fast --lib --bins --tests -- --test-threads="$THREADS"
-# Benches run once each in test mode (criterion takes no libtest flags).
-step "$CARGO" test --workspace --benches
+# Each criterion bench once, unmeasured (test mode; criterion takes no
+# libtest flags): the library's (benches/) over the production wiring,
+# then the tool's.
+step "$CARGO" test -p kvpoll --benches
+step "$CARGO" test --workspace --exclude kvpoll --benches
 # The library's doc tests (the README's quick start, the pull and push
 # examples) over the production wiring, then the rest.
 step "$CARGO" test -p kvpoll --doc

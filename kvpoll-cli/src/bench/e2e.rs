@@ -38,7 +38,7 @@
 //! of `request_blocks` blocks. Runs of kvpoll, confirmed kvpoll and raw
 //! alternate; medians.
 //!
-//! Used by `benches/e2e.rs` and `kvpoll bench`.
+//! Used by `kvpoll-cli/benches/e2e.rs` and `kvpoll bench`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;

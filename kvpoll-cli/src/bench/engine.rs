@@ -11,7 +11,9 @@
 //!   clock (`Instant`), whose own cost (~20 ns a read) is included.
 //! - **`Engine::poll` with nothing new**: a real engine, nothing in flight.
 //!
-//! Used by `kvpoll-cli/benches/engine.rs` and `kvpoll bench engine`.
+//! Used by `kvpoll bench engine`; the library's `benches/rings.rs`,
+//! `benches/ledger.rs` and `benches/engine.rs` measure the round trips and
+//! the idle poll with criterion.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -134,8 +136,8 @@ pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
 }
 
 /// Completion → visible latencies (ns), one request at a time, `n` samples
-/// in one round (no round trips between them): the criterion bench's
-/// shape. The run's figure comes from [`handoff`].
+/// in one round (no round trips between them). The run's figure comes
+/// from [`handoff`].
 pub fn completion_to_visible(n: usize) -> Vec<u64> {
     handoff(1, 0, n)
         .completion_visible_ns

@@ -16,7 +16,8 @@
 //! Both wait with the same `Backoff` (spin, then yield) when the other
 //! thread is behind, so that neither burns a shared core waiting.
 //!
-//! Used by `kvpoll-cli/benches/ledger.rs` (criterion) and `kvpoll bench ledger`.
+//! Used by `kvpoll bench ledger`; the library's `benches/ledger.rs` measures
+//! the same comparison with criterion.
 
 use std::collections::HashMap;
 use std::sync::{Barrier, Mutex};
