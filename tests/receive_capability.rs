@@ -200,23 +200,10 @@ fn a_write_into_blocks_no_receive_opened_fails_not_lent_over_shared_memory() {
 fn a_write_into_a_run_of_its_receives_blocks_finishes() {
     // A writer that writes part of the receive (its suffix, as one of
     // several writers may) is the receive's.
-    let mut d = engine_over(TCP);
-    let mut w = engine_over(TCP);
-    for b in 0..BLOCKS as u32 {
-        fill(&w, SEED, b);
-    }
-    let to_d = w.add_peer(&d.local_metadata().unwrap()).unwrap();
-    d.add_peer(&w.local_metadata().unwrap()).unwrap();
-    let token = d
-        .receive(RequestId(1), &blocks(&[4, 5, 6]), 1, HOUR)
-        .unwrap();
-    let mut p = Pair {
-        d,
-        w,
-        to_d,
-        four: token,
-        five: Incarnation::NONE,
-    };
+    let mut p = pair(TCP);
+    let token =
+        p.d.receive(RequestId(1), &blocks(&[4, 5, 6]), 1, HOUR)
+            .unwrap();
     assert_eq!(write_once(&mut p, RequestId(1), &[5, 6], token), None);
     let out = settle(&mut p.d, |o| reported(o, RequestId(1)));
     assert_eq!(out.finished_recving, vec![RequestId(1)], "{out:?}");

@@ -115,19 +115,8 @@ fn a_client_without_the_key_or_with_another_is_refused_at_hello() {
 
 /// A keyed client's HELLO, then STATS: the reply.
 fn keyed_stats(addr: &str, key: &AuthKey) -> Msg {
-    let session = Session::new(Some(key));
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let mut r = FrameReader::new(
-        s.try_clone().unwrap(),
-        Duration::from_secs(10),
-        Some(Duration::from_secs(30)),
-    )
-    .with_session(session.clone());
-    s.write_all(&session.encode(&Msg::Hello(LAYOUT)).unwrap())
-        .unwrap();
-    assert_eq!(r.read_msg().unwrap(), Msg::Hello(LAYOUT));
-    assert!(matches!(r.read_msg().unwrap(), Msg::Meta(_)));
-    s.write_all(&session.encode(&Msg::Stats).unwrap()).unwrap();
+    let (mut s, mut r) = procs::client_in(addr, LAYOUT, Session::new(Some(key)));
+    procs::send(&mut s, &r, &Msg::Stats);
     r.read_msg().unwrap()
 }
 

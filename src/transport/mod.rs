@@ -339,6 +339,19 @@ pub trait Transport {
         token: u64,
     ) -> Result<u32, PostFailure> {
         let _ = lend;
+        self.post_whole_or_part(ep, dir, pairs, part, token)
+    }
+
+    /// [`Transport::post`] of whole blocks, or with `part`,
+    /// [`Transport::post_part`].
+    fn post_whole_or_part(
+        &mut self,
+        ep: Ep,
+        dir: Direction,
+        pairs: &[(BlockId, BlockId)],
+        part: Option<BlockBytes>,
+        token: u64,
+    ) -> Result<u32, PostFailure> {
         match part {
             None => self.post(ep, dir, pairs, token),
             Some(part) => self.post_part(ep, dir, pairs, part, token),

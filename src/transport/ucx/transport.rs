@@ -1253,10 +1253,7 @@ impl Transport for UcxTransport {
         token: u64,
     ) -> Result<u32, PostFailure> {
         self.post_lend = lend;
-        let r = match part {
-            None => self.post(ep, dir, pairs, token),
-            Some(part) => self.post_part(ep, dir, pairs, part, token),
-        };
+        let r = self.post_whole_or_part(ep, dir, pairs, part, token);
         self.post_lend = Incarnation::NONE;
         r
     }
