@@ -53,17 +53,18 @@ fn bench_trace_without_out_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// `kvpoll bench compare` of the small loopback group, its rounds at a
+/// hundredth of their size.
+fn small_loopback_compare() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
+    cmd.args(["bench", "compare", "--only", "small_loopback"])
+        .args(["--scale", "0.01"]);
+    cmd
+}
+
 #[test]
 fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-        .args([
-            "bench",
-            "compare",
-            "--only",
-            "small_loopback",
-            "--scale",
-            "0.01",
-        ])
+    let out = small_loopback_compare()
         .args(["--rounds", "2", "--peers-python", "none", "--json"])
         .output()
         .unwrap();
@@ -103,17 +104,9 @@ fn bench_compare_prints_its_groups_as_json_and_says_the_peers_were_not_measured(
 /// `bench compare` of the small tcp group whose second kvpoll system's
 /// UCX options name no transport: that system fails, and the group.
 fn compare_a_group_that_does_not_run(json: bool) -> std::process::Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpoll"));
-    cmd.args([
-        "bench",
-        "compare",
-        "--only",
-        "small_loopback",
-        "--scale",
-        "0.01",
-    ])
-    .args(["--rounds", "1", "--peers-python", "none"])
-    .args(["--alt-ucx", "TLS=no_such_transport"]);
+    let mut cmd = small_loopback_compare();
+    cmd.args(["--rounds", "1", "--peers-python", "none"])
+        .args(["--alt-ucx", "TLS=no_such_transport"]);
     if json {
         cmd.arg("--json");
     }
@@ -177,15 +170,7 @@ fn bench_compare_json_names_the_rows_of_a_group_that_did_not_run_and_exits_1() {
 /// `bench compare` of the small tcp group with `python` as the peer
 /// systems' Python: NIXL and Mooncake are started through it.
 fn compare_with_peers_python(python: &std::path::Path) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-        .args([
-            "bench",
-            "compare",
-            "--only",
-            "small_loopback",
-            "--scale",
-            "0.01",
-        ])
+    small_loopback_compare()
         .args(["--rounds", "1", "--peers-python"])
         .arg(python)
         .output()
