@@ -136,3 +136,66 @@ fn over_shared_memory_a_peers_write_into_an_engine_without_remote_write_lands() 
     assert!(!out.finished_sending.contains(&RequestId(9)), "{out:?}");
     assert!(holds(&lender, 0, FORGER, 4) && holds(&lender, 1, FORGER, 5));
 }
+
+/// A writer that takes a lend's incarnation for a receive's (a mixed-up
+/// router, a pull response read as a push one) writes into the lent
+/// blocks: over shared memory its bytes land, but its word names the lend
+/// it wrote into. The lender refuses the word (the write fails `NotLent`)
+/// and takes no reader's word for that lend from then on: the honest
+/// reader of the lend fails `NotLent`, never finished with the writer's
+/// bytes.
+#[test]
+fn over_shared_memory_a_write_under_a_lends_incarnation_fails_that_lends_reader_not_lent() {
+    let tls = "posix,sysv,cma";
+    let mut lender = engine(tls, true);
+    for b in 0..BLOCKS as u32 {
+        fill(&lender, LENDER, b);
+    }
+    let lend = lender
+        .lend(RequestId(1), &blocks(&[0, 1]), 1, Duration::from_secs(3600))
+        .unwrap();
+    let mut writer = engine(tls, true);
+    for b in 0..BLOCKS as u32 {
+        fill(&writer, FORGER, b);
+    }
+    let to_lender = writer.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    lender.add_peer(&writer.local_metadata().unwrap()).unwrap();
+    let (local, remote) = (blocks(&[4, 5]), blocks(&[0, 1]));
+    writer
+        .write(
+            RequestId(9),
+            &one(to_lender, &local, &remote, lend),
+            1,
+            LEASE,
+        )
+        .unwrap();
+    let mut out = Outcomes::default();
+    assert!(wait(&mut writer, &mut out, LEASE * 2, |o| reported(
+        o,
+        RequestId(9)
+    )));
+    assert_eq!(
+        out.failed_sending.first().map(|f| f.reason.cause),
+        Some(kvpoll::Cause::NotLent),
+        "{out:?}"
+    );
+    assert!(holds(&lender, 0, FORGER, 4), "the write did land");
+    // The lend's reader reads the writer's bytes and must not be told
+    // they are the lend's.
+    let mut reader = engine(tls, true);
+    let to_lender = reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    let (local, remote) = (blocks(&[2, 3]), blocks(&[0, 1]));
+    reader
+        .read(RequestId(1), &one(to_lender, &local, &remote, lend))
+        .unwrap();
+    let mut out = Outcomes::default();
+    assert!(wait(&mut reader, &mut out, LEASE * 5, |o| reported(
+        o,
+        RequestId(1)
+    )));
+    assert!(
+        !out.finished_recving.contains(&RequestId(1)),
+        "the reader was told the writer's bytes were the lend's: {out:?}"
+    );
+    assert_eq!(out.failed_recving[0].reason.cause, kvpoll::Cause::NotLent);
+}

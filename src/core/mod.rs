@@ -901,16 +901,14 @@ impl Core {
     /// `NotLent`), served otherwise — a lend not known here may still be
     /// on its way (read before lend), and its confirmation decides.
     fn read_asked(&mut self, request: u32, lend: Incarnation, first: BlockId, last: BlockId) {
-        let refused = self.by_token.get(&lend).is_some_and(|&key| {
+        let refused = self.live_lend(lend).is_some_and(|key| {
             let info = &self.info[key.slot() as usize];
-            let live = info.generation == key.generation()
-                && matches!(info.kind, Kind::Lend { .. })
-                && self.ledger.is_live(key);
             // More blocks than the lend has cannot all be its own (and a
             // peer's long range costs nothing to refuse).
             let fits = u64::from(last.0.saturating_sub(first.0)) < u64::from(info.lent.count);
             let lent = |b: u32| self.slots.blocks_of(key.slot()).any(|x| x.0 == b);
-            live && !(first.0 <= last.0 && fits && (first.0..=last.0).all(lent))
+            // A lend another write wrote into serves nothing more.
+            info.not_lent || !(first.0 <= last.0 && fits && (first.0..=last.0).all(lent))
         });
         if refused {
             self.stats.refused_reads += 1;
@@ -980,6 +978,14 @@ impl Core {
             {
                 self.receive_note(live.expect("owned"), &note, now)
             }
+            // A writer wrote into a live lend's blocks under its
+            // incarnation (it took the lend for a receive), whatever request
+            // id it names: its bytes are in them now.
+            NoteKind::WriteDone if self.live_lend(note.incarnation).is_some() => {
+                // Whatever it wrote, it wrote into the blocks its word names.
+                self.taint_blocks(note.blocks, None);
+                self.refuse_write(&note);
+            }
             NoteKind::WriteNotLent => {
                 match live.filter(|&k| self.attempt_of(k, &note, Kind::Write { acks: 0 })) {
                     Some(key) => self.write_not_lent(key, &note),
@@ -1035,6 +1041,16 @@ impl Core {
         key.is_some_and(|k| {
             let info = &self.info[k.slot() as usize];
             kind(info.kind) && info.token == note.incarnation
+        })
+    }
+
+    /// The live lend of incarnation `token`, if there is one.
+    fn live_lend(&self, token: Incarnation) -> Option<RequestKey> {
+        self.by_token.get(&token).copied().filter(|&k| {
+            let info = &self.info[k.slot() as usize];
+            info.generation == k.generation()
+                && matches!(info.kind, Kind::Lend { .. })
+                && self.ledger.is_live(k)
         })
     }
 

@@ -192,6 +192,23 @@ impl Core {
         }
     }
 
+    /// Lend `slot` gives its lend word up now (its readers ask instead).
+    pub(super) fn drop_word(&mut self, slot: usize) {
+        let Some(words) = &self.words else {
+            return;
+        };
+        let info = &mut self.info[slot];
+        if info.word == NO_WORD {
+            return;
+        }
+        let i = info.word as usize;
+        if words.get(i) == info.lent.word(info.token) {
+            words.set(i, 0);
+        }
+        info.word = NO_WORD;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// The lend words of the lends whose end is about to be published are
     /// overwritten, and the stores made visible before anything after them
     /// (the publication).
@@ -318,10 +335,13 @@ impl Core {
         let (seen, n) = (self.seen(slot, note.sender), usize::from(info.notified));
         match note.kind {
             NoteKind::ReadDone
-                if !note
-                    .blocks
-                    .within(self.slots.blocks_of(key.slot()), info.lent) =>
+                if info.not_lent
+                    || !note
+                        .blocks
+                        .within(self.slots.blocks_of(key.slot()), info.lent) =>
             {
+                // (A lend whose blocks another write wrote into confirms
+                // nothing either: they may hold that write's bytes.)
                 // The reader read blocks this lend did not lend (another
                 // lend's, or free ones): whatever it holds is not this
                 // lend's.

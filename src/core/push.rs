@@ -114,7 +114,7 @@ impl Core {
 
     /// A writer's word this destination does not take: counted, logged,
     /// and answered so that the write fails at once.
-    fn refuse_write(&mut self, done: &Notification) {
+    pub(super) fn refuse_write(&mut self, done: &Notification) {
         self.stats.refused_writes += 1;
         self.reject();
         if let Some(&peer) = self.by_instance.get(&done.sender) {
@@ -123,24 +123,41 @@ impl Core {
         }
     }
 
-    /// A write named `blocks` under receive `named`'s incarnation but they
-    /// are not its own: every other live receive whose blocks they are (a
-    /// run of them) may now hold that write's bytes, and takes no word.
-    /// Rare (a writer's mistake), so a scan of the live receives is cheap.
-    fn taint_receives(&mut self, blocks: BlocksRead, named: RequestKey) {
-        for &key in self.by_token.values() {
-            let info = &mut self.info[key.slot() as usize];
-            if key == named
-                || info.generation != key.generation()
-                || !matches!(info.kind, Kind::Receive { .. })
-                || !self.ledger.is_live(key)
-            {
-                continue;
-            }
-            if blocks.within(self.slots.blocks_of(key.slot()), info.lent) {
-                info.not_lent = true;
-                info.abandoned = true;
-            }
+    /// A write named `blocks` under an incarnation whose receive they are
+    /// not (`named`'s, or a lend's): every other live receive or lend
+    /// whose blocks they are (a run of them) may now hold that write's
+    /// bytes, and takes no word. Rare (a writer's mistake), so a scan of
+    /// the live ones is cheap.
+    pub(super) fn taint_blocks(&mut self, blocks: BlocksRead, named: Option<RequestKey>) {
+        let hit: Vec<RequestKey> = self
+            .by_token
+            .values()
+            .copied()
+            .filter(|&key| {
+                let info = &self.info[key.slot() as usize];
+                Some(key) != named
+                    && info.generation == key.generation()
+                    && self.ledger.is_live(key)
+                    && blocks.within(self.slots.blocks_of(key.slot()), info.lent)
+            })
+            .collect();
+        for key in hit {
+            self.taint(key);
+        }
+    }
+
+    /// Live receive or lend `key`'s blocks may hold bytes of a write that
+    /// was not its own: a receive takes no writer's word from now on (it
+    /// fails `NotLent` once every writer has spoken), a lend confirms no
+    /// read (its readers fail `NotLent`; its lend word is taken down so
+    /// that they ask).
+    pub(super) fn taint(&mut self, key: RequestKey) {
+        let slot = key.slot() as usize;
+        self.info[slot].not_lent = true;
+        match self.info[slot].kind {
+            Kind::Receive { .. } => self.info[slot].abandoned = true,
+            Kind::Lend { .. } => self.drop_word(slot),
+            _ => {}
         }
     }
 
@@ -184,7 +201,7 @@ impl Core {
                         .within(self.slots.blocks_of(key.slot()), info.lent)
                 {
                     self.info[slot].not_lent = true;
-                    self.taint_receives(note.blocks, key);
+                    self.taint_blocks(note.blocks, Some(key));
                 }
                 let not_lent = self.info[slot].not_lent;
                 let abandoned = info.abandoned || !done || not_lent;
