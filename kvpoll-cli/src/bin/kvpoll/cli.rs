@@ -367,10 +367,12 @@ pub enum BenchWhat {
     /// End to end over UCX between two processes, against a raw UCX loop.
     E2e(E2eArgs),
     /// What users compare: serving shapes (16 KiB reads, 8 MiB multi-layer
-    /// requests, a 64 MiB read; pull and push) over shared memory and tcp,
-    /// in UCX-allocated and caller memory, next to memcpy,
-    /// process_vm_readv, loopback tcp, a raw UCX loop, and NIXL and
-    /// Mooncake where `make bench-peers` installed them.
+    /// requests, a 64 MiB read; pull and push) over shared memory and tcp
+    /// (over a veth link between two network namespaces when run as root,
+    /// and over loopback), in UCX-allocated and caller memory, next to
+    /// memcpy, process_vm_readv, a plain tcp stream, a raw UCX loop, and
+    /// NIXL (at its better setting) and Mooncake where `make bench-peers`
+    /// installed them. A group that does not run fails the run.
     Compare(CompareArgs),
     /// Writes the ledger bench's completion trace, for the Python
     /// reference (kvpoll-cli/benches/reference/vllm_style.py).
