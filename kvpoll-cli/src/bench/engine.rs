@@ -100,52 +100,6 @@ pub fn bare_read(id: u64, peers: &[PeerId]) -> Request<'_> {
     }
 }
 
-/// Median cache-line round trip over `rounds` rounds of `trips` trips.
-pub fn cache_line_round_trip(trips: u64, rounds: usize) -> (f64, bool) {
-    let line = Arc::new(crossbeam_utils::CachePadded::new(AtomicU64::new(0)));
-    let other = line.clone();
-    let total = trips * rounds as u64;
-    let echo = std::thread::spawn(move || {
-        let pinned = try_pin(1);
-        // Answer each odd value with the next even one.
-        let mut expect = 1;
-        while expect < 2 * total {
-            while other.load(Ordering::Acquire) != expect {
-                std::hint::spin_loop();
-            }
-            other.store(expect + 1, Ordering::Release);
-            expect += 2;
-        }
-        pinned
-    });
-    // The measuring end runs in a thread of its own too, so that the
-    // caller's affinity is never changed.
-    let ping = std::thread::spawn(move || {
-        let pinned = try_pin(0);
-        let mut samples = Vec::with_capacity(rounds);
-        let mut v = 0u64;
-        for _ in 0..rounds {
-            samples.push(ping(&line, &mut v, trips).as_nanos() as u64 / trips);
-        }
-        (samples, pinned)
-    });
-    let (mut samples, pinned) = ping.join().unwrap_or_default();
-    let echo_pinned = echo.join().unwrap_or(false);
-    samples.sort_unstable();
-    (percentile(&samples, 0.5), pinned && echo_pinned)
-}
-
-/// Completion → visible latencies (ns), one request at a time, `n` samples
-/// in one round (no round trips between them). The run's figure comes
-/// from [`handoff`].
-pub fn completion_to_visible(n: usize) -> Vec<u64> {
-    handoff(1, 0, n)
-        .completion_visible_ns
-        .into_iter()
-        .flatten()
-        .collect()
-}
-
 /// Cache-line round trips and completion → visible latencies measured by
 /// the same two threads, alternately, round by round (see [`handoff`]).
 #[derive(Debug, Clone, Default)]
@@ -661,7 +615,11 @@ mod tests {
 
     #[test]
     fn every_completion_becomes_visible_once() {
-        let lat = completion_to_visible(200);
+        let lat: Vec<u64> = handoff(1, 0, 200)
+            .completion_visible_ns
+            .into_iter()
+            .flatten()
+            .collect();
         assert_eq!(lat.len(), 200);
         assert!(
             lat.iter().all(|&ns| ns > 0),
