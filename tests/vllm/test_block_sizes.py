@@ -1,10 +1,14 @@
 """A prefill and a decode whose blocks hold different numbers of tokens:
-kvpoll moves whole blocks, so the decode refuses such params when it
-matches the request (the prefill's responses name its block size) and
-computes the prompt itself: the answer is the aggregated one, never an
-error, whatever the failure policy. The scheduler half alone, then real
-`vllm serve` instances of 32- and 64-token blocks (vLLM's CPU backend
-takes multiples of 32), both ways round."""
+the prefill's responses name its block size; where one size divides the
+other (vLLM's CPU backend, equal TP sizes, pull) the decode reads the
+prefill's blocks whole, each in token order across the blocks of its
+group, and reorders them in place (vLLM's CPU kernels keep keys in an
+order of their own inside a block: ``kvpoll.vllm.layout``) before vLLM
+sees them; elsewhere it refuses the params when it matches the request
+and computes the prompt itself. The layout's reordering against vLLM's
+own cache writer, the scheduler half alone, then real `vllm serve`
+instances of 32- and 64-token blocks (vLLM's CPU backend takes
+multiples of 32), both ways round."""
 
 from __future__ import annotations
 
@@ -30,17 +34,89 @@ def test_a_prefill_names_the_tokens_its_blocks_hold(model_dir):
     assert params["remote_block_size"] == 16  # the harness's block size
 
 
+def _written(dtype, block_tokens: int, heads: int, head_size: int, key, value, blocks: List[int]):
+    """A cache of ``block_tokens``-token blocks holding ``key``/``value``
+    (one row a token) in ``blocks``, as vLLM's CPU attention writes it."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvpoll.vllm.layout import attention_isa
+
+    cache = torch.zeros(max(blocks) + 1, heads, block_tokens, 2 * head_size, dtype=dtype)
+    kv = cache.view(cache.shape[0], heads, 2 * block_tokens, head_size)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    slots = torch.tensor([blocks[t // block_tokens] * block_tokens + t % block_tokens for t in range(len(key))])
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, attention_isa(dtype, block_tokens, head_size))
+    return cache
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("p_block, d_block", [(32, 64), (64, 32), (16, 64), (64, 16), (16, 32)])
+def test_prefill_blocks_read_whole_and_reordered_hold_what_the_decode_would_have_written(dtype_name, p_block, d_block):
+    import torch
+
+    from kvpoll.vllm.layout import attention_isa, block_plan, element_offsets, group_order, regroup
+
+    dtype = getattr(torch, dtype_name)
+    heads, head_size, tokens = 2, 64, 203
+    gen = torch.Generator().manual_seed(p_block * d_block)
+    key = torch.randn(tokens, heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(tokens, heads, head_size, generator=gen).to(dtype)
+    p_ids = [9, 2, 7, 0, 3, 1, 6, 4, 12, 5, 8, 11, 10, 13][: -(-tokens // p_block)]
+    d_ids = [3, 9, 1, 4, 0, 8, 2, 5, 7, 6, 12, 10, 11, 13][: -(-tokens // d_block)]
+    prefill = _written(dtype, p_block, heads, head_size, key, value, p_ids)
+    expected = _written(dtype, d_block, heads, head_size, key, value, d_ids)
+    # What the scheduler loads: the whole prompt, or its whole prefill blocks.
+    end = tokens if d_block >= p_block else tokens // p_block * p_block
+    decode = torch.full_like(expected, float("nan"))
+    reads, groups = block_plan(
+        d_ids[: -(-end // d_block)], p_ids[: -(-end // p_block)], d_block, p_block,
+        expected[0].numel() * expected.element_size(), prefill[0].numel() * prefill.element_size(),
+    )
+    src, dst = prefill.view(prefill.shape[0], -1).view(torch.uint8), decode.view(decode.shape[0], -1).view(torch.uint8)
+    for local, remote, (l0, l1), (r0, r1) in reads:  # what the engine's part reads move
+        for a, b in zip(local, remote):
+            dst[a, l0:l1] = src[b, r0:r1]
+    offsets = {
+        size: element_offsets(dtype, size, heads, head_size, attention_isa(dtype, size, head_size))
+        for size in (p_block, d_block)
+    }
+    regroup([decode], groups, group_order(offsets[p_block], p_block, offsets[d_block], d_block))
+    for t in range(end):
+        block, slot = d_ids[t // d_block], t % d_block
+        at = offsets[d_block][slot].flatten()
+        assert torch.equal(decode[block].flatten()[at], expected[block].flatten()[at]), f"token {t}"
+
+
 @pytest.mark.parametrize(
-    "block_size, claimed", [(16, len(PROMPT)), (32, 0), (8, 0), (0, len(PROMPT)), (None, len(PROMPT))]
+    "block_size, computed, claimed",
+    [
+        (16, 0, len(PROMPT)),
+        (0, 0, len(PROMPT)),
+        (None, 0, len(PROMPT)),
+        # Smaller prefill blocks: the whole prompt, reordered.
+        (8, 0, len(PROMPT)),
+        # Larger ones: their whole blocks (37 tokens: one of 32).
+        (32, 0, 32),
+        # A local prefix ending inside a prefill block: computed here.
+        (32, 16, 0),
+        # Neither divides the other; one over 8 times the other.
+        (24, 0, 0),
+        (256, 0, 0),
+    ],
 )
-def test_params_of_another_block_size_claim_no_tokens_and_of_the_same_or_unnamed_one_do(
-    model_dir, block_size, claimed
-):
+def test_params_of_another_block_size_claim_what_the_decode_can_reorder(model_dir, block_size, computed, claimed):
     # The decode's blocks hold 16 tokens; 0 and null are what params that
     # do not name a block size (kvpoll's earlier ones) amount to.
     d = scheduler(vllm_config(model_dir, free_port()))
     r = request("d-0", PROMPT, 3, {**_params([[4, 5, 6]]), "remote_block_size": block_size})
-    assert d.connector.get_num_new_matched_tokens(r, 0) == (claimed, claimed > 0)
+    assert d.connector.get_num_new_matched_tokens(r, computed) == (claimed, claimed > 0)
+
+
+def test_params_of_another_block_size_in_push_mode_claim_no_tokens(model_dir):
+    d = scheduler(vllm_config(model_dir, free_port()))
+    r = request("d-0", PROMPT, 3, {**_params([[4, 5, 6]]), "remote_block_size": 32, "kvpoll_mode": "push"})
+    assert d.connector.get_num_new_matched_tokens(r, 0) == (0, False)
 
 
 @pytest.mark.parametrize("block_size", [-16, "16", 16.0, True])
@@ -62,7 +138,13 @@ def served(model_dir, tmp_path_factory):
     ports = {size: free_port() for size in SIZES}
     procs = [
         server(
-            model_dir, port, kv_config(free_port(), "fail"), str(logs / f"{size}.log"), args=["--block-size", str(size)]
+            model_dir,
+            port,
+            kv_config(free_port(), "fail"),
+            str(logs / f"{size}.log"),
+            # Without a prefix cache each answer below is computed or
+            # loaded afresh, never taken from the one before.
+            args=["--block-size", str(size), "--no-enable-prefix-caching"],
         )
         for size, port in ports.items()
     ]
@@ -81,14 +163,17 @@ def completion(model_dir: str, prompt: List[int], max_tokens: int, params: Any =
 
 
 @pytest.mark.parametrize("p_block, d_block", [(32, 64), (64, 32)])
-def test_a_decode_of_another_block_size_computes_the_prompt_itself_and_answers_as_aggregated_under_policy_fail(
+def test_a_decode_of_another_block_size_loads_the_prompt_and_answers_as_aggregated_under_policy_fail(
     model_dir, served, p_block, d_block
 ):
     urls, logs = served
     p, d = urls[p_block], urls[d_block]
     before = loads(d)
+    loaded = 0
     for n in range(4):
-        prompt = [(d_block + 11 * n + 3 * i) % 500 + 3 for i in range(9 + 37 * n)]
+        prompt = [(d_block + 11 * n + 3 * i) % 500 + 3 for i in range(9 + 53 * n)]
+        # Larger prefill blocks: only whole ones are loaded, the rest computed.
+        loaded += (len(prompt) if d_block >= p_block else len(prompt) // p_block) > 0
         params = post(p + "/v1/completions", completion(model_dir, prompt, 1, {"do_remote_decode": True}))[
             "kv_transfer_params"
         ]
@@ -99,8 +184,10 @@ def test_a_decode_of_another_block_size_computes_the_prompt_itself_and_answers_a
         assert dis["finish_reason"] == "length", (dis, kvpoll_lines(logs, LOGS))
         assert params["remote_block_size"] == p_block, params
         alone = post(d + "/v1/completions", completion(model_dir, prompt, MAX_TOKENS))["choices"][0]
-        assert dis["token_ids"] == alone["token_ids"]
+        assert dis["token_ids"] == alone["token_ids"], (n, kvpoll_lines(logs, LOGS))
     after = loads(d)
-    # Nothing was read, nothing failed.
-    assert after["vllm:kvpoll_num_transfers_total"] == before["vllm:kvpoll_num_transfers_total"]
+    # Every load that had whole blocks to read read them; none failed.
+    assert after["vllm:kvpoll_num_transfers_total"] - before["vllm:kvpoll_num_transfers_total"] == loaded, (
+        kvpoll_lines(logs, LOGS)
+    )
     assert after["vllm:kvpoll_num_failed_transfers_total"] == before["vllm:kvpoll_num_failed_transfers_total"]

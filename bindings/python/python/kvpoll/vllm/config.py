@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
+#: How many prefill ranks one decode rank may gather a block from (a
+#: prefill of up to 8× the decode's TP size), and how many prefill blocks
+#: one decode block may be made of: the engine's ledger holds this many
+#: local block ids per request for each block the KV cache holds.
+MAX_GATHER = 8
+
 
 @dataclass(frozen=True)
 class KvpollConfig:

@@ -115,6 +115,10 @@ class LoadSpec:
     local_block_ids: List[int]
     remote: Optional[RemotePrefill]
     error: Optional[str] = None
+    #: The prefill's blocks this load reads, in token order, where its
+    #: blocks hold another number of tokens than the decode's; None: the
+    #: last ``len(local_block_ids)`` of the remote's, one for one.
+    remote_block_ids: Optional[List[int]] = None
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from kvpoll import draw_incarnation
 
-from .config import KvpollConfig
+from .config import MAX_GATHER, KvpollConfig
 from .log import get_logger
 from .metadata import (
     INCARNATION_KEY,
@@ -21,6 +21,28 @@ from .metadata import (
 )
 
 logger = get_logger(__name__)
+
+
+def block_sizes_refusal(remote: int, local: int, same_tp: bool, mode: str) -> Optional[str]:
+    """Why blocks of ``remote`` tokens cannot be loaded into blocks of
+    ``local``; None where the decode reorders them (``layout.py``)."""
+    if max(remote, local) % min(remote, local):
+        return "one must divide the other"
+    if max(remote, local) // min(remote, local) > MAX_GATHER:
+        return f"one may be at most {MAX_GATHER} times the other"
+    if not same_tp:
+        return "different block sizes are loaded between equal tensor-parallel sizes only"
+    if mode != "pull":
+        return "different block sizes are loaded in pull mode only"
+    try:
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+    except Exception:  # noqa: BLE001 - no platform: nothing to reorder with
+        cpu = False
+    if not cpu:
+        return "different block sizes are reordered on vLLM's CPU backend only"
+    return None
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -65,10 +87,37 @@ class KvpollScheduler:
                     refused = self._refused[request.request_id] = (check.error, check.remote)
             if refused is not None:
                 return 0, False
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            end = self._loaded_end(params, len(request.prompt_token_ids or ()))
+            remote_size = self._remote_block_size(params)
+            if remote_size and num_computed_tokens % remote_size and end > num_computed_tokens:
+                # Prefill blocks are reordered whole: this local prefix
+                # ends inside one.
+                why = f"a local prefix of {num_computed_tokens} tokens ends inside a prefill block of {remote_size}"
+                logger.warning("kvpoll: %s will be computed here, its KV not loaded: %s", request.request_id, why)
+                self._refused[request.request_id] = (why, self._load_spec(params, []).remote)
+                return 0, False
+            count = end - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
+
+    def _remote_block_size(self, params: Dict[str, Any]) -> int:
+        """The prefill's tokens per block where they differ from this
+        instance's (and both are known), else 0."""
+        size = params.get("remote_block_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0 and self.block_size and size != self.block_size:
+            return size
+        return 0
+
+    def _loaded_end(self, params: Dict[str, Any], prompt: int) -> int:
+        """Where the tokens a load fills end: the prompt's end, or, for
+        prefill blocks larger than this instance's, the end of the
+        prompt's last whole prefill block (a part of one cannot be
+        reordered: its tokens are computed here)."""
+        remote = self._remote_block_size(params)
+        if remote > self.block_size:
+            return prompt // remote * remote
+        return prompt
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -83,7 +132,17 @@ class KvpollScheduler:
             self._release(request.request_id, refused[1])
             return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._recv[request.request_id] = self._load_spec(params, local)
+        spec = self._load_spec(params, local)
+        remote_size = self._remote_block_size(params)
+        if local and remote_size and spec.error is None and spec.remote is not None:
+            end = self._loaded_end(params, len(request.prompt_token_ids or ()))
+            start = end - num_external_tokens
+            first, last = start // remote_size, -(-end // remote_size)
+            if last > len(spec.remote.block_ids):
+                spec.error = f"tokens {start}..{end} need {last} prefill blocks, the prefill lent {len(spec.remote.block_ids)}"
+            else:
+                spec.remote_block_ids = list(spec.remote.block_ids[first:last])
+        self._recv[request.request_id] = spec
 
     def _release(self, req_id: str, remote: Optional[RemotePrefill]) -> None:
         """Tells the workers to release the prefill's blocks without
@@ -96,16 +155,15 @@ class KvpollScheduler:
             remote = RemotePrefill.from_params(params)
         except TransferParamsError as e:
             return LoadSpec(local, None, str(e))
+        p_tp, d_tp = remote.tp_size, self.tp_size
         if remote.block_size and self.block_size and remote.block_size != self.block_size:
             # Found here rather than at the handshake (a failed load, an
             # error under policy "fail"): the prompt is computed here.
-            return LoadSpec(
-                local,
-                remote,
-                f"prefill blocks of {remote.block_size} tokens, decode blocks of {self.block_size}: "
-                "kvpoll moves blocks between equal block sizes only",
-            )
-        p_tp, d_tp = remote.tp_size, self.tp_size
+            why = block_sizes_refusal(remote.block_size, self.block_size, p_tp == d_tp, remote.mode)
+            if why is not None:
+                return LoadSpec(
+                    local, remote, f"prefill blocks of {remote.block_size} tokens, decode blocks of {self.block_size}: {why}"
+                )
         if max(p_tp, d_tp) % min(p_tp, d_tp):
             return LoadSpec(local, remote, f"prefill tp_size {p_tp}, decode tp_size {d_tp}: one must divide the other")
         readers = max(1, d_tp // p_tp)
@@ -118,7 +176,7 @@ class KvpollScheduler:
                 f"the prefill lends each rank's blocks to {remote.readers} decode ranks, {readers} read them here: "
                 f"set decode_tp_size {d_tp} in the prefill's kv_connector_extra_config",
             )
-        if len(local) > len(remote.block_ids):
+        if len(local) > len(remote.block_ids) and not self._remote_block_size(params):
             return LoadSpec(local, remote, f"{len(local)} blocks to load, the prefill lent {len(remote.block_ids)}")
         return LoadSpec(local, remote)
 

@@ -79,6 +79,10 @@ class Handshake:
     #: KV heads per block of this rank when they are outermost in each
     #: block (a head range is then one byte range); 0 otherwise.
     block_heads: int = 0
+    #: The order of the elements inside a block (for vLLM's CPU layout
+    #: ``cpu_attn/`` and the kernels' instruction set, which decides it);
+    #: "" where not known.
+    block_layout: str = ""
 
     def encode(self) -> bytes:
         return _frame_of(
@@ -92,6 +96,7 @@ class Handshake:
                 "num_blocks": self.num_blocks,
                 "metadata": base64.b64encode(self.metadata).decode(),
                 "block_heads": self.block_heads,
+                "block_layout": self.block_layout,
             },
             "handshake",
         )
@@ -99,6 +104,7 @@ class Handshake:
     @classmethod
     def decode(cls, frame: bytes) -> "Handshake":
         obj = _object_of(frame, "handshake")
+        obj.setdefault("block_layout", "")  # from a peer that does not name it
         _check_fields(obj, _HANDSHAKE_FIELDS, "handshake")
         try:
             metadata = base64.b64decode(obj["metadata"], validate=True)
@@ -124,6 +130,7 @@ _HANDSHAKE_FIELDS: Dict[str, Any] = {
     "num_blocks": int,
     "metadata": str,
     "block_heads": int,
+    "block_layout": str,
 }
 
 

@@ -26,7 +26,8 @@ from kvpoll import KvpollError, device_memory, draw_incarnation
 from kvpoll.connector import KvConnectorWorker
 
 from .auth import SideChannelKey, load_secret
-from .config import KvpollConfig
+from .config import MAX_GATHER, KvpollConfig
+from .layout import attention_isa, block_plan, element_offsets, group_order, regroup
 from .log import get_logger
 from .metadata import KvpollConnectorMetadata, LoadSpec, RemotePrefill
 from .side_channel import (
@@ -156,10 +157,6 @@ def tp_mismatch(tp: int, heads: int, block_bytes: int, hs: Handshake) -> Optiona
     return None
 
 
-#: How many prefill ranks one decode rank may gather a block from (a
-#: prefill of up to 8× the decode's TP size): the engine's ledger holds
-#: this many local block ids per request for each block the KV cache holds.
-MAX_GATHER = 8
 #: The ledger's block ids, all slots together (4 bytes each): 128 MiB.
 LEDGER_ENTRIES = 1 << 25
 
@@ -211,6 +208,12 @@ class _Load:
     handshake_until: float = 0.0
     #: Push requests (or releases) in flight on the side channel's pool.
     asks: List["Future[None]"] = field(default_factory=list)
+    #: The prefill's blocks to read where they hold another number of
+    #: tokens than ours (``LoadSpec.remote_block_ids``).
+    remote_blocks: Optional[List[int]] = None
+    #: Once read, the groups of local blocks to reorder and the order
+    #: (``layout.regroup``).
+    regroup: Optional[Tuple[List[List[int]], Any]] = None
 
 
 class KvpollWorker:
@@ -234,6 +237,16 @@ class KvpollWorker:
         self.kv_heads = kv_heads
         #: ``(slots, max_blocks)`` of the engine's ledger (``ledger_size``).
         self.ledger = ledger_size(num_blocks, block_tokens, max_model_len)
+        self.block_tokens = block_tokens
+        #: The order of the elements inside a block (``Handshake.block_layout``);
+        #: "" where it is not known.
+        self.block_layout = ""
+        # The KV cache's layers, and (heads, head size, dtype) of its CPU
+        # layout: what blocks of another size are reordered in.
+        self._caches: List[Any] = []
+        self._cpu_shape: Optional[Tuple[int, int, Any, str]] = None
+        # The orders from prefill blocks of a size to ours, by that size.
+        self._orders: Dict[int, Any] = {}
         #: ``kv_heads`` if they are outermost in each block, else 0.
         self.block_heads = 0
         self.core: Optional[KvConnectorWorker] = None
@@ -277,6 +290,7 @@ class KvpollWorker:
         regions, self.block_bytes = kv_cache_regions(kv_caches, self.num_blocks)
         if heads_outermost(kv_caches, self.num_blocks, self.kv_heads):
             self.block_heads = self.kv_heads
+        self._cpu_layout(kv_caches)
         self.num_regions = sum(len(r) for r in regions.values())
         slots, max_blocks = self.ledger
         kwargs: Dict[str, Any] = {
@@ -302,6 +316,7 @@ class KvpollWorker:
                 num_blocks=self.num_blocks,
                 metadata=core.metadata(),
                 block_heads=self.block_heads,
+                block_layout=self.block_layout,
             )
             self._server = HandshakeServer(
                 self.config.side_channel_host,
@@ -321,6 +336,53 @@ class KvpollWorker:
             self.num_regions, self.num_blocks, self.block_bytes, max_blocks // MAX_GATHER, slots,
             *self._server.address,
         )
+
+    def _cpu_layout(self, kv_caches: Mapping[str, Any]) -> None:
+        """Names the order inside this cache's blocks where it is vLLM's CPU
+        layout (``[num_blocks, kv_heads, block_tokens, 2 * head]`` in host
+        memory): the attention kernels' instruction set, which decides it."""
+        shapes = {(tuple(t.shape), t.dtype, getattr(t.device, "type", "cpu")) for t in kv_caches.values()}
+        if len(shapes) != 1 or not self.block_tokens:
+            return
+        shape, dtype, device = shapes.pop()
+        if device != "cpu" or len(shape) != 4 or shape[0] != self.num_blocks or shape[2] != self.block_tokens:
+            return
+        if shape[3] % 2:
+            return
+        isa = attention_isa(dtype, self.block_tokens, shape[3] // 2)
+        if isa is None:
+            return
+        self.block_layout = f"cpu_attn/{isa}"
+        self._caches = list(kv_caches.values())
+        self._cpu_shape = (shape[1], shape[3] // 2, dtype, isa)
+
+    def _order_from(self, remote_tokens: int, hs: Handshake) -> Any:
+        """The order that turns blocks of ``remote_tokens`` tokens laid out
+        as ``hs`` says into ours (computed once per size). Raises
+        ``HandshakeError`` where they cannot be reordered."""
+        order = self._orders.get(remote_tokens)
+        if order is not None:
+            return order
+        if self._cpu_shape is None:
+            raise HandshakeError("this worker's KV cache is not vLLM's CPU layout: blocks of another size are not reordered")
+        heads, head_size, dtype, own_isa = self._cpu_shape
+        isa = attention_isa(dtype, remote_tokens, head_size)
+        if isa is None or hs.block_layout != f"cpu_attn/{isa}":
+            raise HandshakeError(
+                f"blocks of {remote_tokens} tokens laid out as {hs.block_layout or 'unknown'!r}; "
+                f"this vLLM lays them out as {'cpu_attn/' + isa if isa else 'unknown'!r}"
+            )
+        try:
+            order = group_order(
+                element_offsets(dtype, remote_tokens, heads, head_size, isa),
+                remote_tokens,
+                element_offsets(dtype, self.block_tokens, heads, head_size, own_isa),
+                self.block_tokens,
+            )
+        except (ValueError, RuntimeError) as e:
+            raise HandshakeError(f"blocks of {remote_tokens} tokens cannot be reordered into {self.block_tokens}: {e}") from e
+        self._orders[remote_tokens] = order
+        return order
 
     # ------------------------------------------------------------ steps
 
@@ -353,6 +415,7 @@ class KvpollWorker:
         """A new entry of ``reqs_to_recv``: a load if it has blocks to
         fill (vLLM waits for it), else a release."""
         load = _Load(req_id, spec.remote, list(spec.local_block_ids), reported=bool(spec.local_block_ids))
+        load.remote_blocks = spec.remote_block_ids
         load.handshake_until = time.monotonic() + HANDSHAKE_BOUND * self.config.handshake_timeout_s
         if spec.error is not None or spec.remote is None:
             self._end(load, spec.error or "no remote")
@@ -446,16 +509,24 @@ class KvpollWorker:
             return
         if plan is None:
             return
-        per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
-        self._stats.started(remote.request_id, len(load.local_blocks) * per_block * self.num_regions)
-        if remote.mode == "push":
-            self._ask_push(load, plan)
-            return
-        remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(load.local_blocks) :])
-        handles = [
-            (peer, load.local_blocks, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
-            for _, peer, lb, rb in plan
-        ]
+        if load.remote_blocks is not None:
+            try:
+                handles = self._regrouped(load, plan)
+            except (HandshakeError, ValueError) as e:
+                self._end(load, str(e))
+                return
+            self._stats.started(remote.request_id, sum(len(h[1]) * (h[4][1] - h[4][0]) for h in handles) * self.num_regions)
+        else:
+            per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
+            self._stats.started(remote.request_id, len(load.local_blocks) * per_block * self.num_regions)
+            if remote.mode == "push":
+                self._ask_push(load, plan)
+                return
+            remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(load.local_blocks) :])
+            handles = [
+                (peer, load.local_blocks, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
+                for _, peer, lb, rb in plan
+            ]
         logger.debug("kvpoll: reading %s from %d ranks", remote.request_id, len(handles))
         try:
             self.core.start_load_kv(reqs_to_recv={remote.request_id: handles})
@@ -463,6 +534,25 @@ class KvpollWorker:
             self._end(load, f"read refused: {e}")
             return
         load.state = LoadState.LOADING
+
+    def _regrouped(self, load: _Load, plan: list) -> List[tuple]:
+        """The part reads of a load whose prefill blocks hold another
+        number of tokens than ours (the same TP size: one prefill rank):
+        each prefill block's bytes whole and in token order across the
+        local blocks of its group, reordered once read (``get_finished``)."""
+        remote = load.remote
+        assert remote is not None and load.remote_blocks is not None
+        if len(plan) != 1 or plan[0][2] is not None:
+            raise HandshakeError("different block sizes are loaded between equal tensor-parallel sizes only")
+        rank, peer, _, _ = plan[0]
+        hs = self._handshakes.poll(remote.engine_id, remote.host, remote.port, rank)
+        assert hs is not None  # the plan is ready: its handshake is in
+        order = self._order_from(remote.block_size, hs)
+        reads, groups = block_plan(
+            load.local_blocks, load.remote_blocks, self.block_tokens, remote.block_size, self.block_bytes, hs.block_bytes
+        )
+        load.regroup = (groups, order)
+        return [(peer, lb, rb, remote.incarnation, lr, rr) for lb, rb, lr, rr in reads if lb]
 
     def _end(self, load: _Load, why: str) -> None:
         """Ends an entry before the engine has it: a load fails (reported
@@ -636,6 +726,19 @@ class KvpollWorker:
             why = f"{hs.num_regions} regions, this one {self.num_regions}: not the same model layout"
         elif hs.tp_size != remote.tp_size:
             why = f"tp_size {hs.tp_size}, the request says {remote.tp_size}"
+        elif remote.block_size and self.block_tokens and remote.block_size != self.block_tokens:
+            # Reordered once read (``_regrouped``): the same bytes a token.
+            if hs.block_bytes * self.block_tokens != self.block_bytes * remote.block_size:
+                why = (
+                    f"blocks of {hs.block_bytes} bytes for {remote.block_size} tokens, this one "
+                    f"{self.block_bytes} for {self.block_tokens}: not the same model layout"
+                )
+            else:
+                why = None
+        elif hs.block_layout and self.block_layout and hs.block_layout != self.block_layout:
+            # The same sizes, another order inside: its bytes would be
+            # read as other tokens' keys.
+            why = f"blocks laid out as {hs.block_layout!r}, this one {self.block_layout!r}"
         else:
             why = tp_mismatch(self.tp_size, self.block_heads, self.block_bytes, hs)
         if why is not None:
@@ -688,6 +791,10 @@ class KvpollWorker:
                 if load.remote is not None:
                     self._handshakes.forget(load.remote.engine_id)
             else:
+                if load.regroup is not None:
+                    # Read in the prefill's block order: ours before vLLM
+                    # sees the request's blocks.
+                    regroup(self._caches, *load.regroup)
                 logger.debug("kvpoll: load of %s (%s) finished", load.local_id, remote_id)
                 self._stats.finished(remote_id)
         return sending, (done or None)
