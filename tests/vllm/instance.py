@@ -13,7 +13,13 @@ from kvpoll_remote import Child, messages
 
 
 def _main(
-    conn: Any, model: str, kv: Optional[Dict[str, Any]], tp: int, max_model_len: int, block_size: Optional[int]
+    conn: Any,
+    model: str,
+    kv: Optional[Dict[str, Any]],
+    tp: int,
+    max_model_len: int,
+    block_size: Optional[int],
+    dtype: str = "float32",
 ) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
@@ -27,7 +33,7 @@ def _main(
         llm = LLM(
             model=model,
             skip_tokenizer_init=True,
-            dtype="float32",
+            dtype=dtype,
             enforce_eager=True,
             max_model_len=max_model_len,
             seed=0,
@@ -86,9 +92,10 @@ class Instance(Child):
         tp: int = 1,
         max_model_len: int = 512,
         block_size: Optional[int] = None,
+        dtype: str = "float32",
     ) -> None:
         # Not a daemon: vLLM starts its engine core as a child process.
-        super().__init__(_main, model, kv, tp, max_model_len, block_size, daemon=False)
+        super().__init__(_main, model, kv, tp, max_model_len, block_size, dtype, daemon=False)
 
     def ready(self, timeout: float = 300.0) -> "Instance":
         self.answer(timeout)

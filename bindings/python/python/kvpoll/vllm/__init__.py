@@ -65,6 +65,17 @@ def _kv_heads(kv_cache_config: "KVCacheConfig") -> int:
     return heads.pop() if len(heads) == 1 else 0
 
 
+def _kv_replicated(kv_cache_config: "KVCacheConfig") -> bool:
+    """Whether every rank holds the whole KV (MLA's latent cache is
+    replicated across tensor-parallel ranks, not split by head)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    except ImportError:
+        return False
+    return bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups)
+
+
 class KvpollConnector(KVConnectorBase_V1):
     """vLLM's connector interface, each call handed to its half."""
 
@@ -87,7 +98,13 @@ class KvpollConnector(KVConnectorBase_V1):
         self.connector_scheduler: Optional[KvpollScheduler] = None
         self.connector_worker: Optional[KvpollWorker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvpollScheduler(engine_id, tp_size, config, vllm_config.cache_config.block_size)
+            self.connector_scheduler = KvpollScheduler(
+                engine_id,
+                tp_size,
+                config,
+                vllm_config.cache_config.block_size,
+                kv_replicated=bool(getattr(vllm_config.model_config, "use_mla", False)),
+            )
         else:
             self.connector_worker = KvpollWorker(
                 engine_id,
@@ -98,6 +115,7 @@ class KvpollConnector(KVConnectorBase_V1):
                 _kv_heads(kv_cache_config),
                 block_tokens=vllm_config.cache_config.block_size,
                 max_model_len=vllm_config.model_config.max_model_len,
+                kv_replicated=_kv_replicated(kv_cache_config),
             )
 
     # ------------------------------------------------------------ scheduler

@@ -62,8 +62,13 @@ class KvpollScheduler:
     cannot be loaded are refused at the match: no tokens are claimed, so
     vLLM computes the prompt itself instead of failing the request."""
 
-    def __init__(self, engine_id: str, tp_size: int, config: KvpollConfig, block_size: int = 0) -> None:
+    def __init__(
+        self, engine_id: str, tp_size: int, config: KvpollConfig, block_size: int = 0, kv_replicated: bool = False
+    ) -> None:
         self.engine_id = engine_id
+        #: Every rank holds the whole KV (MLA): a decode rank reads whole
+        #: blocks from prefill ranks, whatever the two TP sizes.
+        self.kv_replicated = kv_replicated
         self.tp_size = tp_size
         self.config = config
         #: Tokens a block holds (vLLM's ``block_size``); 0 if unknown.
@@ -166,6 +171,10 @@ class KvpollScheduler:
                 )
         if max(p_tp, d_tp) % min(p_tp, d_tp):
             return LoadSpec(local, remote, f"prefill tp_size {p_tp}, decode tp_size {d_tp}: one must divide the other")
+        if self.kv_replicated and p_tp != d_tp and remote.mode != "pull":
+            return LoadSpec(
+                local, remote, f"prefill tp_size {p_tp}, decode tp_size {d_tp}: KV replicated across ranks (MLA) loads in pull mode only"
+            )
         readers = max(1, d_tp // p_tp)
         if remote.readers != readers:
             # Fewer: the prefill would free its blocks after the first

@@ -83,6 +83,9 @@ class Handshake:
     #: ``cpu_attn/`` and the kernels' instruction set, which decides it);
     #: "" where not known.
     block_layout: str = ""
+    #: Each rank holds the whole KV (MLA's latent cache, replicated across
+    #: tensor-parallel ranks) rather than a share of its heads.
+    kv_replicated: bool = False
 
     def encode(self) -> bytes:
         return _frame_of(
@@ -97,6 +100,7 @@ class Handshake:
                 "metadata": base64.b64encode(self.metadata).decode(),
                 "block_heads": self.block_heads,
                 "block_layout": self.block_layout,
+                "kv_replicated": self.kv_replicated,
             },
             "handshake",
         )
@@ -104,7 +108,9 @@ class Handshake:
     @classmethod
     def decode(cls, frame: bytes) -> "Handshake":
         obj = _object_of(frame, "handshake")
-        obj.setdefault("block_layout", "")  # from a peer that does not name it
+        # From a peer that does not name them.
+        obj.setdefault("block_layout", "")
+        obj.setdefault("kv_replicated", False)
         _check_fields(obj, _HANDSHAKE_FIELDS, "handshake")
         try:
             metadata = base64.b64decode(obj["metadata"], validate=True)
@@ -131,6 +137,7 @@ _HANDSHAKE_FIELDS: Dict[str, Any] = {
     "metadata": str,
     "block_heads": int,
     "block_layout": str,
+    "kv_replicated": bool,
 }
 
 

@@ -133,9 +133,34 @@ def tp_reads(
     return [(rank // k, (0, block_bytes), (j * block_bytes, (j + 1) * block_bytes))]
 
 
-def tp_mismatch(tp: int, heads: int, block_bytes: int, hs: Handshake) -> Optional[str]:
-    """Why this rank (``heads`` KV heads per block, 0 if not outermost)
-    cannot read a prefill rank whose handshake is ``hs``; None if it can."""
+def replicated_reads(rank: int, tp: int, remote_tp: int) -> List[Tuple[int, None, None]]:
+    """The prefill ranks decode rank ``rank`` of ``tp`` reads whole blocks
+    from where every rank holds the whole KV (MLA): the same rank; for a
+    smaller prefill (``tp = k * remote_tp``) rank ``r // k``, whose lend
+    waits for its k readers; for a larger one (``remote_tp = k * tp``)
+    ranks ``r*k .. r*k+k-1``, the blocks striped across them (block i from
+    the ``i mod k``-th), so that every prefill rank's lend is read, or
+    released where it has no block to give."""
+    if remote_tp == tp:
+        return [(rank, None, None)]
+    if remote_tp > tp:
+        k = remote_tp // tp
+        return [(rank * k + j, None, None) for j in range(k)]
+    return [(rank // (tp // remote_tp), None, None)]
+
+
+def tp_mismatch(tp: int, heads: int, block_bytes: int, hs: Handshake, replicated: bool = False) -> Optional[str]:
+    """Why this rank (``heads`` KV heads per block, 0 if not outermost;
+    ``replicated``: every rank holds the whole KV) cannot read a prefill
+    rank whose handshake is ``hs``; None if it can."""
+    if replicated or hs.kv_replicated:
+        if replicated != hs.kv_replicated:
+            return "KV replicated across ranks (MLA) on one side only: not the same model"
+        if hs.block_bytes != block_bytes:
+            return f"blocks of {hs.block_bytes} bytes, this one {block_bytes}: not the same model layout"
+        if max(hs.tp_size, tp) % min(hs.tp_size, tp):
+            return f"tp_size {hs.tp_size} and this one's {tp}: one must divide the other"
+        return None
     if hs.tp_size == tp:
         if hs.block_bytes != block_bytes:
             return f"blocks of {hs.block_bytes} bytes, this one {block_bytes}: not the same model layout"
@@ -227,6 +252,7 @@ class KvpollWorker:
         kv_heads: int = 0,
         block_tokens: int = 0,
         max_model_len: Optional[int] = None,
+        kv_replicated: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -238,6 +264,8 @@ class KvpollWorker:
         #: ``(slots, max_blocks)`` of the engine's ledger (``ledger_size``).
         self.ledger = ledger_size(num_blocks, block_tokens, max_model_len)
         self.block_tokens = block_tokens
+        #: Every rank holds the whole KV (MLA): see ``replicated_reads``.
+        self.kv_replicated = kv_replicated
         #: The order of the elements inside a block (``Handshake.block_layout``);
         #: "" where it is not known.
         self.block_layout = ""
@@ -317,6 +345,7 @@ class KvpollWorker:
                 metadata=core.metadata(),
                 block_heads=self.block_heads,
                 block_layout=self.block_layout,
+                kv_replicated=self.kv_replicated,
             )
             self._server = HandshakeServer(
                 self.config.side_channel_host,
@@ -509,24 +538,36 @@ class KvpollWorker:
             return
         if plan is None:
             return
+        unread: List[Tuple[int, int]] = []
         if load.remote_blocks is not None:
             try:
                 handles = self._regrouped(load, plan)
             except (HandshakeError, ValueError) as e:
                 self._end(load, str(e))
                 return
-            self._stats.started(remote.request_id, sum(len(h[1]) * (h[4][1] - h[4][0]) for h in handles) * self.num_regions)
         else:
-            per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
-            self._stats.started(remote.request_id, len(load.local_blocks) * per_block * self.num_regions)
             if remote.mode == "push":
+                per_block = sum((lb[1] - lb[0]) if lb else self.block_bytes for _, _, lb, _ in plan)
+                self._stats.started(remote.request_id, len(load.local_blocks) * per_block * self.num_regions)
                 self._ask_push(load, plan)
                 return
             remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(load.local_blocks) :])
-            handles = [
-                (peer, load.local_blocks, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
-                for _, peer, lb, rb in plan
-            ]
+            if self.kv_replicated and len(plan) > 1:
+                # Whole blocks striped across prefill ranks holding the same KV.
+                n = len(plan)
+                handles = [
+                    (peer, load.local_blocks[j::n], remote_blocks[j::n], remote.incarnation)
+                    for j, (_, peer, _, _) in enumerate(plan)
+                ]
+            else:
+                handles = [
+                    (peer, load.local_blocks, remote_blocks, remote.incarnation, *((lb, rb) if lb else ()))
+                    for _, peer, lb, rb in plan
+                ]
+            unread = [(h[0], h[3]) for h in handles if not h[1]]
+            handles = [h for h in handles if h[1]]
+        moved = sum(len(h[1]) * ((h[4][1] - h[4][0]) if len(h) > 4 else self.block_bytes) for h in handles)
+        self._stats.started(remote.request_id, moved * self.num_regions)
         logger.debug("kvpoll: reading %s from %d ranks", remote.request_id, len(handles))
         try:
             self.core.start_load_kv(reqs_to_recv={remote.request_id: handles})
@@ -534,6 +575,13 @@ class KvpollWorker:
             self._end(load, f"read refused: {e}")
             return
         load.state = LoadState.LOADING
+        if unread:
+            # Prefill ranks with no block to give this rank: released now,
+            # not at their lease's end.
+            try:
+                self.core.engine.notify_only(remote.request_id, unread)
+            except KvpollError as e:
+                logger.warning("kvpoll: release of %s's unread ranks not sent: %s", remote.request_id, e)
 
     def _regrouped(self, load: _Load, plan: list) -> List[tuple]:
         """The part reads of a load whose prefill blocks hold another
@@ -706,7 +754,13 @@ class KvpollWorker:
 
     def _ranks(self, remote: RemotePrefill) -> List[int]:
         """The prefill ranks this rank reads a request from."""
-        return [rank for rank, _, _ in tp_reads(self.tp_rank, self.tp_size, remote.tp_size, 1, 1)]
+        return [rank for rank, _, _ in self._reads(remote.tp_size, 1, 1)]
+
+    def _reads(self, remote_tp: int, block_bytes: int, remote_block_bytes: int) -> list:
+        """``tp_reads``, or ``replicated_reads`` where every rank holds the whole KV."""
+        if self.kv_replicated:
+            return replicated_reads(self.tp_rank, self.tp_size, remote_tp)
+        return tp_reads(self.tp_rank, self.tp_size, remote_tp, block_bytes, remote_block_bytes)
 
     def _plan(self, remote: RemotePrefill) -> Optional[list]:
         """The remote ranks this rank reads a load from, and the byte
@@ -718,7 +772,7 @@ class KvpollWorker:
         hs = self._handshakes.poll(remote.engine_id, remote.host, remote.port, first)
         if hs is None:
             return None
-        return tp_reads(self.tp_rank, self.tp_size, remote.tp_size, self.block_bytes, hs.block_bytes)
+        return self._reads(remote.tp_size, self.block_bytes, hs.block_bytes)
 
     def _peer(self, remote: RemotePrefill, rank: int, hs: Handshake) -> int:
         engine_id = remote.engine_id
@@ -740,7 +794,7 @@ class KvpollWorker:
             # read as other tokens' keys.
             why = f"blocks laid out as {hs.block_layout!r}, this one {self.block_layout!r}"
         else:
-            why = tp_mismatch(self.tp_size, self.block_heads, self.block_bytes, hs)
+            why = tp_mismatch(self.tp_size, self.block_heads, self.block_bytes, hs, self.kv_replicated)
         if why is not None:
             self._handshakes.forget(engine_id)
             raise HandshakeError(f"engine {engine_id!r} rank {rank}: {why}")
