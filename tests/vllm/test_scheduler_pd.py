@@ -67,6 +67,41 @@ def test_decode_kv_equals_prefill_kv_byte_for_byte_and_both_schedulers_end_empty
     assert_scheduler_empty(d)
 
 
+def test_a_prefill_whose_next_step_comes_late_is_still_read_and_the_load_finishes(pd):
+    # The prefill's response leaves when its request finishes; its worker
+    # lends the blocks at its next step, which may come seconds later (a
+    # long batch, an engine stalled on its workers). The decode's read,
+    # its data landed, waits for that lend as long as a read may take
+    # (read_deadline_s), not a fixed few seconds.
+    p, pw, d, dw = pd("fail", lease_s=60.0)
+    prompts = {"late": [(5 * i) % 500 + 3 for i in range(40)]}
+    params = prefill_all(p, pw, prompts)
+    decode_requests(d, params, prompts)
+    end = time.monotonic() + 8.0  # past the engine's default lend grace (5 s)
+    recving: List[str] = []
+    local: Dict[str, List[int]] = {}
+    while time.monotonic() < end:
+        so, kv_out, _ = step(d, dw)
+        local.update((rid, spec.local_block_ids) for rid, spec in so.kv_connector_metadata.reqs_to_recv.items())
+        recving += list(kv_out.finished_recving or ())
+        time.sleep(0.05)
+    assert recving == [], "the load ended before its prefill lent"
+
+    def on_recv(so, kv_out):
+        for rid, spec in so.kv_connector_metadata.reqs_to_recv.items():
+            local[rid] = spec.local_block_ids
+        for rid in kv_out.finished_recving or ():
+            recving.append(rid)
+            assert dw.dump(local[rid]) == pw.dump(params["late"]["remote_block_ids"][0])
+
+    tokens = run_until_empty(p, pw, d, dw, on_recv)
+    assert recving == ["d-late"]
+    # Policy fail: a failed load would have ended the request without tokens.
+    assert len(tokens["d-late"]) == 3, tokens
+    assert_scheduler_empty(p)
+    assert_scheduler_empty(d)
+
+
 def test_decode_requests_aborted_before_and_while_loading_release_the_prefill_and_end_empty(pd):
     # Lease longer than the test's guard: the prefill's blocks can only
     # come back through the decode's release or its read.

@@ -666,6 +666,10 @@ struct Span {
 /// - ``idle``: ``"adaptive"`` (spin, back off, park: near-zero idle CPU) or
 ///   ``"busy"`` (spin forever, for a dedicated core only).
 /// - ``read_deadline_s``: a read still in flight after this fails.
+/// - ``lend_grace_s``: how long a read whose data landed waits for a lend
+///   its lender has not taken yet (the lender answered its response
+///   before its worker lent), and how long a lender holds a word that came
+///   before its lend; ``None``: the engine's default (5 s).
 /// - ``tls``: UCX transport list (``UCX_TLS``), e.g. ``"tcp"``; ``None``
 ///   lets UCX choose.
 /// - ``slots``, ``max_blocks``: requests tracked at once, local blocks per
@@ -915,9 +919,9 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true, remote_write=true, auth_key=None))]
+    #[pyo3(signature = (block_size=UInt(16384), *, core=None, idle="adaptive", read_deadline_s=30.0, lend_grace_s=None, tls=None, slots=UInt(1024), max_blocks=UInt(512), confirm_reads=true, remote_write=true, auth_key=None))]
     #[pyo3(
-        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, tls=None, slots=1024, max_blocks=512, confirm_reads=True, remote_write=True, auth_key=None)"
+        text_signature = "(block_size=16384, *, core=None, idle=\"adaptive\", read_deadline_s=30.0, lend_grace_s=None, tls=None, slots=1024, max_blocks=512, confirm_reads=True, remote_write=True, auth_key=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -926,6 +930,7 @@ impl Engine {
         core: Option<UInt<usize>>,
         idle: &str,
         read_deadline_s: f64,
+        lend_grace_s: Option<f64>,
         tls: Option<String>,
         slots: UInt<u32>,
         max_blocks: UInt<u32>,
@@ -952,6 +957,9 @@ impl Engine {
             }
         };
         let deadline = seconds(read_deadline_s, "read_deadline_s")?;
+        let grace = lend_grace_s
+            .map(|g| seconds(g, "lend_grace_s"))
+            .transpose()?;
         let (slots, max_blocks) = (slots.0, max_blocks.0);
         let ucx = match tls {
             Some(t) => ContextOptions::with_transports(&t),
@@ -966,6 +974,9 @@ impl Engine {
             .remote_write(remote_write)
             .ledger(slots, max_blocks)
             .ucx(ucx);
+        if let Some(grace) = grace {
+            builder = builder.lend_grace(grace);
+        }
         // Without one, the library's test hook may give it the test
         // suite's key (KVPOLL_TEST_AUTH_KEY).
         if let Some(key) = auth {

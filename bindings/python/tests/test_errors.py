@@ -70,6 +70,7 @@ def test_bad_arguments_raise_type_or_value_errors_and_submit_nothing(call, exc, 
         pytest.param(dict(block_size="16k"), TypeError, "block_size", id="block-size-a-str"),
         pytest.param(dict(idle="lazy"), ValueError, "adaptive", id="unknown-idle-policy"),
         pytest.param(dict(read_deadline_s=-2.0), ValueError, "read_deadline_s", id="negative-deadline"),
+        pytest.param(dict(lend_grace_s=float("nan")), ValueError, "lend_grace_s", id="nan-lend-grace"),
         pytest.param(dict(block_size=0), kvpoll.ConfigError, "block size 0", id="zero-block-size"),
     ],
 )

@@ -128,6 +128,7 @@ class Engine:
         core: Optional[int] = None,
         idle: Literal["adaptive", "busy"] = "adaptive",
         read_deadline_s: float = 30.0,
+        lend_grace_s: Optional[float] = None,
         tls: Optional[str] = None,
         slots: int = 1024,
         max_blocks: int = 512,

@@ -133,7 +133,8 @@ class KvConnectorWorker:
     ``KvConnectorWorker(block_size=..., engine=None, lease_s=120.0,
     **engine_kwargs)``: ``block_size`` is the bytes of one block in one
     registered region; ``engine_kwargs`` go to ``kvpoll.Engine`` (``tls``,
-    ``core``, ``idle``, ``read_deadline_s``, ``slots``, ``max_blocks``).
+    ``core``, ``idle``, ``read_deadline_s``, ``lend_grace_s``, ``slots``,
+    ``max_blocks``).
     Pass ``engine`` to use an engine you made. ``lease_s`` bounds how long
     lent blocks wait for their readers or writers.
 

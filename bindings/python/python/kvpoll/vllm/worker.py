@@ -324,6 +324,11 @@ class KvpollWorker:
         kwargs: Dict[str, Any] = {
             "idle": self.config.idle,
             "read_deadline_s": self.config.read_deadline_s,
+            # The prefill lends at its worker's next step, which may come
+            # seconds after its response (a long batch, a stalled engine):
+            # a read whose data landed waits for the lend as long as a
+            # read may take.
+            "lend_grace_s": self.config.read_deadline_s,
             "slots": slots,
             "max_blocks": max_blocks,
             "remote_write": self.config.remote_write,
