@@ -133,3 +133,19 @@ class Instance(Child):
                 p.kill()
             except Exception:
                 pass
+
+
+def killed_prefill_drill(p: Instance, d_fail: Instance, d_rec: Instance, prompts: List[List[int]], reference, max_tokens: int) -> None:
+    """Prefills ``prompts``, kills the prefill (SIGKILL, every process),
+    then loads the first half on a decode of policy recompute (the
+    aggregated tokens, ``reference``) and the rest on one of policy fail
+    (every one an error: never other tokens)."""
+    outs = p.generate(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
+    params = [o["kv_transfer_params"] for o in outs]
+    assert all(x and x["do_remote_prefill"] for x in params), params[:2]
+    p.signal(signal.SIGKILL)
+    half = len(prompts) // 2
+    rec = d_rec.generate(prompts[:half], max_tokens, params[:half])
+    failed = d_fail.generate(prompts[half:], max_tokens, params[half:])
+    assert [o["token_ids"] for o in rec] == list(reference[:half])
+    assert all(o["finish_reason"] == "error" for o in failed), failed

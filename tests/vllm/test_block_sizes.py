@@ -191,3 +191,23 @@ def test_a_decode_of_another_block_size_loads_the_prompt_and_answers_as_aggregat
         kvpoll_lines(logs, LOGS)
     )
     assert after["vllm:kvpoll_num_failed_transfers_total"] == before["vllm:kvpoll_num_failed_transfers_total"]
+
+
+def test_a_killed_prefill_of_other_block_size_gives_recomputed_or_failed_responses_never_other_tokens(model_dir):
+    from instance import Instance, killed_prefill_drill
+
+    prompts = [[(7 * n + 3 * i) % 500 + 3 for i in range(40 + 29 * n)] for n in range(6)]
+    fast = dict(read_deadline_s=5.0, handshake_timeout_s=2.0)
+    agg = Instance(model_dir, block_size=64)
+    p = Instance(model_dir, kv_config(free_port(), lease_s=60.0), block_size=32)
+    d_fail = Instance(model_dir, kv_config(free_port(), "fail", **fast), block_size=64)
+    d_rec = Instance(model_dir, kv_config(free_port(), "recompute", **fast), block_size=64)
+    made = [agg, p, d_fail, d_rec]
+    try:
+        for i in made:
+            i.ready()
+        reference = [o["token_ids"] for o in agg.generate(prompts, MAX_TOKENS)]
+        killed_prefill_drill(p, d_fail, d_rec, prompts, reference, MAX_TOKENS)
+    finally:
+        for i in made:
+            i.close()

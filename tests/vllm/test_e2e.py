@@ -14,7 +14,7 @@ import time
 import pytest
 
 from harness import free_port
-from instance import Instance, kv_config
+from instance import Instance, killed_prefill_drill, kv_config
 
 N = 24
 MAX_TOKENS = 8
@@ -147,13 +147,4 @@ def test_a_prefill_paused_past_its_lease_gives_recomputed_or_failed_responses_ne
 
 def test_a_killed_prefill_gives_recomputed_or_failed_responses_never_other_tokens(instances, reference):
     p, d_fail, d_rec = instances
-    ps = prompts()
-    params = prefill(p, ps)
-    p.signal(signal.SIGKILL)
-    half = N // 2
-    rec = d_rec.generate(ps[:half], MAX_TOKENS, params[:half])
-    failed = d_fail.generate(ps[half:], MAX_TOKENS, params[half:])
-    assert [o["token_ids"] for o in rec] == reference[:half]
-    for o, ref in zip(failed, reference[half:]):
-        assert o["token_ids"] == ref or o["finish_reason"] == "error", o
-    assert all(o["finish_reason"] == "error" for o in failed)
+    killed_prefill_drill(p, d_fail, d_rec, prompts(), reference, MAX_TOKENS)
