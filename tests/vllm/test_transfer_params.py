@@ -129,3 +129,25 @@ def test_block_ids_in_no_shape_the_decode_knows_are_refused_at_the_match_with_a_
         RemotePrefill.from_params(params)
     d = scheduler(vllm_config(model_dir, free_port()))
     assert d.connector.get_num_new_matched_tokens(request("d-0", PROMPT, 3, params), 0) == (0, False)
+
+
+@pytest.mark.parametrize(
+    "d_tp, p_tp, readers, claimed",
+    [
+        (1, 1, 1, True),
+        (2, 1, 2, True),
+        (1, 2, 1, True),
+        # Neither size divides the other: no mapping of heads to ranks.
+        (2, 3, 1, False),
+        # Two decode ranks read each prefill rank's lend, which waits for one.
+        (2, 1, 1, False),
+    ],
+    ids=["same", "decode-larger-told", "prefill-larger", "neither-divides", "readers-too-few"],
+)
+def test_tp_sizes_the_decode_cannot_map_are_refused_at_the_match(model_dir, d_tp, p_tp, readers, claimed):
+    from harness import request, scheduler, vllm_config
+
+    d = scheduler(vllm_config(model_dir, free_port(), tp=d_tp))
+    params = {**_params([[4, 5, 6]]), "tp_size": p_tp, "kvpoll_readers": readers}
+    got = d.connector.get_num_new_matched_tokens(request("d-0", PROMPT, 3, params), 0)
+    assert got == ((len(PROMPT), True) if claimed else (0, False))
