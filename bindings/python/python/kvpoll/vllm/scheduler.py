@@ -44,6 +44,7 @@ def block_sizes_refusal(remote: int, local: int, same_tp: bool, mode: str) -> Op
         return "different block sizes are reordered on vLLM's CPU backend only"
     return None
 
+
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput

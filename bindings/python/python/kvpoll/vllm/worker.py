@@ -849,14 +849,26 @@ class KvpollWorker:
                 # The remote may be a new instance now: ask again next time.
                 if load.remote is not None:
                     self._handshakes.forget(load.remote.engine_id)
+            elif not self._reorder(load):
+                self._stats.failed(remote_id)
             else:
-                if load.regroup is not None:
-                    # Read in the prefill's block order: ours before vLLM
-                    # sees the request's blocks.
-                    regroup(self._caches, *load.regroup)
                 logger.debug("kvpoll: load of %s (%s) finished", load.local_id, remote_id)
                 self._stats.finished(remote_id)
         return sending, (done or None)
+
+    def _reorder(self, load: _Load) -> bool:
+        """A load read in the prefill's block order (another block size)
+        put in ours before vLLM sees its blocks; False, its blocks
+        reported invalid, if that failed."""
+        if load.regroup is None:
+            return True
+        try:
+            regroup(self._caches, *load.regroup)
+        except Exception as e:  # noqa: BLE001 - never into vLLM's step
+            logger.error("kvpoll: load of %s read but not reordered, its blocks are invalid: %s", load.local_id, e)
+            self._failed_blocks.update(load.local_blocks)
+            return False
+        return True
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         out = self._failed_blocks
