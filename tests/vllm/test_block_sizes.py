@@ -113,6 +113,18 @@ def test_params_of_another_block_size_claim_what_the_decode_can_reorder(model_di
     assert d.connector.get_num_new_matched_tokens(r, computed) == (claimed, claimed > 0)
 
 
+def test_params_of_another_block_size_into_a_quantized_kv_cache_claim_no_tokens(model_dir):
+    # An fp8 cache's bytes are not the model dtype's the reordering is
+    # derived in: refused at the match rather than failed at the handshake.
+    config = vllm_config(model_dir, free_port())
+    config.cache_config.cache_dtype = "fp8"
+    d = scheduler(config)
+    r = request("d-0", PROMPT, 3, {**_params([[4, 5, 6]]), "remote_block_size": 32})
+    assert d.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+    same = request("d-1", PROMPT, 3, {**_params([[4, 5, 6]]), "remote_block_size": 16})
+    assert d.connector.get_num_new_matched_tokens(same, 0) == (len(PROMPT), True)
+
+
 def test_params_of_another_block_size_in_push_mode_claim_no_tokens(model_dir):
     d = scheduler(vllm_config(model_dir, free_port()))
     r = request("d-0", PROMPT, 3, {**_params([[4, 5, 6]]), "remote_block_size": 32, "kvpoll_mode": "push"})

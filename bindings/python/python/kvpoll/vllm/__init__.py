@@ -104,6 +104,7 @@ class KvpollConnector(KVConnectorBase_V1):
                 config,
                 vllm_config.cache_config.block_size,
                 kv_replicated=bool(getattr(vllm_config.model_config, "use_mla", False)),
+                cache_dtype=getattr(vllm_config.cache_config, "cache_dtype", "auto"),
             )
         else:
             self.connector_worker = KvpollWorker(

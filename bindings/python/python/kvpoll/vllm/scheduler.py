@@ -23,7 +23,7 @@ from .metadata import (
 logger = get_logger(__name__)
 
 
-def block_sizes_refusal(remote: int, local: int, same_tp: bool, mode: str) -> Optional[str]:
+def block_sizes_refusal(remote: int, local: int, same_tp: bool, mode: str, cache_dtype: str = "auto") -> Optional[str]:
     """Why blocks of ``remote`` tokens cannot be loaded into blocks of
     ``local``; None where the decode reorders them (``layout.py``)."""
     if max(remote, local) % min(remote, local):
@@ -34,6 +34,8 @@ def block_sizes_refusal(remote: int, local: int, same_tp: bool, mode: str) -> Op
         return "different block sizes are loaded between equal tensor-parallel sizes only"
     if mode != "pull":
         return "different block sizes are loaded in pull mode only"
+    if cache_dtype != "auto":
+        return f"different block sizes are reordered in unquantized KV caches only, not {cache_dtype}"
     try:
         from vllm.platforms import current_platform
 
@@ -64,12 +66,20 @@ class KvpollScheduler:
     vLLM computes the prompt itself instead of failing the request."""
 
     def __init__(
-        self, engine_id: str, tp_size: int, config: KvpollConfig, block_size: int = 0, kv_replicated: bool = False
+        self,
+        engine_id: str,
+        tp_size: int,
+        config: KvpollConfig,
+        block_size: int = 0,
+        kv_replicated: bool = False,
+        cache_dtype: str = "auto",
     ) -> None:
         self.engine_id = engine_id
         #: Every rank holds the whole KV (MLA): a decode rank reads whole
         #: blocks from prefill ranks, whatever the two TP sizes.
         self.kv_replicated = kv_replicated
+        #: vLLM's ``cache_dtype``: "auto" keeps the model's dtype.
+        self.cache_dtype = str(cache_dtype)
         self.tp_size = tp_size
         self.config = config
         #: Tokens a block holds (vLLM's ``block_size``); 0 if unknown.
@@ -165,7 +175,7 @@ class KvpollScheduler:
         if remote.block_size and self.block_size and remote.block_size != self.block_size:
             # Found here rather than at the handshake (a failed load, an
             # error under policy "fail"): the prompt is computed here.
-            why = block_sizes_refusal(remote.block_size, self.block_size, p_tp == d_tp, remote.mode)
+            why = block_sizes_refusal(remote.block_size, self.block_size, p_tp == d_tp, remote.mode, self.cache_dtype)
             if why is not None:
                 return LoadSpec(
                     local, remote, f"prefill blocks of {remote.block_size} tokens, decode blocks of {self.block_size}: {why}"
