@@ -24,9 +24,10 @@ HEAD = 8
 BOUND_S = 60.0
 
 
-def make_worker(port: int, num_blocks: int, **extra: Any) -> Tuple[Any, Any]:
+def make_worker(port: int, num_blocks: int, head: int = HEAD, **extra: Any) -> Tuple[Any, Any]:
     """A worker (rank 0 of 1) with a CPU KV cache of ``num_blocks`` blocks
-    in two layers, registered; returns it and its caches."""
+    in two layers (heads of ``head`` elements), registered; returns it
+    and its caches."""
     import torch
 
     from kvpoll.vllm.config import KvpollConfig
@@ -36,7 +37,7 @@ def make_worker(port: int, num_blocks: int, **extra: Any) -> Tuple[Any, Any]:
         side_channel_port=port, ucx_tls="tcp", handshake_timeout_s=2.0, **{"lease_s": 60.0, **extra}
     )
     w = KvpollWorker(f"engine-{port}", 0, 1, num_blocks, config, HEADS)
-    caches = {f"layer{i}": torch.zeros(num_blocks, HEADS, BLOCK_TOKENS, 2 * HEAD) for i in range(2)}
+    caches = {f"layer{i}": torch.zeros(num_blocks, HEADS, BLOCK_TOKENS, 2 * head) for i in range(2)}
     w.register_kv_caches(caches)
     return w, caches
 
@@ -230,6 +231,43 @@ def test_a_release_whose_prefill_cannot_be_reached_is_never_reported_to_vllm(mad
         assert not recving and not sending, (sending, recving)
         time.sleep(0.05)
     assert not d.get_block_ids_with_load_errors()
+
+
+def test_a_pull_release_frees_the_lend_of_a_prefill_whose_blocks_this_decode_could_not_read(made):
+    # A request refused at the match because its blocks cannot be loaded
+    # here (another layout, TP sizes that do not map) still tells its
+    # prefill to release them: a release moves no block, so only a load
+    # needs the layouts to fit. Otherwise the lend waits out its lease.
+    from kvpoll.vllm.metadata import LoadSpec
+
+    p, pc = make_worker(free_port(), 32)
+    made.append(p)
+    d, _ = make_worker(free_port(), 32, head=2 * HEAD)  # blocks twice as large
+    made.append(d)
+    inc = lend(p, pc, "other", [4, 5])
+    d.start_load_kv(meta(recv={"d-other": LoadSpec([], remote(p, "other", [4, 5], inc))}))
+    end = time.monotonic() + 10.0  # the lease is 60 s
+    sending = None
+    while time.monotonic() < end and not sending:
+        assert d.get_finished(set()) == (None, None)
+        sending, _ = p.get_finished({"other"})
+        time.sleep(0.02)
+    assert sending == {"other"}
+
+
+def test_release_ranks_tell_each_prefill_rank_its_readers_once(made):
+    from kvpoll.vllm.worker import release_ranks, tp_reads
+
+    for p_tp in range(1, 9):
+        for d_tp in range(1, 9):
+            told = [q for r in range(d_tp) for q in release_ranks(r, d_tp, p_tp)]
+            if max(p_tp, d_tp) % min(p_tp, d_tp) == 0:
+                # Where the sizes map: the ranks each decode rank reads.
+                assert told == [q for r in range(d_tp) for q, _, _ in tp_reads(r, d_tp, p_tp, 1, 1)]
+                assert sorted(told) == sorted(list(range(p_tp)) * max(1, d_tp // p_tp))
+            else:
+                # Where they do not: every prefill rank once.
+                assert sorted(told) == list(range(p_tp)), (p_tp, d_tp, told)
 
 
 def test_a_push_release_frees_the_prefill_blocks_before_its_lease_ends(made):

@@ -149,6 +149,20 @@ def replicated_reads(rank: int, tp: int, remote_tp: int) -> List[Tuple[int, None
     return [(rank // (tp // remote_tp), None, None)]
 
 
+def release_ranks(rank: int, tp: int, remote_tp: int, replicated: bool = False) -> List[int]:
+    """The prefill ranks decode rank ``rank`` of ``tp`` tells that it will
+    not read a request: those it would read (``tp_reads``,
+    ``replicated_reads``), each lend so told by as many ranks as read it;
+    where neither TP size divides the other (the request refused), the
+    prefill ranks ``q`` with ``q mod tp == rank``, so that each is told
+    once."""
+    if max(tp, remote_tp) % min(tp, remote_tp):
+        return [q for q in range(remote_tp) if q % tp == rank]
+    if replicated:
+        return [q for q, _, _ in replicated_reads(rank, tp, remote_tp)]
+    return [q for q, _, _ in tp_reads(rank, tp, remote_tp, 1, 1)]
+
+
 def tp_mismatch(tp: int, heads: int, block_bytes: int, hs: Handshake, replicated: bool = False) -> Optional[str]:
     """Why this rank (``heads`` KV heads per block, 0 if not outermost;
     ``replicated``: every rank holds the whole KV) cannot read a prefill
@@ -497,7 +511,18 @@ class KvpollWorker:
         ranks = self._plan(remote)
         if ranks is None:
             return None
-        hss = [self._handshakes.poll(remote.engine_id, remote.host, remote.port, r) for r, _, _ in ranks]
+        hss = self._handshakes_of(load, [r for r, _, _ in ranks])
+        if hss is None:
+            return None
+        return [(rank, self._peer(remote, rank, hs), lb, rb) for (rank, lb, rb), hs in zip(ranks, hss)]
+
+    def _handshakes_of(self, load: _Load, ranks: List[int]) -> Optional[List[Handshake]]:
+        """The handshakes of the load's prefill ``ranks`` once all are in;
+        None while one is pending. Raises ``HandshakeError`` if one failed
+        or is still pending past the load's bound."""
+        remote = load.remote
+        assert remote is not None
+        hss = [self._handshakes.poll(remote.engine_id, remote.host, remote.port, r) for r in ranks]
         if any(hs is None for hs in hss):
             if time.monotonic() > load.handshake_until:
                 raise HandshakeError(
@@ -505,7 +530,7 @@ class KvpollWorker:
                     f"{HANDSHAKE_BOUND * self.config.handshake_timeout_s:g} s"
                 )
             return None
-        return [(rank, self._peer(remote, rank, hs), lb, rb) for (rank, lb, rb), hs in zip(ranks, hss)]
+        return [hs for hs in hss if hs is not None]
 
     def _advance_release(self, load: _Load) -> bool:
         """A pull release: once its handshakes are in, tells the prefill
@@ -513,10 +538,13 @@ class KvpollWorker:
         remote = load.remote
         assert remote is not None and self.core is not None
         try:
-            plan = self._ready_plan(load)
-            if plan is None:
+            ranks = release_ranks(self.tp_rank, self.tp_size, remote.tp_size, self.kv_replicated)
+            hss = self._handshakes_of(load, ranks)
+            if hss is None:
                 return False
-            self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for _, peer, _, _ in plan])
+            # Nothing is read: the layouts need not fit, only the engine be known.
+            peers = [self._peer(remote, rank, hs, check=False) for rank, hs in zip(ranks, hss)]
+            self.core.engine.notify_only(remote.request_id, [(peer, remote.incarnation) for peer in peers])
         except (HandshakeError, KvpollError) as e:
             logger.warning("kvpoll: release of %s at %s not sent: %s", remote.request_id, remote.engine_id, e)
         return True
@@ -527,7 +555,7 @@ class KvpollWorker:
         remote = load.remote
         assert remote is not None
         rel = PushRelease(engine_id=remote.engine_id, request_id=remote.request_id)
-        for rank in self._ranks(remote):
+        for rank in release_ranks(self.tp_rank, self.tp_size, remote.tp_size, self.kv_replicated):
             fut = self._handshakes.submit(
                 send_push_release, remote.host, remote.port + rank, rank, rel, self.config.handshake_timeout_s, self._key
             )
@@ -757,10 +785,6 @@ class KvpollWorker:
         part = (ask.local_bytes, ask.remote_bytes) if ask.local_bytes else ()
         return (peer, local, list(ask.block_ids), ask.incarnation, *part)
 
-    def _ranks(self, remote: RemotePrefill) -> List[int]:
-        """The prefill ranks this rank reads a request from."""
-        return [rank for rank, _, _ in self._reads(remote.tp_size, 1, 1)]
-
     def _reads(self, remote_tp: int, block_bytes: int, remote_block_bytes: int) -> list:
         """``tp_reads``, or ``replicated_reads`` where every rank holds the whole KV."""
         if self.kv_replicated:
@@ -779,9 +803,13 @@ class KvpollWorker:
             return None
         return self._reads(remote.tp_size, self.block_bytes, hs.block_bytes)
 
-    def _peer(self, remote: RemotePrefill, rank: int, hs: Handshake) -> int:
+    def _peer(self, remote: RemotePrefill, rank: int, hs: Handshake, check: bool = True) -> int:
+        """The engine peer of prefill rank ``rank``, added once; with
+        ``check``, a ``HandshakeError`` if its blocks cannot be read here."""
         engine_id = remote.engine_id
-        if hs.num_regions != self.num_regions:
+        if not check:
+            why = None
+        elif hs.num_regions != self.num_regions:
             why = f"{hs.num_regions} regions, this one {self.num_regions}: not the same model layout"
         elif hs.tp_size != remote.tp_size:
             why = f"tp_size {hs.tp_size}, the request says {remote.tp_size}"
