@@ -255,7 +255,7 @@ def test_a_pull_release_frees_the_lend_of_a_prefill_whose_blocks_this_decode_cou
     assert sending == {"other"}
 
 
-def test_release_ranks_tell_each_prefill_rank_its_readers_once(made):
+def test_release_ranks_tell_each_prefill_rank_its_readers_once():
     from kvpoll.vllm.worker import release_ranks, tp_reads
 
     for p_tp in range(1, 9):

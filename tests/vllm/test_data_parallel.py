@@ -59,11 +59,11 @@ def test_two_decode_dp_ranks_on_one_host_answer_as_aggregated_and_both_load(mode
         def disaggregated(prompt):
             first = post(urls["prefill"] + "/v1/completions", completion(model_dir, prompt, 1, {"do_remote_decode": True}))
             params = first["kv_transfer_params"]
-            return params, post(urls["decode"] + "/v1/completions", completion(model_dir, prompt, MAX_TOKENS, params))
+            return post(urls["decode"] + "/v1/completions", completion(model_dir, prompt, MAX_TOKENS, params))
 
         with ThreadPoolExecutor(N) as pool:
             results = list(pool.map(disaggregated, prompts))
-        for prompt, (_, answer) in zip(prompts, results):
+        for prompt, answer in zip(prompts, results):
             choice = answer["choices"][0]
             assert choice["finish_reason"] == "length", (choice, kvpoll_lines(tmp_path, LOGS))
             # Aggregated: the prefill instance computes the whole request.
