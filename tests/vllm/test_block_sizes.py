@@ -205,15 +205,19 @@ def test_a_decode_of_another_block_size_loads_the_prompt_and_answers_as_aggregat
     assert after["vllm:kvpoll_num_failed_transfers_total"] == before["vllm:kvpoll_num_failed_transfers_total"]
 
 
-def test_a_killed_prefill_of_other_block_size_gives_recomputed_or_failed_responses_never_other_tokens(model_dir):
+@pytest.mark.parametrize("p_block, d_block", [(32, 64), (64, 32)])
+def test_a_killed_prefill_of_other_block_size_gives_recomputed_or_failed_responses_never_other_tokens(
+    model_dir, p_block, d_block
+):
     from instance import Instance, killed_prefill_drill
 
-    prompts = [[(7 * n + 3 * i) % 500 + 3 for i in range(40 + 29 * n)] for n in range(6)]
+    # Each prompt holds a whole prefill block at least: each one loads.
+    prompts = [[(7 * n + 3 * i) % 500 + 3 for i in range(70 + 29 * n)] for n in range(6)]
     fast = dict(read_deadline_s=5.0, handshake_timeout_s=2.0)
-    agg = Instance(model_dir, block_size=64)
-    p = Instance(model_dir, kv_config(free_port(), lease_s=60.0), block_size=32)
-    d_fail = Instance(model_dir, kv_config(free_port(), "fail", **fast), block_size=64)
-    d_rec = Instance(model_dir, kv_config(free_port(), "recompute", **fast), block_size=64)
+    agg = Instance(model_dir, block_size=d_block)
+    p = Instance(model_dir, kv_config(free_port(), lease_s=60.0), block_size=p_block)
+    d_fail = Instance(model_dir, kv_config(free_port(), "fail", **fast), block_size=d_block)
+    d_rec = Instance(model_dir, kv_config(free_port(), "recompute", **fast), block_size=d_block)
     made = [agg, p, d_fail, d_rec]
     try:
         for i in made:
