@@ -110,7 +110,7 @@ class KvpollScheduler:
                 # ends inside one.
                 why = f"a local prefix of {num_computed_tokens} tokens ends inside a prefill block of {remote_size}"
                 logger.warning("kvpoll: %s will be computed here, its KV not loaded: %s", request.request_id, why)
-                self._refused[request.request_id] = (why, self._load_spec(params, []).remote)
+                self._refused[request.request_id] = (why, check.remote)
                 return 0, False
             count = end - num_computed_tokens
             if count > 0:
@@ -196,7 +196,7 @@ class KvpollScheduler:
                 f"the prefill lends each rank's blocks to {remote.readers} decode ranks, {readers} read them here: "
                 f"set decode_tp_size {d_tp} in the prefill's kv_connector_extra_config",
             )
-        if len(local) > len(remote.block_ids) and not self._remote_block_size(params):
+        if len(local) > len(remote.block_ids) and not (remote.block_size and remote.block_size != self.block_size):
             return LoadSpec(local, remote, f"{len(local)} blocks to load, the prefill lent {len(remote.block_ids)}")
         return LoadSpec(local, remote)
 

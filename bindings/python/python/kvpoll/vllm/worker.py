@@ -523,14 +523,14 @@ class KvpollWorker:
         remote = load.remote
         assert remote is not None
         hss = [self._handshakes.poll(remote.engine_id, remote.host, remote.port, r) for r in ranks]
-        if any(hs is None for hs in hss):
-            if time.monotonic() > load.handshake_until:
-                raise HandshakeError(
-                    f"engine {remote.engine_id!r} at {remote.host}:{remote.port}: handshake still pending after "
-                    f"{HANDSHAKE_BOUND * self.config.handshake_timeout_s:g} s"
-                )
-            return None
-        return [hs for hs in hss if hs is not None]
+        if all(hs is not None for hs in hss):
+            return hss  # type: ignore[return-value]
+        if time.monotonic() > load.handshake_until:
+            raise HandshakeError(
+                f"engine {remote.engine_id!r} at {remote.host}:{remote.port}: handshake still pending after "
+                f"{HANDSHAKE_BOUND * self.config.handshake_timeout_s:g} s"
+            )
+        return None
 
     def _advance_release(self, load: _Load) -> bool:
         """A pull release: once its handshakes are in, tells the prefill
