@@ -14,7 +14,8 @@
 //! u32  words_rkey_len (0: no lend words), then the framed packed rkey of
 //!      the lend words (a power of two of 64-bit words, at most
 //!      `MAX_LEND_WORDS`)
-//! u8   direct (0: none; 1: then the direct-read offer:)
+//! u8   direct (0: none; 1: then the direct-read offer, which also
+//!      lets a peer on the same host check that this process lives:)
 //!      16 bytes boot id, u64 pid namespace inode, u32 pid,
 //!      u64 probe address, u64 probe value,
 //!      u16 count, then count × u32 ids of regions readable directly

@@ -75,7 +75,9 @@ pub struct ContextOptions {
     /// (docs/design.md §2), and when a destination dies with its message
     /// queue full (it stopped draining first), what waits behind that
     /// queue fails only at this check: the writer holds its source blocks
-    /// until then. UCX's own default is 20 s; kvpoll's is 1 s where the
+    /// until then (kvpoll also checks a peer on its own host itself,
+    /// every second: `docs/design.md` §4). UCX's own default is 20 s;
+    /// kvpoll's is 1 s where the
     /// transport list names only transports within one host (there the
     /// check reads a few bytes of `/proc` per endpoint; over tcp the dead
     /// peer's kernel resets its connections, and the check was not

@@ -22,6 +22,13 @@
 //! namespace are its own, and a first read of the probe word from that
 //! pid returns the value (the kernel lets it: same user, ptrace rules).
 //!
+//! The same offer, with or without regions, lets a peer on this host
+//! check that the process lives: every engine whose transport list may
+//! use shared memory or `cma` announces it, and reads its peers' probe
+//! words once a second (a connection whose word does not read back
+//! fails, as below). A write waiting behind the full queue of a
+//! destination that died learns of it so (docs/design.md §4).
+//!
 //! Every read also reads the probe word, after the data, in the same
 //! system call: the kernel resolves the pid once a call, so a matching
 //! word means every byte of that call came from the lender, not from a

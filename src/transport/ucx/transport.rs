@@ -244,10 +244,18 @@ pub struct UcxTransport {
     /// The lend of the handle being posted ([`Transport::post_lent`]):
     /// what its soft reads name.
     post_lend: Incarnation,
-    /// This engine's side of direct reads (`None`: it neither reads nor
-    /// offers them), the ids of its regions it offers, and what its direct
-    /// reads left for the next drain.
+    /// This engine's side of direct reads and of the liveness check of
+    /// peers on this host (`None`: no peer on this host is possible, or
+    /// `/proc` does not tell the host), the ids of its regions it offers,
+    /// and what its direct reads left for the next drain.
     direct: Option<direct::Local>,
+    /// Whether this engine reads peers' offered regions directly (its
+    /// transport list may use `cma`, direct reads on): without it, a
+    /// peer's offer only serves the liveness check.
+    reads_directly: bool,
+    /// When the peers on this host were last checked alive
+    /// ([`ALIVE_EVERY`]).
+    alive_at: Option<Nanos>,
     /// Gets of a peer's regions UCX mapped here are copies
     /// ([`ContextOptions::mapped_reads`]).
     mapped_reads: bool,
@@ -368,7 +376,11 @@ impl UcxTransport {
             owners: Vec::new(),
             requests: Vec::with_capacity(64),
             post_lend: Incarnation::NONE,
-            direct: options.reads_directly().then(direct::Local::new).flatten(),
+            direct: (options.reads_directly() || options.may_use_shared_memory())
+                .then(direct::Local::new)
+                .flatten(),
+            reads_directly: options.reads_directly(),
+            alive_at: None,
             mapped_reads: options.mapped_reads,
             direct_regions: Vec::new(),
             direct_out: DirectOut {
@@ -520,11 +532,20 @@ impl UcxTransport {
                 })
                 .collect(),
             words: self.words.as_ref().map(|(_, k)| k.clone()),
+            // Announced with no region too: a peer on this host then
+            // checks that this process lives (`check_alive`).
             direct: self
                 .direct
                 .as_ref()
-                .filter(|_| !self.device_regions && !self.direct_regions.is_empty())
-                .map(|d| d.announce(self.direct_regions.clone())),
+                .filter(|_| !self.device_regions)
+                .map(|d| {
+                    let offered = if self.reads_directly {
+                        self.direct_regions.clone()
+                    } else {
+                        Vec::new()
+                    };
+                    d.announce(offered)
+                }),
         };
         Ok(meta)
     }
@@ -617,11 +638,22 @@ impl UcxTransport {
                     let ids: Vec<u32> = p.meta.regions.iter().map(|r| r.id).collect();
                     let spans: Vec<(u64, u64)> =
                         p.meta.regions.iter().map(|r| r.rkey.span()).collect();
-                    direct::Peer::connect(&ours.host, theirs, &ids, &spans)
+                    let mut d = direct::Peer::connect(&ours.host, theirs, &ids, &spans);
+                    if !self.reads_directly {
+                        // Its regions go through UCX; its process is still
+                        // checked.
+                        for r in d.iter_mut().flat_map(|d| d.regions.iter_mut()) {
+                            *r = None;
+                        }
+                    }
+                    d
                 }
                 _ => None,
             };
-            if direct.is_some() {
+            if direct
+                .as_ref()
+                .is_some_and(|d| d.regions.iter().any(Option::is_some))
+            {
                 tracing::debug!(
                     peer = ep.peer.0,
                     "the peer runs on this host: its offered regions are read with process_vm_readv"
@@ -1023,6 +1055,34 @@ impl UcxTransport {
 }
 
 impl UcxTransport {
+    /// Reads the probe word of every peer on this host that announced one
+    /// (`super::direct`): a peer whose process is gone fails its
+    /// connection at the next drain, as a direct read that found it gone
+    /// does. UCX's own keepalive check does not always find such a death:
+    /// a destination that stopped draining its shared-memory queue and
+    /// then died left writes whose flush waited behind that queue, and the
+    /// writer's source blocks held, for as long as it missed it
+    /// (docs/design.md §4).
+    fn check_alive(&mut self) {
+        let out = &mut self.direct_out;
+        let conns = self.peers.iter().flatten().filter_map(|p| p.conn.as_ref());
+        for c in conns {
+            let Some(d) = c.direct.as_ref().filter(|_| !c.direct_lost.get()) else {
+                continue;
+            };
+            if let Err(e) = d.read(&[], &mut out.iov.0, &mut out.iov.1) {
+                if e.lost {
+                    tracing::debug!(error = %e, "a peer on this host is gone");
+                    c.direct_lost.set(true);
+                    out.lost.push(EndpointFailure {
+                        endpoint: c.id,
+                        status: UcxStatus(CONNECTION_RESET),
+                    });
+                }
+            }
+        }
+    }
+
     /// The soft reads asked in this drain: one that names a lend goes to
     /// the core ([`TransportEvent::ReadAsked`]), which answers through
     /// [`Transport::serve_read`] before the next progress; any other is
@@ -1530,6 +1590,13 @@ impl Transport for UcxTransport {
     }
 
     fn hearing(&mut self, now: Nanos) -> bool {
+        if self
+            .alive_at
+            .is_none_or(|t| now.0.saturating_sub(t.0) >= ALIVE_EVERY.0)
+        {
+            self.alive_at = Some(now);
+            self.check_alive();
+        }
         let Some(p) = self.probe.as_mut() else {
             return true;
         };
@@ -1555,10 +1622,16 @@ impl Transport for UcxTransport {
         self.direct_out.done.is_empty()
             && self.direct_out.pending.is_empty()
             && self.direct_out.words.is_empty()
+            && self.direct_out.lost.is_empty()
             && self.event_fd.is_some()
             && self.worker.arm().unwrap_or(false)
     }
 }
+
+/// How often the peers on this host are checked alive
+/// ([`UcxTransport::check_alive`]): as often as kvpoll has UCX run its
+/// keepalive check where only transports within one host may be used.
+const ALIVE_EVERY: Nanos = Nanos(1_000_000_000);
 
 /// `UCS_ERR_CONNECTION_RESET`: what a direct read that found its peer
 /// gone completes with (as UCX's `cma` does).
