@@ -148,3 +148,14 @@ def test_a_prefill_paused_past_its_lease_gives_recomputed_or_failed_responses_ne
 def test_a_killed_prefill_gives_recomputed_or_failed_responses_never_other_tokens(instances, reference):
     p, d_fail, d_rec = instances
     killed_prefill_drill(p, d_fail, d_rec, prompts(), reference, MAX_TOKENS)
+
+
+def test_a_killed_two_rank_prefill_gives_recomputed_or_failed_responses_never_other_tokens(
+    other_prefills, instances, reference
+):
+    # Each decode rank reads its share from both prefill ranks, which die
+    # together: the loads end at the handshake or the read, never with
+    # half of the heads.
+    tp2, _ = other_prefills
+    _, d_fail, d_rec = instances
+    killed_prefill_drill(tp2, d_fail, d_rec, prompts(), reference, MAX_TOKENS)

@@ -94,18 +94,21 @@ def test_an_mla_decode_reads_whole_latent_blocks_from_prefill_ranks_of_any_tp_an
         d.close()
 
 
-def test_a_killed_mla_prefill_of_two_ranks_gives_recomputed_or_failed_responses_never_other_tokens(mla_dir, reference):
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_a_killed_mla_prefill_gives_recomputed_or_failed_responses_never_other_tokens(mla_dir, reference, p_tp, d_tp):
     prompts, tokens = reference
-    p = Instance(mla_dir, kv_config(free_port(), lease_s=60.0), tp=2, dtype=DTYPE)
-    fast = dict(read_deadline_s=5.0, handshake_timeout_s=2.0)
-    d_fail = Instance(mla_dir, kv_config(free_port(), "fail", **fast), dtype=DTYPE)
-    d_rec = Instance(mla_dir, kv_config(free_port(), "recompute", **fast), dtype=DTYPE)
+    p = Instance(mla_dir, kv_config(free_port(), lease_s=60.0, decode_tp_size=d_tp), tp=p_tp, dtype=DTYPE)
+    # Two-rank decodes start their handshakes on a starved host: a longer
+    # timeout there.
+    fast = dict(read_deadline_s=5.0 * d_tp, handshake_timeout_s=2.0 * d_tp)
+    d_fail = Instance(mla_dir, kv_config(free_port(), "fail", **fast), tp=d_tp, dtype=DTYPE)
+    d_rec = Instance(mla_dir, kv_config(free_port(), "recompute", **fast), tp=d_tp, dtype=DTYPE)
     made = [p, d_fail, d_rec]
     try:
         for i in made:
             i.ready()
         # Two prompts: one request a batch on each decode, as the reference.
-        killed_prefill_drill(p, d_fail, d_rec, prompts[:2], tokens[1][:2], MAX_TOKENS)
+        killed_prefill_drill(p, d_fail, d_rec, prompts[:2], tokens[d_tp][:2], MAX_TOKENS)
     finally:
         for i in made:
             i.close()
