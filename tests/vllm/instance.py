@@ -149,3 +149,13 @@ def killed_prefill_drill(p: Instance, d_fail: Instance, d_rec: Instance, prompts
     failed = d_fail.generate(prompts[half:], max_tokens, params[half:])
     assert [o["token_ids"] for o in rec] == list(reference[:half])
     assert all(o["finish_reason"] == "error" for o in failed), failed
+
+
+def decoded_as_aggregated(d: Instance, prompts: List[List[int]], params, reference, max_tokens: int) -> None:
+    """Decodes ``prompts`` with the prefill's ``params`` on ``d`` (policy
+    fail: a load that did not happen is an error, so identical tokens mean
+    the KV came over kvpoll) and checks every answer is the aggregated
+    one, ``reference``."""
+    outs = d.generate(prompts, max_tokens, params)
+    assert [o["finish_reason"] for o in outs] == ["length"] * len(prompts)
+    assert [o["token_ids"] for o in outs] == list(reference)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from harness import free_port
-from instance import Instance, killed_prefill_drill, kv_config
+from instance import Instance, decoded_as_aggregated, killed_prefill_drill, kv_config
 
 N = 24
 MAX_TOKENS = 8
@@ -59,12 +59,7 @@ def prefill(p: Instance, ps):
 def test_disaggregated_output_is_token_for_token_the_aggregated_output(instances, reference):
     p, d_fail, _ = instances
     ps = prompts()
-    params = prefill(p, ps)
-    # Policy "fail": a load that did not happen would be an error here,
-    # so identical tokens mean the KV came over kvpoll.
-    outs = d_fail.generate(ps, MAX_TOKENS, params)
-    assert [o["finish_reason"] for o in outs] == ["length"] * N
-    assert [o["token_ids"] for o in outs] == reference
+    decoded_as_aggregated(d_fail, ps, prefill(p, ps), reference, MAX_TOKENS)
 
 
 def test_a_decode_handed_another_requests_blocks_under_a_live_lend_fails_the_load_never_other_tokens(
@@ -108,9 +103,7 @@ def test_a_two_rank_prefill_read_by_a_one_rank_decode_gives_the_aggregated_outpu
     ps = prompts()
     params = prefill(tp2, ps)
     assert all(x["tp_size"] == 2 for x in params)
-    outs = d_fail.generate(ps, MAX_TOKENS, params)
-    assert [o["finish_reason"] for o in outs] == ["length"] * N
-    assert [o["token_ids"] for o in outs] == reference
+    decoded_as_aggregated(d_fail, ps, params, reference, MAX_TOKENS)
 
 
 def test_a_push_mode_prefill_gives_the_aggregated_output(other_prefills, instances, reference):
@@ -119,9 +112,7 @@ def test_a_push_mode_prefill_gives_the_aggregated_output(other_prefills, instanc
     ps = prompts()
     params = prefill(push, ps)
     assert all(x["kvpoll_mode"] == "push" for x in params)
-    outs = d_fail.generate(ps, MAX_TOKENS, params)
-    assert [o["finish_reason"] for o in outs] == ["length"] * N
-    assert [o["token_ids"] for o in outs] == reference
+    decoded_as_aggregated(d_fail, ps, params, reference, MAX_TOKENS)
 
 
 def test_a_prefill_paused_past_its_lease_gives_recomputed_or_failed_responses_never_other_tokens(instances, reference):

@@ -106,8 +106,8 @@ def _params(blocks: Any) -> Dict[str, Any]:
 @pytest.mark.parametrize(
     "blocks, why",
     [
-        ([[1, 2], [3, 4]], "2 KV cache groups"),
-        ([[1], [2], [3]], "3 KV cache groups"),
+        ([[1, 2], [2, 3]], "names a block twice"),
+        ([[1, 1]], "names a block twice"),
         ([1, [2]], "not a list of block ids"),
         ([[[1]]], "not a list of block ids"),
         ([[1, -2]], "not a list of block ids"),
@@ -151,3 +151,71 @@ def test_tp_sizes_the_decode_cannot_map_are_refused_at_the_match(model_dir, d_tp
     params = {**_params([[4, 5, 6]]), "tp_size": p_tp, "kvpoll_readers": readers}
     got = d.connector.get_num_new_matched_tokens(request("d-0", PROMPT, 3, params), 0)
     assert got == ((len(PROMPT), True) if claimed else (0, False))
+
+
+@pytest.mark.parametrize("blocks", [[[1, 2], [3, 4]], [[1], [2], [3]]])
+def test_params_of_several_kv_cache_groups_are_refused_at_the_match_of_a_decode_of_one(model_dir, blocks):
+    # A prefill with vLLM's hybrid KV cache manager on, a decode with it
+    # off (or another model): nothing claimed, the prompt computed here.
+    from kvpoll.vllm.metadata import RemotePrefill
+
+    params = _params(blocks)
+    assert RemotePrefill.from_params(params).num_groups == len(blocks)
+    d = scheduler(vllm_config(model_dir, free_port()))
+    assert d.connector.get_num_new_matched_tokens(request("d-0", PROMPT, 3, params), 0) == (0, False)
+
+
+class _Blocks:
+    """What vLLM's scheduler hands ``update_state_after_alloc``: a
+    request's blocks per KV cache group."""
+
+    def __init__(self, groups: List[List[int]]) -> None:
+        self.groups = groups
+
+    def get_unhashed_block_ids_all_groups(self) -> List[List[int]]:
+        return self.groups
+
+
+def _hybrid(port: int) -> Any:
+    """The scheduler half of an instance with a sliding-window group (32
+    tokens) and a full-attention group, blocks of 16."""
+    from kvpoll.vllm.config import KvpollConfig
+    from kvpoll.vllm.scheduler import KvpollScheduler
+
+    return KvpollScheduler("engine-h", 1, KvpollConfig.from_extra({"side_channel_port": port}), 16, windows=[32, None])
+
+
+def test_a_hybrid_prefill_lends_every_groups_blocks_the_window_groups_in_the_window_only():
+    from vllm.v1.request import RequestStatus
+
+    p = _hybrid(free_port())
+    prompt = list(range(3, 99))  # 96 tokens: 6 blocks
+    r = request("p-0", prompt, 1, {"do_remote_decode": True})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    # vLLM's lists: the window group's freed blocks are the null block.
+    delay, out = p.request_finished_all_groups(r, ([0, 0, 0, 0, 21, 22], [11, 12, 13, 14, 15, 16]))
+    assert delay and out is not None
+    assert out["remote_block_ids"] == [[21, 22], [11, 12, 13, 14, 15, 16]]
+    meta = p.build_connector_meta(None)
+    assert sorted(meta.reqs_to_send["p-0"][0]) == [11, 12, 13, 14, 15, 16, 21, 22]
+
+
+def test_a_hybrid_decode_pairs_each_groups_blocks_with_the_prefills_of_that_group():
+    d = _hybrid(free_port())
+    prompt = list(range(3, 99))
+    params = _params([[21, 22], [11, 12, 13, 14, 15, 16]])
+    r = request("d-0", prompt, 3, dict(params))
+    assert d.get_num_new_matched_tokens(r, 0) == (len(prompt), True)
+    d.update_state_after_alloc(r, _Blocks([[31, 32], [41, 42, 43, 44, 45, 46]]), len(prompt))
+    spec = d.build_connector_meta(None).reqs_to_recv["d-0"]
+    assert spec.error is None, spec.error
+    assert spec.local_block_ids == [31, 32, 41, 42, 43, 44, 45, 46]
+    # The worker reads the last len(local) of these, one for one.
+    assert spec.remote.block_ids == (21, 22, 11, 12, 13, 14, 15, 16)
+    # A window group needing more blocks than the prefill kept fails the
+    # load with why, rather than reading another group's blocks.
+    r = request("d-1", prompt, 3, dict(params))
+    assert d.get_num_new_matched_tokens(r, 0) == (len(prompt), True)
+    d.update_state_after_alloc(r, _Blocks([[31, 32, 33], [41, 42, 43, 44, 45, 46]]), len(prompt))
+    spec = d.build_connector_meta(None).reqs_to_recv["d-1"]
+    assert spec.error is not None and "group 0" in spec.error

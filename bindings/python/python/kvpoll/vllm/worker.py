@@ -90,6 +90,20 @@ def kv_cache_regions(kv_caches: Mapping[str, Any], num_blocks: int) -> Tuple[Dic
     return regions, block_bytes
 
 
+def distinct_tensors(kv_caches: Mapping[str, Any]) -> Dict[str, Any]:
+    """The layers whose tensors begin at distinct addresses: of layers
+    that share one (each of vLLM's hybrid KV cache groups lays its layers
+    over the same tensors), the first named."""
+    out: Dict[str, Any] = {}
+    seen: Set[int] = set()
+    for name, t in kv_caches.items():
+        ptr = t.data_ptr() if hasattr(t, "data_ptr") else id(t)
+        if ptr not in seen:
+            seen.add(ptr)
+            out[name] = t
+    return out
+
+
 def heads_outermost(kv_caches: Mapping[str, Any], num_blocks: int, kv_heads: int) -> bool:
     """Whether each layer's blocks hold their KV heads outermost (vLLM's CPU
     layout, ``[num_blocks, kv_heads, block_size, 2 * head]``): then the
@@ -267,8 +281,12 @@ class KvpollWorker:
         block_tokens: int = 0,
         max_model_len: Optional[int] = None,
         kv_replicated: bool = False,
+        groups: int = 1,
     ) -> None:
         self.engine_id = engine_id
+        #: KV cache groups (vLLM's hybrid KV cache manager makes several):
+        #: with more than one, failed loads are reported by request.
+        self.groups = groups
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.num_blocks = num_blocks
@@ -311,6 +329,8 @@ class KvpollWorker:
         # Loads that failed before the engine saw them: reported next step.
         self._failed_now: Set[str] = set()
         self._failed_blocks: Set[int] = set()
+        # Loads that failed since vLLM last asked, by local request id.
+        self._failed_loads: Set[str] = set()
         # Lends the engine refused: free at once.
         self._unlent: Set[str] = set()
         # The engine was found deaf and that was logged (once).
@@ -329,6 +349,10 @@ class KvpollWorker:
     # ------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        # Layers of different KV cache groups share one tensor (vLLM's
+        # hybrid KV cache manager: a block belongs to one group at a time,
+        # and holds that group's layer): each tensor is registered once.
+        kv_caches = distinct_tensors(kv_caches)
         regions, self.block_bytes = kv_cache_regions(kv_caches, self.num_blocks)
         if heads_outermost(kv_caches, self.num_blocks, self.kv_heads):
             self.block_heads = self.kv_heads
@@ -646,7 +670,7 @@ class KvpollWorker:
         logger.warning("kvpoll: load of %s failed: %s", load.local_id, why)
         load.state = LoadState.FAILED
         self._failed_now.add(load.local_id)
-        self._failed_blocks.update(load.local_blocks)
+        self._failed(load)
         self._stats.failed(load.remote.request_id if load.remote else load.local_id)
 
     # ------------------------------------------------------------ push
@@ -874,6 +898,8 @@ class KvpollWorker:
                     load.local_id, remote_id, load.remote.engine_id if load.remote else "?", *reason,
                 )
                 self._stats.failed(remote_id)
+                if self.groups > 1:
+                    self._failed_loads.add(load.local_id)
                 # The remote may be a new instance now: ask again next time.
                 if load.remote is not None:
                     self._handshakes.forget(load.remote.engine_id)
@@ -894,15 +920,33 @@ class KvpollWorker:
             regroup(self._caches, *load.regroup)
         except Exception as e:  # noqa: BLE001 - never into vLLM's step
             logger.error("kvpoll: load of %s read but not reordered, its blocks are invalid: %s", load.local_id, e)
-            self._failed_blocks.update(load.local_blocks)
+            self._failed(load)
             return False
         return True
 
+    def _failed(self, load: _Load) -> None:
+        """A load that failed before or after the engine's report: its
+        blocks are invalid, and the request's load failed."""
+        self._failed_blocks.update(load.local_blocks)
+        if self.groups > 1:
+            self._failed_loads.add(load.local_id)
+
     def get_block_ids_with_load_errors(self) -> Set[int]:
+        """The blocks of loads that failed since the last call; none where
+        the KV cache has several groups (``take_failed_loads`` says which
+        requests instead)."""
         out = self._failed_blocks
         self._failed_blocks = set()
         if self.core is not None:
             out |= self.core.get_block_ids_with_load_errors()
+        return out if self.groups == 1 else set()
+
+    def take_failed_loads(self) -> Set[str]:
+        """The requests whose load failed since the last call, where the KV
+        cache has several groups (vLLM fails or recomputes each whole);
+        none with one group, whose failed blocks say it."""
+        out = self._failed_loads
+        self._failed_loads = set()
         return out
 
     def get_kv_connector_stats(self) -> Optional[Dict[str, Any]]:
