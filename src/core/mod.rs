@@ -431,6 +431,9 @@ pub struct Core {
     ops_in_flight: u64,
     notes_in_flight: u64,
     actions: VecDeque<Action>,
+    /// Which blocks of a run a peer asked to be served were found in the
+    /// lend ([`run_within`]): one bit a block, kept for its capacity.
+    run_seen: Vec<u64>,
     events: Vec<Event>,
     /// Pairs of the handles being posted (valid until the next begin).
     pairs: Vec<(BlockId, BlockId)>,
@@ -519,6 +522,7 @@ impl Core {
             ops_in_flight: 0,
             notes_in_flight: 0,
             actions: VecDeque::with_capacity(1024),
+            run_seen: Vec::new(),
             events: Vec::with_capacity(1024),
             pairs: Vec::with_capacity(1024),
             note_bytes: Vec::with_capacity(64 * MAX_PER_MESSAGE * NOTE_LEN),
@@ -906,9 +910,16 @@ impl Core {
             // More blocks than the lend has cannot all be its own (and a
             // peer's long range costs nothing to refuse).
             let fits = u64::from(last.0.saturating_sub(first.0)) < u64::from(info.lent.count);
-            let lent = |b: u32| self.slots.blocks_of(key.slot()).any(|x| x.0 == b);
             // A lend another write wrote into serves nothing more.
-            info.not_lent || !(first.0 <= last.0 && fits && (first.0..=last.0).all(lent))
+            info.not_lent
+                || !(first.0 <= last.0
+                    && fits
+                    && run_within(
+                        &mut self.run_seen,
+                        first.0,
+                        last.0,
+                        self.slots.blocks_of(key.slot()),
+                    ))
         });
         if refused {
             self.stats.refused_reads += 1;
@@ -1394,6 +1405,30 @@ impl Core {
         self.ledger
             .fail_all(Reason::of(cause), &mut |e| events.push(e));
     }
+}
+
+/// Whether every block of `first..=last` is among `blocks` (a lend's,
+/// which may name a block twice): one pass over them, a bit a block of the
+/// run in `seen`. The run is no longer than the lend (checked before), so
+/// this costs the lend's length, not the run's times it.
+fn run_within(
+    seen: &mut Vec<u64>,
+    first: u32,
+    last: u32,
+    blocks: impl Iterator<Item = BlockId>,
+) -> bool {
+    let n = (last - first) as usize + 1;
+    seen.clear();
+    seen.resize(n.div_ceil(64), 0);
+    let mut found = 0;
+    for b in blocks {
+        let i = b.0.wrapping_sub(first) as usize;
+        if b.0 >= first && i < n && seen[i / 64] & (1 << (i % 64)) == 0 {
+            seen[i / 64] |= 1 << (i % 64);
+            found += 1;
+        }
+    }
+    found == n
 }
 
 #[cfg(test)]

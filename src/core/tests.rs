@@ -585,3 +585,61 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
         assert_eq!(c.stats().word_confirmations, u64::from(confirmed));
     }
 }
+
+/// Whether `c` serves a read of `first..=last` asked under lend `token`.
+fn serves(c: &mut Core, token: u64, first: u32, last: u32) -> bool {
+    c.on_transport(
+        TransportEvent::ReadAsked {
+            request: 7,
+            lend: Incarnation(token),
+            first: BlockId(first),
+            last: BlockId(last),
+        },
+        Nanos(1),
+    );
+    let mut lent = None;
+    while let Some(a) = c.next_action() {
+        if let Action::ServeRead {
+            request: 7,
+            lent: l,
+        } = a
+        {
+            lent = Some(l);
+        }
+    }
+    lent.expect("answered")
+}
+
+#[test]
+fn a_read_asked_is_served_only_for_a_run_every_block_of_which_the_lend_holds() {
+    let mut c = core(1);
+    // Blocks 5, 7, 7, 9, 8: one named twice, 6 missing.
+    let mut plan = [5, 7, 7, 9, 8]
+        .map(|b| Command::Block(BlockId(b)))
+        .into_iter();
+    c.on_command(
+        Command::Begin {
+            id: RequestId(10),
+            kind: Kind::Lend { notifications: 1 },
+            handles: 0,
+            blocks: 5,
+            expires_in: 1_000_000_000,
+            token: Incarnation(0xaaaa),
+        },
+        &mut || plan.next(),
+        Nanos(0),
+    );
+    while c.next_action().is_some() {}
+    assert!(serves(&mut c, 0xaaaa, 7, 9));
+    assert!(serves(&mut c, 0xaaaa, 5, 5));
+    assert!(serves(&mut c, 0xaaaa, 9, 9));
+    // A run over the missing block, one the twice-named block would fill
+    // by count, and one past the lend are refused.
+    assert!(!serves(&mut c, 0xaaaa, 5, 7));
+    assert!(!serves(&mut c, 0xaaaa, 6, 9));
+    assert!(!serves(&mut c, 0xaaaa, 7, 10));
+    assert!(!serves(&mut c, 0xaaaa, 9, 7));
+    assert!(!serves(&mut c, 0xaaaa, 0, u32::MAX));
+    // Under another incarnation nothing is this lend's to refuse.
+    assert!(serves(&mut c, 0xbbbb, 5, 7));
+}
