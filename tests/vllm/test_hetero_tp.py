@@ -161,3 +161,24 @@ def test_decode_tp_size_sets_how_many_decode_ranks_each_lend_waits_for():
     for bad in (0, -1, True, "2"):
         with pytest.raises(ValueError, match="decode_tp_size"):
             KvpollConfig.from_extra({"decode_tp_size": bad})
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_prefill_ranks_holding_the_same_kv_share_a_read_each_in_a_run_of_its_lend(blocks, ranks):
+    # MLA, prefill TP = ranks x decode TP: each prefill rank lends every
+    # block, and confirms a read of a run of them only (in the order
+    # lent); the shares cover the read once.
+    from kvpoll.vllm.worker import replicated_shares
+
+    remote = [10 + 3 * i for i in range(blocks)]
+    local = [100 + i for i in range(blocks)]
+    shares = replicated_shares(local, remote, ranks)
+    assert len(shares) == ranks
+    assert [b for _, rb in shares for b in rb] == remote
+    assert [b for lb, _ in shares for b in lb] == local
+    for lb, rb in shares:
+        assert len(lb) == len(rb)
+        if rb:
+            at = remote.index(rb[0])
+            assert remote[at : at + len(rb)] == rb, (rb, remote)

@@ -55,8 +55,9 @@ def served(hybrid_dir, tmp_path_factory):
     two decodes (policies fail and recompute) of the hybrid model."""
     logs = tmp_path_factory.mktemp("hybrid")
     ports = {name: free_port() for name in NAMES}
-    # Without a prefix cache each answer is computed or loaded afresh.
-    args = ["--block-size", str(BLOCK), "--no-enable-prefix-caching"]
+    # The prefix cache on, as vLLM serves by default: the prompts of each
+    # test share no prefix with another's, except where a test says so.
+    args = ["--block-size", str(BLOCK)]
     kv = dict(read_deadline_s=20.0, handshake_timeout_s=5.0, lease_s=60.0)
     policies = {"prefill": "fail", "fail": "fail", "recompute": "recompute"}
     procs = {
@@ -118,6 +119,28 @@ def test_a_hybrid_models_groups_load_the_window_groups_window_only_and_answer_as
     assert moved["vllm:kvpoll_num_transfers_total"] == N
     assert moved["vllm:kvpoll_num_failed_transfers_total"] == 0
     assert moved["vllm:kvpoll_bytes_transferred_total"] == blocks * layer_block, (moved, blocks)
+
+
+def test_a_hybrid_decode_with_part_of_a_prompt_cached_loads_the_rest_of_each_group_and_answers_as_aggregated(
+    hybrid_dir, served
+):
+    # Each prompt once, then extended by 70 tokens: the decode finds the
+    # first prompt's whole blocks in its prefix cache (in both groups) and
+    # loads the rest from the prefill.
+    urls, _, logs = served
+    base = prompts(3, 19)
+    longer = [q + [(3 * i + 7) % 500 + 3 for i in range(70)] for q in base]
+    before = metrics(urls["fail"], "vllm:kvpoll_")
+    for q in base + longer:
+        params = post(urls["prefill"] + "/v1/completions", completion(hybrid_dir, q, 1, {"do_remote_decode": True}))[
+            "kv_transfer_params"
+        ]
+        choice = answer(hybrid_dir, urls["fail"], q, MAX_TOKENS, params)["choices"][0]
+        alone = post(urls["prefill"] + "/v1/completions", completion(hybrid_dir, q, MAX_TOKENS))["choices"][0]
+        assert choice.get("token_ids") == alone["token_ids"], (choice, kvpoll_lines(logs, LOGS))
+    after = metrics(urls["fail"], "vllm:kvpoll_")
+    assert after["vllm:kvpoll_num_failed_transfers_total"] == before["vllm:kvpoll_num_failed_transfers_total"]
+    assert after["vllm:kvpoll_num_transfers_total"] - before["vllm:kvpoll_num_transfers_total"] == len(base + longer)
 
 
 def test_a_killed_hybrid_prefill_gives_recomputed_or_failed_responses_never_other_tokens(hybrid_dir, served):

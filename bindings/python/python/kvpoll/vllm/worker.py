@@ -152,15 +152,25 @@ def replicated_reads(rank: int, tp: int, remote_tp: int) -> List[Tuple[int, None
     from where every rank holds the whole KV (MLA): the same rank; for a
     smaller prefill (``tp = k * remote_tp``) rank ``r // k``, whose lend
     waits for its k readers; for a larger one (``remote_tp = k * tp``)
-    ranks ``r*k .. r*k+k-1``, the blocks striped across them (block i from
-    the ``i mod k``-th), so that every prefill rank's lend is read, or
-    released where it has no block to give."""
+    ranks ``r*k .. r*k+k-1``, the blocks shared among them in contiguous
+    runs (``replicated_shares``), so that every prefill rank's lend is
+    read, or released where it has no block to give."""
     if remote_tp == tp:
         return [(rank, None, None)]
     if remote_tp > tp:
         k = remote_tp // tp
         return [(rank * k + j, None, None) for j in range(k)]
     return [(rank // (tp // remote_tp), None, None)]
+
+
+def replicated_shares(local: List[int], remote: List[int], n: int) -> List[Tuple[List[int], List[int]]]:
+    """How ``n`` prefill ranks holding the same KV (MLA) share a read of
+    ``remote`` into ``local``: the i-th rank one contiguous share, in order
+    (the last ones empty where there are fewer blocks than ranks). A lend
+    confirms a read of a run of its blocks, in the order lent, and nothing
+    else (``BlocksRead``): each rank's share is such a run."""
+    size = -(-len(remote) // n) if remote else 0
+    return [(local[j * size : (j + 1) * size], remote[j * size : (j + 1) * size]) for j in range(n)]
 
 
 def release_ranks(rank: int, tp: int, remote_tp: int, replicated: bool = False) -> List[int]:
@@ -610,11 +620,10 @@ class KvpollWorker:
                 return
             remote_blocks = list(remote.block_ids[len(remote.block_ids) - len(load.local_blocks) :])
             if self.kv_replicated and len(plan) > 1:
-                # Whole blocks striped across prefill ranks holding the same KV.
-                n = len(plan)
+                # Whole blocks shared among prefill ranks holding the same KV.
+                shares = replicated_shares(load.local_blocks, remote_blocks, len(plan))
                 handles = [
-                    (peer, load.local_blocks[j::n], remote_blocks[j::n], remote.incarnation)
-                    for j, (_, peer, _, _) in enumerate(plan)
+                    (peer, lb, rb, remote.incarnation) for (_, peer, _, _), (lb, rb) in zip(plan, shares)
                 ]
             else:
                 handles = [
