@@ -2,8 +2,12 @@
 token, replicated across tensor-parallel ranks rather than split by
 head) on real vLLM engines (the CPU build's MLA backend, bfloat16,
 blocks of 16): a decode rank reads whole blocks from the prefill ranks
-holding the same KV, whatever the two TP sizes, and its tokens are the
-aggregated instance's (of the decode's TP size)."""
+holding the same KV, whatever the two TP sizes, and its tokens are an
+aggregated instance's: of the decode's TP size, or, between different
+sizes, of the prefill's (bfloat16 sums round by TP size, and the
+prompt's KV is the prefill's while the new tokens are the decode's: a
+near tie may fall either way; KV that did not arrive whole gives
+neither)."""
 
 from __future__ import annotations
 
@@ -73,7 +77,6 @@ def test_an_mla_decode_reads_whole_latent_blocks_from_prefill_ranks_of_any_tp_an
     mla_dir, reference, p_tp, d_tp
 ):
     prompts, tokens = reference
-    want = tokens[d_tp]
     p = Instance(mla_dir, kv_config(free_port(), lease_s=60.0, decode_tp_size=d_tp), tp=p_tp, dtype=DTYPE)
     d = Instance(
         mla_dir, kv_config(free_port(), "fail", read_deadline_s=20.0, handshake_timeout_s=5.0), tp=d_tp, dtype=DTYPE
@@ -88,7 +91,8 @@ def test_an_mla_decode_reads_whole_latent_blocks_from_prefill_ranks_of_any_tp_an
         # kernels round otherwise in other batches.
         outs = [d.generate([q], MAX_TOKENS, [x])[0] for q, x in zip(prompts, params)]
         assert [o["finish_reason"] for o in outs] == ["length"] * N
-        assert [o["token_ids"] for o in outs] == want
+        for i, o in enumerate(outs):
+            assert o["token_ids"] in (tokens[d_tp][i], tokens[p_tp][i]), (i, o["token_ids"], tokens[d_tp][i], tokens[p_tp][i])
     finally:
         p.close()
         d.close()

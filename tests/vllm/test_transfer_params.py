@@ -196,8 +196,10 @@ def test_a_hybrid_prefill_lends_every_groups_blocks_the_window_groups_in_the_win
     delay, out = p.request_finished_all_groups(r, ([0, 0, 0, 0, 21, 22], [11, 12, 13, 14, 15, 16]))
     assert delay and out is not None
     assert out["remote_block_ids"] == [[21, 22], [11, 12, 13, 14, 15, 16]]
+    # Lent full-attention group first: a decode holding a prefix reads a
+    # suffix of it and every window block, one run of the lend.
     meta = p.build_connector_meta(None)
-    assert sorted(meta.reqs_to_send["p-0"][0]) == [11, 12, 13, 14, 15, 16, 21, 22]
+    assert meta.reqs_to_send["p-0"][0] == [11, 12, 13, 14, 15, 16, 21, 22]
 
 
 def test_a_hybrid_decode_pairs_each_groups_blocks_with_the_prefills_of_that_group():
@@ -219,3 +221,18 @@ def test_a_hybrid_decode_pairs_each_groups_blocks_with_the_prefills_of_that_grou
     d.update_state_after_alloc(r, _Blocks([[31, 32, 33], [41, 42, 43, 44, 45, 46]]), len(prompt))
     spec = d.build_connector_meta(None).reqs_to_recv["d-1"]
     assert spec.error is not None and "group 0" in spec.error
+
+
+@pytest.mark.parametrize("computed, claimed", [(0, 96), (16, 80), (48, 48), (64, 0), (80, 0)])
+def test_a_hybrid_decode_with_a_local_prefix_loads_the_rest_unless_the_prefix_reaches_into_the_window(
+    computed, claimed
+):
+    # 96 tokens in blocks of 16, a 32-token window: the last 3 blocks hold
+    # the window's. A prefix ending before them leaves a suffix of the full
+    # group and every window block to read (one run of the lend); one
+    # reaching into them would leave part of each, which the lend does not
+    # confirm: the rest, under a window, is computed here.
+    d = _hybrid(free_port())
+    prompt = list(range(3, 99))
+    r = request("d-0", prompt, 3, _params([[21, 22], [11, 12, 13, 14, 15, 16]]))
+    assert d.get_num_new_matched_tokens(r, computed) == (claimed, claimed > 0)

@@ -77,11 +77,10 @@ pub struct ContextOptions {
     /// queue fails only at this check: the writer holds its source blocks
     /// until then (kvpoll also checks a peer on its own host itself,
     /// every second: `docs/design.md` §4). UCX's own default is 20 s;
-    /// kvpoll's is 1 s where the
-    /// transport list names only transports within one host (there the
-    /// check reads a few bytes of `/proc` per endpoint; over tcp the dead
-    /// peer's kernel resets its connections, and the check was not
-    /// measured there). Left to UCX where the environment sets
+    /// kvpoll's is 1 s where the transport list names only transports
+    /// within one host (there the check reads a few bytes of `/proc` per
+    /// endpoint; over tcp the dead peer's kernel resets its connections,
+    /// and the check was not measured there). Left to UCX where the environment sets
     /// `UCX_KEEPALIVE_INTERVAL`, with `None`, or with a list that may hold
     /// other transports.
     pub keepalive_interval: Option<Duration>,

@@ -117,6 +117,12 @@ class KvpollScheduler:
             if refused is not None:
                 return 0, False
             end = self._loaded_end(params, len(request.prompt_token_ids or ()))
+            why = self._prefix_refusal(end, num_computed_tokens)
+            if why is not None:
+                # The rest of the prompt (under a window) is computed here.
+                logger.info("kvpoll: %s will be computed here, its KV not loaded: %s", request.request_id, why)
+                self._refused[request.request_id] = (why, check.remote)
+                return 0, False
             remote_size = self._remote_block_size(params)
             if remote_size and num_computed_tokens % remote_size and end > num_computed_tokens:
                 # Prefill blocks are reordered whole: this local prefix
@@ -157,6 +163,30 @@ class KvpollScheduler:
         if window is not None and self.block_size:
             blocks = blocks[max(0, len(blocks) - (-(-window // self.block_size) + 1)) :]
         return [b for b in blocks if b != NULL_BLOCK]
+
+    def _lend_order(self, n: int) -> List[int]:
+        """The order a prefill lends its groups' blocks in: full-attention
+        groups first, then sliding-window ones. A lend confirms a read of
+        a run of its blocks in the order lent (or all of them); a decode
+        that holds a prefix of the prompt itself reads a suffix of each
+        full-attention group and every window block, which this order
+        makes one run (``_prefix_refusal`` says when it would not)."""
+        windows = [self.windows[g] if g < len(self.windows) else None for g in range(n)]
+        return [g for g in range(n) if windows[g] is None] + [g for g in range(n) if windows[g] is not None]
+
+    def _prefix_refusal(self, prompt: int, computed: int) -> Optional[str]:
+        """Why a load of several KV cache groups cannot follow a local
+        prefix of ``computed`` tokens, where it cannot: the blocks it would
+        read are then no run of the prefill's lend (``_lend_order``)."""
+        if not computed or not self.grouped:
+            return None
+        if sum(w is None for w in self.windows) > 1:
+            return "a local prefix with more than one full-attention KV cache group"
+        bs = self.block_size or 1
+        keep = max((-(-w // bs) + 1 for w in self.windows if w is not None), default=0)
+        if computed // bs > -(-prompt // bs) - keep:
+            return f"a local prefix of {computed} tokens reaches into the sliding window of the prompt's last {keep} blocks"
+        return None
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -296,7 +326,7 @@ class KvpollScheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: nobody will read it
         groups = [self.kept(g, list(ids)) for g, ids in enumerate(block_ids)]
-        blocks = [b for g in groups for b in g]
+        blocks = [b for g in self._lend_order(len(groups)) for b in groups[g]]
         delay = bool(blocks)
         inc = draw_incarnation()
         if delay:
