@@ -236,3 +236,33 @@ def test_a_hybrid_decode_with_a_local_prefix_loads_the_rest_unless_the_prefix_re
     prompt = list(range(3, 99))
     r = request("d-0", prompt, 3, _params([[21, 22], [11, 12, 13, 14, 15, 16]]))
     assert d.get_num_new_matched_tokens(r, computed) == (claimed, claimed > 0)
+
+
+def test_kv_cache_groups_name_their_windows_and_ones_kvpoll_cannot_move_refuse_at_start_up():
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvpoll.vllm import kv_block_tokens, kv_cache_windows
+
+    def config(*specs):
+        groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
+        return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    attn = dict(num_kv_heads=2, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=32, sliding_window=32, **attn)
+    full = FullAttentionSpec(block_size=32, **attn)
+    hybrid = config(window, full)
+    # vLLM may have chosen other blocks than the configured 16.
+    assert kv_block_tokens(hybrid, 16) == 32
+    assert kv_cache_windows(hybrid, 32) == [32, None]
+    assert kv_cache_windows(config(full), 32) == [None]
+    with pytest.raises(ValueError, match="MambaSpec"):
+        kv_cache_windows(config(full, MambaSpec(block_size=32, shapes=((4,),), dtypes=(torch.float32,))), 32)
+    with pytest.raises(ValueError, match="block size"):
+        kv_cache_windows(config(full, SlidingWindowSpec(block_size=16, sliding_window=32, **attn)), 32)

@@ -84,14 +84,16 @@ def _kv_replicated(kv_cache_config: "KVCacheConfig") -> bool:
 
 
 def kv_cache_windows(kv_cache_config: "KVCacheConfig", block_size: int) -> List[Optional[int]]:
-    """Per KV cache group, its sliding window in tokens (None: full
-    attention, MLA's included). Raises ``ValueError``, at start-up, for
-    what kvpoll cannot move: with several groups (vLLM's hybrid KV cache
-    manager), a group of another kind (mamba state, chunked local
-    attention...) or of another block size than the cache's."""
+    """Per KV cache group, its sliding window in tokens (None: every block
+    it holds moves; vLLM puts its null block where it freed one, as
+    chunked local attention does outside the chunk). Raises
+    ``ValueError``, at start-up, for what kvpoll cannot move: with several
+    groups (vLLM's hybrid KV cache manager), a group that is no attention
+    KV cache (mamba or linear-attention state) or of another block size
+    than the first group's."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     try:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
     except ImportError:
         return [None]
     out: List[Optional[int]] = []
@@ -99,11 +101,11 @@ def kv_cache_windows(kv_cache_config: "KVCacheConfig", block_size: int) -> List[
         spec = g.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             out.append(int(spec.sliding_window))
-        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) or len(groups) == 1:
+        elif isinstance(spec, AttentionSpec) or len(groups) == 1:
             out.append(None)
         else:
             raise ValueError(
-                f"kvpoll moves full-attention and sliding-window KV cache groups; group {i} is "
+                f"kvpoll moves attention KV cache groups; group {i} is "
                 f"{type(spec).__name__} (turn vLLM's hybrid KV cache manager off: --disable-hybrid-kv-cache-manager; "
                 "or use another connector)"
             )
