@@ -131,16 +131,26 @@ def test_a_hybrid_decode_with_part_of_a_prompt_cached_loads_the_rest_of_each_gro
     base = prompts(3, 19)
     longer = [q + [(3 * i + 7) % 500 + 3 for i in range(70)] for q in base]
     before = metrics(urls["fail"], "vllm:kvpoll_")
+    named = 0  # the blocks a load of the whole of each longer prompt reads
     for q in base + longer:
         params = post(urls["prefill"] + "/v1/completions", completion(hybrid_dir, q, 1, {"do_remote_decode": True}))[
             "kv_transfer_params"
         ]
+        if q in longer:
+            named += sum(len(g) for g in params["remote_block_ids"])
+            if q is longer[0]:
+                base_bytes = metrics(urls["fail"], "vllm:kvpoll_")["vllm:kvpoll_bytes_transferred_total"]
         choice = answer(hybrid_dir, urls["fail"], q, MAX_TOKENS, params)["choices"][0]
         alone = post(urls["prefill"] + "/v1/completions", completion(hybrid_dir, q, MAX_TOKENS))["choices"][0]
         assert choice.get("token_ids") == alone["token_ids"], (choice, kvpoll_lines(logs, LOGS))
     after = metrics(urls["fail"], "vllm:kvpoll_")
     assert after["vllm:kvpoll_num_failed_transfers_total"] == before["vllm:kvpoll_num_failed_transfers_total"]
     assert after["vllm:kvpoll_num_transfers_total"] - before["vllm:kvpoll_num_transfers_total"] == len(base + longer)
+    # The longer prompts read fewer blocks than the prefill named: their
+    # first blocks were the decode's own.
+    layer_block = KV_HEADS * params["remote_block_size"] * 2 * HEAD * 4
+    read = after["vllm:kvpoll_bytes_transferred_total"] - base_bytes
+    assert 0 < read < named * layer_block, (read, named * layer_block)
 
 
 def test_a_killed_hybrid_prefill_gives_recomputed_or_failed_responses_never_other_tokens(hybrid_dir, served):
