@@ -28,13 +28,18 @@ fn core(instance: u64) -> Core {
 }
 
 fn lend(c: &mut Core, id: u64, token: u64, now: Nanos) {
-    let mut plan = vec![Command::Block(BlockId(1))].into_iter();
+    lend_blocks(c, id, token, &[1], now);
+}
+
+/// A lend of `blocks` (in that order) to one reader.
+fn lend_blocks(c: &mut Core, id: u64, token: u64, blocks: &[u32], now: Nanos) {
+    let mut plan = blocks.iter().map(|&b| Command::Block(BlockId(b)));
     c.on_command(
         Command::Begin {
             id: RequestId(id),
             kind: Kind::Lend { notifications: 1 },
             handles: 0,
-            blocks: 1,
+            blocks: blocks.len() as u32,
             expires_in: 1_000_000_000,
             token: Incarnation(token),
         },
@@ -614,21 +619,7 @@ fn serves(c: &mut Core, token: u64, first: u32, last: u32) -> bool {
 fn a_read_asked_is_served_only_for_a_run_every_block_of_which_the_lend_holds() {
     let mut c = core(1);
     // Blocks 5, 7, 7, 9, 8: one named twice, 6 missing.
-    let mut plan = [5, 7, 7, 9, 8]
-        .map(|b| Command::Block(BlockId(b)))
-        .into_iter();
-    c.on_command(
-        Command::Begin {
-            id: RequestId(10),
-            kind: Kind::Lend { notifications: 1 },
-            handles: 0,
-            blocks: 5,
-            expires_in: 1_000_000_000,
-            token: Incarnation(0xaaaa),
-        },
-        &mut || plan.next(),
-        Nanos(0),
-    );
+    lend_blocks(&mut c, 10, 0xaaaa, &[5, 7, 7, 9, 8], Nanos(0));
     while c.next_action().is_some() {}
     assert!(serves(&mut c, 0xaaaa, 7, 9));
     assert!(serves(&mut c, 0xaaaa, 5, 5));
