@@ -522,3 +522,87 @@ fn direct_reads_posted_together_complete_each_with_its_own_token_and_bytes() {
         reader.drain(&mut |_| {});
     }
 }
+
+/// One progress reads at most a few MiB of direct reads (a whole post's
+/// run of a region at least), in post order; the rest waits for the next
+/// progress, and a drain reads none. So the first of two large reads
+/// completes (and is confirmed and reported, in the poller's turn) before
+/// the second is copied, instead of both ending together: two 8 MiB
+/// requests in flight kept the copy going only so.
+#[test]
+fn direct_reads_past_one_progress_budget_complete_in_post_order_over_several_progresses() {
+    use kvpoll::transport::ucx::UserMemory;
+    const BIG: u64 = 1 << 20;
+    const N: u64 = 16;
+    let len = (N * BIG) as usize;
+    let mut mem: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let options = ContextOptions::with_transports("posix,sysv,cma");
+    let mut lender = UcxTransport::new(&options, BIG).unwrap();
+    let host = UserMemory::Host(mem.as_mut_ptr() as usize);
+    // SAFETY: `mem` outlives the lender, dropped at the end of the test.
+    unsafe { lender.register(N, len, Some(host)).unwrap() };
+    let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
+    assert!(meta.direct.is_some(), "the lender offers direct reads");
+    let mut reader = UcxTransport::new(&options, BIG).unwrap();
+    // SAFETY: no caller memory.
+    let (base, rlen) = unsafe { reader.register(N, len, None).unwrap() };
+    reader.add_peer(PeerId(0), &meta).unwrap();
+    let ep = Ep {
+        peer: PeerId(0),
+        generation: 1,
+    };
+    // Three reads of 4 MiB each (4 blocks of 1 MiB, not consecutive on the
+    // lender: 4 operations each).
+    let posts: Vec<(u64, Vec<(BlockId, BlockId)>)> = (0..3u32)
+        .map(|p| {
+            let pairs = (0..4u32)
+                .map(|j| (BlockId(p * 4 + j), BlockId(15 - (p * 4 + j))))
+                .collect();
+            (80 + u64::from(p), pairs)
+        })
+        .collect();
+    for (token, pairs) in &posts {
+        reader.post(ep, Direction::Get, pairs, *token).unwrap();
+    }
+    let mut order: Vec<Vec<u64>> = Vec::new();
+    let take = |reader: &mut UcxTransport, order: &mut Vec<Vec<u64>>| {
+        let mut tokens = Vec::new();
+        reader.drain(&mut |ev| {
+            if let TransportEvent::Completion { token, status } = ev {
+                assert_eq!(status, 0, "token {token}");
+                tokens.push(token);
+            }
+        });
+        tokens.dedup();
+        order.push(tokens);
+    };
+    // A drain alone reads nothing.
+    take(&mut reader, &mut order);
+    for _ in 0..3 {
+        reader.progress();
+        take(&mut reader, &mut order);
+    }
+    assert_eq!(
+        order,
+        vec![vec![], vec![80], vec![81], vec![82]],
+        "one 4 MiB read a progress, in post order"
+    );
+    // SAFETY: the reader's region, mapped while it lives; its reads ended.
+    let landed = unsafe { std::slice::from_raw_parts(base as *const u8, rlen) };
+    for (_, pairs) in &posts {
+        for &(l, r) in pairs {
+            let (l, r) = (l.0 as usize * BIG as usize, r.0 as usize * BIG as usize);
+            assert!(
+                landed[l..l + BIG as usize] == mem[r..r + BIG as usize],
+                "remote block {} did not land",
+                r / BIG as usize
+            );
+        }
+    }
+    reader.close(ep);
+    let t = Instant::now();
+    while reader.closing() && t.elapsed() < GUARD {
+        reader.progress();
+        reader.drain(&mut |_| {});
+    }
+}

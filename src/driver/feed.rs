@@ -15,6 +15,11 @@ use crate::transport::{Transport, TransportEvent};
 /// up to 16 messages per progress from a shared-memory FIFO of 64.
 const HOLD_BACK: u32 = 64;
 
+/// Passes of [`Driver::drain_transport`] at most in one turn: a read's
+/// data, then its lend word loaded from a mapping, then (spare) what that
+/// confirmation completed at once.
+const DRAIN_PASSES: u32 = 3;
+
 impl Driver {
     /// Frees the slots of requests the engine has consumed.
     pub(super) fn drain_retired(&mut self) -> u32 {
@@ -68,19 +73,26 @@ impl Driver {
         let mut n = 0;
         let mut read = None;
         let mut heard = false;
-        let (core, epoch) = (&mut self.core, self.shared.epoch);
-        self.wire.drain(&mut |ev| {
-            n += 1;
-            heard |= matches!(ev, TransportEvent::Message { .. });
-            let now = *read.get_or_insert_with(|| Nanos(epoch.elapsed().as_nanos() as u64));
-            core.on_transport(ev, now);
-        });
-        if heard {
-            self.idle.heard();
-        }
-        if let Some(t) = read {
+        // What the actions of one pass completed as they were posted (a
+        // lend word loaded from a mapping) is taken in by the next: a few
+        // passes, each after an execute.
+        for _ in 0..DRAIN_PASSES {
+            let (core, epoch) = (&mut self.core, self.shared.epoch);
+            self.wire.drain(&mut |ev| {
+                n += 1;
+                heard |= matches!(ev, TransportEvent::Message { .. });
+                let now = *read.get_or_insert_with(|| Nanos(epoch.elapsed().as_nanos() as u64));
+                core.on_transport(ev, now);
+            });
+            let Some(t) = read else { break };
             self.execute(t);
             *now = Some(t);
+            if !self.wire.ready() {
+                break;
+            }
+        }
+        if heard {
+            self.idle.heard();
         }
         n
     }

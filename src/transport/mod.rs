@@ -407,6 +407,16 @@ pub trait Transport {
     /// last call to `sink`.
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>));
 
+    /// Whether a [`Transport::drain`] would hand something over now,
+    /// without progress: what the actions of the last drain completed as
+    /// they were posted (a lend word loaded from a mapping, a read of a
+    /// connection already lost). The driver drains again while it does, so
+    /// that a read's confirmation follows its data within one turn rather
+    /// than after the next turn's progress (and whatever copies that does).
+    fn ready(&self) -> bool {
+        false
+    }
+
     /// Whether operations the transport itself posted (closes) are still
     /// outstanding; shutdown waits for them.
     fn closing(&self) -> bool;

@@ -1,7 +1,8 @@
 //! Direct reads: a reader on the same host as its lender reads the
 //! lender's host memory with `process_vm_readv(2)` itself, from its
-//! poller, one system call for the blocks of every read posted to that
-//! lender since the poller last progressed — the copy-limit path for
+//! poller, one system call for the blocks of the reads posted to that
+//! lender, up to a few MiB a progress (so that a read ends, and is
+//! reported, before the next one is copied) — the copy-limit path for
 //! memory the serving engine allocated.
 //!
 //! Why: UCX 1.13 gives `cma` no lane beside peer error handling, so a get

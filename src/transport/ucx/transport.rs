@@ -810,9 +810,9 @@ impl UcxTransport {
                             && d.regions.get(i).is_some_and(|r| r.is_some())
                     });
                     if let Some(d) = direct {
-                        // Read at the next progress or drain, with the
-                        // connection's other direct reads posted before it
-                        // (one system call for all of them); a completion
+                        // Read at a progress, after the connection's
+                        // other direct reads posted before it (one system
+                        // call for those a progress reads); a completion
                         // a run, as UCX's path counts them. Bytes outside
                         // either region are refused now, before any is
                         // read.
@@ -983,26 +983,42 @@ fn direct_ops(
 }
 
 impl UcxTransport {
-    /// Reads the direct reads posted since the last call: each run of them
-    /// on one connection with one `process_vm_readv` (a call per 1 023
-    /// runs, each ending with the probe word), and completes them: `0`,
+    /// Reads the direct reads posted and not read yet, in post order, until
+    /// `budget` bytes were read (a call at least): each run of them on one
+    /// connection with one `process_vm_readv` (a call per 1 023 runs, each
+    /// ending with the probe word), and completes them: `0`,
     /// `CONNECTION_RESET` where the call found the peer gone (the
     /// connection fails, once), `IO_ERROR` where it failed for itself;
     /// `CANCELED` for reads whose connection closed since they were posted.
-    fn read_directly(&mut self) {
+    /// What the budget left waits for the next progress.
+    ///
+    /// Why a budget: a read completes, and is confirmed and reported, in
+    /// the turn that read its last bytes. Read all at once, the second of
+    /// two 8 MiB requests in flight was copied before the first was
+    /// reported, so both ended together and the engine's next two began
+    /// only after its wake-up: a gap in every pair, with the copy done
+    /// (`process_vm_readv` took as long per byte as one call a request).
+    fn read_directly(&mut self, budget: usize) {
         let out = &mut self.direct_out;
         if out.pending.is_empty() {
             return;
         }
-        let pending = std::mem::take(&mut out.pending);
+        let mut pending = std::mem::take(&mut out.pending);
         let mut at = 0;
-        while at < pending.len() {
+        let mut read = 0usize;
+        while at < pending.len() && read < budget {
             let first = &pending[at];
+            let bytes = |r: &PendingRead| -> usize {
+                out.pending_ops[r.ops.clone()].iter().map(|o| o.len).sum()
+            };
+            read += bytes(first);
             let mut end = at + 1;
             while end < pending.len()
+                && read < budget
                 && pending[end].conn == first.conn
                 && pending[end].ops.start == pending[end - 1].ops.end
             {
+                read += bytes(&pending[end]);
                 end += 1;
             }
             let run = &pending[at..end];
@@ -1048,9 +1064,19 @@ impl UcxTransport {
             }
             at = end;
         }
-        out.pending_ops.clear();
+        if at == pending.len() {
+            out.pending_ops.clear();
+            pending.clear();
+        } else {
+            // The rest keeps its operations, moved to the front.
+            let from = pending[at].ops.start;
+            out.pending_ops.drain(..from);
+            pending.drain(..at);
+            for r in &mut pending {
+                r.ops = r.ops.start - from..r.ops.end - from;
+            }
+        }
         out.pending = pending;
-        out.pending.clear();
     }
 }
 
@@ -1245,7 +1271,7 @@ impl Transport for UcxTransport {
 
     fn forget_peer(&mut self, peer: PeerId, drain: bool) {
         // Reads posted before are read before the connection changes.
-        self.read_directly();
+        self.read_directly(usize::MAX);
         // A peer removed with gets of ours in flight is closed gracefully:
         // it serves them and then drops its side of the connection,
         // instead of finding it cut under get requests it is still
@@ -1324,7 +1350,7 @@ impl Transport for UcxTransport {
 
     fn flush(&mut self, ep: Ep, token: u64) -> Result<(), i8> {
         // Completes once the reads posted before it are read.
-        self.read_directly();
+        self.read_directly(usize::MAX);
         // Never connects: a flush on a generation that is not the open one
         // would flush nothing of what it must cover.
         match self.open(ep) {
@@ -1414,12 +1440,12 @@ impl Transport for UcxTransport {
 
     fn close(&mut self, ep: Ep) {
         // Reads posted before are read before the connection changes.
-        self.read_directly();
+        self.read_directly(usize::MAX);
         self.close_conn(ep.peer, Some(ep.generation));
     }
 
     fn progress(&mut self) -> u32 {
-        self.read_directly();
+        self.read_directly(DIRECT_BYTES_PER_PROGRESS);
         self.progresses += 1;
         let events = self.worker.progress();
         if let Some(p) = self.probe.as_mut().filter(|p| p.hearing.waiting()) {
@@ -1431,7 +1457,6 @@ impl Transport for UcxTransport {
     }
 
     fn drain(&mut self, sink: &mut dyn FnMut(TransportEvent<'_>)) {
-        self.read_directly();
         self.failures.append(&mut self.direct_out.lost);
         self.worker.take_endpoint_failures(&mut self.failures);
         if self
@@ -1614,6 +1639,12 @@ impl Transport for UcxTransport {
         }
     }
 
+    fn ready(&self) -> bool {
+        !(self.direct_out.done.is_empty()
+            && self.direct_out.words.is_empty()
+            && self.direct_out.lost.is_empty())
+    }
+
     fn arm(&mut self) -> bool {
         // An arm that fails outright (not BUSY) is treated as "do not
         // block": the poller then naps on a timer, as without the fd.
@@ -1627,6 +1658,11 @@ impl Transport for UcxTransport {
             && self.worker.arm().unwrap_or(false)
     }
 }
+
+/// Bytes of direct reads one progress reads at most (a whole run of one
+/// post's reads of a region, at least): 64 reads of 16 KiB are one call,
+/// an 8 MiB request of 32 layers two ([`UcxTransport::read_directly`]).
+const DIRECT_BYTES_PER_PROGRESS: usize = 4 << 20;
 
 /// How often the peers on this host are checked alive
 /// ([`UcxTransport::check_alive`]): as often as kvpoll has UCX run its
