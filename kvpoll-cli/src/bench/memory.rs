@@ -101,6 +101,98 @@ pub fn cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
+/// The CPU of every thread of this process and of some others across a
+/// span, thread by thread: where a system's CPU goes. Printed when
+/// `KVPOLL_BENCH_THREADS` is set (see [`ThreadSplit::start`]).
+pub struct ThreadSplit {
+    pids: Vec<u32>,
+    before: Vec<ThreadCpu>,
+}
+
+/// One thread's CPU so far: process, thread id, name, ns.
+struct ThreadCpu {
+    pid: u32,
+    tid: u32,
+    name: String,
+    ns: u64,
+}
+
+fn threads_of(pid: u32, out: &mut Vec<ThreadCpu>) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return;
+    };
+    for t in tasks.filter_map(Result::ok) {
+        let Some(tid) = t.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        let ns = std::fs::read_to_string(t.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if let Some(ns) = ns {
+            out.push(ThreadCpu {
+                pid,
+                tid,
+                name: name.trim().to_owned(),
+                ns,
+            });
+        }
+    }
+}
+
+impl ThreadSplit {
+    /// Starts a split of this process and `peers`, or `None` when
+    /// `KVPOLL_BENCH_THREADS` is not set.
+    pub fn start(peers: &[u32]) -> Option<Self> {
+        std::env::var_os("KVPOLL_BENCH_THREADS")?;
+        let mut pids = vec![std::process::id()];
+        pids.extend_from_slice(peers);
+        let mut before = Vec::new();
+        for &p in &pids {
+            threads_of(p, &mut before);
+        }
+        Some(ThreadSplit { pids, before })
+    }
+
+    /// Each thread's CPU since the start, µs per request of `requests`,
+    /// threads of under 1 % of the whole left out: one line, `what` first.
+    pub fn line(self, what: &str, requests: u32) -> String {
+        let mut now = Vec::new();
+        for &p in &self.pids {
+            threads_of(p, &mut now);
+        }
+        let per = f64::from(requests.max(1));
+        let mut parts: Vec<(f64, String)> = now
+            .iter()
+            .map(|t| {
+                let was = self
+                    .before
+                    .iter()
+                    .find(|b| b.pid == t.pid && b.tid == t.tid)
+                    .map_or(0, |b| b.ns);
+                let role = if t.pid == self.pids[0] {
+                    "here"
+                } else {
+                    "peer"
+                };
+                let us = t.ns.saturating_sub(was) as f64 / 1e3 / per;
+                (us, format!("{role} {} {}", t.name, t.tid))
+            })
+            .collect();
+        let total: f64 = parts.iter().map(|p| p.0).sum();
+        parts.retain(|p| p.0 >= total / 100.0);
+        parts.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let listed: Vec<String> = parts
+            .iter()
+            .map(|(us, name)| format!("{name}: {us:.1}"))
+            .collect();
+        format!(
+            "{what}: {requests} requests, CPU us a request by thread (the bench's data checks included): total {total:.1}; {}",
+            listed.join("; ")
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

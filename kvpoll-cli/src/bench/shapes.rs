@@ -58,7 +58,7 @@ use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer
 use super::e2e::{
     lend_of, lent_line, median, poll_some, raw_completion, E2eError, PeerProcess, Waiting,
 };
-use super::memory::{cpu_ns, CallerMemory};
+use super::memory::{cpu_ns, CallerMemory, ThreadSplit};
 use crate::pattern;
 
 /// A run that takes longer than this is stuck, not slow.
@@ -109,6 +109,15 @@ impl Shape {
     /// `process_vm_readv`'s peers, the `memcpy` source).
     fn flat_remote(&self, r: u32, id: u64, j: u32) -> u64 {
         u64::from(r) * self.peer_blocks + u64::from(self.remote(id, j))
+    }
+
+    /// Where block `j` of layer `r` of request `id` lands in a reader that
+    /// holds every layer in one buffer, layer after layer (the limits'):
+    /// in the request's slot of `in_flight`, as kvpoll's reads land, so
+    /// that every system writes the same span of memory.
+    fn flat_local(&self, r: u32, id: u64, j: u32) -> u64 {
+        let slot = (id % u64::from(self.in_flight)) as u32;
+        u64::from(r * self.slots() + slot * self.blocks + j)
     }
 
     /// Block `j` (of `k`) of request `id` on the producer.
@@ -703,6 +712,11 @@ trait Runner {
     fn pause(&mut self) {}
     /// Lets them run again.
     fn resume(&mut self) {}
+    /// The system's processes other than this one (for
+    /// [`ThreadSplit`]).
+    fn peer_pids(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 /// The sampled data checks of one round, and the time and CPU they took
@@ -1070,6 +1084,10 @@ impl KvpollRunner {
 }
 
 impl Runner for KvpollRunner {
+    fn peer_pids(&self) -> Vec<u32> {
+        vec![self.peer_pid]
+    }
+
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let s = self.shape;
         let k = s.blocks as usize;
@@ -1205,6 +1223,10 @@ impl KvpollWavesRunner {
 }
 
 impl Runner for KvpollWavesRunner {
+    fn peer_pids(&self) -> Vec<u32> {
+        self.inner.peer_pids()
+    }
+
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let r = self.inner.run(n.div_ceil(self.wave))?;
         Ok(Round {
@@ -1294,6 +1316,10 @@ impl RawRunner {
 }
 
 impl Runner for RawRunner {
+    fn peer_pids(&self) -> Vec<u32> {
+        vec![self.peer_pid]
+    }
+
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let s = self.shape;
         let bs = s.block_size;
@@ -1379,7 +1405,7 @@ fn copied_ok(dst: &CallerMemory, s: &Shape, id: u64) -> bool {
     let bs = s.block_size as usize;
     (0..s.regions).all(|r| {
         (0..s.blocks).all(|j| {
-            let at = (r * s.slots() + j) as usize * bs;
+            let at = s.flat_local(r, id, j) as usize * bs;
             pattern::check(SEED, s.flat_remote(r, id, j), dst.slice(at, bs))
         })
     })
@@ -1426,7 +1452,7 @@ impl Runner for MemcpyRunner {
             for r in 0..s.regions {
                 for j in 0..s.blocks {
                     let from = s.flat_remote(r, id, j) as usize * bs;
-                    let to = (r * s.slots() + j) as usize * bs;
+                    let to = s.flat_local(r, id, j) as usize * bs;
                     let src = self.src.slice(from, bs).as_ptr();
                     self.dst.slice_mut(to, bs).copy_from_slice(
                         // SAFETY: src..src+bs lies in the source mapping.
@@ -1482,6 +1508,10 @@ impl VmReadvRunner {
 }
 
 impl Runner for VmReadvRunner {
+    fn peer_pids(&self) -> Vec<u32> {
+        vec![self.pid as u32]
+    }
+
     fn run(&mut self, n: u32) -> Result<Round, E2eError> {
         let s = self.shape;
         let bs = s.block_size as usize;
@@ -1498,7 +1528,7 @@ impl Runner for VmReadvRunner {
             for r in 0..s.regions {
                 for j in 0..s.blocks {
                     let from = s.flat_remote(r, id, j) as usize * bs;
-                    let to = (r * s.slots() + j) as usize * bs;
+                    let to = s.flat_local(r, id, j) as usize * bs;
                     local.push(libc::iovec {
                         iov_base: self.dst.slice_mut(to, bs).as_mut_ptr() as *mut libc::c_void,
                         iov_len: bs,
@@ -2018,11 +2048,12 @@ pub fn run_group(
     }
     let mut done: Vec<Vec<Round>> = vec![Vec::new(); runners.len()];
     for _ in 0..rounds {
-        for (i, (_, r)) in runners.iter_mut().enumerate() {
+        for (i, (name, r)) in runners.iter_mut().enumerate() {
             if failed_at[i].is_some() {
                 continue;
             }
             r.resume();
+            let split = ThreadSplit::start(&r.peer_pids());
             let mut round = Round::default();
             let result = loop {
                 let moved = bytes * f64::from(round.requests);
@@ -2046,6 +2077,12 @@ pub fn run_group(
                 }
             };
             r.pause();
+            if let Some(split) = split {
+                eprintln!(
+                    "{}",
+                    split.line(&format!("[{}] {name}", g.key()), round.requests)
+                );
+            }
             match result {
                 Ok(()) => done[i].push(round),
                 Err(e) => failed_at[i] = Some(e.to_string()),
