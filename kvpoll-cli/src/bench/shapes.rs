@@ -152,7 +152,7 @@ pub const LAYERS: Shape = Shape {
     peer_blocks: 32,
     requests_shm: 48,
     requests_tcp: 12,
-    check_every: 8,
+    check_every: 32,
 };
 
 /// One 64 MiB read at a time (128 MiB on the producer).
