@@ -84,32 +84,38 @@ impl Core {
     }
 
     /// Adds `note` to the batch waiting for `to` (a new one if none, or if
-    /// that one is full: it is queued first). Batches become actions when a
+    /// that one is full or asks for answers where `note` does not, or the
+    /// other way round: it is queued first). Batches become actions when a
     /// post, flush, close or forget of their peer is queued (so nothing of
     /// that peer is reordered with them) or when the queue runs dry.
     pub(super) fn enqueue_note(&mut self, to: NoteTarget, note: &[u8; NOTE_LEN], want_reply: bool) {
         self.notes_in_flight += 1;
         self.stats.notifications_sent += 1;
         let i = match self.batches.iter().position(|b| b.to == to) {
-            Some(i) if self.batches[i].count as usize == MAX_PER_MESSAGE => {
+            // Full, or of the other kind: a message that asks for answers
+            // gets every note in it answered (a one-way note among
+            // questions would be answered too, and the answer refused as
+            // stale). Queued first, so the order of the notes is kept.
+            Some(i)
+                if self.batches[i].count as usize == MAX_PER_MESSAGE
+                    || self.batches[i].want_reply != want_reply =>
+            {
                 self.queue_batch(i);
-                self.new_batch(to)
+                self.new_batch(to, want_reply)
             }
             Some(i) => i,
-            None => self.new_batch(to),
+            None => self.new_batch(to, want_reply),
         };
         let b = &mut self.batches[i];
         let at = b.count as usize * NOTE_LEN;
         b.bytes[at..at + NOTE_LEN].copy_from_slice(note);
         b.count += 1;
-        // Asking for answers costs nothing to the others.
-        b.want_reply |= want_reply;
     }
 
-    pub(super) fn new_batch(&mut self, to: NoteTarget) -> usize {
+    pub(super) fn new_batch(&mut self, to: NoteTarget, want_reply: bool) -> usize {
         let fresh = Batch {
             to,
-            want_reply: false,
+            want_reply,
             count: 0,
             bytes: [0; MAX_PER_MESSAGE * NOTE_LEN],
         };

@@ -456,6 +456,11 @@ fn lends_that_the_core_gives_up_on_have_their_words_cleared_when_reported() {
 /// follow (no note to the lender before it).
 fn read_to_its_word(c: &mut Core, id: u64, lend: u64) -> (HandleKey, u64) {
     let peer = c.add_peer(77, 1, 8).expect("peer");
+    read_from_to_its_word(c, peer, id, lend)
+}
+
+/// [`read_to_its_word`] from a lender already added.
+fn read_from_to_its_word(c: &mut Core, peer: PeerId, id: u64, lend: u64) -> (HandleKey, u64) {
     let mut plan = vec![
         Command::Handle {
             peer,
@@ -589,6 +594,62 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
         assert_eq!(outcomes, want, "word {word:#x} posted {posted}");
         assert_eq!(c.stats().word_confirmations, u64::from(confirmed));
     }
+}
+
+/// Messages sent, each as whether it asks for answers and its notes'
+/// kinds.
+fn sends(c: &mut Core) -> Vec<(bool, Vec<NoteKind>)> {
+    let mut sends = Vec::new();
+    while let Some(a) = c.next_action() {
+        if let Action::Send {
+            notes, want_reply, ..
+        } = a
+        {
+            let kinds = c
+                .notes(notes)
+                .chunks_exact(NOTE_LEN)
+                .map(|b| Notification::decode(b).expect("encoded").kind)
+                .collect();
+            sends.push((want_reply, kinds));
+        }
+    }
+    sends
+}
+
+/// A message that asks for answers gets every note in it answered: a
+/// read confirmed by its lender's word tells its lender one way, in a
+/// message of its own, not beside another read's question (whose answer
+/// the lender would then send for both, and the reader refuse as stale).
+#[test]
+fn one_way_notes_and_questions_to_one_lender_travel_in_separate_messages_in_order() {
+    let mut c = core(1);
+    let peer = c.add_peer(77, 1, 8).expect("peer");
+    let (_, confirmed) = read_from_to_its_word(&mut c, peer, 50, 0x5a5a);
+    let (_, missed) = read_from_to_its_word(&mut c, peer, 51, 0x6b6b);
+    let (_, confirmed_too) = read_from_to_its_word(&mut c, peer, 52, 0x7c7c);
+    for (token, word) in [
+        (confirmed, lent(0x5a5a, 0)),
+        (missed, 0),
+        (confirmed_too, lent(0x7c7c, 0)),
+    ] {
+        c.on_transport(
+            TransportEvent::Word {
+                token,
+                status: 0,
+                word,
+            },
+            Nanos(2),
+        );
+    }
+    assert_eq!(
+        sends(&mut c),
+        vec![
+            (false, vec![NoteKind::ReadDone]),
+            (true, vec![NoteKind::ReadDone]),
+            (false, vec![NoteKind::ReadDone]),
+        ],
+        "each message asks for answers to all of its notes or to none"
+    );
 }
 
 /// Whether `c` serves a read of `first..=last` asked under lend `token`.
