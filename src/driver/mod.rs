@@ -105,8 +105,13 @@ impl Driver {
         let wire = crate::transport::faulty::Faulty::new(ucx, cfg.faults);
         #[cfg(not(feature = "fault-injection"))]
         let wire = ucx;
+        let words = wire.lend_words();
+        // Relaxed: read by the engine after the driver reported ready.
+        shared
+            .lend_words
+            .store(words.as_ref().map_or(0, |w| w.len()), Ordering::Relaxed);
         let core = Core::new(CoreConfig::from(&cfg), ledger)
-            .with_lend_words(wire.lend_words())
+            .with_lend_words(words)
             .with_auth_key(cfg.auth.clone());
         let idle = idle::Idle::new(Nanos(shared.epoch.elapsed().as_nanos() as u64));
         Ok(Self {

@@ -50,6 +50,13 @@ pub(crate) struct Shared {
     pub(crate) unauthenticated_peers: AtomicU64,
     pub(crate) unauthenticated_notes: AtomicU64,
     pub(crate) replayed_notes: AtomicU64,
+    pub(crate) word_confirmations: AtomicU64,
+    pub(crate) word_misses: AtomicU64,
+    pub(crate) word_collisions: AtomicU64,
+    /// How many lend words the driver's transport has (0: none), set
+    /// before the driver reports ready: the engine draws lends'
+    /// incarnations whose words its other live lends do not hold.
+    pub(crate) lend_words: std::sync::atomic::AtomicUsize,
     pub(crate) ops_posted: AtomicU64,
     pub(crate) ops_completed: AtomicU64,
     pub(crate) bytes_moved: AtomicU64,
@@ -91,6 +98,10 @@ impl Shared {
             unauthenticated_peers: AtomicU64::new(0),
             unauthenticated_notes: AtomicU64::new(0),
             replayed_notes: AtomicU64::new(0),
+            word_confirmations: AtomicU64::new(0),
+            word_misses: AtomicU64::new(0),
+            word_collisions: AtomicU64::new(0),
+            lend_words: std::sync::atomic::AtomicUsize::new(0),
             ops_posted: AtomicU64::new(0),
             ops_completed: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),

@@ -42,6 +42,11 @@ impl Driver {
             .store(stats.unauthenticated_notifications, Ordering::Relaxed);
         s.replayed_notes
             .store(stats.replayed_notifications, Ordering::Relaxed);
+        s.word_confirmations
+            .store(stats.word_confirmations, Ordering::Relaxed);
+        s.word_misses.store(stats.word_misses, Ordering::Relaxed);
+        s.word_collisions
+            .store(stats.word_collisions, Ordering::Relaxed);
         self.shared
             .ops_posted
             .store(stats.ops_posted, Ordering::Relaxed);

@@ -1465,6 +1465,9 @@ impl Engine {
                 s.unauthenticated_notifications,
             ),
             ("replayed_notifications", s.replayed_notifications),
+            ("word_confirmations", s.word_confirmations),
+            ("word_misses", s.word_misses),
+            ("lend_word_collisions", s.lend_word_collisions),
         ] {
             d.set_item(k, v)?;
         }
