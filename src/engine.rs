@@ -582,8 +582,8 @@ const WORD_DRAWS: u32 = 16;
 /// met one at a rate of live lends / words (6 % of 8 192 lends in flight
 /// over a UCX transport's 131 072 words). The poller clears a lend's
 /// word before it publishes the lend's end, and the engine releases its
-/// bit when it takes that report, so a held bit is never free in the
-/// poller's table too late.
+/// bit when it takes that report: a bit is cleared only after its word
+/// is.
 struct WordsInUse {
     bits: Vec<u64>,
     len: usize,

@@ -192,6 +192,10 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.closing()
     }
 
+    fn ready(&self) -> bool {
+        self.inner.ready()
+    }
+
     fn wait_fd(&mut self) -> Option<std::os::fd::RawFd> {
         self.inner.wait_fd()
     }
