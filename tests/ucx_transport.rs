@@ -454,29 +454,84 @@ fn a_get_of_ucx_allocated_memory_on_this_host_is_copied_through_its_mapping() {
     }
 }
 
+/// A lender of caller memory (`blocks` of `bs` bytes, byte `i` holding
+/// `i % modulus`) that offers direct reads, and a reader of as many blocks
+/// of its own connected to it as peer 0.
+struct DirectPair {
+    // Field order is drop order: both transports before the memory.
+    reader: UcxTransport,
+    _lender: UcxTransport,
+    mem: Vec<u8>,
+    /// The reader's region: base address and length.
+    landed: (usize, usize),
+    bs: usize,
+}
+
+const DIRECT_EP: Ep = Ep {
+    peer: PeerId(0),
+    generation: 1,
+};
+
+fn direct_pair(blocks: u64, bs: u64, modulus: usize) -> DirectPair {
+    use kvpoll::transport::ucx::UserMemory;
+    let len = (blocks * bs) as usize;
+    let mut mem: Vec<u8> = (0..len).map(|i| (i % modulus) as u8).collect();
+    let options = ContextOptions::with_transports("posix,sysv,cma");
+    let mut lender = UcxTransport::new(&options, bs).unwrap();
+    let host = UserMemory::Host(mem.as_mut_ptr() as usize);
+    // SAFETY: `mem` outlives the lender (field order of `DirectPair`), and
+    // moving the vector does not move its heap buffer.
+    unsafe { lender.register(blocks, len, Some(host)).unwrap() };
+    let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
+    assert!(meta.direct.is_some(), "the lender offers direct reads");
+    let mut reader = UcxTransport::new(&options, bs).unwrap();
+    // SAFETY: no caller memory.
+    let landed = unsafe { reader.register(blocks, len, None).unwrap() };
+    reader.add_peer(PeerId(0), &meta).unwrap();
+    DirectPair {
+        reader,
+        _lender: lender,
+        mem,
+        landed,
+        bs: bs as usize,
+    }
+}
+
+impl DirectPair {
+    /// Asserts that every (local, remote) pair's remote block landed in
+    /// its local block.
+    fn assert_landed(&self, pairs: &[(BlockId, BlockId)]) {
+        // SAFETY: the reader's region, mapped while it lives; its reads ended.
+        let landed =
+            unsafe { std::slice::from_raw_parts(self.landed.0 as *const u8, self.landed.1) };
+        let bs = self.bs;
+        for &(l, r) in pairs {
+            let (l, r) = (l.0 as usize * bs, r.0 as usize * bs);
+            assert!(
+                landed[l..l + bs] == self.mem[r..r + bs],
+                "remote block {} did not land",
+                r / bs
+            );
+        }
+    }
+
+    fn close(&mut self) {
+        self.reader.close(DIRECT_EP);
+        let t = Instant::now();
+        while self.reader.closing() && t.elapsed() < GUARD {
+            self.reader.progress();
+            self.reader.drain(&mut |_| {});
+        }
+    }
+}
+
 /// Direct reads posted to one lender before the reader next progresses
 /// are read together (one system call) and each still completes with its
 /// own token, its own operation count and its own bytes.
 #[test]
 fn direct_reads_posted_together_complete_each_with_its_own_token_and_bytes() {
-    use kvpoll::transport::ucx::UserMemory;
-    let len = (BLOCKS * BS) as usize;
-    let mut mem: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
-    let options = ContextOptions::with_transports("posix,sysv,cma");
-    let mut lender = UcxTransport::new(&options, BS).unwrap();
-    let host = UserMemory::Host(mem.as_mut_ptr() as usize);
-    // SAFETY: `mem` outlives the lender, dropped at the end of the test.
-    unsafe { lender.register(BLOCKS, len, Some(host)).unwrap() };
-    let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
-    assert!(meta.direct.is_some(), "the lender offers direct reads");
-    let mut reader = UcxTransport::new(&options, BS).unwrap();
-    // SAFETY: no caller memory.
-    let (base, rlen) = unsafe { reader.register(BLOCKS, len, None).unwrap() };
-    reader.add_peer(PeerId(0), &meta).unwrap();
-    let ep = Ep {
-        peer: PeerId(0),
-        generation: 1,
-    };
+    let mut pair = direct_pair(BLOCKS, BS, 241);
+    let reader = &mut pair.reader;
     let posts: [(u64, &[(BlockId, BlockId)]); 3] = [
         (50, &[(BlockId(0), BlockId(7))]),
         (51, &[(BlockId(1), BlockId(3)), (BlockId(2), BlockId(4))]),
@@ -484,7 +539,9 @@ fn direct_reads_posted_together_complete_each_with_its_own_token_and_bytes() {
     ];
     let mut expected = std::collections::HashMap::new();
     for (token, pairs) in posts {
-        let n = reader.post(ep, Direction::Get, pairs, token).unwrap();
+        let n = reader
+            .post(DIRECT_EP, Direction::Get, pairs, token)
+            .unwrap();
         expected.insert(token, n as usize);
     }
     assert_eq!(expected[&51], 1, "consecutive blocks are one run");
@@ -503,24 +560,10 @@ fn direct_reads_posted_together_complete_each_with_its_own_token_and_bytes() {
         );
         assert!(got[token].iter().all(|&s| s == 0), "token {token}: {got:?}");
     }
-    // SAFETY: the reader's region, mapped while it lives; its reads ended.
-    let landed = unsafe { std::slice::from_raw_parts(base as *const u8, rlen) };
     for (_, pairs) in posts {
-        for &(l, r) in pairs {
-            let (l, r) = (l.0 as usize * BS as usize, r.0 as usize * BS as usize);
-            assert!(
-                landed[l..l + BS as usize] == mem[r..r + BS as usize],
-                "remote block {} did not land",
-                r / BS as usize
-            );
-        }
+        pair.assert_landed(pairs);
     }
-    reader.close(ep);
-    let t = Instant::now();
-    while reader.closing() && t.elapsed() < GUARD {
-        reader.progress();
-        reader.drain(&mut |_| {});
-    }
+    pair.close();
 }
 
 /// One progress reads at most a few MiB of direct reads (a whole post's
@@ -531,26 +574,7 @@ fn direct_reads_posted_together_complete_each_with_its_own_token_and_bytes() {
 /// requests in flight kept the copy going only so.
 #[test]
 fn direct_reads_past_one_progress_budget_complete_in_post_order_over_several_progresses() {
-    use kvpoll::transport::ucx::UserMemory;
-    const BIG: u64 = 1 << 20;
-    const N: u64 = 16;
-    let len = (N * BIG) as usize;
-    let mut mem: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-    let options = ContextOptions::with_transports("posix,sysv,cma");
-    let mut lender = UcxTransport::new(&options, BIG).unwrap();
-    let host = UserMemory::Host(mem.as_mut_ptr() as usize);
-    // SAFETY: `mem` outlives the lender, dropped at the end of the test.
-    unsafe { lender.register(N, len, Some(host)).unwrap() };
-    let meta = PeerMetadata::decode(&lender.metadata(7).unwrap()).unwrap();
-    assert!(meta.direct.is_some(), "the lender offers direct reads");
-    let mut reader = UcxTransport::new(&options, BIG).unwrap();
-    // SAFETY: no caller memory.
-    let (base, rlen) = unsafe { reader.register(N, len, None).unwrap() };
-    reader.add_peer(PeerId(0), &meta).unwrap();
-    let ep = Ep {
-        peer: PeerId(0),
-        generation: 1,
-    };
+    let mut pair = direct_pair(16, 1 << 20, 251);
     // Three reads of 4 MiB each (4 blocks of 1 MiB, not consecutive on the
     // lender: 4 operations each).
     let posts: Vec<(u64, Vec<(BlockId, BlockId)>)> = (0..3u32)
@@ -562,7 +586,9 @@ fn direct_reads_past_one_progress_budget_complete_in_post_order_over_several_pro
         })
         .collect();
     for (token, pairs) in &posts {
-        reader.post(ep, Direction::Get, pairs, *token).unwrap();
+        pair.reader
+            .post(DIRECT_EP, Direction::Get, pairs, *token)
+            .unwrap();
     }
     let mut order: Vec<Vec<u64>> = Vec::new();
     let take = |reader: &mut UcxTransport, order: &mut Vec<Vec<u64>>| {
@@ -577,32 +603,18 @@ fn direct_reads_past_one_progress_budget_complete_in_post_order_over_several_pro
         order.push(tokens);
     };
     // A drain alone reads nothing.
-    take(&mut reader, &mut order);
+    take(&mut pair.reader, &mut order);
     for _ in 0..3 {
-        reader.progress();
-        take(&mut reader, &mut order);
+        pair.reader.progress();
+        take(&mut pair.reader, &mut order);
     }
     assert_eq!(
         order,
         vec![vec![], vec![80], vec![81], vec![82]],
         "one 4 MiB read a progress, in post order"
     );
-    // SAFETY: the reader's region, mapped while it lives; its reads ended.
-    let landed = unsafe { std::slice::from_raw_parts(base as *const u8, rlen) };
     for (_, pairs) in &posts {
-        for &(l, r) in pairs {
-            let (l, r) = (l.0 as usize * BIG as usize, r.0 as usize * BIG as usize);
-            assert!(
-                landed[l..l + BIG as usize] == mem[r..r + BIG as usize],
-                "remote block {} did not land",
-                r / BIG as usize
-            );
-        }
+        pair.assert_landed(pairs);
     }
-    reader.close(ep);
-    let t = Instant::now();
-    while reader.closing() && t.elapsed() < GUARD {
-        reader.progress();
-        reader.drain(&mut |_| {});
-    }
+    pair.close();
 }

@@ -554,33 +554,12 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
         let mut c = core(1);
         let (hk, token) = read_to_its_word(&mut c, 50, 0x5a5a);
         if posted {
-            c.on_transport(
-                TransportEvent::Word {
-                    token,
-                    status: 0,
-                    word,
-                },
-                Nanos(2),
-            );
+            word_read(&mut c, token, word);
         } else {
             c.on_word_failed(hk, crate::transport::UNSUPPORTED);
         }
-        let mut sends: Vec<(bool, Vec<NoteKind>)> = Vec::new();
-        while let Some(a) = c.next_action() {
-            if let Action::Send {
-                notes, want_reply, ..
-            } = a
-            {
-                let kinds = c
-                    .notes(notes)
-                    .chunks_exact(NOTE_LEN)
-                    .map(|b| Notification::decode(b).expect("encoded").kind)
-                    .collect();
-                sends.push((want_reply, kinds));
-            }
-        }
         assert_eq!(
-            sends,
+            sends(&mut c),
             vec![(!confirmed, vec![NoteKind::ReadDone])],
             "word {word:#x} posted {posted}"
         );
@@ -594,6 +573,18 @@ fn a_read_reads_its_lenders_word_after_its_data_and_asks_only_if_it_does_not_nam
         assert_eq!(outcomes, want, "word {word:#x} posted {posted}");
         assert_eq!(c.stats().word_confirmations, u64::from(confirmed));
     }
+}
+
+/// The lend word read `token` ended with `word`.
+fn word_read(c: &mut Core, token: u64, word: u64) {
+    c.on_transport(
+        TransportEvent::Word {
+            token,
+            status: 0,
+            word,
+        },
+        Nanos(2),
+    );
 }
 
 /// Messages sent, each as whether it asks for answers and its notes'
@@ -632,14 +623,7 @@ fn one_way_notes_and_questions_to_one_lender_travel_in_separate_messages_in_orde
         (missed, 0),
         (confirmed_too, lent(0x7c7c, 0)),
     ] {
-        c.on_transport(
-            TransportEvent::Word {
-                token,
-                status: 0,
-                word,
-            },
-            Nanos(2),
-        );
+        word_read(&mut c, token, word);
     }
     assert_eq!(
         sends(&mut c),
