@@ -92,8 +92,8 @@ impl Driver {
             // readers' notes come hundreds of microseconds apart, and
             // whose engine lends as releases are reported, after a
             // wake-up of its own). Spinning and yielding would end before
-            // anything came: block now. Spinning so cost such a lender
-            // ~40 us of CPU per request, two wake-ups a request.
+            // anything came: block now. Spinning so was about a quarter
+            // of such a lender's poller CPU (two wake-ups a request).
             _ if !self.expects_soon() => return true,
             0..=SPIN => std::hint::spin_loop(),
             YIELD_FROM..=YIELD_TO => std::thread::yield_now(),
