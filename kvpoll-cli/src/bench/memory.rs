@@ -96,9 +96,15 @@ pub fn cpu_ns(pid: u32) -> u64 {
     };
     tasks
         .filter_map(Result::ok)
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .filter_map(|t| task_cpu_ns(&t.path()))
         .sum()
+}
+
+/// One thread's CPU so far, ns, from its `/proc/<pid>/task/<tid>`
+/// directory (`schedstat`'s first field).
+fn task_cpu_ns(task: &std::path::Path) -> Option<u64> {
+    let s = std::fs::read_to_string(task.join("schedstat")).ok()?;
+    s.split_whitespace().next()?.parse().ok()
 }
 
 /// The CPU of every thread of this process and of some others across a
@@ -125,9 +131,7 @@ fn threads_of(pid: u32, out: &mut Vec<ThreadCpu>) {
         let Some(tid) = t.file_name().to_str().and_then(|n| n.parse().ok()) else {
             continue;
         };
-        let ns = std::fs::read_to_string(t.path().join("schedstat"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        let ns = task_cpu_ns(&t.path());
         let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
         if let Some(ns) = ns {
             out.push(ThreadCpu {
@@ -145,13 +149,18 @@ impl ThreadSplit {
     /// `KVPOLL_BENCH_THREADS` is not set.
     pub fn start(peers: &[u32]) -> Option<Self> {
         std::env::var_os("KVPOLL_BENCH_THREADS")?;
+        Some(Self::new(peers))
+    }
+
+    /// A split of this process and `peers` from now.
+    fn new(peers: &[u32]) -> Self {
         let mut pids = vec![std::process::id()];
         pids.extend_from_slice(peers);
         let mut before = Vec::new();
         for &p in &pids {
             threads_of(p, &mut before);
         }
-        Some(ThreadSplit { pids, before })
+        ThreadSplit { pids, before }
     }
 
     /// Each thread's CPU since the start, µs per request of `requests`,
@@ -204,6 +213,34 @@ mod tests {
         assert!(m.slice(0, m.len()).iter().all(|&b| b == 0));
         m.slice_mut(4095, 2).copy_from_slice(&[7, 9]);
         assert_eq!(m.slice(4095, 2), &[7, 9]);
+    }
+
+    #[test]
+    fn a_thread_busy_during_a_split_is_listed_by_name_with_its_cpu() {
+        let split = ThreadSplit::new(&[]);
+        let spinner = std::thread::Builder::new()
+            .name("split-spinner".into())
+            .spawn(|| {
+                let t = std::time::Instant::now();
+                while t.elapsed() < std::time::Duration::from_millis(100) {
+                    std::hint::spin_loop();
+                }
+            })
+            .unwrap();
+        // Read before the thread ends: a thread that ended is not listed.
+        std::thread::sleep(std::time::Duration::from_millis(80));
+        let line = split.line("[g] s", 10);
+        spinner.join().unwrap();
+        let us: f64 = line
+            .split("; ")
+            .find_map(|p| p.strip_prefix("here split-spinner "))
+            .and_then(|p| p.split(": ").nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no split-spinner in {line}"));
+        // 10 requests and at least a millisecond of spinning, even on a
+        // loaded machine: over 100 us each.
+        assert!(us > 100.0, "{line}");
+        assert!(line.starts_with("[g] s: 10 requests"), "{line}");
     }
 
     #[test]

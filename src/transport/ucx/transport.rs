@@ -289,6 +289,8 @@ struct PendingRead {
     conn: u64,
     token: u64,
     ops: std::ops::Range<usize>,
+    /// Bytes its operations read.
+    bytes: usize,
 }
 
 /// Caller memory to register: host memory at an address, or CUDA device
@@ -836,6 +838,7 @@ impl UcxTransport {
                                 conn: conn.id,
                                 token,
                                 ops: start..out.pending_ops.len(),
+                                bytes: ops.iter().map(|o| o.len).sum(),
                             });
                         }
                         posted += ops.len() as u32;
@@ -1008,17 +1011,14 @@ impl UcxTransport {
         let mut read = 0usize;
         while at < pending.len() && read < budget {
             let first = &pending[at];
-            let bytes = |r: &PendingRead| -> usize {
-                out.pending_ops[r.ops.clone()].iter().map(|o| o.len).sum()
-            };
-            read += bytes(first);
+            read += first.bytes;
             let mut end = at + 1;
             while end < pending.len()
                 && read < budget
                 && pending[end].conn == first.conn
                 && pending[end].ops.start == pending[end - 1].ops.end
             {
-                read += bytes(&pending[end]);
+                read += pending[end].bytes;
                 end += 1;
             }
             let run = &pending[at..end];
