@@ -174,8 +174,10 @@ impl Driver {
                 self.hear();
             }
         }
-        self.publish_counters(&mut counts);
+        // Shutdown may still begin commands (those the engine pushed
+        // before it stopped) and meet notes: count them, then publish.
         self.shutdown();
+        self.publish_counters(&mut counts);
     }
 
     /// One turn: the engine's inputs, the transport's, due deadlines, the
