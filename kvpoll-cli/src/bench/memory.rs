@@ -87,6 +87,30 @@ pub fn huge_pages() -> String {
     )
 }
 
+/// CPU time of `clock` (this process's or this thread's), ns.
+pub fn cpu_clock(clock: libc::clockid_t) -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec for the call to write.
+    if unsafe { libc::clock_gettime(clock, &mut t) } != 0 {
+        return 0;
+    }
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// Spins until this thread used `ns` of CPU, however long a loaded
+/// machine makes that take (tests that need a thread's CPU to show).
+#[cfg(test)]
+pub(crate) fn burn_cpu(ns: u64) {
+    let from = cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID);
+    let mut x = 1u64;
+    while cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID) - from < ns {
+        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+    }
+}
+
 /// CPU time of every thread of process `pid` so far, ns (the scheduler's
 /// own accounting, `/proc/<pid>/task/*/schedstat`). Threads that ended are
 /// not counted: measure across a span in which the process's threads live.
@@ -215,30 +239,6 @@ mod tests {
         assert_eq!(m.slice(4095, 2), &[7, 9]);
     }
 
-    /// This thread's CPU time, ns.
-    fn thread_cpu() -> u64 {
-        let mut t = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `t` is a valid timespec for the call to write.
-        assert_eq!(
-            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) },
-            0
-        );
-        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-    }
-
-    /// Spins until this thread used `ns` of CPU (however long a loaded
-    /// machine makes that take).
-    fn burn(ns: u64) {
-        let from = thread_cpu();
-        let mut x = 1u64;
-        while thread_cpu() - from < ns {
-            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-        }
-    }
-
     #[test]
     fn a_thread_busy_during_a_split_is_listed_by_name_with_its_cpu() {
         use std::sync::atomic::{AtomicBool, Ordering};
@@ -252,7 +252,7 @@ mod tests {
         let spinner = std::thread::Builder::new()
             .name("split-spinner".into())
             .spawn(move || {
-                burn(5_000_000);
+                burn_cpu(5_000_000);
                 s.store(true, Ordering::Release);
                 // Alive (and idle) until the split was read: a thread that
                 // ended is not listed.
@@ -284,7 +284,7 @@ mod tests {
         let before = cpu_ns(pid);
         // The process's figure may lag a running thread's by a scheduler
         // tick: burn twice what is asked of it.
-        burn(20_000_000);
+        burn_cpu(20_000_000);
         let ns = cpu_ns(pid) - before;
         assert!(ns >= 10_000_000, "{ns}");
     }

@@ -58,7 +58,7 @@ use kvpoll::{BlockId, Engine, Incarnation, Outcomes, PeerId, RequestId, Transfer
 use super::e2e::{
     lend_of, lent_line, median, poll_some, raw_completion, E2eError, PeerProcess, Waiting,
 };
-use super::memory::{cpu_ns, CallerMemory, ThreadSplit};
+use super::memory::{cpu_clock, cpu_ns, CallerMemory, ThreadSplit};
 use crate::pattern;
 
 /// A run that takes longer than this is stuck, not slow.
@@ -791,19 +791,6 @@ fn failed(what: &str, e: impl std::fmt::Display) -> E2eError {
 /// thread that ended inside the span measured, and the span's CPU with it).
 fn self_cpu() -> u64 {
     cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
-}
-
-/// CPU time of `clock` (this process's or this thread's), ns.
-fn cpu_clock(clock: libc::clockid_t) -> u64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `t` is a valid timespec for the call to write.
-    if unsafe { libc::clock_gettime(clock, &mut t) } != 0 {
-        return 0;
-    }
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 /// Slots (of `in_flight`) not in use, and which request holds each.
@@ -2109,7 +2096,8 @@ pub fn run_group(
 
 #[cfg(test)]
 mod tests {
-    use super::{checked_line, cpu_clock, Began, Checks};
+    use super::{checked_line, Began, Checks};
+    use crate::bench::memory::burn_cpu;
 
     #[test]
     fn the_cpu_a_check_burns_on_its_thread_is_left_out_of_the_round() {
@@ -2117,11 +2105,7 @@ mod tests {
         let t0 = std::time::Instant::now();
         let began = Began::now();
         // Work of the check's own: at least 2 ms of this thread's CPU.
-        let from = cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID);
-        let mut x = 1u64;
-        while cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID) - from < 2_000_000 {
-            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-        }
+        burn_cpu(2_000_000);
         checks.record(began, true);
         let total = 1_000_000_000;
         let round = checks.round(1, t0, total);

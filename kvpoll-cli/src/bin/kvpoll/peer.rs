@@ -220,7 +220,7 @@ pub fn run_engine(args: &EnginePeerArgs) -> Result<(), CliError> {
         // write that landed), as a serving engine that waits for its
         // transfers would be, or by standard input closing (otherwise once
         // a second): a lender that woke every millisecond to look at standard
-        // input spent 0.5-0.6 ms of CPU a 64 MiB read, which the bench
+        // input spent 0.47-0.61 ms of CPU a 64 MiB read, which the bench
         // counts against the transfer.
         lender.take_reports(&mut engine, &mut outcomes, Duration::from_secs(1))?;
         lender.catch_up(&mut engine, &mut outcomes)?;
