@@ -51,14 +51,14 @@ step "$CARGO" test -p kvpoll --no-fail-fast --lib --tests -- --test-threads="$TH
 # that stall pollers, fail releases and kill pollers.
 step "$CARGO" test -p kvpoll --features fault-injection --no-fail-fast \
     --test engine --test contract --test contract_api --test fencing \
-    --test incarnation --test poller_stats -- --test-threads="$THREADS"
+    --test incarnation --test poller_stats --test rails -- --test-threads="$THREADS"
 # The library's UCX suites once more with a shared key: every engine they
 # build takes it (the library's test hook, docs/design.md §5).
 KEYED=(env KVPOLL_TEST_AUTH_KEY="the test suites' shared secret")
 step "${KEYED[@]}" "$CARGO" test -p kvpoll --no-fail-fast \
     --test engine --test contract --test contract_api --test fencing --test incarnation \
     --test lend_capability --test receive_capability --test part_transfers --test auth \
-    --test ucx_transport -- --test-threads="$THREADS"
+    --test ucx_transport --test rails -- --test-threads="$THREADS"
 # The rest of the workspace (the tool, its demo and drills, the C ABI).
 step "$CARGO" test --workspace --exclude kvpoll --no-fail-fast --lib --bins --tests -- --test-threads="$THREADS"
 # Each criterion bench once, unmeasured (test mode; criterion takes no
@@ -95,7 +95,7 @@ if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
         --test engine --test fencing --test incarnation --test errors --test contract_api \
         --test ucx_two_process --test engine_two_process --test drills --test reader_kill \
         --test lend_words --test deaf_engine --test demo --test ucx_version --test lend_capability --test remote_write \
-        --test receive_capability \
+        --test receive_capability --test rails \
         -- --test-threads="$THREADS" \
         --skip push_partitioned
     step target/ucx122/cargo/debug/kvpoll --version

@@ -264,6 +264,18 @@ impl Default for EngineBuilder {
 }
 
 impl EngineBuilder {
+    /// The block size this builder builds with.
+    pub(crate) fn block_size_of(&self) -> u64 {
+        self.block_size
+    }
+
+    /// Binds the engine's UCX context to network device `device`
+    /// (`UCX_NET_DEVICES`), over the environment's choice.
+    pub(crate) fn net_device(mut self, device: &str) -> Self {
+        self.ucx = self.ucx.option("NET_DEVICES", device);
+        self
+    }
+
     /// Ledger slots (requests in flight plus reported, not yet polled) and
     /// the most local blocks one request may name.
     pub fn ledger(mut self, slots: u32, max_blocks: u32) -> Self {

@@ -41,6 +41,7 @@ pub mod notification;
 pub mod placement;
 pub mod pull;
 pub mod push;
+pub mod rails;
 /// The SPSC rings between the engine thread and the poller: internal,
 /// public for the ledger benches and tests that drive the ledger directly.
 #[doc(hidden)]

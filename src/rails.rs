@@ -1,0 +1,1144 @@
+//! Rails: one engine per network device ("rail"), each with its own poller
+//! (pinned where its builder says), its own UCX context bound to that
+//! device and its own ledger, under one engine-thread façade that stripes
+//! reads across them and reports each request once.
+//!
+//! # Shape
+//!
+//! - **Memory** is registered once per rail over the same bytes: a lend on
+//!   any rail lends the same blocks, and a read on any rail lands in the
+//!   same blocks.
+//! - **Metadata** ([`Rails::local_metadata`]) is every rail's engine
+//!   metadata in one frame. [`Rails::add_peer`] pairs this side's rail `i`
+//!   with the peer's rail `i` where both exist and the rail's engine takes
+//!   the peer (each rail checks its own metadata: layout, key, tag); a rail
+//!   that takes it is a *link*. A peer no rail reaches is refused.
+//! - **A lend** is lent on every rail under one incarnation
+//!   ([`Engine::lend_with`]), so a reader confirms against whichever rail
+//!   it reads through. The blocks are free — the lend reported — only once
+//!   every rail's lend ended: finished if any rail's readers all reported
+//!   (each reader notifies every rail it did not read through, when its read
+//!   is reported), expired otherwise.
+//! - **A read** of at least [`RailsBuilder::stripe_above`] bytes is
+//!   striped: each handle's blocks are read as byte ranges, one range of
+//!   every block per live link of its peer ([`Engine::read_parts`]), so
+//!   each rail's read names all of the lend's blocks and confirms
+//!   one-sidedly like an unstriped one. A smaller read goes whole to the
+//!   least loaded live link (requests in flight on its engine, then turns).
+//! - **Exactly once, held back:** a read is reported once every rail's part
+//!   of it was reported by that rail's engine — itself only after all of its
+//!   handles stopped — so a failure on one rail is reported after the
+//!   siblings on the others stopped, and a request is reported once. The
+//!   façade runs on the engine thread and is the only reader of the rails'
+//!   reports: no lock, and no shared state between pollers.
+//! - **A rail that fails** fails only the parts on it. A link whose part
+//!   failed for a reason of the link (transfer error, deadline, stalled or
+//!   lost peer) is left out of new reads for [`RailsBuilder::relink_after`];
+//!   a lost peer is added again to that rail then, from the metadata it
+//!   gave. A read is not retried on another rail: its lender's lend on that
+//!   rail may already be finished by this read's own note there.
+//!
+//! Only reads and lends go over rails; writes and receives are one engine's
+//! ([`Engine`]).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::engine::{
+    BuildError, Engine, EngineBuilder, Outcomes, PartTransfer, PeerError, PollerStats, RegionError,
+    SubmitError, Transfer,
+};
+use crate::ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId};
+
+/// Most rails one engine drives.
+pub const MAX_RAILS: usize = 16;
+const MAGIC: [u8; 2] = *b"KR";
+const VERSION: u8 = 1;
+/// Most bytes one rail's metadata may take in the frame.
+const MAX_RAIL_METADATA: usize = 1 << 20;
+/// Byte ranges of a striped block start on this boundary.
+const STRIPE_ALIGN: u64 = 64;
+
+/// Why the rails refused something. Nothing changed.
+#[derive(Debug, Error)]
+pub enum RailsError {
+    /// No rail was given, or more than [`MAX_RAILS`].
+    #[error("{0} rails given: 1 to {MAX_RAILS} are accepted")]
+    RailCount(usize),
+    /// A rail's builder names another block size than rail 0's.
+    #[error("rail {rail} has block size {theirs}, rail 0 has {ours}")]
+    BlockSizes {
+        /// The rail.
+        rail: usize,
+        /// Rail 0's block size.
+        ours: u64,
+        /// This rail's.
+        theirs: u64,
+    },
+    /// A rail's engine did not start.
+    #[error("rail {rail}: {error}")]
+    Build {
+        /// The rail.
+        rail: usize,
+        /// Why.
+        error: BuildError,
+    },
+    /// The memory could not be registered on a rail.
+    #[error("rail {rail}: {error}")]
+    Region {
+        /// The rail.
+        rail: usize,
+        /// Why.
+        error: RegionError,
+    },
+    /// No memory for a region of this many bytes.
+    #[error("cannot allocate a region of {0} bytes")]
+    NoMemory(usize),
+    /// A rail could not say its metadata.
+    #[error("rail {rail}: {error}")]
+    Metadata {
+        /// The rail.
+        rail: usize,
+        /// Why.
+        error: PeerError,
+    },
+    /// The rails frame of a peer's metadata is malformed.
+    #[error("rails metadata: {0}")]
+    BadFrame(&'static str),
+    /// No rail of this side took the peer's metadata for its own rail.
+    #[error("no rail reaches the peer: {}", describe(.0))]
+    Unreachable(Vec<(usize, PeerError)>),
+    /// A handle names a peer [`Rails::add_peer`] did not give out.
+    #[error("handle {handle}: unknown peer {}", .peer.0)]
+    UnknownPeer {
+        /// The handle.
+        handle: usize,
+        /// The peer named.
+        peer: PeerId,
+    },
+    /// Every link to a handle's peer is down (left out until it relinks).
+    #[error("handle {handle}: no live rail to peer {}", .peer.0)]
+    NoLiveRail {
+        /// The handle.
+        handle: usize,
+        /// The peer.
+        peer: PeerId,
+    },
+    /// A read names no handle.
+    #[error("no handles given: a read moves at least one")]
+    NoHandles,
+    /// No request of this id is in flight on the rails.
+    #[error("request {} is not in flight", .0.0)]
+    UnknownRequest(RequestId),
+    /// A request of this id is in flight on the rails.
+    #[error("request {} is already in flight", .0.0)]
+    Duplicate(RequestId),
+    /// A rail's engine refused its part; the parts other rails took are
+    /// aborted, and the request is not reported.
+    #[error("rail {rail}: {error}")]
+    Submit {
+        /// The rail.
+        rail: usize,
+        /// Why.
+        error: SubmitError,
+    },
+}
+
+fn describe(errors: &[(usize, PeerError)]) -> String {
+    if errors.is_empty() {
+        return "the peer announces no rail this side has".into();
+    }
+    let parts: Vec<String> = errors
+        .iter()
+        .map(|(r, e)| format!("rail {r}: {e}"))
+        .collect();
+    parts.join("; ")
+}
+
+/// Builds [`Rails`]: one [`EngineBuilder`] per rail.
+#[derive(Debug, Clone)]
+pub struct RailsBuilder {
+    rails: Vec<(Option<String>, EngineBuilder)>,
+    stripe_above: u64,
+    relink_after: Duration,
+}
+
+impl Default for RailsBuilder {
+    fn default() -> Self {
+        Self {
+            rails: Vec::new(),
+            stripe_above: 4 << 20,
+            relink_after: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RailsBuilder {
+    /// Adds a rail: an engine built from `engine` (its core, idle policy,
+    /// UCX options, …), its UCX context bound to network device `device`
+    /// (`UCX_NET_DEVICES`, e.g. `"mlx5_0:1"` or `"eth1"`) where given.
+    /// Every rail must have the same block size.
+    pub fn rail(mut self, device: Option<&str>, engine: EngineBuilder) -> Self {
+        self.rails.push((device.map(str::to_owned), engine));
+        self
+    }
+
+    /// Reads of at least this many bytes are striped across every live
+    /// link of each handle's peer; smaller ones go whole to one link.
+    /// Default 4 MiB.
+    pub fn stripe_above(mut self, bytes: u64) -> Self {
+        self.stripe_above = bytes;
+        self
+    }
+
+    /// How long a link whose part of a read failed for a reason of the link
+    /// is left out of new reads (and when a lost peer is added again to it).
+    /// Default 1 s.
+    pub fn relink_after(mut self, d: Duration) -> Self {
+        self.relink_after = d;
+        self
+    }
+
+    /// Starts every rail's engine (and poller).
+    pub fn build(self) -> Result<Rails, RailsError> {
+        let n = self.rails.len();
+        if n == 0 || n > MAX_RAILS {
+            return Err(RailsError::RailCount(n));
+        }
+        let ours = self.rails[0].1.block_size_of();
+        let mut rails = Vec::with_capacity(n);
+        for (i, (device, builder)) in self.rails.into_iter().enumerate() {
+            let theirs = builder.block_size_of();
+            if theirs != ours {
+                return Err(RailsError::BlockSizes {
+                    rail: i,
+                    ours,
+                    theirs,
+                });
+            }
+            let builder = match &device {
+                Some(d) => builder.net_device(d),
+                None => builder,
+            };
+            let engine = builder
+                .build()
+                .map_err(|error| RailsError::Build { rail: i, error })?;
+            rails.push(Rail {
+                engine,
+                device,
+                counters: RailCounters::default(),
+            });
+        }
+        Ok(Rails {
+            rails,
+            peers: Vec::new(),
+            reads: HashMap::new(),
+            lends: HashMap::new(),
+            scratch: Outcomes::default(),
+            stripe_above: self.stripe_above,
+            relink_after: self.relink_after,
+            block_size: ours,
+            turn: 0,
+            memory: Vec::new(),
+        })
+    }
+}
+
+/// What one rail did, for an operator: its device, its poller's counters,
+/// and the façade's count of its parts and links.
+#[derive(Debug, Clone)]
+pub struct RailStats {
+    /// The rail's network device (`None`: UCX chose).
+    pub device: Option<String>,
+    /// The core its poller is pinned to, if it is.
+    pub core: Option<usize>,
+    /// Its poller's counters (bytes moved, operations, …).
+    pub poller: PollerStats,
+    /// Parts of reads this rail carried that ended well.
+    pub parts_finished: u64,
+    /// Parts of reads this rail carried that failed.
+    pub parts_failed: u64,
+    /// Links of this rail left out after a failure of the link.
+    pub links_down: u64,
+    /// Lost peers added again to this rail.
+    pub relinks: u64,
+    /// Links of this rail usable now.
+    pub links_up: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct RailCounters {
+    parts_finished: u64,
+    parts_failed: u64,
+    links_down: u64,
+    relinks: u64,
+}
+
+struct Rail {
+    engine: Engine,
+    device: Option<String>,
+    counters: RailCounters,
+}
+
+/// One peer's rail on this side.
+struct Link {
+    /// The peer's id on this rail's engine; `None` once lost (added again
+    /// at `down_until`).
+    peer: Option<PeerId>,
+    /// The peer's metadata for this rail, to add it again.
+    metadata: Vec<u8>,
+    /// Left out of new reads until then.
+    down_until: Option<Instant>,
+}
+
+struct RailPeer {
+    /// By rail index; `None`: the rail does not reach the peer.
+    links: Vec<Option<Link>>,
+}
+
+impl RailPeer {
+    fn live(&self, rail: usize, now: Instant) -> Option<PeerId> {
+        let link = self.links.get(rail)?.as_ref()?;
+        match link.down_until {
+            Some(t) if t > now => None,
+            _ => link.peer,
+        }
+    }
+}
+
+/// A read in flight on the rails.
+struct Read {
+    /// Rails with a part still unreported (bit per rail).
+    outstanding: u32,
+    /// The first failure of a part.
+    failure: Option<Reason>,
+    /// Local blocks failed parts named.
+    invalid: Vec<BlockId>,
+    /// Per rail, its part's handle `i` is the caller's handle `map[i]`.
+    map: Vec<Vec<u8>>,
+    /// Each lender (peer, lend) and the rails the read went through to it.
+    lenders: Vec<(PeerId, Incarnation, u32)>,
+    /// Submitting failed: the parts that went are aborted, and the read
+    /// is not reported.
+    withdrawn: bool,
+}
+
+/// A lend on the rails.
+struct Lend {
+    /// Rails whose lend is still unreported (bit per rail).
+    outstanding: u32,
+    /// A rail's lend finished: its readers all reported.
+    finished: bool,
+    /// A rail's lend failed, and why (the first).
+    failed: Option<Reason>,
+    /// Lending failed on a rail: the rails that took it are aborted, and
+    /// the lend is not reported.
+    withdrawn: bool,
+}
+
+/// Caller memory this façade allocated and registered on every rail;
+/// freed after the rails' engines are gone.
+struct Region {
+    base: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the region is plain heap memory owned by this value; the engines
+// that use it are dropped before it (field order in `Rails`).
+unsafe impl Send for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: allocated with this layout in `Rails::register`.
+        unsafe { std::alloc::dealloc(self.base, self.layout) };
+    }
+}
+
+/// Several engines, one per rail, behind one engine-thread API for reads
+/// and lends. See the module documentation.
+pub struct Rails {
+    // Field order is drop order: the engines (and their pollers) go before
+    // the memory they registered.
+    rails: Vec<Rail>,
+    peers: Vec<RailPeer>,
+    reads: HashMap<RequestId, Read>,
+    lends: HashMap<RequestId, Lend>,
+    scratch: Outcomes,
+    stripe_above: u64,
+    relink_after: Duration,
+    block_size: u64,
+    turn: usize,
+    memory: Vec<Region>,
+}
+
+impl Rails {
+    /// A builder with no rail yet.
+    pub fn builder() -> RailsBuilder {
+        RailsBuilder::default()
+    }
+
+    /// How many rails.
+    pub fn rails(&self) -> usize {
+        self.rails.len()
+    }
+
+    /// The block size (every rail's).
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// One rail's engine (its metrics, its poller's core).
+    pub fn rail(&self, i: usize) -> Option<&Engine> {
+        self.rails.get(i).map(|r| &r.engine)
+    }
+
+    /// Allocates `blocks` zeroed blocks and registers them on every rail
+    /// as one region. Returns the region's index.
+    pub fn register(&mut self, blocks: u64) -> Result<usize, RailsError> {
+        let len = blocks
+            .checked_mul(self.block_size)
+            .and_then(|l| usize::try_from(l).ok())
+            .filter(|&l| l > 0)
+            .ok_or(RailsError::NoMemory(0))?;
+        let layout = std::alloc::Layout::from_size_align(len, 4096)
+            .map_err(|_| RailsError::NoMemory(len))?;
+        // SAFETY: `len` is not zero.
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
+            return Err(RailsError::NoMemory(len));
+        }
+        let region = Region { base, layout };
+        // SAFETY: the region stays allocated, in place, until after every
+        // engine is dropped (`Rails`' field order).
+        let index = unsafe { self.register_memory(region.base, len)? };
+        self.memory.push(region);
+        Ok(index)
+    }
+
+    /// Registers caller memory on every rail as one region
+    /// ([`Engine::register_memory`]).
+    ///
+    /// # Safety
+    /// As [`Engine::register_memory`], for the lifetime of these rails.
+    pub unsafe fn register_memory(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+    ) -> Result<usize, RailsError> {
+        let mut index = 0;
+        for (i, rail) in self.rails.iter_mut().enumerate() {
+            // SAFETY: the caller's guarantee.
+            index = unsafe { rail.engine.register_memory(base, len) }
+                .map_err(|error| RailsError::Region { rail: i, error })?;
+        }
+        Ok(index)
+    }
+
+    /// Writes block `block` of region `region` (the same bytes on every
+    /// rail).
+    pub fn write_block(
+        &self,
+        region: usize,
+        block: BlockId,
+        data: &[u8],
+    ) -> Result<(), RegionError> {
+        self.rails[0].engine.write_block(region, block, data)
+    }
+
+    /// Reads block `block` of region `region`.
+    pub fn read_block(
+        &self,
+        region: usize,
+        block: BlockId,
+        out: &mut [u8],
+    ) -> Result<(), RegionError> {
+        self.rails[0].engine.read_block(region, block, out)
+    }
+
+    /// Every rail's metadata in one frame, for the peers' [`Rails::add_peer`]:
+    ///
+    /// ```text
+    /// 2  magic "KR"
+    /// 1  version (1)
+    /// 1  rails (1 to MAX_RAILS)
+    /// then per rail: u32 length (little endian), that rail's engine metadata
+    /// ```
+    pub fn local_metadata(&self) -> Result<Vec<u8>, RailsError> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&MAGIC);
+        out.push(VERSION);
+        out.push(self.rails.len() as u8);
+        for (i, rail) in self.rails.iter().enumerate() {
+            let m = rail
+                .engine
+                .local_metadata()
+                .map_err(|error| RailsError::Metadata { rail: i, error })?;
+            out.extend_from_slice(&(m.len() as u32).to_le_bytes());
+            out.extend_from_slice(&m);
+        }
+        Ok(out)
+    }
+
+    /// Adds a peer from its [`Rails::local_metadata`]: this side's rail `i`
+    /// links to the peer's rail `i` where both exist and this rail's engine
+    /// takes that rail's metadata. Refused, changing nothing, when the frame
+    /// is malformed or no rail takes the peer.
+    pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, RailsError> {
+        let theirs = split_frame(metadata)?;
+        let mut links = Vec::with_capacity(self.rails.len());
+        let mut refused = Vec::new();
+        for (i, rail) in self.rails.iter_mut().enumerate() {
+            let Some(m) = theirs.get(i) else {
+                links.push(None);
+                continue;
+            };
+            match rail.engine.add_peer(m) {
+                Ok(peer) => links.push(Some(Link {
+                    peer: Some(peer),
+                    metadata: m.to_vec(),
+                    down_until: None,
+                })),
+                Err(e) => {
+                    refused.push((i, e));
+                    links.push(None);
+                }
+            }
+        }
+        if links.iter().all(Option::is_none) {
+            return Err(RailsError::Unreachable(refused));
+        }
+        for (i, e) in &refused {
+            tracing::warn!(rail = i, error = %e, "a rail does not reach the peer");
+        }
+        self.peers.push(RailPeer { links });
+        Ok(PeerId(self.peers.len() as u32 - 1))
+    }
+
+    /// Whether rail `rail` links to `peer` and is not left out now.
+    pub fn link_up(&self, peer: PeerId, rail: usize) -> bool {
+        self.peers
+            .get(peer.0 as usize)
+            .is_some_and(|p| p.live(rail, Instant::now()).is_some())
+    }
+
+    /// Lends `blocks` on every rail under one incarnation ([`Engine::lend`]):
+    /// hand it to the readers with the block ids. Reported (in
+    /// `finished_sending`, or `expired`) once every rail's lend ended.
+    pub fn lend(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        readers: u32,
+        lease: Duration,
+    ) -> Result<Incarnation, RailsError> {
+        if self.lends.contains_key(&id) {
+            return Err(RailsError::Duplicate(id));
+        }
+        let token = Incarnation::draw();
+        let mut outstanding = 0u32;
+        for (i, rail) in self.rails.iter_mut().enumerate() {
+            if let Err(error) = rail.engine.lend_with(id, blocks, readers, lease, token) {
+                self.withdraw_lend(id, outstanding);
+                return Err(RailsError::Submit { rail: i, error });
+            }
+            outstanding |= 1 << i;
+        }
+        self.lends.insert(
+            id,
+            Lend {
+                outstanding,
+                finished: false,
+                failed: None,
+                withdrawn: false,
+            },
+        );
+        Ok(token)
+    }
+
+    /// Aborts the lends of `id` on the rails in `mask`, whose reports are
+    /// then taken without a report of the whole.
+    fn withdraw_lend(&mut self, id: RequestId, mask: u32) {
+        if mask == 0 {
+            return;
+        }
+        for r in bits(mask) {
+            let _ = self.rails[r].engine.abort(id);
+        }
+        self.lends.insert(
+            id,
+            Lend {
+                outstanding: mask,
+                finished: false,
+                failed: None,
+                withdrawn: true,
+            },
+        );
+    }
+
+    /// Reads `handles` (peers from [`Rails::add_peer`], incarnations from
+    /// the lender's [`Rails::lend`]) under each rail engine's read
+    /// deadline: striped across live links at or above
+    /// [`RailsBuilder::stripe_above`] bytes, whole on the least loaded live
+    /// link below. Reported once, in `finished_recving` or
+    /// `failed_recving`, after every rail's part was.
+    pub fn read(&mut self, id: RequestId, handles: &[Transfer<'_>]) -> Result<(), RailsError> {
+        if handles.is_empty() {
+            return Err(RailsError::NoHandles);
+        }
+        if self.reads.contains_key(&id) || self.lends.contains_key(&id) {
+            return Err(RailsError::Duplicate(id));
+        }
+        let now = Instant::now();
+        let n = self.rails.len();
+        let mut live = Vec::with_capacity(handles.len());
+        for (h, t) in handles.iter().enumerate() {
+            let peer = self
+                .peers
+                .get(t.peer.0 as usize)
+                .ok_or(RailsError::UnknownPeer {
+                    handle: h,
+                    peer: t.peer,
+                })?;
+            let mask = (0..n)
+                .filter(|&r| peer.live(r, now).is_some())
+                .fold(0u32, |m, r| m | 1 << r);
+            if mask == 0 {
+                return Err(RailsError::NoLiveRail {
+                    handle: h,
+                    peer: t.peer,
+                });
+            }
+            live.push(mask);
+        }
+        let bs = self.block_size;
+        let bytes: u64 = handles.iter().map(|t| t.local.len() as u64 * bs).sum();
+        let stripe = bytes >= self.stripe_above && live.iter().any(|m| m.count_ones() > 1);
+        let mut map = vec![Vec::new(); n];
+        let mut whole: Vec<Vec<Transfer<'_>>> = vec![Vec::new(); n];
+        let mut parts: Vec<Vec<PartTransfer<'_>>> = vec![Vec::new(); n];
+        let mut load: Vec<usize> = self.rails.iter().map(|r| r.engine.in_flight()).collect();
+        let mut lenders: Vec<(PeerId, Incarnation, u32)> = Vec::new();
+        for (h, t) in handles.iter().enumerate() {
+            let peer = &self.peers[t.peer.0 as usize];
+            let chosen = if stripe {
+                live[h]
+            } else {
+                let r = (0..n)
+                    .map(|k| (self.turn + k) % n)
+                    .filter(|&r| live[h] & 1 << r != 0)
+                    .min_by_key(|&r| load[r])
+                    .expect("a live rail");
+                load[r] += 1;
+                1 << r
+            };
+            let k = u64::from(chosen.count_ones());
+            let chunk = bs.div_ceil(k).next_multiple_of(STRIPE_ALIGN);
+            let mut used = 0u32;
+            for (j, r) in bits(chosen).enumerate() {
+                let sub = Transfer {
+                    peer: peer.live(r, now).expect("a live link"),
+                    ..*t
+                };
+                if stripe {
+                    let lo = (j as u64 * chunk).min(bs);
+                    let hi = (lo + chunk).min(bs);
+                    if lo >= hi {
+                        continue;
+                    }
+                    parts[r].push(sub.part(lo..hi, lo..hi));
+                } else {
+                    whole[r].push(sub);
+                }
+                map[r].push(h as u8);
+                used |= 1 << r;
+            }
+            match lenders.iter_mut().find(|l| l.0 == t.peer && l.1 == t.lend) {
+                Some(l) => l.2 |= used,
+                None => lenders.push((t.peer, t.lend, used)),
+            }
+        }
+        self.turn = (self.turn + 1) % n;
+        let mut outstanding = 0u32;
+        for r in 0..n {
+            let engine = &mut self.rails[r].engine;
+            let submitted = if stripe {
+                if parts[r].is_empty() {
+                    continue;
+                }
+                engine.read_parts(id, &parts[r], None)
+            } else {
+                if whole[r].is_empty() {
+                    continue;
+                }
+                engine.read(id, &whole[r])
+            };
+            if let Err(error) = submitted {
+                for q in bits(outstanding) {
+                    let _ = self.rails[q].engine.abort(id);
+                }
+                if outstanding != 0 {
+                    self.reads.insert(
+                        id,
+                        Read {
+                            outstanding,
+                            failure: None,
+                            invalid: Vec::new(),
+                            map,
+                            lenders,
+                            withdrawn: true,
+                        },
+                    );
+                }
+                return Err(RailsError::Submit { rail: r, error });
+            }
+            outstanding |= 1 << r;
+        }
+        self.reads.insert(
+            id,
+            Read {
+                outstanding,
+                failure: None,
+                invalid: Vec::new(),
+                map,
+                lenders,
+                withdrawn: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// Aborts request `id` (a read or a lend) on every rail it is still in
+    /// flight on; it is reported as its parts are.
+    pub fn abort(&mut self, id: RequestId) -> Result<(), RailsError> {
+        let mask = match (self.reads.get(&id), self.lends.get(&id)) {
+            (Some(r), _) => r.outstanding,
+            (None, Some(l)) => l.outstanding,
+            (None, None) => return Err(RailsError::UnknownRequest(id)),
+        };
+        for r in bits(mask) {
+            // A part its rail already reported is not in flight there.
+            let _ = self.rails[r].engine.abort(id);
+        }
+        Ok(())
+    }
+
+    /// Requests submitted on the rails and not yet reported.
+    pub fn in_flight(&self) -> usize {
+        self.reads.len() + self.lends.len()
+    }
+
+    /// Collects what the rails reported since the last poll into `out`
+    /// (appended), each request once, after all of its parts were
+    /// reported. Returns the number of reports added. Also adds lost peers
+    /// again to their rails once [`RailsBuilder::relink_after`] passed.
+    ///
+    /// A peer appears in `peers_lost` when its last live link was lost;
+    /// it is added again on every rail from the metadata it gave (a peer
+    /// that restarted must be added again with its new metadata).
+    pub fn poll(&mut self, out: &mut Outcomes) -> usize {
+        let before = reports(out);
+        let now = Instant::now();
+        for r in 0..self.rails.len() {
+            self.scratch.clear();
+            if self.rails[r].engine.poll(&mut self.scratch) == 0 {
+                continue;
+            }
+            let scratch = std::mem::take(&mut self.scratch);
+            self.take(r, &scratch, out, now);
+            self.scratch = scratch;
+        }
+        self.relink(now);
+        reports(out) - before
+    }
+
+    /// [`Rails::poll`], waiting up to `timeout` for something to report:
+    /// blocks in the busiest rail's [`Engine::wait`] a millisecond at a
+    /// time, polling every rail in between.
+    pub fn wait(&mut self, out: &mut Outcomes, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let before = reports(out);
+        loop {
+            self.poll(out);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if reports(out) > before || left.is_zero() {
+                return reports(out) - before;
+            }
+            let r = (0..self.rails.len())
+                .max_by_key(|&r| self.rails[r].engine.in_flight())
+                .unwrap_or(0);
+            self.scratch.clear();
+            if self.rails[r]
+                .engine
+                .wait(&mut self.scratch, left.min(Duration::from_millis(1)))
+                > 0
+            {
+                let scratch = std::mem::take(&mut self.scratch);
+                self.take(r, &scratch, out, Instant::now());
+                self.scratch = scratch;
+            }
+        }
+    }
+
+    /// Stops every rail's engine ([`Engine::shutdown`]); poll after it for
+    /// the last reports.
+    pub fn shutdown(&mut self) {
+        for rail in &mut self.rails {
+            rail.engine.shutdown();
+        }
+    }
+
+    /// Per rail: its device, poller counters, parts and links.
+    pub fn stats(&self) -> Vec<RailStats> {
+        let now = Instant::now();
+        self.rails
+            .iter()
+            .enumerate()
+            .map(|(r, rail)| RailStats {
+                device: rail.device.clone(),
+                core: rail.engine.poller_core(),
+                poller: rail.engine.poller_stats(),
+                parts_finished: rail.counters.parts_finished,
+                parts_failed: rail.counters.parts_failed,
+                links_down: rail.counters.links_down,
+                relinks: rail.counters.relinks,
+                links_up: self
+                    .peers
+                    .iter()
+                    .filter(|p| p.live(r, now).is_some())
+                    .count(),
+            })
+            .collect()
+    }
+
+    /// One rail's reports, folded into the whole requests'.
+    fn take(&mut self, r: usize, s: &Outcomes, out: &mut Outcomes, now: Instant) {
+        for &(id, h, reason) in &s.handle_failures {
+            let caller = self
+                .reads
+                .get(&id)
+                .and_then(|read| read.map[r].get(h as usize).copied());
+            if let Some(h) = caller {
+                out.handle_failures.push((id, h, reason));
+            }
+        }
+        for &id in &s.finished_recving {
+            self.part_ended(r, id, None, &[], out, now);
+        }
+        for f in &s.failed_recving {
+            self.part_ended(r, f.id, Some(f.reason), s.blocks_of(f), out, now);
+        }
+        for &id in &s.finished_sending {
+            self.lend_ended(r, id, LendEnd::Finished, out);
+        }
+        for f in &s.failed_sending {
+            self.lend_ended(r, f.id, LendEnd::Failed(f.reason), out);
+        }
+        for &id in &s.expired {
+            self.lend_ended(r, id, LendEnd::Expired, out);
+        }
+        for &(peer, reason) in &s.peers_lost {
+            self.link_lost(r, peer, reason, out, now);
+        }
+    }
+
+    /// Rail `r` reported its part of read `id`.
+    fn part_ended(
+        &mut self,
+        r: usize,
+        id: RequestId,
+        failure: Option<Reason>,
+        blocks: &[BlockId],
+        out: &mut Outcomes,
+        now: Instant,
+    ) {
+        let Some(read) = self.reads.get_mut(&id) else {
+            return;
+        };
+        if read.outstanding & 1 << r == 0 {
+            return;
+        }
+        read.outstanding &= !(1 << r);
+        let counters = &mut self.rails[r].counters;
+        match failure {
+            None => counters.parts_finished += 1,
+            Some(reason) => {
+                counters.parts_failed += 1;
+                read.failure.get_or_insert(reason);
+                read.invalid.extend_from_slice(blocks);
+                if of_the_link(reason.cause) {
+                    for &(peer, _, used) in &read.lenders {
+                        if used & 1 << r == 0 {
+                            continue;
+                        }
+                        if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
+                            if link.down_until.is_none_or(|t| t <= now) {
+                                counters.links_down += 1;
+                            }
+                            link.down_until = Some(now + self.relink_after);
+                        }
+                    }
+                }
+            }
+        }
+        if read.outstanding != 0 {
+            return;
+        }
+        let Some(read) = self.reads.remove(&id) else {
+            return;
+        };
+        if read.withdrawn {
+            return;
+        }
+        // Each lender's lend on a rail this read did not go through waits
+        // for this reader's word there: give it, so its blocks go free now
+        // rather than at its lease's end.
+        for &(peer, lend, used) in &read.lenders {
+            for (q, link) in self.peers[peer.0 as usize].links.iter().enumerate() {
+                let Some(to) = link.as_ref().and_then(|l| l.peer) else {
+                    continue;
+                };
+                if used & 1 << q == 0 {
+                    let _ = self.rails[q].engine.notify_only(id, &[(to, lend)]);
+                }
+            }
+        }
+        match read.failure {
+            None => out.finished_recving.push(id),
+            Some(reason) => {
+                let mut invalid = read.invalid;
+                invalid.sort_unstable();
+                invalid.dedup();
+                let start = out.invalid_blocks.len();
+                out.invalid_blocks.extend(invalid);
+                out.failed_recving.push(crate::engine::FailedRecv {
+                    id,
+                    reason,
+                    blocks: start..out.invalid_blocks.len(),
+                });
+            }
+        }
+    }
+
+    /// Rail `r` reported its lend of `id`.
+    fn lend_ended(&mut self, r: usize, id: RequestId, end: LendEnd, out: &mut Outcomes) {
+        let Some(lend) = self.lends.get_mut(&id) else {
+            return;
+        };
+        if lend.outstanding & 1 << r == 0 {
+            return;
+        }
+        lend.outstanding &= !(1 << r);
+        match end {
+            LendEnd::Finished => lend.finished = true,
+            LendEnd::Failed(reason) => {
+                lend.failed.get_or_insert(reason);
+            }
+            LendEnd::Expired => {}
+        }
+        if lend.outstanding != 0 {
+            return;
+        }
+        let Some(lend) = self.lends.remove(&id) else {
+            return;
+        };
+        if lend.withdrawn {
+            return;
+        }
+        match (lend.finished, lend.failed) {
+            (true, _) => out.finished_sending.push(id),
+            (false, Some(reason)) => out
+                .failed_sending
+                .push(crate::engine::FailedSend { id, reason }),
+            (false, None) => out.expired.push(id),
+        }
+    }
+
+    /// Rail `r`'s engine lost `lost`: the link is down until it is added
+    /// again; the peer is reported lost when no link of it is left.
+    fn link_lost(
+        &mut self,
+        r: usize,
+        lost: PeerId,
+        reason: Reason,
+        out: &mut Outcomes,
+        now: Instant,
+    ) {
+        let relink = now + self.relink_after;
+        for (p, peer) in self.peers.iter_mut().enumerate() {
+            let Some(Some(link)) = peer.links.get_mut(r) else {
+                continue;
+            };
+            if link.peer != Some(lost) {
+                continue;
+            }
+            link.peer = None;
+            link.down_until = Some(relink);
+            self.rails[r].counters.links_down += 1;
+            if peer.links.iter().flatten().all(|l| l.peer.is_none()) {
+                out.peers_lost.push((PeerId(p as u32), reason));
+            }
+            return;
+        }
+    }
+
+    /// Links whose time out is over are used again; a lost peer is added
+    /// again to its rail first.
+    fn relink(&mut self, now: Instant) {
+        for peer in &mut self.peers {
+            for (r, link) in peer.links.iter_mut().enumerate() {
+                let Some(link) = link else {
+                    continue;
+                };
+                match link.down_until {
+                    Some(t) if t <= now => {}
+                    _ => continue,
+                }
+                if link.peer.is_some() {
+                    link.down_until = None;
+                    continue;
+                }
+                match self.rails[r].engine.add_peer(&link.metadata) {
+                    Ok(p) => {
+                        link.peer = Some(p);
+                        link.down_until = None;
+                        self.rails[r].counters.relinks += 1;
+                    }
+                    Err(e) => {
+                        tracing::debug!(rail = r, error = %e, "adding a lost peer again");
+                        link.down_until = Some(now + self.relink_after);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum LendEnd {
+    Finished,
+    Failed(Reason),
+    Expired,
+}
+
+/// Whether a part that failed so says something of its link (rather than
+/// of the lend, the caller or the engine).
+fn of_the_link(cause: Cause) -> bool {
+    matches!(
+        cause,
+        Cause::Transfer | Cause::PeerLost | Cause::Deadline | Cause::PeerStalled
+    )
+}
+
+/// The reports in `out` (every list but the invalid blocks).
+fn reports(out: &Outcomes) -> usize {
+    out.finished_recving.len()
+        + out.failed_recving.len()
+        + out.finished_sending.len()
+        + out.failed_sending.len()
+        + out.expired.len()
+        + out.handle_failures.len()
+        + out.peers_lost.len()
+}
+
+/// The set bits of `mask`, lowest first.
+fn bits(mask: u32) -> impl Iterator<Item = usize> {
+    (0..32).filter(move |i| mask & 1 << i != 0)
+}
+
+/// Each rail's metadata in a rails frame ([`Rails::local_metadata`]),
+/// checked: nothing is taken from a frame that is not whole.
+fn split_frame(bytes: &[u8]) -> Result<Vec<&[u8]>, RailsError> {
+    let bad = RailsError::BadFrame;
+    if bytes.len() < 4 {
+        return Err(bad("shorter than its header"));
+    }
+    if bytes[0..2] != MAGIC {
+        return Err(bad("not a rails frame"));
+    }
+    if bytes[2] != VERSION {
+        return Err(bad("of an unknown version"));
+    }
+    let n = usize::from(bytes[3]);
+    if n == 0 || n > MAX_RAILS {
+        return Err(bad("rail count out of range"));
+    }
+    let mut rest = &bytes[4..];
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let Some((len, tail)) = rest.split_first_chunk::<4>() else {
+            return Err(bad("truncated in a rail's length"));
+        };
+        let len = u32::from_le_bytes(*len) as usize;
+        if len == 0 || len > MAX_RAIL_METADATA {
+            return Err(bad("a rail's metadata length is out of range"));
+        }
+        if tail.len() < len {
+            return Err(bad("truncated in a rail's metadata"));
+        }
+        out.push(&tail[..len]);
+        rest = &tail[len..];
+    }
+    if !rest.is_empty() {
+        return Err(bad("bytes after the last rail"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(rails: &[&[u8]]) -> Vec<u8> {
+        let mut out = vec![b'K', b'R', VERSION, rails.len() as u8];
+        for r in rails {
+            out.extend_from_slice(&(r.len() as u32).to_le_bytes());
+            out.extend_from_slice(r);
+        }
+        out
+    }
+
+    #[test]
+    fn a_frame_splits_into_its_rails() {
+        let f = frame(&[b"abc", b"de"]);
+        assert_eq!(split_frame(&f).unwrap(), vec![&b"abc"[..], &b"de"[..]]);
+    }
+
+    #[test]
+    fn every_damaged_frame_is_refused_with_why() {
+        let good = frame(&[b"abc", b"de"]);
+        let mut cases: Vec<(Vec<u8>, &str)> = vec![
+            (good[..3].to_vec(), "header"),
+            (good[..good.len() - 1].to_vec(), "truncated"),
+            ([&good[..], b"x"].concat(), "after the last rail"),
+            (frame(&[]), "rail count"),
+            (frame(&[b""]), "length"),
+        ];
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        cases.push((magic, "not a rails frame"));
+        let mut version = good.clone();
+        version[2] = 9;
+        cases.push((version, "version"));
+        let mut count = good.clone();
+        count[3] = 3;
+        cases.push((count, "truncated"));
+        let mut huge = good.clone();
+        huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        cases.push((huge, "length"));
+        cases.push((frame(&vec![&b"a"[..]; MAX_RAILS + 1]), "rail count"));
+        for (bytes, why) in cases {
+            match split_frame(&bytes) {
+                Err(RailsError::BadFrame(w)) => assert!(w.contains(why), "{w} for {why}"),
+                other => panic!("{why}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn bits_are_listed_lowest_first() {
+        assert_eq!(bits(0b1010_0001).collect::<Vec<_>>(), vec![0, 5, 7]);
+        assert_eq!(bits(0).count(), 0);
+    }
+}

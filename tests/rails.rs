@@ -1,0 +1,405 @@
+//! Rails over real UCX, in one process: a lender and a reader of two rails
+//! each (tcp, both bound to the loopback device), reads striped across
+//! both or sent whole to one, each request reported once, after every
+//! rail's part of it, and a rail whose part failed left out and then used
+//! again.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::pattern;
+use kvpoll::ledger::{BlockId, Cause, RequestId};
+use kvpoll::rails::{Rails, RailsBuilder, RailsError};
+use kvpoll::transport::ucx::ContextOptions;
+use kvpoll::{EngineBuilder, Outcomes, Transfer};
+
+const BLOCK: u64 = 64 * 1024;
+const BLOCKS: u64 = 64;
+const SEED: u64 = 0x5eed_0046;
+
+fn rail_engine() -> EngineBuilder {
+    kvpoll::Engine::builder()
+        .block_size(BLOCK)
+        .ucx(ContextOptions::with_transports("tcp"))
+}
+
+fn two_rails(builder: RailsBuilder, first: EngineBuilder) -> Rails {
+    let mut rails = builder
+        .rail(Some("lo"), first)
+        .rail(Some("lo"), rail_engine())
+        .build()
+        .expect("rails");
+    rails.register(BLOCKS).expect("memory");
+    rails
+}
+
+/// A lender with every block filled, and a reader that added it.
+fn pair(
+    reader: RailsBuilder,
+    reader_rail0: EngineBuilder,
+) -> (Rails, Rails, kvpoll::ledger::PeerId) {
+    let lender = two_rails(Rails::builder(), rail_engine());
+    let mut buf = vec![0u8; BLOCK as usize];
+    for b in 0..BLOCKS as u32 {
+        pattern::fill(SEED, u64::from(b), &mut buf);
+        lender.write_block(0, BlockId(b), &buf).unwrap();
+    }
+    let mut reader = two_rails(reader, reader_rail0);
+    let peer = reader
+        .add_peer(&lender.local_metadata().unwrap())
+        .expect("the lender's rails");
+    (lender, reader, peer)
+}
+
+fn blocks(range: std::ops::Range<u32>) -> Vec<BlockId> {
+    range.map(BlockId).collect()
+}
+
+/// Polls both sides until `done`, or `guard` passed.
+fn settle(
+    a: &mut Rails,
+    ao: &mut Outcomes,
+    b: &mut Rails,
+    bo: &mut Outcomes,
+    guard: Duration,
+    done: impl Fn(&Outcomes, &Outcomes) -> bool,
+) -> bool {
+    let t = Instant::now();
+    loop {
+        a.poll(ao);
+        b.poll(bo);
+        if done(ao, bo) {
+            return true;
+        }
+        if t.elapsed() > guard {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn holds(reader: &Rails, local: &[BlockId], remote: &[BlockId]) -> bool {
+    let mut buf = vec![0u8; BLOCK as usize];
+    local.iter().zip(remote).all(|(l, r)| {
+        reader.read_block(0, *l, &mut buf).unwrap();
+        pattern::check(SEED, u64::from(r.0), &buf)
+    })
+}
+
+fn count(list: &[RequestId], id: RequestId) -> usize {
+    list.iter().filter(|&&i| i == id).count()
+}
+
+#[test]
+fn a_striped_read_moves_bytes_on_both_rails_lands_every_byte_and_each_side_reports_once() {
+    let (mut lender, mut reader, peer) =
+        pair(Rails::builder().stripe_above(1 << 20), rail_engine());
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    let id = RequestId(1);
+    let lent = blocks(8..40);
+    let local = blocks(0..32);
+    let inc = lender.lend(id, &lent, 1, Duration::from_secs(60)).unwrap();
+    reader
+        .read(
+            id,
+            &[Transfer {
+                peer,
+                local: &local,
+                remote: &lent,
+                lend: inc,
+            }],
+        )
+        .unwrap();
+    assert!(
+        settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(30),
+            |r, l| { !r.finished_recving.is_empty() && !l.finished_sending.is_empty() }
+        ),
+        "reader {ro:?}, lender {lo:?}"
+    );
+    // Reports that would come twice come within a few more polls.
+    settle(
+        &mut reader,
+        ro,
+        &mut lender,
+        lo,
+        Duration::from_millis(200),
+        |_, _| false,
+    );
+    assert_eq!(count(&ro.finished_recving, id), 1, "{ro:?}");
+    assert!(ro.failed_recving.is_empty(), "{ro:?}");
+    assert_eq!(count(&lo.finished_sending, id), 1, "{lo:?}");
+    assert!(lo.expired.is_empty(), "{lo:?}");
+    assert!(
+        holds(&reader, &local, &lent),
+        "the blocks read are the lender's"
+    );
+    let stats = reader.stats();
+    for (r, s) in stats.iter().enumerate() {
+        assert_eq!(s.parts_finished, 1, "rail {r}: {s:?}");
+        // Half of every block on each rail.
+        assert!(
+            s.poller.bytes_moved >= 32 * BLOCK / 2,
+            "rail {r} moved {} bytes",
+            s.poller.bytes_moved
+        );
+    }
+    assert_eq!(reader.in_flight(), 0);
+    assert_eq!(lender.in_flight(), 0);
+}
+
+#[test]
+fn small_reads_go_whole_to_both_rails_in_turn_and_free_the_lends_on_the_other_rail_at_once() {
+    let (mut lender, mut reader, peer) = pair(Rails::builder(), rail_engine());
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    const N: u32 = 8;
+    let mut lends = Vec::new();
+    for i in 0..N {
+        let id = RequestId(100 + u64::from(i));
+        let lent = blocks(2 * i..2 * i + 2);
+        // A lease far past the test's guard: a lend freed in time was
+        // freed by a note, not by its lease.
+        let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
+        lends.push((id, lent, inc));
+    }
+    let locals: Vec<_> = (0..N).map(|i| blocks(32 + 2 * i..32 + 2 * i + 2)).collect();
+    for ((id, lent, inc), local) in lends.iter().zip(&locals) {
+        reader
+            .read(
+                *id,
+                &[Transfer {
+                    peer,
+                    local,
+                    remote: lent,
+                    lend: *inc,
+                }],
+            )
+            .unwrap();
+    }
+    assert!(
+        settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(30),
+            |r, l| {
+                r.finished_recving.len() == N as usize && l.finished_sending.len() == N as usize
+            }
+        ),
+        "reader {ro:?}, lender {lo:?}"
+    );
+    settle(
+        &mut reader,
+        ro,
+        &mut lender,
+        lo,
+        Duration::from_millis(200),
+        |_, _| false,
+    );
+    for ((id, lent, _), local) in lends.iter().zip(&locals) {
+        assert_eq!(count(&ro.finished_recving, *id), 1, "{ro:?}");
+        assert_eq!(count(&lo.finished_sending, *id), 1, "{lo:?}");
+        assert!(holds(&reader, local, lent));
+    }
+    assert!(lo.expired.is_empty() && ro.failed_recving.is_empty());
+    let stats = reader.stats();
+    assert_eq!(
+        stats.iter().map(|s| s.parts_finished).sum::<u64>(),
+        u64::from(N)
+    );
+    for (r, s) in stats.iter().enumerate() {
+        assert!(s.parts_finished > 0, "rail {r} carried no read: {stats:?}");
+    }
+}
+
+#[test]
+fn metadata_that_no_rail_takes_is_refused_and_changes_nothing() {
+    let mut reader = two_rails(Rails::builder(), rail_engine());
+    for bad in [&b""[..], b"KR\x01\x00", b"not metadata at all"] {
+        assert!(
+            matches!(reader.add_peer(bad), Err(RailsError::BadFrame(_))),
+            "{bad:?}"
+        );
+    }
+    // A whole frame whose rails carry no engine metadata.
+    let frame = [b'K', b'R', 1, 1, 3, 0, 0, 0, b'a', b'b', b'c'];
+    assert!(matches!(
+        reader.add_peer(&frame),
+        Err(RailsError::Unreachable(e)) if e.len() == 1
+    ));
+    let local = blocks(0..1);
+    let unknown = kvpoll::ledger::PeerId(0);
+    assert!(matches!(
+        reader.read(
+            RequestId(1),
+            &[Transfer {
+                peer: unknown,
+                local: &local,
+                remote: &local,
+                lend: kvpoll::ledger::Incarnation::draw(),
+            }],
+        ),
+        Err(RailsError::UnknownPeer { handle: 0, .. })
+    ));
+    assert_eq!(reader.in_flight(), 0);
+}
+
+/// Rail 0 of the reader fails every handle it carries (a transfer error):
+/// the striped read fails once, after rail 1's part ended; the reads after
+/// it go to rail 1 and finish; once the link's time out is over, rail 0 is
+/// used again.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its_time_out() {
+    let faulty = rail_engine().faults(kvpoll::engine::Faults {
+        handle_error_every: 1,
+        ..Default::default()
+    });
+    let relink = Duration::from_millis(1500);
+    let (mut lender, mut reader, peer) = pair(
+        Rails::builder().stripe_above(1 << 20).relink_after(relink),
+        faulty,
+    );
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    let lease = Duration::from_secs(600);
+    let read = |reader: &mut Rails, id, local: &[BlockId], lent: &[BlockId], inc| {
+        reader
+            .read(
+                id,
+                &[Transfer {
+                    peer,
+                    local,
+                    remote: lent,
+                    lend: inc,
+                }],
+            )
+            .unwrap()
+    };
+    // The striped read: rail 0's half fails, rail 1's lands.
+    let striped = RequestId(1);
+    let lent = blocks(0..32);
+    let local = blocks(32..64);
+    let inc = lender.lend(striped, &lent, 1, lease).unwrap();
+    let failed_at = Instant::now();
+    read(&mut reader, striped, &local, &lent, inc);
+    assert!(
+        settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(30),
+            |r, _| { !r.failed_recving.is_empty() }
+        ),
+        "{ro:?}"
+    );
+    // The link is left out from when its failure was taken: by now.
+    let taken = Instant::now();
+    let f = &ro.failed_recving[0];
+    assert_eq!(f.id, striped);
+    assert_eq!(f.reason.cause, Cause::Transfer);
+    assert_eq!(
+        ro.blocks_of(f),
+        &local[..],
+        "every block holds a failed half"
+    );
+    let stats = reader.stats();
+    assert_eq!(
+        (stats[0].parts_failed, stats[1].parts_finished),
+        (1, 1),
+        "{stats:?}"
+    );
+    assert!(!reader.link_up(peer, 0) && reader.link_up(peer, 1));
+
+    // While rail 0 is left out, small reads go to rail 1 and finish.
+    let mut ids = Vec::new();
+    for i in 0..4u32 {
+        let id = RequestId(10 + u64::from(i));
+        let lent = blocks(i..i + 1);
+        let local = blocks(40 + i..41 + i);
+        let inc = lender.lend(id, &lent, 1, lease).unwrap();
+        read(&mut reader, id, &local, &lent, inc);
+        ids.push((id, local, lent));
+    }
+    assert!(settle(
+        &mut reader,
+        ro,
+        &mut lender,
+        lo,
+        Duration::from_secs(30),
+        |r, _| { r.finished_recving.len() == 4 }
+    ));
+    assert!(
+        failed_at.elapsed() < relink,
+        "the reads were not all within the time out (a slow machine): the test proves nothing"
+    );
+    for (id, local, lent) in &ids {
+        assert_eq!(count(&ro.finished_recving, *id), 1);
+        assert!(holds(&reader, local, lent));
+    }
+    assert_eq!(reader.stats()[1].parts_finished, 5);
+
+    // Past the time out, rail 0 is used again (and fails again: its
+    // faults stay on).
+    std::thread::sleep(relink.saturating_sub(taken.elapsed()));
+    reader.poll(ro);
+    assert!(reader.link_up(peer, 0));
+    let again = RequestId(20);
+    let inc = lender.lend(again, &lent, 1, lease).unwrap();
+    read(&mut reader, again, &local, &lent, inc);
+    assert!(settle(
+        &mut reader,
+        ro,
+        &mut lender,
+        lo,
+        Duration::from_secs(30),
+        |r, _| { r.failed_recving.iter().any(|f| f.id == again) }
+    ));
+    assert_eq!(reader.stats()[0].parts_failed, 2);
+    // Every lend is reported once, none at its lease.
+    let all: Vec<RequestId> = [striped, again]
+        .into_iter()
+        .chain(ids.iter().map(|i| i.0))
+        .collect();
+    assert!(
+        settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(30),
+            |_, l| {
+                all.iter()
+                    .all(|id| l.finished_sending.contains(id) || l.expired.contains(id))
+            }
+        ),
+        "{lo:?}"
+    );
+    settle(
+        &mut reader,
+        ro,
+        &mut lender,
+        lo,
+        Duration::from_millis(200),
+        |_, _| false,
+    );
+    for id in &all {
+        assert_eq!(
+            count(&lo.finished_sending, *id) + count(&lo.expired, *id),
+            1,
+            "{id:?}: {lo:?}"
+        );
+        assert_eq!(
+            count(&ro.finished_recving, *id)
+                + ro.failed_recving.iter().filter(|f| f.id == *id).count(),
+            1,
+            "{id:?}: {ro:?}"
+        );
+    }
+}
