@@ -533,10 +533,24 @@ impl Rails {
         readers: u32,
         lease: Duration,
     ) -> Result<Incarnation, RailsError> {
-        if self.lends.contains_key(&id) {
+        let token = Incarnation::draw();
+        self.lend_with(id, blocks, readers, lease, token)?;
+        Ok(token)
+    }
+
+    /// [`Rails::lend`] under an incarnation the caller drew
+    /// ([`Engine::lend_with`]).
+    pub fn lend_with(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        readers: u32,
+        lease: Duration,
+        token: Incarnation,
+    ) -> Result<(), RailsError> {
+        if self.lends.contains_key(&id) || self.reads.contains_key(&id) {
             return Err(RailsError::Duplicate(id));
         }
-        let token = Incarnation::draw();
         let mut outstanding = 0u32;
         for (i, rail) in self.rails.iter_mut().enumerate() {
             if let Err(error) = rail.engine.lend_with(id, blocks, readers, lease, token) {
@@ -554,7 +568,7 @@ impl Rails {
                 withdrawn: false,
             },
         );
-        Ok(token)
+        Ok(())
     }
 
     /// Aborts the lends of `id` on the rails in `mask`, whose reports are
