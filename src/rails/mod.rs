@@ -41,7 +41,8 @@
 //! Only reads and lends go over rails; writes and receives are one engine's
 //! ([`Engine`]).
 
-use std::collections::HashMap;
+mod fold;
+
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -51,6 +52,7 @@ use crate::engine::{
     SubmitError, Transfer,
 };
 use crate::ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId};
+use fold::{Fold, LendEnd, LendReport, Read, Took};
 
 /// Most rails one engine drives.
 pub const MAX_RAILS: usize = 16;
@@ -185,6 +187,25 @@ impl RailsBuilder {
         self
     }
 
+    /// One rail per poller of a core map ([`crate::placement::CoreMap`]):
+    /// an engine built from `engine`, its poller pinned to the entry's
+    /// core with the entry's idle policy, its UCX context bound to the
+    /// entry's devices (its `workers`, joined as `UCX_NET_DEVICES` lists
+    /// them; `all`: UCX chooses).
+    pub fn from_core_map(map: &crate::placement::CoreMap, engine: EngineBuilder) -> Self {
+        let mut b = Self::default();
+        for p in map.pollers() {
+            let devices = p.workers.join(",");
+            let device =
+                (!devices.is_empty() && !p.workers.iter().any(|w| w == "all")).then_some(devices);
+            b = b.rail(
+                device.as_deref(),
+                engine.clone().core(Some(p.core)).idle(p.idle),
+            );
+        }
+        b
+    }
+
     /// Reads of at least this many bytes are striped across every live
     /// link of each handle's peer; smaller ones go whole to one link.
     /// Default 4 MiB.
@@ -234,8 +255,7 @@ impl RailsBuilder {
         Ok(Rails {
             rails,
             peers: Vec::new(),
-            reads: HashMap::new(),
-            lends: HashMap::new(),
+            fold: Fold::default(),
             scratch: Outcomes::default(),
             stripe_above: self.stripe_above,
             relink_after: self.relink_after,
@@ -308,36 +328,6 @@ impl RailPeer {
     }
 }
 
-/// A read in flight on the rails.
-struct Read {
-    /// Rails with a part still unreported (bit per rail).
-    outstanding: u32,
-    /// The first failure of a part.
-    failure: Option<Reason>,
-    /// Local blocks failed parts named.
-    invalid: Vec<BlockId>,
-    /// Per rail, its part's handle `i` is the caller's handle `map[i]`.
-    map: Vec<Vec<u8>>,
-    /// Each lender (peer, lend) and the rails the read went through to it.
-    lenders: Vec<(PeerId, Incarnation, u32)>,
-    /// Submitting failed: the parts that went are aborted, and the read
-    /// is not reported.
-    withdrawn: bool,
-}
-
-/// A lend on the rails.
-struct Lend {
-    /// Rails whose lend is still unreported (bit per rail).
-    outstanding: u32,
-    /// A rail's lend finished: its readers all reported.
-    finished: bool,
-    /// A rail's lend failed, and why (the first).
-    failed: Option<Reason>,
-    /// Lending failed on a rail: the rails that took it are aborted, and
-    /// the lend is not reported.
-    withdrawn: bool,
-}
-
 /// Caller memory this façade allocated and registered on every rail;
 /// freed after the rails' engines are gone.
 struct Region {
@@ -363,8 +353,7 @@ pub struct Rails {
     // the memory they registered.
     rails: Vec<Rail>,
     peers: Vec<RailPeer>,
-    reads: HashMap<RequestId, Read>,
-    lends: HashMap<RequestId, Lend>,
+    fold: Fold,
     scratch: Outcomes,
     stripe_above: u64,
     relink_after: Duration,
@@ -548,47 +537,24 @@ impl Rails {
         lease: Duration,
         token: Incarnation,
     ) -> Result<(), RailsError> {
-        if self.lends.contains_key(&id) || self.reads.contains_key(&id) {
+        if self.fold.busy(id) {
             return Err(RailsError::Duplicate(id));
         }
         let mut outstanding = 0u32;
         for (i, rail) in self.rails.iter_mut().enumerate() {
             if let Err(error) = rail.engine.lend_with(id, blocks, readers, lease, token) {
-                self.withdraw_lend(id, outstanding);
+                // The rails that took it give it back; their reports are
+                // taken without a report of the whole.
+                for r in bits(outstanding) {
+                    let _ = self.rails[r].engine.abort(id);
+                }
+                self.fold.begin_lend(id, outstanding, true);
                 return Err(RailsError::Submit { rail: i, error });
             }
             outstanding |= 1 << i;
         }
-        self.lends.insert(
-            id,
-            Lend {
-                outstanding,
-                finished: false,
-                failed: None,
-                withdrawn: false,
-            },
-        );
+        self.fold.begin_lend(id, outstanding, false);
         Ok(())
-    }
-
-    /// Aborts the lends of `id` on the rails in `mask`, whose reports are
-    /// then taken without a report of the whole.
-    fn withdraw_lend(&mut self, id: RequestId, mask: u32) {
-        if mask == 0 {
-            return;
-        }
-        for r in bits(mask) {
-            let _ = self.rails[r].engine.abort(id);
-        }
-        self.lends.insert(
-            id,
-            Lend {
-                outstanding: mask,
-                finished: false,
-                failed: None,
-                withdrawn: true,
-            },
-        );
     }
 
     /// Reads `handles` (peers from [`Rails::add_peer`], incarnations from
@@ -601,7 +567,7 @@ impl Rails {
         if handles.is_empty() {
             return Err(RailsError::NoHandles);
         }
-        if self.reads.contains_key(&id) || self.lends.contains_key(&id) {
+        if self.fold.busy(id) {
             return Err(RailsError::Duplicate(id));
         }
         let now = Instant::now();
@@ -692,45 +658,24 @@ impl Rails {
                 for q in bits(outstanding) {
                     let _ = self.rails[q].engine.abort(id);
                 }
-                if outstanding != 0 {
-                    self.reads.insert(
-                        id,
-                        Read {
-                            outstanding,
-                            failure: None,
-                            invalid: Vec::new(),
-                            map,
-                            lenders,
-                            withdrawn: true,
-                        },
-                    );
-                }
+                self.fold
+                    .begin_read(id, Read::new(outstanding, map, lenders, true));
                 return Err(RailsError::Submit { rail: r, error });
             }
             outstanding |= 1 << r;
         }
-        self.reads.insert(
-            id,
-            Read {
-                outstanding,
-                failure: None,
-                invalid: Vec::new(),
-                map,
-                lenders,
-                withdrawn: false,
-            },
-        );
+        self.fold
+            .begin_read(id, Read::new(outstanding, map, lenders, false));
         Ok(())
     }
 
     /// Aborts request `id` (a read or a lend) on every rail it is still in
     /// flight on; it is reported as its parts are.
     pub fn abort(&mut self, id: RequestId) -> Result<(), RailsError> {
-        let mask = match (self.reads.get(&id), self.lends.get(&id)) {
-            (Some(r), _) => r.outstanding,
-            (None, Some(l)) => l.outstanding,
-            (None, None) => return Err(RailsError::UnknownRequest(id)),
-        };
+        let mask = self
+            .fold
+            .outstanding(id)
+            .ok_or(RailsError::UnknownRequest(id))?;
         for r in bits(mask) {
             // A part its rail already reported is not in flight there.
             let _ = self.rails[r].engine.abort(id);
@@ -740,7 +685,7 @@ impl Rails {
 
     /// Requests submitted on the rails and not yet reported.
     pub fn in_flight(&self) -> usize {
-        self.reads.len() + self.lends.len()
+        self.fold.len()
     }
 
     /// Collects what the rails reported since the last poll into `out`
@@ -829,11 +774,7 @@ impl Rails {
     /// One rail's reports, folded into the whole requests'.
     fn take(&mut self, r: usize, s: &Outcomes, out: &mut Outcomes, now: Instant) {
         for &(id, h, reason) in &s.handle_failures {
-            let caller = self
-                .reads
-                .get(&id)
-                .and_then(|read| read.map[r].get(h as usize).copied());
-            if let Some(h) = caller {
+            if let Some(h) = self.fold.handle(r, id, h) {
                 out.handle_failures.push((id, h, reason));
             }
         }
@@ -867,44 +808,35 @@ impl Rails {
         out: &mut Outcomes,
         now: Instant,
     ) {
-        let Some(read) = self.reads.get_mut(&id) else {
-            return;
-        };
-        if read.outstanding & 1 << r == 0 {
-            return;
-        }
-        read.outstanding &= !(1 << r);
-        let counters = &mut self.rails[r].counters;
-        match failure {
-            None => counters.parts_finished += 1,
-            Some(reason) => {
-                counters.parts_failed += 1;
-                read.failure.get_or_insert(reason);
-                read.invalid.extend_from_slice(blocks);
-                if of_the_link(reason.cause) {
-                    for &(peer, _, used) in &read.lenders {
-                        if used & 1 << r == 0 {
-                            continue;
-                        }
-                        if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
-                            if link.down_until.is_none_or(|t| t <= now) {
-                                counters.links_down += 1;
-                            }
-                            link.down_until = Some(now + self.relink_after);
-                        }
+        if failure.is_some_and(|f| of_the_link(f.cause)) {
+            // Its links to the read's lenders are left out for a while.
+            let until = now + self.relink_after;
+            let counters = &mut self.rails[r].counters;
+            for &(peer, _, used) in self.fold.lenders(id) {
+                if used & 1 << r == 0 {
+                    continue;
+                }
+                if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
+                    if link.down_until.is_none_or(|t| t <= now) {
+                        counters.links_down += 1;
                     }
+                    link.down_until = Some(until);
                 }
             }
         }
-        if read.outstanding != 0 {
-            return;
+        let read = match self.fold.part_ended(r, id, failure, blocks) {
+            Took::Nothing => return,
+            Took::Part => None,
+            Took::Read(read) => Some(read),
+        };
+        let counters = &mut self.rails[r].counters;
+        match failure {
+            None => counters.parts_finished += 1,
+            Some(_) => counters.parts_failed += 1,
         }
-        let Some(read) = self.reads.remove(&id) else {
+        let Some(read) = read.filter(|read| !read.withdrawn) else {
             return;
         };
-        if read.withdrawn {
-            return;
-        }
         // Each lender's lend on a rail this read did not go through waits
         // for this reader's word there: give it, so its blocks go free now
         // rather than at its lease's end.
@@ -921,11 +853,8 @@ impl Rails {
         match read.failure {
             None => out.finished_recving.push(id),
             Some(reason) => {
-                let mut invalid = read.invalid;
-                invalid.sort_unstable();
-                invalid.dedup();
                 let start = out.invalid_blocks.len();
-                out.invalid_blocks.extend(invalid);
+                out.invalid_blocks.extend(read.invalid);
                 out.failed_recving.push(crate::engine::FailedRecv {
                     id,
                     reason,
@@ -937,35 +866,13 @@ impl Rails {
 
     /// Rail `r` reported its lend of `id`.
     fn lend_ended(&mut self, r: usize, id: RequestId, end: LendEnd, out: &mut Outcomes) {
-        let Some(lend) = self.lends.get_mut(&id) else {
-            return;
-        };
-        if lend.outstanding & 1 << r == 0 {
-            return;
-        }
-        lend.outstanding &= !(1 << r);
-        match end {
-            LendEnd::Finished => lend.finished = true,
-            LendEnd::Failed(reason) => {
-                lend.failed.get_or_insert(reason);
-            }
-            LendEnd::Expired => {}
-        }
-        if lend.outstanding != 0 {
-            return;
-        }
-        let Some(lend) = self.lends.remove(&id) else {
-            return;
-        };
-        if lend.withdrawn {
-            return;
-        }
-        match (lend.finished, lend.failed) {
-            (true, _) => out.finished_sending.push(id),
-            (false, Some(reason)) => out
+        match self.fold.lend_ended(r, id, end) {
+            None => {}
+            Some(LendReport::Finished) => out.finished_sending.push(id),
+            Some(LendReport::Failed(reason)) => out
                 .failed_sending
                 .push(crate::engine::FailedSend { id, reason }),
-            (false, None) => out.expired.push(id),
+            Some(LendReport::Expired) => out.expired.push(id),
         }
     }
 
@@ -1027,13 +934,6 @@ impl Rails {
             }
         }
     }
-}
-
-#[derive(Debug, Clone, Copy)]
-enum LendEnd {
-    Finished,
-    Failed(Reason),
-    Expired,
 }
 
 /// Whether a part that failed so says something of its link (rather than
@@ -1148,6 +1048,21 @@ mod tests {
                 other => panic!("{why}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_core_map_gives_one_rail_per_poller_bound_to_its_devices() {
+        let map = crate::placement::CoreMap::parse(
+            "[engine]\ncores = [0]\n\
+             [[poller]]\ncore = 1\nworkers = [\"mlx5_0:1\"]\nidle = \"busy\"\n\
+             [[poller]]\ncore = 2\nworkers = [\"eth1\", \"eth2\"]\nidle = \"adaptive\"\n\
+             [[poller]]\ncore = 3\nworkers = [\"all\"]\nidle = \"adaptive\"\n",
+            "test",
+        )
+        .unwrap();
+        let b = RailsBuilder::from_core_map(&map, Engine::builder());
+        let devices: Vec<_> = b.rails.iter().map(|r| r.0.as_deref()).collect();
+        assert_eq!(devices, [Some("mlx5_0:1"), Some("eth1,eth2"), None]);
     }
 
     #[test]
