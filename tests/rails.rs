@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::pattern;
-use kvpoll::ledger::{BlockId, Cause, RequestId};
+use kvpoll::ledger::{BlockId, RequestId};
 use kvpoll::rails::{Rails, RailsBuilder, RailsError};
 use kvpoll::transport::ucx::ContextOptions;
 use kvpoll::{EngineBuilder, Outcomes, Transfer};
@@ -219,7 +219,7 @@ fn small_reads_go_whole_to_both_rails_in_turn_and_free_the_lends_on_the_other_ra
 }
 
 #[test]
-fn metadata_that_no_rail_takes_is_refused_and_changes_nothing() {
+fn metadata_that_no_rail_takes_and_malformed_reads_are_refused_and_change_nothing() {
     let mut reader = two_rails(Rails::builder(), rail_engine());
     for bad in [&b""[..], b"KR\x01\x00", b"not metadata at all"] {
         assert!(
@@ -246,6 +246,23 @@ fn metadata_that_no_rail_takes_is_refused_and_changes_nothing() {
             }],
         ),
         Err(RailsError::UnknownPeer { handle: 0, .. })
+    ));
+    let two = blocks(0..2);
+    assert!(matches!(
+        reader.read(
+            RequestId(2),
+            &[Transfer {
+                peer: unknown,
+                local: &two,
+                remote: &local,
+                lend: kvpoll::ledger::Incarnation::draw(),
+            }],
+        ),
+        Err(RailsError::Handle(kvpoll::SubmitError::BadPairing {
+            handle: 0,
+            local: 2,
+            remote: 1
+        }))
     ));
     assert_eq!(reader.in_flight(), 0);
 }
@@ -303,7 +320,7 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
     let taken = Instant::now();
     let f = &ro.failed_recving[0];
     assert_eq!(f.id, striped);
-    assert_eq!(f.reason.cause, Cause::Transfer);
+    assert_eq!(f.reason.cause, kvpoll::ledger::Cause::Transfer);
     assert_eq!(
         ro.blocks_of(f),
         &local[..],

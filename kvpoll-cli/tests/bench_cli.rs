@@ -225,3 +225,42 @@ fn bench_compare_with_a_peer_that_dies_mid_round_fails_the_group_and_exits_1() {
     );
     assert!(!text.contains("all targets met"), "{text}");
 }
+
+/// `bench rails` over two veth pairs (root only: elsewhere it must say it
+/// cannot make them and exit 1): every row has both rail counts' figures.
+#[test]
+fn bench_rails_measures_one_rail_and_two_and_the_streams_or_says_why_it_cannot() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+        .args([
+            "bench",
+            "rails",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.5",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(!out.status.success(), "{out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("needs root"), "{err}");
+        return;
+    }
+    assert!(out.status.success(), "{out:?}");
+    let json = String::from_utf8(out.stdout).unwrap();
+    for shape in ["64 MiB read", "8 MiB request", "tcp streams, one per pair"] {
+        let row = json
+            .split(&format!("\"shape\":\"{shape}\""))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no {shape} row: {json}"));
+        for field in ["one_rail_gbps", "two_rails_gbps", "ratio"] {
+            let at = row.find(&format!("\"{field}\":")).unwrap() + field.len() + 3;
+            let end = row[at..].find([',', '}']).unwrap();
+            let v: f64 = row[at..at + end].parse().unwrap();
+            assert!(v > 0.0, "{shape} {field}: {json}");
+        }
+    }
+}

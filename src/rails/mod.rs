@@ -128,6 +128,9 @@ pub enum RailsError {
         /// The peer.
         peer: PeerId,
     },
+    /// A handle is malformed (as [`Engine::read`] says); nothing was sent.
+    #[error("{0}")]
+    Handle(SubmitError),
     /// A read names no handle.
     #[error("no handles given: a read moves at least one")]
     NoHandles,
@@ -574,6 +577,13 @@ impl Rails {
         let n = self.rails.len();
         let mut live = Vec::with_capacity(handles.len());
         for (h, t) in handles.iter().enumerate() {
+            if t.local.len() != t.remote.len() || t.local.is_empty() {
+                return Err(RailsError::Handle(SubmitError::BadPairing {
+                    handle: h,
+                    local: t.local.len(),
+                    remote: t.remote.len(),
+                }));
+            }
             let peer = self
                 .peers
                 .get(t.peer.0 as usize)

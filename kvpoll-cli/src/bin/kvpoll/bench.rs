@@ -515,6 +515,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             }
             s.verdict().result()?;
         }
+        BenchWhat::Rails(a) => crate::rails::run_bench(&a)?,
         BenchWhat::Trace(TraceArgs { out }) => {
             write_trace(BenchConfig::default(), &out).map_err(CliError::Failed)?;
         }

@@ -75,6 +75,9 @@ pub enum Command {
     /// <hex address>` and waits for its standard input to close.
     #[command(hide = true)]
     MemPeer(MemPeerArgs),
+    /// One side of `kvpoll bench rails`, started in its network namespace.
+    #[command(hide = true)]
+    RailsPeer(RailsPeerArgs),
 }
 
 /// How the demo runs its prefill ranks.
@@ -374,6 +377,11 @@ pub enum BenchWhat {
     /// NIXL (at its better setting) and Mooncake where `make bench-peers`
     /// installed them. A group that does not run fails the run.
     Compare(CompareArgs),
+    /// Reads over one rail against reads over two, each rail a veth pair
+    /// between two network namespaces (tcp; needs root), and one plain
+    /// tcp stream per pair: 64 MiB reads and 8 MiB requests, interleaved
+    /// rounds, throughput and both processes' CPU per GB.
+    Rails(RailsBenchArgs),
     /// Writes the ledger bench's completion trace, for the Python
     /// reference (kvpoll-cli/benches/reference/vllm_style.py).
     Trace(TraceArgs),
@@ -603,4 +611,66 @@ mod tests {
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
     }
+}
+
+/// Seconds, 0.1 to 600.
+fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.1..=600.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not within 0.1 to 600 seconds"))
+    }
+}
+
+/// `kvpoll bench rails`.
+#[derive(Debug, Clone, Args)]
+pub struct RailsBenchArgs {
+    /// Interleaved rounds per configuration (1 to 100; medians and ranges
+    /// are reported).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
+    /// Seconds each round reads for (0.1 to 600), after a warm-up read.
+    #[arg(long, value_name = "S", default_value_t = 3.0, value_parser = seconds)]
+    pub seconds: f64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What a `kvpoll rails-peer` process does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RailsRole {
+    /// Lends ahead until standard input closes.
+    Lender,
+    /// Reads the lender's metadata from standard input, reads for the
+    /// given seconds, prints `RESULT bytes ns cpu_ns reads`.
+    Reader,
+    /// Writes one tcp stream per pair until the other side closes.
+    StreamSource,
+    /// Reads one tcp stream per pair for the given seconds.
+    StreamSink,
+}
+
+/// `kvpoll rails-peer`.
+#[derive(Debug, Clone, Args)]
+pub struct RailsPeerArgs {
+    /// What this side does.
+    #[arg(long, value_enum)]
+    pub role: RailsRole,
+    /// Rails (veth pairs `kvpoll0`, `kvpoll1`, ...; 1 to 16).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub rails: u16,
+    /// Bytes per block (4 KiB to 64 MiB).
+    #[arg(long, value_name = "BYTES", default_value_t = 65536, value_parser = clap::value_parser!(u64).range(4096..=1 << 26))]
+    pub block_size: u64,
+    /// Blocks per read (1 to 4096).
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub blocks_per_read: u32,
+    /// Reads in flight (1 to 64).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub in_flight: u32,
+    /// Seconds the reader reads for (0.1 to 600).
+    #[arg(long, value_name = "S", default_value_t = 3.0, value_parser = seconds)]
+    pub seconds: f64,
 }

@@ -19,12 +19,25 @@ pub const FAR: &str = "10.77.0.2";
 /// What every namespace this module makes is called before its pid.
 const PREFIX: &str = "kvpoll-bench-";
 
-/// Two network namespaces joined by a veth pair; removed on drop.
+/// Two network namespaces joined by veth pairs; removed on drop.
 pub struct VethLink {
     /// Where the bench's own side of a group runs.
     pub near: String,
     /// Where the peers run.
     pub far: String,
+    /// The pairs: device `kvpoll<i>` on both sides, addresses
+    /// `10.77.<i>.1` (near) and `10.77.<i>.2` (far).
+    pairs: usize,
+}
+
+/// Pair `i`'s device (the same name on both sides).
+pub fn device(i: usize) -> String {
+    format!("kvpoll{i}")
+}
+
+/// Pair `i`'s address on the far side.
+pub fn far_address(i: usize) -> String {
+    format!("10.77.{i}.2")
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -43,8 +56,14 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl VethLink {
-    /// Makes the link, or says why it cannot be made here.
+    /// Makes the link (one pair), or says why it cannot be made here.
     pub fn create() -> Result<Self, String> {
+        Self::create_pairs(1)
+    }
+
+    /// Makes the namespaces joined by `pairs` veth pairs (1 to 200), or
+    /// says why they cannot be made here.
+    pub fn create_pairs(pairs: usize) -> Result<Self, String> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err("making network namespaces needs root".into());
@@ -55,26 +74,24 @@ impl VethLink {
         let far = format!("{PREFIX}{pid}-b");
         ip(&["netns", "add", &near])?;
         // From here on, dropping the link removes what was made.
-        let link = VethLink { near, far };
+        let link = VethLink { near, far, pairs };
         ip(&["netns", "add", &link.far])?;
-        ip(&[
-            "link", "add", DEVICE, "netns", &link.near, "type", "veth", "peer", "name", DEVICE,
-            "netns", &link.far,
-        ])?;
-        for (ns, addr) in [(&link.near, NEAR), (&link.far, FAR)] {
+        for i in 0..pairs {
+            let dev = device(i);
             ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{addr}/24"),
-                "dev",
-                DEVICE,
+                "link", "add", &dev, "netns", &link.near, "type", "veth", "peer", "name", &dev,
+                "netns", &link.far,
             ])?;
-            ip(&["-n", ns, "link", "set", DEVICE, "up"])?;
+            for (ns, host) in [(&link.near, 1), (&link.far, 2)] {
+                let addr = format!("10.77.{i}.{host}/24");
+                ip(&["-n", ns, "addr", "add", &addr, "dev", &dev])?;
+                ip(&["-n", ns, "link", "set", &dev, "up"])?;
+            }
+        }
+        for ns in [&link.near, &link.far] {
             // UCX offers no tcp transport in a namespace whose loopback
-            // device is down; the data still goes over DEVICE alone
-            // (UCX_NET_DEVICES, and the peers' addresses).
+            // device is down; the data still goes over the pairs' devices
+            // alone (UCX_NET_DEVICES, and the peers' addresses).
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
         }
         // A veth end takes a moment to have carrier; UCX takes a device
@@ -82,22 +99,24 @@ impl VethLink {
         let t = std::time::Instant::now();
         while !(link.up(&link.near) && link.up(&link.far)) {
             if t.elapsed() > std::time::Duration::from_secs(10) {
-                return Err(format!("{DEVICE} has no carrier after 10 s"));
+                return Err(format!("{DEVICE}.. have no carrier after 10 s"));
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         Ok(link)
     }
 
-    /// Whether the device in namespace `ns` is up with carrier.
+    /// Whether every pair's device in namespace `ns` is up with carrier.
     fn up(&self, ns: &str) -> bool {
-        Command::new("ip")
-            .args(["-n", ns, "-o", "link", "show", DEVICE])
-            .output()
-            .is_ok_and(|o| {
-                let s = String::from_utf8_lossy(&o.stdout);
-                s.contains("LOWER_UP") && s.contains("state UP")
-            })
+        (0..self.pairs).all(|i| {
+            Command::new("ip")
+                .args(["-n", ns, "-o", "link", "show", &device(i)])
+                .output()
+                .is_ok_and(|o| {
+                    let s = String::from_utf8_lossy(&o.stdout);
+                    s.contains("LOWER_UP") && s.contains("state UP")
+                })
+        })
     }
 }
 

@@ -11,6 +11,7 @@ mod link;
 mod metrics_http;
 mod peer;
 mod plot;
+mod rails;
 mod report;
 mod signals;
 mod topo;
@@ -33,6 +34,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::UcxPeer(a) => peer::run(&a),
         Command::EnginePeer(a) => peer::run_engine(&a),
         Command::MemPeer(a) => peer::run_mem(&a),
+        Command::RailsPeer(a) => rails::run_peer(&a),
         Command::Completions(a) => {
             clap_complete::generate(
                 a.shell,
@@ -110,5 +112,6 @@ fn subcommand_name(c: &Command) -> &'static str {
         Command::UcxPeer(_) => "ucx-peer",
         Command::EnginePeer(_) => "engine-peer",
         Command::MemPeer(_) => "mem-peer",
+        Command::RailsPeer(_) => "rails-peer",
     }
 }
