@@ -420,3 +420,61 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
         );
     }
 }
+
+/// A peer's only link fails (every handle on it does): it is left out,
+/// but with no other link to the peer the next read still goes through
+/// it — leaving out is a preference among links, not a refusal.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_peer_whose_every_link_is_left_out_is_still_read_through_them() {
+    let faulty = || {
+        rail_engine().faults(kvpoll::engine::Faults {
+            handle_error_every: 1,
+            ..Default::default()
+        })
+    };
+    let mut lender = two_rails(Rails::builder(), rail_engine());
+    let mut reader = Rails::builder()
+        .relink_after(Duration::from_secs(600))
+        .rail(Some("lo"), faulty())
+        .rail(Some("lo"), faulty())
+        .build()
+        .unwrap();
+    reader.register(BLOCKS).unwrap();
+    let peer = reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    let lent = blocks(0..1);
+    let local = blocks(1..2);
+    for (i, id) in [RequestId(1), RequestId(2), RequestId(3)]
+        .into_iter()
+        .enumerate()
+    {
+        let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
+        reader
+            .read(
+                id,
+                &[Transfer {
+                    peer,
+                    local: &local,
+                    remote: &lent,
+                    lend: inc,
+                }],
+            )
+            .unwrap_or_else(|e| panic!("read {i} refused: {e}"));
+        assert!(settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(30),
+            |r, _| { r.failed_recving.iter().any(|f| f.id == id) }
+        ));
+    }
+    // Both links were left out by now (the first two reads failed one on
+    // each); the third went anyway.
+    assert!(!reader.link_up(peer, 0) && !reader.link_up(peer, 1));
+    assert_eq!(
+        reader.stats().iter().map(|s| s.parts_failed).sum::<u64>(),
+        3
+    );
+}

@@ -318,8 +318,9 @@ impl Reader {
                     self.flying.insert(id, InFlight { slot, lent });
                 }
                 Err(kvpoll::rails::RailsError::NoLiveRail { .. }) => {
-                    // Both links timed out at once: nothing was sent (the
-                    // lend ends at its lease); try the next one later.
+                    // No rail reaches the lender now (every link lost,
+                    // none added again yet): nothing was sent (the lend
+                    // ends at its lease); try the next one later.
                     self.refused += 1;
                     self.free.push(slot);
                     return;

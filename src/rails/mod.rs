@@ -33,9 +33,10 @@
 //!   reports: no lock, and no shared state between pollers.
 //! - **A rail that fails** fails only the parts on it. A link whose part
 //!   failed for a reason of the link (transfer error, deadline, stalled or
-//!   lost peer) is left out of new reads for [`RailsBuilder::relink_after`];
-//!   a lost peer is added again to that rail then, from the metadata it
-//!   gave. A read is not retried on another rail: its lender's lend on that
+//!   lost peer) is left out of new reads for [`RailsBuilder::relink_after`]
+//!   while another link to that peer is not (a peer whose every link is
+//!   left out is read through them all); a lost peer is added again to
+//!   that rail then, from the metadata it gave. A read is not retried on another rail: its lender's lend on that
 //!   rail may already be finished by this read's own note there.
 //!
 //! Only reads and lends go over rails; writes and receives are one engine's
@@ -120,8 +121,9 @@ pub enum RailsError {
         /// The peer named.
         peer: PeerId,
     },
-    /// Every link to a handle's peer is down (left out until it relinks).
-    #[error("handle {handle}: no live rail to peer {}", .peer.0)]
+    /// No rail reaches a handle's peer now: every link to it was lost,
+    /// and none was added again yet.
+    #[error("handle {handle}: no rail reaches peer {} now", .peer.0)]
     NoLiveRail {
         /// The handle.
         handle: usize,
@@ -218,8 +220,8 @@ impl RailsBuilder {
     }
 
     /// How long a link whose part of a read failed for a reason of the link
-    /// is left out of new reads (and when a lost peer is added again to it).
-    /// Default 1 s.
+    /// is left out of new reads while its peer has another link that is
+    /// not (and when a lost peer is added again to it). Default 1 s.
     pub fn relink_after(mut self, d: Duration) -> Self {
         self.relink_after = d;
         self
@@ -327,6 +329,23 @@ impl RailPeer {
         match link.down_until {
             Some(t) if t > now => None,
             _ => link.peer,
+        }
+    }
+
+    /// The peer's id on rail `rail`'s engine, left out or not.
+    fn on(&self, rail: usize) -> Option<PeerId> {
+        self.links.get(rail)?.as_ref()?.peer
+    }
+
+    /// The rails a read to this peer goes through: the links not left
+    /// out; if every link is left out, all of them still added (leaving
+    /// a link out is a preference among links, never a refusal).
+    fn rails_for(&self, rails: usize, now: Instant) -> u32 {
+        let mask =
+            |f: &dyn Fn(usize) -> bool| (0..rails).filter(|&r| f(r)).fold(0u32, |m, r| m | 1 << r);
+        match mask(&|r| self.live(r, now).is_some()) {
+            0 => mask(&|r| self.on(r).is_some()),
+            up => up,
         }
     }
 }
@@ -591,9 +610,7 @@ impl Rails {
                     handle: h,
                     peer: t.peer,
                 })?;
-            let mask = (0..n)
-                .filter(|&r| peer.live(r, now).is_some())
-                .fold(0u32, |m, r| m | 1 << r);
+            let mask = peer.rails_for(n, now);
             if mask == 0 {
                 return Err(RailsError::NoLiveRail {
                     handle: h,
@@ -628,7 +645,7 @@ impl Rails {
             let mut used = 0u32;
             for (j, r) in bits(chosen).enumerate() {
                 let sub = Transfer {
-                    peer: peer.live(r, now).expect("a live link"),
+                    peer: peer.on(r).expect("a rail the peer is on"),
                     ..*t
                 };
                 if stripe {
