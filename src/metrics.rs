@@ -291,6 +291,48 @@ pub struct MetricsSnapshot {
     pub release_failures: u64,
 }
 
+/// Adds `from`'s fields into `into`'s, field by field.
+macro_rules! add_fields {
+    ($into:expr, $from:expr; $($f:ident),+) => {
+        $( $into.$f = $into.$f.wrapping_add($from.$f); )+
+    };
+}
+
+impl MetricsSnapshot {
+    /// Takes in another engine's snapshot as further pollers (rails): its
+    /// pollers and rings after these (the rings renumbered to its pollers),
+    /// its counts of handle failures, refused inputs, slots, latencies and
+    /// release failures added to these. Request outcomes are left as they
+    /// are: whoever reports whole requests counts them.
+    pub fn absorb(&mut self, other: &MetricsSnapshot) {
+        let base = self.pollers.len() as u32;
+        self.pollers.extend_from_slice(&other.pollers);
+        self.rings.extend(other.rings.iter().map(|r| RingMetrics {
+            poller: base + r.poller,
+            ..r.clone()
+        }));
+        add_fields!(self.handle_failures, other.handle_failures;
+            transfer, setup, peer_lost, deadline, lease_expired, aborted, peer_stalled,
+            shutdown, poller_died, lease_lost, not_lent);
+        add_fields!(self.rejected, other.rejected;
+            handle_inputs, malformed_notifications, notifications, not_lent_reads,
+            not_lent_writes, heartbeats, retires, release_retries, unauthenticated_peers,
+            unauthenticated_notifications, replayed_notifications);
+        add_fields!(self.slots, other.slots; capacity, in_use, quarantined);
+        for (mine, theirs) in [
+            (&mut self.latency.read, &other.latency.read),
+            (&mut self.latency.write, &other.latency.write),
+            (&mut self.latency.lend, &other.latency.lend),
+        ] {
+            for (a, b) in mine.buckets.iter_mut().zip(&theirs.buckets) {
+                *a += b;
+            }
+            mine.sum_ns = mine.sum_ns.wrapping_add(theirs.sum_ns);
+        }
+        self.release_failures += other.release_failures;
+    }
+}
+
 /// What the engine thread counts as it reports: requests by outcome,
 /// handle failures by cause, submit → report latency by kind. Plain
 /// integers on the engine thread: no lock, no allocation.

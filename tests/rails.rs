@@ -151,6 +151,18 @@ fn a_striped_read_moves_bytes_on_both_rails_lands_every_byte_and_each_side_repor
     }
     assert_eq!(reader.in_flight(), 0);
     assert_eq!(lender.in_flight(), 0);
+    // The metrics: each rail a poller, the whole requests counted once.
+    let (rm, lm) = (reader.metrics(), lender.metrics());
+    assert_eq!(rm.pollers.len(), 2);
+    assert!(
+        rm.pollers.iter().all(|p| p.bytes >= 32 * BLOCK / 2),
+        "{rm:?}"
+    );
+    assert_eq!(rm.requests.finished_recving, 1);
+    assert_eq!(lm.requests.finished_sending, 1);
+    assert_eq!(rm.rings.iter().filter(|r| r.poller == 1).count(), 2);
+    let text = kvpoll::metrics::render(&rm).unwrap();
+    assert!(text.contains("poller=\"1\""), "{text}");
 }
 
 #[test]

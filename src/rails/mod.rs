@@ -53,6 +53,7 @@ use crate::engine::{
     SubmitError, Transfer,
 };
 use crate::ledger::{BlockId, Cause, Incarnation, PeerId, Reason, RequestId};
+use crate::metrics::{MetricsSnapshot, RequestOutcomes};
 use fold::{Fold, LendEnd, LendReport, Read, Took};
 
 /// Most rails one engine drives.
@@ -261,6 +262,7 @@ impl RailsBuilder {
             rails,
             peers: Vec::new(),
             fold: Fold::default(),
+            requests: RequestOutcomes::default(),
             scratch: Outcomes::default(),
             stripe_above: self.stripe_above,
             relink_after: self.relink_after,
@@ -376,6 +378,8 @@ pub struct Rails {
     rails: Vec<Rail>,
     peers: Vec<RailPeer>,
     fold: Fold,
+    /// Whole requests reported, by outcome.
+    requests: RequestOutcomes,
     scratch: Outcomes,
     stripe_above: u64,
     relink_after: Duration,
@@ -798,6 +802,19 @@ impl Rails {
             .collect()
     }
 
+    /// Every rail's engine's metrics, rail `i` as poller `i` (its bytes,
+    /// operations, rings; refused inputs, slots, release failures summed;
+    /// handle failures and latencies are of the rails' parts), with the
+    /// whole requests these rails reported, by outcome.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut m = MetricsSnapshot::default();
+        for rail in &self.rails {
+            m.absorb(&rail.engine.metrics());
+        }
+        m.requests = self.requests;
+        m
+    }
+
     /// One rail's reports, folded into the whole requests'.
     fn take(&mut self, r: usize, s: &Outcomes, out: &mut Outcomes, now: Instant) {
         for &(id, h, reason) in &s.handle_failures {
@@ -878,8 +895,12 @@ impl Rails {
             }
         }
         match read.failure {
-            None => out.finished_recving.push(id),
+            None => {
+                self.requests.finished_recving += 1;
+                out.finished_recving.push(id);
+            }
             Some(reason) => {
+                self.requests.failed_recving += 1;
                 let start = out.invalid_blocks.len();
                 out.invalid_blocks.extend(read.invalid);
                 out.failed_recving.push(crate::engine::FailedRecv {
@@ -893,13 +914,22 @@ impl Rails {
 
     /// Rail `r` reported its lend of `id`.
     fn lend_ended(&mut self, r: usize, id: RequestId, end: LendEnd, out: &mut Outcomes) {
+        let counts = &mut self.requests;
         match self.fold.lend_ended(r, id, end) {
             None => {}
-            Some(LendReport::Finished) => out.finished_sending.push(id),
-            Some(LendReport::Failed(reason)) => out
-                .failed_sending
-                .push(crate::engine::FailedSend { id, reason }),
-            Some(LendReport::Expired) => out.expired.push(id),
+            Some(LendReport::Finished) => {
+                counts.finished_sending += 1;
+                out.finished_sending.push(id);
+            }
+            Some(LendReport::Failed(reason)) => {
+                counts.failed_sending += 1;
+                out.failed_sending
+                    .push(crate::engine::FailedSend { id, reason });
+            }
+            Some(LendReport::Expired) => {
+                counts.expired += 1;
+                out.expired.push(id);
+            }
         }
     }
 
