@@ -34,17 +34,23 @@ fn two_rails(builder: RailsBuilder, first: EngineBuilder) -> Rails {
     rails
 }
 
-/// A lender with every block filled, and a reader that added it.
-fn pair(
-    reader: RailsBuilder,
-    reader_rail0: EngineBuilder,
-) -> (Rails, Rails, kvpoll::ledger::PeerId) {
+/// A lender of two rails with every block filled.
+fn lender() -> Rails {
     let lender = two_rails(Rails::builder(), rail_engine());
     let mut buf = vec![0u8; BLOCK as usize];
     for b in 0..BLOCKS as u32 {
         pattern::fill(SEED, u64::from(b), &mut buf);
         lender.write_block(0, BlockId(b), &buf).unwrap();
     }
+    lender
+}
+
+/// A lender with every block filled, and a reader that added it.
+fn pair(
+    reader: RailsBuilder,
+    reader_rail0: EngineBuilder,
+) -> (Rails, Rails, kvpoll::ledger::PeerId) {
+    let lender = lender();
     let mut reader = two_rails(reader, reader_rail0);
     let peer = reader
         .add_peer(&lender.local_metadata().unwrap())
@@ -489,4 +495,59 @@ fn a_peer_whose_every_link_is_left_out_is_still_read_through_them() {
         reader.stats().iter().map(|s| s.parts_failed).sum::<u64>(),
         3
     );
+}
+
+/// A lender of two rails and a reader of one: the reader reads and
+/// reports through rail 0 only. The lend on the lender's rail 1 would
+/// wait for its lease (600 s here); it is ended the sibling grace (5 s by
+/// default) after rail 0's finished, and the lend is reported finished,
+/// once.
+#[test]
+fn a_lend_a_reader_with_fewer_rails_read_is_freed_a_grace_after_its_rail_finished() {
+    let mut lender = lender();
+    let mut reader = Rails::builder()
+        .rail(Some("lo"), rail_engine())
+        .build()
+        .unwrap();
+    reader.register(BLOCKS).unwrap();
+    let peer = reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    let id = RequestId(7);
+    let lent = blocks(0..4);
+    let local = blocks(4..8);
+    let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
+    reader
+        .read(
+            id,
+            &[Transfer {
+                peer,
+                local: &local,
+                remote: &lent,
+                lend: inc,
+            }],
+        )
+        .unwrap();
+    assert!(
+        settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(20),
+            |r, l| { !r.finished_recving.is_empty() && !l.finished_sending.is_empty() }
+        ),
+        "reader {ro:?}, lender {lo:?}"
+    );
+    settle(
+        &mut reader,
+        ro,
+        &mut lender,
+        lo,
+        Duration::from_millis(200),
+        |_, _| false,
+    );
+    assert_eq!(count(&lo.finished_sending, id), 1, "{lo:?}");
+    assert!(lo.expired.is_empty(), "{lo:?}");
+    assert!(holds(&reader, &local, &lent));
+    assert_eq!(lender.in_flight(), 0);
 }

@@ -47,6 +47,8 @@ impl Read {
 /// A lend on the rails.
 #[derive(Debug)]
 struct Lend {
+    /// Its incarnation (a later lend of the same id has another).
+    token: Incarnation,
     /// Rails whose lend is still unreported (bit per rail).
     outstanding: u32,
     /// A rail's lend finished: its readers all reported.
@@ -127,12 +129,20 @@ impl Fold {
         }
     }
 
-    /// A lend went out on the rails in `outstanding`.
-    pub fn begin_lend(&mut self, id: RequestId, outstanding: u32, withdrawn: bool) {
+    /// A lend of incarnation `token` went out on the rails in
+    /// `outstanding`.
+    pub fn begin_lend(
+        &mut self,
+        id: RequestId,
+        token: Incarnation,
+        outstanding: u32,
+        withdrawn: bool,
+    ) {
         if outstanding != 0 {
             self.lends.insert(
                 id,
                 Lend {
+                    token,
                     outstanding,
                     finished: false,
                     failed: None,
@@ -140,6 +150,14 @@ impl Fold {
                 },
             );
         }
+    }
+
+    /// Lend `id`'s incarnation and the rails it is still out on, once a
+    /// rail's lend of it finished (`None`: no such lend, or none of its
+    /// rails' finished yet).
+    pub fn finished_out(&self, id: RequestId) -> Option<(Incarnation, u32)> {
+        let lend = self.lends.get(&id)?;
+        lend.finished.then_some((lend.token, lend.outstanding))
     }
 
     /// The caller's handle that rail `r`'s part's handle `h` of read `id` is.
@@ -309,7 +327,7 @@ mod tests {
                 if read {
                     fold.begin_read(id, Read::new(mask, vec![Vec::new(); 4], Vec::new(), withdrawn));
                 } else {
-                    fold.begin_lend(id, mask, withdrawn);
+                    fold.begin_lend(id, Incarnation(i as u64 + 1), mask, withdrawn);
                 }
             }
             let mut owed: Vec<u32> = c.requests.iter().map(|r| r.1).collect();

@@ -18,7 +18,9 @@
 //!   it reads through. The blocks are free — the lend reported — only once
 //!   every rail's lend ended: finished if any rail's readers all reported
 //!   (each reader notifies every rail it did not read through, when its read
-//!   is reported), expired otherwise.
+//!   is reported), expired otherwise. A rail's lend still out
+//!   [`RailsBuilder::sibling_grace`] after another rail's finished is ended
+//!   (a reader with fewer rails, or cut from one, never reports there).
 //! - **A read** of at least [`RailsBuilder::stripe_above`] bytes is
 //!   striped: each handle's blocks are read as byte ranges, one range of
 //!   every block per live link of its peer ([`Engine::read_parts`]), so
@@ -171,6 +173,7 @@ pub struct RailsBuilder {
     rails: Vec<(Option<String>, EngineBuilder)>,
     stripe_above: u64,
     relink_after: Duration,
+    sibling_grace: Duration,
 }
 
 impl Default for RailsBuilder {
@@ -179,6 +182,7 @@ impl Default for RailsBuilder {
             rails: Vec::new(),
             stripe_above: 4 << 20,
             relink_after: Duration::from_secs(1),
+            sibling_grace: Duration::from_secs(5),
         }
     }
 }
@@ -228,6 +232,19 @@ impl RailsBuilder {
         self
     }
 
+    /// How long a lend stays out on its other rails once one rail's lend
+    /// of it finished (every reader reported through that rail) before it
+    /// is ended there: a reader with fewer rails, or whose link to one is
+    /// cut, never reports through the others, and the blocks would be
+    /// held to the lease's end. A reader that striped its read and whose
+    /// part on another rail is still running then fails that part (its
+    /// confirmation finds the lend gone), never reads other bytes.
+    /// Default 5 s.
+    pub fn sibling_grace(mut self, d: Duration) -> Self {
+        self.sibling_grace = d;
+        self
+    }
+
     /// Starts every rail's engine (and poller).
     pub fn build(self) -> Result<Rails, RailsError> {
         let n = self.rails.len();
@@ -266,6 +283,8 @@ impl RailsBuilder {
             scratch: Outcomes::default(),
             stripe_above: self.stripe_above,
             relink_after: self.relink_after,
+            sibling_grace: self.sibling_grace,
+            graces: std::collections::VecDeque::new(),
             block_size: ours,
             turn: 0,
             memory: Vec::new(),
@@ -383,6 +402,10 @@ pub struct Rails {
     scratch: Outcomes,
     stripe_above: u64,
     relink_after: Duration,
+    sibling_grace: Duration,
+    /// Lends with a rail's lend finished and others still out: when to end
+    /// those, oldest first.
+    graces: std::collections::VecDeque<(Instant, RequestId, Incarnation)>,
     block_size: u64,
     turn: usize,
     memory: Vec<Region>,
@@ -574,12 +597,12 @@ impl Rails {
                 for r in bits(outstanding) {
                     let _ = self.rails[r].engine.abort(id);
                 }
-                self.fold.begin_lend(id, outstanding, true);
+                self.fold.begin_lend(id, token, outstanding, true);
                 return Err(RailsError::Submit { rail: i, error });
             }
             outstanding |= 1 << i;
         }
-        self.fold.begin_lend(id, outstanding, false);
+        self.fold.begin_lend(id, token, outstanding, false);
         Ok(())
     }
 
@@ -739,6 +762,7 @@ impl Rails {
             self.take(r, &scratch, out, now);
             self.scratch = scratch;
         }
+        self.end_graces(now);
         self.relink(now);
         reports(out) - before
     }
@@ -916,7 +940,14 @@ impl Rails {
     fn lend_ended(&mut self, r: usize, id: RequestId, end: LendEnd, out: &mut Outcomes) {
         let counts = &mut self.requests;
         match self.fold.lend_ended(r, id, end) {
-            None => {}
+            None => {
+                // Its readers all reported through rail `r`: the rails
+                // still out end it after the grace.
+                if let (LendEnd::Finished, Some((token, _))) = (end, self.fold.finished_out(id)) {
+                    self.graces
+                        .push_back((Instant::now() + self.sibling_grace, id, token));
+                }
+            }
             Some(LendReport::Finished) => {
                 counts.finished_sending += 1;
                 out.finished_sending.push(id);
@@ -958,6 +989,25 @@ impl Rails {
                 out.peers_lost.push((PeerId(p as u32), reason));
             }
             return;
+        }
+    }
+
+    /// Lends whose grace after a rail's finish passed are ended on the
+    /// rails still out (reported as those rails report them).
+    fn end_graces(&mut self, now: Instant) {
+        while let Some(&(at, id, token)) = self.graces.front() {
+            if at > now {
+                break;
+            }
+            self.graces.pop_front();
+            match self.fold.finished_out(id) {
+                Some((t, mask)) if t == token => {
+                    for r in bits(mask) {
+                        let _ = self.rails[r].engine.abort(id);
+                    }
+                }
+                _ => {}
+            }
         }
     }
 
