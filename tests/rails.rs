@@ -239,9 +239,16 @@ fn small_reads_go_whole_to_both_rails_in_turn_and_free_the_lends_on_the_other_ra
 #[test]
 fn metadata_that_no_rail_takes_and_malformed_reads_are_refused_and_change_nothing() {
     let mut reader = two_rails(Rails::builder(), rail_engine());
-    for bad in [&b""[..], b"KR\x01\x00", b"not metadata at all"] {
+    for bad in [&b"KR"[..], b"KR\x01\x00", b"KR\x01\x01\x09\x00\x00\x00abc"] {
         assert!(
             matches!(reader.add_peer(bad), Err(RailsError::BadFrame(_))),
+            "{bad:?}"
+        );
+    }
+    // Not a rails frame: one engine's metadata for rail 0, which refuses it.
+    for bad in [&b""[..], b"not metadata at all"] {
+        assert!(
+            matches!(reader.add_peer(bad), Err(RailsError::Unreachable(e)) if e.len() == 1 && e[0].0 == 0),
             "{bad:?}"
         );
     }
@@ -550,4 +557,59 @@ fn a_lend_a_reader_with_fewer_rails_read_is_freed_a_grace_after_its_rail_finishe
     assert!(lo.expired.is_empty(), "{lo:?}");
     assert!(holds(&reader, &local, &lent));
     assert_eq!(lender.in_flight(), 0);
+}
+
+/// A lender that is one engine (no rails) and a reader of two rails: the
+/// engine's metadata links to the reader's rail 0, the read goes through
+/// it, and both sides report once.
+#[test]
+fn a_reader_of_two_rails_reads_a_lender_of_one_engine_through_its_rail_0() {
+    let mut lender = kvpoll::Engine::builder()
+        .block_size(BLOCK)
+        .ucx(ContextOptions::with_transports("tcp").option("NET_DEVICES", "lo"))
+        .build()
+        .unwrap();
+    lender.register(BLOCKS).unwrap();
+    let mut buf = vec![0u8; BLOCK as usize];
+    for b in 0..8u32 {
+        pattern::fill(SEED, u64::from(b), &mut buf);
+        lender.write_block(0, BlockId(b), &buf).unwrap();
+    }
+    let mut reader = two_rails(Rails::builder().stripe_above(1), rail_engine());
+    let peer = reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    assert!(reader.link_up(peer, 0) && !reader.link_up(peer, 1));
+    let id = RequestId(3);
+    let lent = blocks(0..8);
+    let local = blocks(8..16);
+    let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
+    reader
+        .read(
+            id,
+            &[Transfer {
+                peer,
+                local: &local,
+                remote: &lent,
+                lend: inc,
+            }],
+        )
+        .unwrap();
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    let t = Instant::now();
+    while ro.finished_recving.is_empty() || lo.finished_sending.is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "reader {ro:?}, lender {lo:?}"
+        );
+        reader.poll(ro);
+        lender.poll(lo);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(count(&ro.finished_recving, id), 1);
+    assert_eq!(count(&lo.finished_sending, id), 1);
+    assert!(holds(&reader, &local, &lent));
+    assert_eq!(
+        reader.stats()[1].parts_finished,
+        0,
+        "rail 1 reaches no rail of the lender"
+    );
 }

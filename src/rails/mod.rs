@@ -12,7 +12,9 @@
 //!   metadata in one frame. [`Rails::add_peer`] pairs this side's rail `i`
 //!   with the peer's rail `i` where both exist and the rail's engine takes
 //!   the peer (each rail checks its own metadata: layout, key, tag); a rail
-//!   that takes it is a *link*. A peer no rail reaches is refused.
+//!   that takes it is a *link*. A peer no rail reaches is refused; one
+//!   engine's metadata ([`Engine::local_metadata`]) is a peer of one rail,
+//!   linked to rail 0.
 //! - **A lend** is lent on every rail under one incarnation
 //!   ([`Engine::lend_with`]), so a reader confirms against whichever rail
 //!   it reads through. The blocks are free — the lend reported — only once
@@ -521,10 +523,16 @@ impl Rails {
 
     /// Adds a peer from its [`Rails::local_metadata`]: this side's rail `i`
     /// links to the peer's rail `i` where both exist and this rail's engine
-    /// takes that rail's metadata. Refused, changing nothing, when the frame
-    /// is malformed or no rail takes the peer.
+    /// takes that rail's metadata. Metadata that is not a rails frame is
+    /// taken as one engine's ([`Engine::local_metadata`]: a peer of one
+    /// rail, linked to rail 0). Refused, changing nothing, when a rails
+    /// frame is malformed or no rail takes the peer.
     pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, RailsError> {
-        let theirs = split_frame(metadata)?;
+        let theirs = if metadata.starts_with(&MAGIC) {
+            split_frame(metadata)?
+        } else {
+            vec![metadata]
+        };
         let mut links = Vec::with_capacity(self.rails.len());
         let mut refused = Vec::new();
         for (i, rail) in self.rails.iter_mut().enumerate() {
