@@ -613,3 +613,81 @@ fn a_reader_of_two_rails_reads_a_lender_of_one_engine_through_its_rail_0() {
         "rail 1 reaches no rail of the lender"
     );
 }
+
+/// Rail 0 of the reader fails every handle. Past its time out it is not
+/// given every read again: one read at a time goes to it as its probe,
+/// the rest to rail 1, and a failed probe leaves it out again, longer.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_failed_link_past_its_time_out_carries_one_read_at_a_time_until_one_ends_well() {
+    let faulty = rail_engine().faults(kvpoll::engine::Faults {
+        handle_error_every: 1,
+        ..Default::default()
+    });
+    let relink = Duration::from_millis(300);
+    let (mut lender, mut reader, peer) = pair(Rails::builder().relink_after(relink), faulty);
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    let lease = Duration::from_secs(600);
+    let mut next = 0u64;
+    let mut read_wave = |reader: &mut Rails, lender: &mut Rails, n: u32| -> Vec<RequestId> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            next += 1;
+            let id = RequestId(next);
+            let lent = blocks(i..i + 1);
+            let local = blocks(32 + i..33 + i);
+            let inc = lender.lend(id, &lent, 1, lease).unwrap();
+            reader
+                .read(
+                    id,
+                    &[Transfer {
+                        peer,
+                        local: &local,
+                        remote: &lent,
+                        lend: inc,
+                    }],
+                )
+                .unwrap();
+            ids.push(id);
+        }
+        ids
+    };
+    let wait_all = |reader: &mut Rails,
+                    lender: &mut Rails,
+                    ro: &mut Outcomes,
+                    lo: &mut Outcomes,
+                    ids: &[RequestId]| {
+        assert!(settle(
+            reader,
+            ro,
+            lender,
+            lo,
+            Duration::from_secs(30),
+            |r, _| {
+                ids.iter().all(|id| {
+                    r.finished_recving.contains(id) || r.failed_recving.iter().any(|f| f.id == *id)
+                })
+            }
+        ));
+    };
+    // Two reads: one per rail in turn; rail 0's fails and strikes it.
+    let first = read_wave(&mut reader, &mut lender, 2);
+    wait_all(&mut reader, &mut lender, ro, lo, &first);
+    let s = reader.stats();
+    assert_eq!((s[0].parts_failed, s[1].parts_finished), (1, 1), "{s:?}");
+    assert!(!reader.link_up(peer, 0));
+    // Past the time out: of four reads at once, one is rail 0's probe.
+    std::thread::sleep(relink + Duration::from_millis(50));
+    assert!(reader.link_up(peer, 0));
+    let wave = read_wave(&mut reader, &mut lender, 4);
+    wait_all(&mut reader, &mut lender, ro, lo, &wave);
+    let s = reader.stats();
+    assert_eq!((s[0].parts_failed, s[1].parts_finished), (2, 4), "{s:?}");
+    // The failed probe left it out again, for twice as long.
+    assert!(!reader.link_up(peer, 0));
+    std::thread::sleep(relink + Duration::from_millis(50));
+    assert!(
+        !reader.link_up(peer, 0),
+        "the second time out is twice the first"
+    );
+}

@@ -296,6 +296,8 @@ struct Reader {
     failed: u64,
     refused: u64,
     corrupted: u64,
+    /// Failed reads by cause.
+    causes: std::collections::BTreeMap<String, u64>,
 }
 
 impl Reader {
@@ -359,6 +361,10 @@ impl Reader {
                 );
             }
             self.failed += 1;
+            *self
+                .causes
+                .entry(format!("{:?}", f.reason.cause))
+                .or_default() += 1;
             self.free.push(fl.slot);
         }
     }
@@ -397,6 +403,7 @@ fn reader() {
         failed: 0,
         refused: 0,
         corrupted: 0,
+        causes: Default::default(),
     };
     r.run(Duration::from_millis(500));
     let mut log = Vec::new();
@@ -414,8 +421,9 @@ fn reader() {
         while r.parts(rail) == parts {
             assert!(
                 t.elapsed() < Duration::from_secs(20),
-                "cut {cut}: rail {rail} carried no read in 20 s after it came back: {:?}",
-                r.rails.stats()
+                "cut {cut}: rail {rail} carried no read in 20 s after it came back: {:?}; failed reads by cause {:?}",
+                r.rails.stats(),
+                r.causes
             );
             r.run(Duration::from_millis(50));
         }
@@ -435,7 +443,8 @@ fn reader() {
         std::thread::sleep(Duration::from_millis(1));
     }
     eprintln!(
-        "reader: per cut (cut, rail, reads finished while down, ms until the rail carried one again): {log:?}"
+        "reader: per cut (cut, rail, reads finished while down, ms until the rail carried one again): {log:?}; failed reads by cause {:?}",
+        r.causes
     );
     for (i, s) in r.rails.stats().iter().enumerate() {
         eprintln!(

@@ -36,8 +36,8 @@
 //!   façade runs on the engine thread and is the only reader of the rails'
 //!   reports: no lock, and no shared state between pollers.
 //! - **A rail that fails** fails only the parts on it. A link whose part
-//!   failed for a reason of the link (transfer error, deadline, stalled or
-//!   lost peer) is left out of new reads for [`RailsBuilder::relink_after`]
+//!   failed for a reason of the link (transfer error, a post the link could
+//!   not take, deadline, stalled or lost peer) is left out of new reads for [`RailsBuilder::relink_after`]
 //!   while another link to that peer is not (a peer whose every link is
 //!   left out is read through them all); a lost peer is added again to
 //!   that rail then, from the metadata it gave. A read is not retried on another rail: its lender's lend on that
@@ -339,6 +339,53 @@ struct Link {
     metadata: Vec<u8>,
     /// Left out of new reads until then.
     down_until: Option<Instant>,
+    /// Failures of the link since it last carried a read that ended well
+    /// (0: healthy). Each doubles its time out, up to 32 times
+    /// `relink_after`.
+    strikes: u32,
+    /// A read is out on the link as its probe: past its time out, a
+    /// failed link carries one read at a time until one ends well.
+    probe: bool,
+}
+
+impl Link {
+    fn new(peer: PeerId, metadata: Vec<u8>) -> Self {
+        Link {
+            peer: Some(peer),
+            metadata,
+            down_until: None,
+            strikes: 0,
+            probe: false,
+        }
+    }
+
+    /// Healthy: added, and no failure since its last read that ended well.
+    fn healthy(&self) -> Option<PeerId> {
+        self.peer.filter(|_| self.strikes == 0)
+    }
+
+    /// Failed, past its time out, and no probe out: the next read may go.
+    fn probe_ready(&self, now: Instant) -> Option<PeerId> {
+        let over = self.down_until.is_none_or(|t| t <= now);
+        self.peer
+            .filter(|_| self.strikes > 0 && over && !self.probe)
+    }
+
+    /// A part on the link failed for a reason of the link: left out for
+    /// `relink_after` doubled per strike (32 times at most). A strike is
+    /// counted for a healthy link's first failure and for a failed probe;
+    /// the other parts that were out on it when it failed end as they end,
+    /// and count for nothing more. Whether it had been healthy.
+    fn strike(&mut self, now: Instant, relink_after: Duration) -> bool {
+        let was = self.strikes == 0;
+        if !was && !self.probe {
+            return false;
+        }
+        self.strikes = self.strikes.saturating_add(1);
+        self.probe = false;
+        self.down_until = Some(now + relink_after * (1 << (self.strikes - 1).min(5)));
+        was
+    }
 }
 
 struct RailPeer {
@@ -347,29 +394,28 @@ struct RailPeer {
 }
 
 impl RailPeer {
-    fn live(&self, rail: usize, now: Instant) -> Option<PeerId> {
-        let link = self.links.get(rail)?.as_ref()?;
-        match link.down_until {
-            Some(t) if t > now => None,
-            _ => link.peer,
-        }
+    fn link(&self, rail: usize) -> Option<&Link> {
+        self.links.get(rail)?.as_ref()
+    }
+
+    /// Whether the link on `rail` is usable now: healthy, or past its time
+    /// out.
+    fn live(&self, rail: usize, now: Instant) -> bool {
+        self.link(rail).is_some_and(|l| {
+            l.healthy().is_some() || (l.peer.is_some() && l.down_until.is_none_or(|t| t <= now))
+        })
     }
 
     /// The peer's id on rail `rail`'s engine, left out or not.
     fn on(&self, rail: usize) -> Option<PeerId> {
-        self.links.get(rail)?.as_ref()?.peer
+        self.link(rail)?.peer
     }
 
-    /// The rails a read to this peer goes through: the links not left
-    /// out; if every link is left out, all of them still added (leaving
-    /// a link out is a preference among links, never a refusal).
-    fn rails_for(&self, rails: usize, now: Instant) -> u32 {
-        let mask =
-            |f: &dyn Fn(usize) -> bool| (0..rails).filter(|&r| f(r)).fold(0u32, |m, r| m | 1 << r);
-        match mask(&|r| self.live(r, now).is_some()) {
-            0 => mask(&|r| self.on(r).is_some()),
-            up => up,
-        }
+    /// The rails `f` holds for, as a mask.
+    fn mask(&self, f: impl Fn(&Link) -> bool) -> u32 {
+        (0..self.links.len())
+            .filter(|&r| self.link(r).is_some_and(&f))
+            .fold(0u32, |m, r| m | 1 << r)
     }
 }
 
@@ -541,11 +587,7 @@ impl Rails {
                 continue;
             };
             match rail.engine.add_peer(m) {
-                Ok(peer) => links.push(Some(Link {
-                    peer: Some(peer),
-                    metadata: m.to_vec(),
-                    down_until: None,
-                })),
+                Ok(peer) => links.push(Some(Link::new(peer, m.to_vec()))),
                 Err(e) => {
                     refused.push((i, e));
                     links.push(None);
@@ -566,7 +608,7 @@ impl Rails {
     pub fn link_up(&self, peer: PeerId, rail: usize) -> bool {
         self.peers
             .get(peer.0 as usize)
-            .is_some_and(|p| p.live(rail, Instant::now()).is_some())
+            .is_some_and(|p| p.live(rail, Instant::now()))
     }
 
     /// Lends `blocks` on every rail under one incarnation ([`Engine::lend`]):
@@ -645,7 +687,7 @@ impl Rails {
                     handle: h,
                     peer: t.peer,
                 })?;
-            let mask = peer.rails_for(n, now);
+            let mask = peer.mask(|l| l.peer.is_some());
             if mask == 0 {
                 return Err(RailsError::NoLiveRail {
                     handle: h,
@@ -656,7 +698,14 @@ impl Rails {
         }
         let bs = self.block_size;
         let bytes: u64 = handles.iter().map(|t| t.local.len() as u64 * bs).sum();
-        let stripe = bytes >= self.stripe_above && live.iter().any(|m| m.count_ones() > 1);
+        // Striped over healthy links only: a failed link past its time out
+        // carries one whole read at a time, its probe, until one ends well.
+        let healthy: Vec<u32> = handles
+            .iter()
+            .map(|t| self.peers[t.peer.0 as usize].mask(|l| l.healthy().is_some()))
+            .collect();
+        let stripe = bytes >= self.stripe_above && healthy.iter().any(|m| m.count_ones() > 1);
+        let mut probes = 0u32;
         let mut map = vec![Vec::new(); n];
         let mut whole: Vec<Vec<Transfer<'_>>> = vec![Vec::new(); n];
         let mut parts: Vec<Vec<PartTransfer<'_>>> = vec![Vec::new(); n];
@@ -664,14 +713,26 @@ impl Rails {
         let mut lenders: Vec<(PeerId, Incarnation, u32)> = Vec::new();
         for (h, t) in handles.iter().enumerate() {
             let peer = &self.peers[t.peer.0 as usize];
-            let chosen = if stripe {
-                live[h]
+            let ready = peer.mask(|l| l.probe_ready(now).is_some()) & !probes;
+            let chosen = if stripe && healthy[h].count_ones() > 1 {
+                healthy[h]
+            } else if ready != 0 {
+                // A failed link past its time out: this read is its probe.
+                let r = bits(ready).next().expect("a rail");
+                probes |= 1 << r;
+                1 << r
             } else {
+                // The least loaded healthy link; with none, any (leaving a
+                // link out is a preference, never a refusal).
+                let pool = match healthy[h] {
+                    0 => live[h],
+                    m => m,
+                };
                 let r = (0..n)
                     .map(|k| (self.turn + k) % n)
-                    .filter(|&r| live[h] & 1 << r != 0)
+                    .filter(|&r| pool & 1 << r != 0)
                     .min_by_key(|&r| load[r])
-                    .expect("a live rail");
+                    .expect("a rail the peer is on");
                 load[r] += 1;
                 1 << r
             };
@@ -725,6 +786,13 @@ impl Rails {
                 return Err(RailsError::Submit { rail: r, error });
             }
             outstanding |= 1 << r;
+        }
+        for &(peer, _, used) in &lenders {
+            for r in bits(used & probes) {
+                if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
+                    link.probe = true;
+                }
+            }
         }
         self.fold
             .begin_read(id, Read::new(outstanding, map, lenders, false));
@@ -825,11 +893,7 @@ impl Rails {
                 parts_failed: rail.counters.parts_failed,
                 links_down: rail.counters.links_down,
                 relinks: rail.counters.relinks,
-                links_up: self
-                    .peers
-                    .iter()
-                    .filter(|p| p.live(r, now).is_some())
-                    .count(),
+                links_up: self.peers.iter().filter(|p| p.live(r, now)).count(),
             })
             .collect()
     }
@@ -884,19 +948,28 @@ impl Rails {
         out: &mut Outcomes,
         now: Instant,
     ) {
-        if failure.is_some_and(|f| of_the_link(f.cause)) {
-            // Its links to the read's lenders are left out for a while.
-            let until = now + self.relink_after;
-            let counters = &mut self.rails[r].counters;
-            for &(peer, _, used) in self.fold.lenders(id) {
-                if used & 1 << r == 0 {
-                    continue;
-                }
-                if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
-                    if link.down_until.is_none_or(|t| t <= now) {
+        // What the part says of its links to the read's lenders: a failure
+        // of the link leaves them out for a while; a part that ended well
+        // makes them healthy; either ends a probe.
+        let counters = &mut self.rails[r].counters;
+        for &(peer, _, used) in self.fold.lenders(id) {
+            if used & 1 << r == 0 {
+                continue;
+            }
+            let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) else {
+                continue;
+            };
+            match failure {
+                Some(f) if of_the_link(f.cause) => {
+                    if link.strike(now, self.relink_after) {
                         counters.links_down += 1;
                     }
-                    link.down_until = Some(until);
+                }
+                Some(_) => link.probe = false,
+                None => {
+                    link.strikes = 0;
+                    link.probe = false;
+                    link.down_until = None;
                 }
             }
         }
@@ -982,7 +1055,6 @@ impl Rails {
         out: &mut Outcomes,
         now: Instant,
     ) {
-        let relink = now + self.relink_after;
         for (p, peer) in self.peers.iter_mut().enumerate() {
             let Some(Some(link)) = peer.links.get_mut(r) else {
                 continue;
@@ -991,8 +1063,9 @@ impl Rails {
                 continue;
             }
             link.peer = None;
-            link.down_until = Some(relink);
-            self.rails[r].counters.links_down += 1;
+            if link.strike(now, self.relink_after) {
+                self.rails[r].counters.links_down += 1;
+            }
             if peer.links.iter().flatten().all(|l| l.peer.is_none()) {
                 out.peers_lost.push((PeerId(p as u32), reason));
             }
@@ -1027,18 +1100,13 @@ impl Rails {
                 let Some(link) = link else {
                     continue;
                 };
-                match link.down_until {
-                    Some(t) if t <= now => {}
-                    _ => continue,
-                }
-                if link.peer.is_some() {
-                    link.down_until = None;
+                if link.peer.is_some() || link.down_until.is_some_and(|t| t > now) {
                     continue;
                 }
                 match self.rails[r].engine.add_peer(&link.metadata) {
                     Ok(p) => {
+                        // Added again: its next read is its probe.
                         link.peer = Some(p);
-                        link.down_until = None;
                         self.rails[r].counters.relinks += 1;
                     }
                     Err(e) => {
@@ -1054,9 +1122,12 @@ impl Rails {
 /// Whether a part that failed so says something of its link (rather than
 /// of the lend, the caller or the engine).
 fn of_the_link(cause: Cause) -> bool {
+    // `Setup`: the rail's engine could not post on the link at all (its
+    // endpoint to the peer could not be made, or is still closing after a
+    // forced close).
     matches!(
         cause,
-        Cause::Transfer | Cause::PeerLost | Cause::Deadline | Cause::PeerStalled
+        Cause::Transfer | Cause::Setup | Cause::PeerLost | Cause::Deadline | Cause::PeerStalled
     )
 }
 
@@ -1178,6 +1249,39 @@ mod tests {
         let b = RailsBuilder::from_core_map(&map, Engine::builder());
         let devices: Vec<_> = b.rails.iter().map(|r| r.0.as_deref()).collect();
         assert_eq!(devices, [Some("mlx5_0:1"), Some("eth1,eth2"), None]);
+    }
+
+    #[test]
+    fn a_link_is_struck_once_per_failure_and_per_failed_probe_and_its_time_out_doubles() {
+        let (now, base) = (Instant::now(), Duration::from_millis(100));
+        let mut l = Link::new(PeerId(3), Vec::new());
+        assert_eq!(l.healthy(), Some(PeerId(3)));
+        assert!(l.strike(now, base), "it was healthy");
+        assert_eq!((l.strikes, l.down_until), (1, Some(now + base)));
+        // The other parts out on it when it failed count for nothing more.
+        for _ in 0..5 {
+            assert!(!l.strike(now, base));
+        }
+        assert_eq!((l.strikes, l.down_until), (1, Some(now + base)));
+        assert_eq!(l.probe_ready(now), None, "within its time out");
+        let later = now + base;
+        assert_eq!(l.probe_ready(later), Some(PeerId(3)));
+        l.probe = true;
+        assert_eq!(l.probe_ready(later), None, "one probe at a time");
+        assert!(
+            !l.strike(later, base),
+            "a failed probe is not a first failure"
+        );
+        assert_eq!(
+            (l.strikes, l.down_until, l.probe),
+            (2, Some(later + 2 * base), false)
+        );
+        for _ in 0..10 {
+            l.probe = true;
+            l.strike(later, base);
+        }
+        assert_eq!(l.down_until, Some(later + 32 * base), "32 times at most");
+        assert_eq!(l.healthy(), None);
     }
 
     #[test]
