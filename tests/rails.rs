@@ -290,6 +290,16 @@ fn metadata_that_no_rail_takes_and_malformed_reads_are_refused_and_change_nothin
         }))
     ));
     assert_eq!(reader.in_flight(), 0);
+    // Memory once a peer is added: refused before any rail is asked.
+    let lender = lender();
+    reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    assert!(matches!(
+        reader.register(4),
+        Err(RailsError::Region {
+            error: kvpoll::RegionError::Frozen,
+            ..
+        })
+    ));
 }
 
 /// Rail 0 of the reader fails every handle it carries (a transfer error):

@@ -495,16 +495,19 @@ impl Rails {
         if base.is_null() {
             return Err(RailsError::NoMemory(len));
         }
-        let region = Region { base, layout };
+        // Kept whatever registering it does: a rail that took it before
+        // another refused it still maps it.
+        self.memory.push(Region { base, layout });
         // SAFETY: the region stays allocated, in place, until after every
         // engine is dropped (`Rails`' field order).
-        let index = unsafe { self.register_memory(region.base, len)? };
-        self.memory.push(region);
-        Ok(index)
+        unsafe { self.register_memory(base, len) }
     }
 
     /// Registers caller memory on every rail as one region
-    /// ([`Engine::register_memory`]).
+    /// ([`Engine::register_memory`]). Refused, changing nothing, once a
+    /// peer was added (peers hold the rails' keys). A rail that refuses it
+    /// after others took it (a UCX failure) leaves them with it: build the
+    /// rails again.
     ///
     /// # Safety
     /// As [`Engine::register_memory`], for the lifetime of these rails.
@@ -513,6 +516,12 @@ impl Rails {
         base: *mut u8,
         len: usize,
     ) -> Result<usize, RailsError> {
+        if !self.peers.is_empty() {
+            return Err(RailsError::Region {
+                rail: 0,
+                error: RegionError::Frozen,
+            });
+        }
         let mut index = 0;
         for (i, rail) in self.rails.iter_mut().enumerate() {
             // SAFETY: the caller's guarantee.
@@ -705,7 +714,8 @@ impl Rails {
             .map(|t| self.peers[t.peer.0 as usize].mask(|l| l.healthy().is_some()))
             .collect();
         let stripe = bytes >= self.stripe_above && healthy.iter().any(|m| m.count_ones() > 1);
-        let mut probes = 0u32;
+        // The links (peer, rail) this read probes.
+        let mut probes: Vec<(PeerId, usize)> = Vec::new();
         let mut map = vec![Vec::new(); n];
         let mut whole: Vec<Vec<Transfer<'_>>> = vec![Vec::new(); n];
         let mut parts: Vec<Vec<PartTransfer<'_>>> = vec![Vec::new(); n];
@@ -713,13 +723,17 @@ impl Rails {
         let mut lenders: Vec<(PeerId, Incarnation, u32)> = Vec::new();
         for (h, t) in handles.iter().enumerate() {
             let peer = &self.peers[t.peer.0 as usize];
-            let ready = peer.mask(|l| l.probe_ready(now).is_some()) & !probes;
+            let probing = probes
+                .iter()
+                .filter(|p| p.0 == t.peer)
+                .fold(0u32, |m, p| m | 1 << p.1);
+            let ready = peer.mask(|l| l.probe_ready(now).is_some()) & !probing;
             let chosen = if stripe && healthy[h].count_ones() > 1 {
                 healthy[h]
             } else if ready != 0 {
                 // A failed link past its time out: this read is its probe.
                 let r = bits(ready).next().expect("a rail");
-                probes |= 1 << r;
+                probes.push((t.peer, r));
                 1 << r
             } else {
                 // The least loaded healthy link; with none, any (leaving a
@@ -787,11 +801,9 @@ impl Rails {
             }
             outstanding |= 1 << r;
         }
-        for &(peer, _, used) in &lenders {
-            for r in bits(used & probes) {
-                if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
-                    link.probe = true;
-                }
+        for (peer, r) in probes {
+            if let Some(Some(link)) = self.peers[peer.0 as usize].links.get_mut(r) {
+                link.probe = true;
             }
         }
         self.fold
