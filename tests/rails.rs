@@ -58,6 +58,26 @@ fn pair(
     (lender, reader, peer)
 }
 
+/// Reads `lent` of the lend `inc` of `peer` into `local`, through `reader`.
+fn read(
+    reader: &mut Rails,
+    peer: kvpoll::ledger::PeerId,
+    id: RequestId,
+    local: &[BlockId],
+    lent: &[BlockId],
+    inc: kvpoll::ledger::Incarnation,
+) -> Result<(), RailsError> {
+    reader.read(
+        id,
+        &[Transfer {
+            peer,
+            local,
+            remote: lent,
+            lend: inc,
+        }],
+    )
+}
+
 fn blocks(range: std::ops::Range<u32>) -> Vec<BlockId> {
     range.map(BlockId).collect()
 }
@@ -85,6 +105,28 @@ fn settle(
     }
 }
 
+/// Polls both sides a little longer: reports that would come twice come
+/// within a few more polls.
+fn linger(a: &mut Rails, ao: &mut Outcomes, b: &mut Rails, bo: &mut Outcomes) {
+    settle(a, ao, b, bo, Duration::from_millis(200), |_, _| false);
+}
+
+/// Polls until the reader reported a read finished and the lender a lend.
+fn both_reported(
+    reader: &mut Rails,
+    ro: &mut Outcomes,
+    lender: &mut Rails,
+    lo: &mut Outcomes,
+    guard: Duration,
+) {
+    assert!(
+        settle(reader, ro, lender, lo, guard, |r, l| {
+            !r.finished_recving.is_empty() && !l.finished_sending.is_empty()
+        }),
+        "reader {ro:?}, lender {lo:?}"
+    );
+}
+
 fn holds(reader: &Rails, local: &[BlockId], remote: &[BlockId]) -> bool {
     let mut buf = vec![0u8; BLOCK as usize];
     local.iter().zip(remote).all(|(l, r)| {
@@ -106,37 +148,10 @@ fn a_striped_read_moves_bytes_on_both_rails_lands_every_byte_and_each_side_repor
     let lent = blocks(8..40);
     let local = blocks(0..32);
     let inc = lender.lend(id, &lent, 1, Duration::from_secs(60)).unwrap();
-    reader
-        .read(
-            id,
-            &[Transfer {
-                peer,
-                local: &local,
-                remote: &lent,
-                lend: inc,
-            }],
-        )
-        .unwrap();
-    assert!(
-        settle(
-            &mut reader,
-            ro,
-            &mut lender,
-            lo,
-            Duration::from_secs(30),
-            |r, l| { !r.finished_recving.is_empty() && !l.finished_sending.is_empty() }
-        ),
-        "reader {ro:?}, lender {lo:?}"
-    );
+    read(&mut reader, peer, id, &local, &lent, inc).unwrap();
+    both_reported(&mut reader, ro, &mut lender, lo, Duration::from_secs(30));
     // Reports that would come twice come within a few more polls.
-    settle(
-        &mut reader,
-        ro,
-        &mut lender,
-        lo,
-        Duration::from_millis(200),
-        |_, _| false,
-    );
+    linger(&mut reader, ro, &mut lender, lo);
     assert_eq!(count(&ro.finished_recving, id), 1, "{ro:?}");
     assert!(ro.failed_recving.is_empty(), "{ro:?}");
     assert_eq!(count(&lo.finished_sending, id), 1, "{lo:?}");
@@ -187,17 +202,7 @@ fn small_reads_go_whole_to_both_rails_in_turn_and_free_the_lends_on_the_other_ra
     }
     let locals: Vec<_> = (0..N).map(|i| blocks(32 + 2 * i..32 + 2 * i + 2)).collect();
     for ((id, lent, inc), local) in lends.iter().zip(&locals) {
-        reader
-            .read(
-                *id,
-                &[Transfer {
-                    peer,
-                    local,
-                    remote: lent,
-                    lend: *inc,
-                }],
-            )
-            .unwrap();
+        read(&mut reader, peer, *id, local, lent, *inc).unwrap();
     }
     assert!(
         settle(
@@ -212,14 +217,7 @@ fn small_reads_go_whole_to_both_rails_in_turn_and_free_the_lends_on_the_other_ra
         ),
         "reader {ro:?}, lender {lo:?}"
     );
-    settle(
-        &mut reader,
-        ro,
-        &mut lender,
-        lo,
-        Duration::from_millis(200),
-        |_, _| false,
-    );
+    linger(&mut reader, ro, &mut lender, lo);
     for ((id, lent, _), local) in lends.iter().zip(&locals) {
         assert_eq!(count(&ro.finished_recving, *id), 1, "{ro:?}");
         assert_eq!(count(&lo.finished_sending, *id), 1, "{lo:?}");
@@ -320,26 +318,13 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
     );
     let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
     let lease = Duration::from_secs(600);
-    let read = |reader: &mut Rails, id, local: &[BlockId], lent: &[BlockId], inc| {
-        reader
-            .read(
-                id,
-                &[Transfer {
-                    peer,
-                    local,
-                    remote: lent,
-                    lend: inc,
-                }],
-            )
-            .unwrap()
-    };
     // The striped read: rail 0's half fails, rail 1's lands.
     let striped = RequestId(1);
     let lent = blocks(0..32);
     let local = blocks(32..64);
     let inc = lender.lend(striped, &lent, 1, lease).unwrap();
     let failed_at = Instant::now();
-    read(&mut reader, striped, &local, &lent, inc);
+    read(&mut reader, peer, striped, &local, &lent, inc).unwrap();
     assert!(
         settle(
             &mut reader,
@@ -376,7 +361,7 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
         let lent = blocks(i..i + 1);
         let local = blocks(40 + i..41 + i);
         let inc = lender.lend(id, &lent, 1, lease).unwrap();
-        read(&mut reader, id, &local, &lent, inc);
+        read(&mut reader, peer, id, &local, &lent, inc).unwrap();
         ids.push((id, local, lent));
     }
     assert!(settle(
@@ -404,7 +389,7 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
     assert!(reader.link_up(peer, 0));
     let again = RequestId(20);
     let inc = lender.lend(again, &lent, 1, lease).unwrap();
-    read(&mut reader, again, &local, &lent, inc);
+    read(&mut reader, peer, again, &local, &lent, inc).unwrap();
     assert!(settle(
         &mut reader,
         ro,
@@ -433,14 +418,7 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
         ),
         "{lo:?}"
     );
-    settle(
-        &mut reader,
-        ro,
-        &mut lender,
-        lo,
-        Duration::from_millis(200),
-        |_, _| false,
-    );
+    linger(&mut reader, ro, &mut lender, lo);
     for id in &all {
         assert_eq!(
             count(&lo.finished_sending, *id) + count(&lo.expired, *id),
@@ -485,16 +463,7 @@ fn a_peer_whose_every_link_is_left_out_is_still_read_through_them() {
         .enumerate()
     {
         let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
-        reader
-            .read(
-                id,
-                &[Transfer {
-                    peer,
-                    local: &local,
-                    remote: &lent,
-                    lend: inc,
-                }],
-            )
+        read(&mut reader, peer, id, &local, &lent, inc)
             .unwrap_or_else(|e| panic!("read {i} refused: {e}"));
         assert!(settle(
             &mut reader,
@@ -533,36 +502,9 @@ fn a_lend_a_reader_with_fewer_rails_read_is_freed_a_grace_after_its_rail_finishe
     let lent = blocks(0..4);
     let local = blocks(4..8);
     let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
-    reader
-        .read(
-            id,
-            &[Transfer {
-                peer,
-                local: &local,
-                remote: &lent,
-                lend: inc,
-            }],
-        )
-        .unwrap();
-    assert!(
-        settle(
-            &mut reader,
-            ro,
-            &mut lender,
-            lo,
-            Duration::from_secs(20),
-            |r, l| { !r.finished_recving.is_empty() && !l.finished_sending.is_empty() }
-        ),
-        "reader {ro:?}, lender {lo:?}"
-    );
-    settle(
-        &mut reader,
-        ro,
-        &mut lender,
-        lo,
-        Duration::from_millis(200),
-        |_, _| false,
-    );
+    read(&mut reader, peer, id, &local, &lent, inc).unwrap();
+    both_reported(&mut reader, ro, &mut lender, lo, Duration::from_secs(20));
+    linger(&mut reader, ro, &mut lender, lo);
     assert_eq!(count(&lo.finished_sending, id), 1, "{lo:?}");
     assert!(lo.expired.is_empty(), "{lo:?}");
     assert!(holds(&reader, &local, &lent));
@@ -592,17 +534,7 @@ fn a_reader_of_two_rails_reads_a_lender_of_one_engine_through_its_rail_0() {
     let lent = blocks(0..8);
     let local = blocks(8..16);
     let inc = lender.lend(id, &lent, 1, Duration::from_secs(600)).unwrap();
-    reader
-        .read(
-            id,
-            &[Transfer {
-                peer,
-                local: &local,
-                remote: &lent,
-                lend: inc,
-            }],
-        )
-        .unwrap();
+    read(&mut reader, peer, id, &local, &lent, inc).unwrap();
     let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
     let t = Instant::now();
     while ro.finished_recving.is_empty() || lo.finished_sending.is_empty() {
@@ -647,17 +579,7 @@ fn a_failed_link_past_its_time_out_carries_one_read_at_a_time_until_one_ends_wel
             let lent = blocks(i..i + 1);
             let local = blocks(32 + i..33 + i);
             let inc = lender.lend(id, &lent, 1, lease).unwrap();
-            reader
-                .read(
-                    id,
-                    &[Transfer {
-                        peer,
-                        local: &local,
-                        remote: &lent,
-                        lend: inc,
-                    }],
-                )
-                .unwrap();
+            read(reader, peer, id, &local, &lent, inc).unwrap();
             ids.push(id);
         }
         ids
