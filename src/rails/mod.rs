@@ -147,8 +147,9 @@ pub enum RailsError {
     /// A request of this id is in flight on the rails.
     #[error("request {} is already in flight", .0.0)]
     Duplicate(RequestId),
-    /// A rail's engine refused its part; the parts other rails took are
-    /// aborted, and the request is not reported.
+    /// A rail's engine refused its part (a lend's, or a read's); the parts
+    /// other rails took are aborted, and the request is not reported. Its
+    /// id stays taken until those parts are reported to [`Rails::poll`].
     #[error("rail {rail}: {error}")]
     Submit {
         /// The rail.
@@ -960,6 +961,10 @@ impl Rails {
         out: &mut Outcomes,
         now: Instant,
     ) {
+        if self.fold.outstanding(id).is_none_or(|m| m & 1 << r == 0) {
+            // Not a part out on that rail: a repeat, or not this façade's.
+            return;
+        }
         // What the part says of its links to the read's lenders: a failure
         // of the link leaves them out for a while; a part that ended well
         // makes them healthy; either ends a probe.

@@ -64,6 +64,9 @@ impl VethLink {
     /// Makes the namespaces joined by `pairs` veth pairs (1 to 200), or
     /// says why they cannot be made here.
     pub fn create_pairs(pairs: usize) -> Result<Self, String> {
+        if !(1..=200).contains(&pairs) {
+            return Err(format!("{pairs} veth pairs: 1 to 200 can be made"));
+        }
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err("making network namespaces needs root".into());
