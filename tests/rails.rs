@@ -311,7 +311,9 @@ fn a_rail_that_fails_fails_only_its_part_is_left_out_and_is_used_again_after_its
         handle_error_every: 1,
         ..Default::default()
     });
-    let relink = Duration::from_millis(1500);
+    // Long enough that the reads made while rail 0 is left out end within
+    // it on a loaded machine.
+    let relink = Duration::from_secs(3);
     let (mut lender, mut reader, peer) = pair(
         Rails::builder().stripe_above(1 << 20).relink_after(relink),
         faulty,

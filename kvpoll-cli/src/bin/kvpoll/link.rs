@@ -102,7 +102,7 @@ impl VethLink {
         let t = std::time::Instant::now();
         while !(link.up(&link.near) && link.up(&link.far)) {
             if t.elapsed() > std::time::Duration::from_secs(10) {
-                return Err(format!("{DEVICE}.. have no carrier after 10 s"));
+                return Err("the veth pairs have no carrier after 10 s".into());
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }

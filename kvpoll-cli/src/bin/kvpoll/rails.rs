@@ -360,6 +360,28 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// `a.rounds` rounds of one rail, then two, interleaved: each rail
+/// count's figures, round by round.
+fn interleaved(
+    link: &VethLink,
+    roles: (&str, &str),
+    a: &RailsBenchArgs,
+    shape: &[String],
+) -> Result<[Vec<Figures>; 2], CliError> {
+    let mut figs: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
+    for _ in 0..a.rounds {
+        for (k, f) in figs.iter_mut().enumerate() {
+            let mut args = vec![
+                format!("--rails={}", k + 1),
+                format!("--seconds={}", a.seconds),
+            ];
+            args.extend_from_slice(shape);
+            f.push(round(link, roles, &args)?);
+        }
+    }
+    Ok(figs)
+}
+
 /// `kvpoll bench rails`.
 pub fn run_bench(a: &RailsBenchArgs) -> Result<(), CliError> {
     let link = VethLink::create_pairs(2).map_err(|e| failed(format!("the rails bench: {e}")))?;
@@ -369,42 +391,18 @@ pub fn run_bench(a: &RailsBenchArgs) -> Result<(), CliError> {
         ("64 MiB read", 128 << 10, 512, 2),
         ("8 MiB request", 64 << 10, 128, 4),
     ];
-    let seconds = format!("{}", a.seconds);
     // Per shape, per rail count: each round's figures.
     let mut rows: Vec<(String, [Vec<Figures>; 2])> = Vec::new();
     for (name, block_size, blocks, in_flight) in shapes {
-        let mut figs: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
-        for _ in 0..a.rounds {
-            for (k, f) in figs.iter_mut().enumerate() {
-                let args = [
-                    "--rails".to_owned(),
-                    (k + 1).to_string(),
-                    "--block-size".to_owned(),
-                    block_size.to_string(),
-                    "--blocks-per-read".to_owned(),
-                    blocks.to_string(),
-                    "--in-flight".to_owned(),
-                    in_flight.to_string(),
-                    "--seconds".to_owned(),
-                    seconds.clone(),
-                ];
-                f.push(round(&link, ("lender", "reader"), &args)?);
-            }
-        }
+        let shape = [
+            format!("--block-size={block_size}"),
+            format!("--blocks-per-read={blocks}"),
+            format!("--in-flight={in_flight}"),
+        ];
+        let figs = interleaved(&link, ("lender", "reader"), a, &shape)?;
         rows.push((name.to_owned(), figs));
     }
-    let mut streams: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
-    for _ in 0..a.rounds {
-        for (k, f) in streams.iter_mut().enumerate() {
-            let args = [
-                "--rails".to_owned(),
-                (k + 1).to_string(),
-                "--seconds".to_owned(),
-                seconds.clone(),
-            ];
-            f.push(round(&link, ("stream-source", "stream-sink"), &args)?);
-        }
-    }
+    let streams = interleaved(&link, ("stream-source", "stream-sink"), a, &[])?;
     rows.push(("tcp streams, one per pair".to_owned(), streams));
     report(&rows, a.json);
     Ok(())
