@@ -927,6 +927,36 @@ fn remove_peer_is_idempotent() {
     );
 }
 
+/// A peer removed and then added again from the same metadata (a client
+/// that reconnects to the same engine after its connection was closed) is
+/// a peer again: a read from it finishes.
+#[test]
+fn a_peer_removed_and_added_again_from_the_same_metadata_is_read_again() {
+    let p = engine();
+    fill(&p, 7, REGIONS, BLOCKS);
+    let mut d = engine();
+    let peer = connect(&mut d, &p);
+    // Used first: its endpoint is up when it is removed.
+    let first = RequestId(1);
+    d.read(first, &one_handle(peer, &ids(&[2]), &ids(&[12])))
+        .unwrap();
+    let mut out = Outcomes::default();
+    assert!(try_wait(&mut d, &mut out, GUARD, |o| reported(o, first)));
+    assert_eq!(out.finished_recving, vec![first], "{out:?}");
+    d.remove_peer(peer).unwrap();
+    let again = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    let id = RequestId(2);
+    d.read(id, &one_handle(again, &ids(&[3]), &ids(&[13])))
+        .unwrap();
+    out.clear();
+    assert!(
+        try_wait(&mut d, &mut out, GUARD, |o| reported(o, id)),
+        "a read from the peer added again was never reported (peer {peer:?}, again {again:?})"
+    );
+    assert_eq!(out.finished_recving, vec![id], "{out:?}");
+    assert!(holds(&d, REGIONS, 3, 7, 13));
+}
+
 /// `register()` after `add_peer` changes this engine's region count; the
 /// peer's metadata (taken before) has fewer regions, and every later handle
 /// to it fails `Setup` in `post_handle`'s `regions.len() == n_regions`

@@ -75,6 +75,64 @@ fn a_read_of_a_live_lend_is_confirmed_and_finishes_with_the_lenders_bytes() {
     assert_eq!(pout.finished_sending, vec![id]);
 }
 
+/// A reader whose first connection to a lender only sent a note (nothing
+/// to read), and which then removed the lender and added it again (a
+/// client reconnecting to the same engine), reads from it over tcp as
+/// before, confirmed, on that connection and on the next. The lender
+/// answers a tcp read with sends on an endpoint of its own; UCX pairs a
+/// new endpoint with the connection of the same rank, and one opened at
+/// the first answer took the closed first connection's: every answer was
+/// lost and every read ran to its deadline, after each fresh connection
+/// alike.
+#[test]
+fn a_lender_removed_after_a_note_and_added_again_is_read_over_tcp_again() {
+    let mut p = engine();
+    let mut d = Engine::builder()
+        .block_size(BS)
+        .ucx(ContextOptions::with_transports("tcp"))
+        .read_deadline(Duration::from_secs(3))
+        .build()
+        .expect("engine");
+    d.register(BLOCKS).unwrap();
+    let mut peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+    for b in 0..4 {
+        fill(&p, 1, b);
+    }
+    let mut pout = Outcomes::default();
+    let lent: Vec<BlockId> = (0..4).map(BlockId).collect();
+    let first = RequestId(1);
+    let lend = p.lend(first, &lent, 1, GUARD).unwrap();
+    d.notify_only(first, &[(peer, lend)]).unwrap();
+    wait(&mut p, &mut pout, "the noted lend's end", |o| {
+        o.finished_sending.contains(&first)
+    });
+    for round in 0..2u32 {
+        d.remove_peer(peer).unwrap();
+        peer = d.add_peer(&p.local_metadata().unwrap()).unwrap();
+        let id = RequestId(10 + u64::from(round));
+        let lend = p.lend(id, &lent, 1, GUARD).unwrap();
+        let local: Vec<BlockId> = (8..12).map(BlockId).collect();
+        d.read(
+            id,
+            &[Transfer {
+                peer,
+                local: &local,
+                remote: &lent,
+                lend,
+            }],
+        )
+        .unwrap();
+        let mut out = Outcomes::default();
+        wait(&mut d, &mut out, "the read", |o| {
+            !o.finished_recving.is_empty() || !o.failed_recving.is_empty()
+        });
+        assert_eq!(out.finished_recving, vec![id], "round {round}: {out:?}");
+        for (l, r) in local.iter().zip(&lent) {
+            assert!(holds(&d, l.0, 1, r.0), "round {round}: block {}", l.0);
+        }
+    }
+}
+
 #[cfg(feature = "fault-injection")]
 /// The reader's poller stalls right after posting its read (as a paused
 /// decode process would); the lease runs out meanwhile, the lender's engine

@@ -14,15 +14,16 @@
 //! announces a return path — the sender's return key, the connection's
 //! serial and the sender's worker address — and every message that wants
 //! an answer carries the key in its header. The receiver answers on an
-//! endpoint of its own to that address, opened at the first answer and
-//! closed only by it: its failure is reported to it like any endpoint's
-//! (and closes it; the next answer opens another), so no answer outlives
-//! the endpoint it goes on. A newer connection of the same sender (a
-//! fresh endpoint after a deadline or a failure) announces again with a
-//! newer serial, and the path's endpoint is closed for a new one: UCX can
-//! pair the receiver's endpoint with the sender's connection that was
-//! open when it was made (its wire-up matches the two), and answers on it
-//! would be lost once that connection closed. Where the endpoint cannot
+//! endpoint of its own to that address, opened when the announcement is
+//! taken and closed only by it: its failure is reported to it like any
+//! endpoint's (and closes it; the next answer opens another), so no answer
+//! outlives the endpoint it goes on. A newer connection of the same
+//! sender (a fresh endpoint after a deadline or a failure) announces
+//! again with a newer serial, and the path's endpoint is closed for a new
+//! one: UCX pairs the receiver's n-th endpoint to the sender with the
+//! sender's n-th connection (its wire-up matches the two), so each
+//! announcement gets its own endpoint, opened while its connection is
+//! the one announcing ([`Returns::open_announced`]). Where the endpoint cannot
 //! be opened (over tcp: the sender is dead, its port refuses), no answer
 //! goes out: UCX's reply endpoint is no fallback then, since the sender's
 //! death is what may have freed it (two lenders died so, SIGSEGV in
@@ -92,6 +93,10 @@ pub(crate) struct Returns {
     closing: Vec<(u64, Endpoint)>,
     /// The path a full table gave up last when none was idle.
     evict: usize,
+    /// Keys announced (first, or by a newer connection) since the last
+    /// [`Returns::open_announced`], in order: each opens its endpoint
+    /// then, not at its first answer.
+    announced: Vec<u64>,
 }
 
 impl Default for Returns {
@@ -108,6 +113,7 @@ impl Returns {
             by_key: HashMap::new(),
             closing: Vec::new(),
             evict: 0,
+            announced: Vec::new(),
         }
     }
 
@@ -137,6 +143,7 @@ impl Returns {
                         self.closing.push((t, ep));
                     }
                 }
+                self.announced.push(key);
             }
             return true;
         }
@@ -175,7 +182,43 @@ impl Returns {
             i
         };
         self.by_key.insert(key, at);
+        self.announced.push(key);
         true
+    }
+
+    /// Opens a return endpoint on `worker` for each announcement taken
+    /// since the last call, in order: a path announced again in between
+    /// has the endpoint of its earlier announcement force-closed (with a
+    /// token from `token`) and opens another. One UCX refuses is opened at
+    /// its first answer, as any.
+    ///
+    /// Opened now, not at the first answer, so that it pairs with the
+    /// connection that announced it. UCX pairs a new endpoint to a worker
+    /// with that worker's connection of the same serial (`conn_sn`: the
+    /// n-th endpoint each side made to the other), taking the endpoint
+    /// UCX made here for that connection. Opened at the first answer,
+    /// the n-th return endpoint to a sender took the endpoint of the
+    /// sender's n-th connection, whichever was announcing: after a
+    /// connection that asked nothing (a note) and was closed, every
+    /// answer went on the closed one and was lost, and every read of a
+    /// soft reader timed out, after each fresh connection alike. Opened
+    /// at each announcement, the n-th return endpoint is the n-th
+    /// connection's, which announces as it opens.
+    pub fn open_announced(&mut self, worker: &Worker, token: &mut dyn FnMut() -> u64) {
+        for k in 0..self.announced.len() {
+            let key = self.announced[k];
+            let Some(&i) = self.by_key.get(&key) else {
+                continue;
+            };
+            if let Some(ep) = self.paths[i].ep.take() {
+                let t = token();
+                if ep.force_close(t).is_ok() {
+                    self.closing.push((t, ep));
+                }
+            }
+            let _ = self.endpoint(worker, key);
+        }
+        self.announced.clear();
     }
 
     /// The open endpoint to answer the sender of key `key` on, opened on

@@ -714,6 +714,15 @@ impl UcxTransport {
                 id: ep.to_u64(),
                 generation: ep.generation,
             });
+            // A soft connection's reads are answered on the lender's return
+            // endpoint: announced as it opens, so that that endpoint pairs
+            // with it (`super::returns`). Others announce before their
+            // first message that wants an answer: announcing as a
+            // shared-memory connection opens held its gets back until the
+            // peer progressed (`tests/ucx_transport.rs`).
+            if let Some(c) = p.conn.as_ref().filter(|c| c.soft) {
+                c.return_key();
+            }
         }
         Ok(())
     }
@@ -1596,6 +1605,11 @@ impl Transport for UcxTransport {
                 payload: m.payload,
                 reply: m.reply,
             })
+        });
+        let seq = &mut self.close_seq;
+        self.returns.open_announced(&self.worker, &mut || {
+            *seq += 1;
+            T_TRANSPORT | *seq
         });
         self.ask_requests(sink);
         for f in self.failures.drain(..) {
