@@ -625,3 +625,86 @@ fn a_failed_link_past_its_time_out_carries_one_read_at_a_time_until_one_ends_wel
         "the second time out is twice the first"
     );
 }
+
+#[test]
+fn a_peer_added_again_is_the_same_peer_and_once_removed_is_refused_and_notified_lends_end_on_every_rail(
+) {
+    let (mut lender, mut reader, peer) = pair(Rails::builder(), rail_engine());
+    let (lo, ro) = (&mut Outcomes::default(), &mut Outcomes::default());
+    // A client reconnecting gives the same metadata again: the same peer,
+    // so removing an older id can never cut a newer one.
+    let again = reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    assert_eq!(again, peer);
+    // Nothing to read: the lender's lends on both rails end at once on the
+    // reader's word (a lease far past the guard).
+    let id = RequestId(7);
+    let inc = lender
+        .lend(id, &blocks(0..4), 1, Duration::from_secs(600))
+        .unwrap();
+    reader.notify_only(id, &[(peer, inc)]).unwrap();
+    assert!(
+        settle(
+            &mut reader,
+            ro,
+            &mut lender,
+            lo,
+            Duration::from_secs(20),
+            |_, l| { !l.finished_sending.is_empty() }
+        ),
+        "the lend was not ended by the reader's word: {lo:?}"
+    );
+    linger(&mut reader, ro, &mut lender, lo);
+    assert_eq!(count(&lo.finished_sending, id), 1, "{lo:?}");
+    // A waker from another thread ends a long wait early.
+    let waker = reader.waker();
+    let t = Instant::now();
+    let wake = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        waker.wake();
+    });
+    let mut out = Outcomes::default();
+    reader.wait(&mut out, Duration::from_secs(60));
+    wake.join().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "a wake did not end the wait ({:?})",
+        t.elapsed()
+    );
+    assert!(!reader.is_deaf());
+    // Removed: its id names nothing, and every rail's engine let it go.
+    reader.remove_peer(peer).unwrap();
+    reader.remove_peer(peer).unwrap();
+    let inc = lender
+        .lend(RequestId(8), &blocks(0..4), 1, Duration::from_secs(60))
+        .unwrap();
+    assert!(matches!(
+        read(
+            &mut reader,
+            peer,
+            RequestId(8),
+            &blocks(0..4),
+            &blocks(0..4),
+            inc
+        ),
+        Err(RailsError::UnknownPeer { .. })
+    ));
+    assert!(matches!(
+        reader.notify_only(RequestId(8), &[(peer, inc)]),
+        Err(RailsError::UnknownPeer { .. })
+    ));
+    assert!(reader.stats().iter().all(|s| s.links_up == 0));
+    assert_eq!(reader.in_flight(), 0);
+    // Added again after its removal: a peer again, and read.
+    let back = reader.add_peer(&lender.local_metadata().unwrap()).unwrap();
+    read(
+        &mut reader,
+        back,
+        RequestId(8),
+        &blocks(8..12),
+        &blocks(0..4),
+        inc,
+    )
+    .unwrap();
+    both_reported(&mut reader, ro, &mut lender, lo, Duration::from_secs(30));
+    assert!(holds(&reader, &blocks(8..12), &blocks(0..4)));
+}

@@ -290,6 +290,7 @@ impl RailsBuilder {
             graces: std::collections::VecDeque::new(),
             block_size: ours,
             turn: 0,
+            woken: std::sync::Arc::default(),
             memory: Vec::new(),
         })
     }
@@ -392,6 +393,8 @@ impl Link {
 struct RailPeer {
     /// By rail index; `None`: the rail does not reach the peer.
     links: Vec<Option<Link>>,
+    /// Removed ([`Rails::remove_peer`]): its id names nothing any more.
+    removed: bool,
 }
 
 impl RailPeer {
@@ -417,6 +420,26 @@ impl RailPeer {
         (0..self.links.len())
             .filter(|&r| self.link(r).is_some_and(&f))
             .fold(0u32, |m, r| m | 1 << r)
+    }
+}
+
+/// Wakes the engine thread out of [`Rails::wait`]: wakes every rail's
+/// engine ([`crate::EngineWaker`]), so whichever one it waits in returns.
+#[derive(Clone, Debug)]
+pub struct RailsWaker {
+    woken: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    engines: Vec<crate::engine::EngineWaker>,
+}
+
+impl RailsWaker {
+    /// Wakes the engine thread if it waits; otherwise its next wait
+    /// returns without blocking.
+    pub fn wake(&self) {
+        // Release: pairs with the waiter's swap.
+        self.woken.store(true, std::sync::atomic::Ordering::Release);
+        for w in &self.engines {
+            w.wake();
+        }
     }
 }
 
@@ -457,6 +480,8 @@ pub struct Rails {
     graces: std::collections::VecDeque<(Instant, RequestId, Incarnation)>,
     block_size: u64,
     turn: usize,
+    /// Set by a [`RailsWaker`]: the next wait returns.
+    woken: std::sync::Arc<std::sync::atomic::AtomicBool>,
     memory: Vec<Region>,
 }
 
@@ -610,8 +635,110 @@ impl Rails {
         for (i, e) in &refused {
             tracing::warn!(rail = i, error = %e, "a rail does not reach the peer");
         }
-        self.peers.push(RailPeer { links });
+        // The same metadata again (a peer reconnecting over its control
+        // channel) is the same peer: each rail's engine gave the same id,
+        // and two ids sharing an engine's peer would let removing one cut
+        // the other. A link of it that was lost takes the id just given.
+        let same = |p: &RailPeer| {
+            !p.removed
+                && p.links.len() == links.len()
+                && p.links.iter().zip(&links).all(|(a, b)| match (a, b) {
+                    (Some(a), Some(b)) => a.metadata == b.metadata,
+                    (None, None) => true,
+                    _ => false,
+                })
+        };
+        if let Some(i) = self.peers.iter().position(same) {
+            for (old, new) in self.peers[i].links.iter_mut().zip(links) {
+                if let (Some(old), Some(new)) = (old, new) {
+                    if old.peer.is_none() {
+                        old.peer = new.peer;
+                    }
+                }
+            }
+            return Ok(PeerId(i as u32));
+        }
+        self.peers.push(RailPeer {
+            links,
+            removed: false,
+        });
         Ok(PeerId(self.peers.len() as u32 - 1))
+    }
+
+    /// Removes a peer from every rail ([`Engine::remove_peer`]): its parts
+    /// in flight fail (deferred, as always) and its id names nothing any
+    /// more. Removing it again is fine; an id never given out is
+    /// [`RailsError::UnknownPeer`].
+    pub fn remove_peer(&mut self, peer: PeerId) -> Result<(), RailsError> {
+        let p = self
+            .peers
+            .get_mut(peer.0 as usize)
+            .ok_or(RailsError::UnknownPeer { handle: 0, peer })?;
+        p.removed = true;
+        for (r, link) in p.links.iter_mut().enumerate() {
+            if let Some(on) = link.take().and_then(|l| l.peer) {
+                let _ = self.rails[r].engine.remove_peer(on);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a rail's engine was found deaf ([`Engine::is_deaf`]): build
+    /// the rails again and give the peers the new metadata.
+    pub fn is_deaf(&self) -> bool {
+        self.rails.iter().any(|r| r.engine.is_deaf())
+    }
+
+    /// Nothing to read, but each of `producers` lent blocks for request
+    /// `id` and awaits this side's word: each is notified on every rail
+    /// that reaches it ([`Engine::notify_only`]), so every rail's lend
+    /// ends at once. The first rail that refused is returned, after every
+    /// rail was tried.
+    pub fn notify_only(
+        &mut self,
+        id: RequestId,
+        producers: &[(PeerId, Incarnation)],
+    ) -> Result<(), RailsError> {
+        for (h, &(peer, _)) in producers.iter().enumerate() {
+            if self.peers.get(peer.0 as usize).is_none_or(|p| p.removed) {
+                return Err(RailsError::UnknownPeer { handle: h, peer });
+            }
+        }
+        let mut first = None;
+        for (r, rail) in self.rails.iter_mut().enumerate() {
+            let on: Vec<(PeerId, Incarnation)> = producers
+                .iter()
+                .filter_map(|&(p, lend)| Some((self.peers[p.0 as usize].on(r)?, lend)))
+                .collect();
+            if on.is_empty() {
+                continue;
+            }
+            if let Err(error) = rail.engine.notify_only(id, &on) {
+                first.get_or_insert(RailsError::Submit { rail: r, error });
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// A handle that wakes the engine thread out of [`Rails::wait`], from
+    /// any thread.
+    pub fn waker(&self) -> RailsWaker {
+        RailsWaker {
+            woken: self.woken.clone(),
+            engines: self.rails.iter().map(|r| r.engine.waker()).collect(),
+        }
+    }
+
+    /// Fault injection: every rail's poller stops progressing for `d`
+    /// ([`Engine::stall`]).
+    #[cfg(feature = "fault-injection")]
+    pub fn stall(&mut self, d: Duration) -> Result<(), RailsError> {
+        for (r, rail) in self.rails.iter_mut().enumerate() {
+            rail.engine
+                .stall(d)
+                .map_err(|error| RailsError::Submit { rail: r, error })?;
+        }
+        Ok(())
     }
 
     /// Whether rail `rail` links to `peer` and is not left out now.
@@ -693,6 +820,7 @@ impl Rails {
             let peer = self
                 .peers
                 .get(t.peer.0 as usize)
+                .filter(|p| !p.removed)
                 .ok_or(RailsError::UnknownPeer {
                     handle: h,
                     peer: t.peer,
@@ -856,16 +984,19 @@ impl Rails {
         reports(out) - before
     }
 
-    /// [`Rails::poll`], waiting up to `timeout` for something to report:
-    /// blocks in the busiest rail's [`Engine::wait`] a millisecond at a
-    /// time, polling every rail in between.
+    /// [`Rails::poll`], waiting up to `timeout` for something to report or
+    /// a [`RailsWaker`]'s wake: blocks in the busiest rail's
+    /// [`Engine::wait`] a millisecond at a time, polling every rail in
+    /// between.
     pub fn wait(&mut self, out: &mut Outcomes, timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
         let before = reports(out);
         loop {
             self.poll(out);
             let left = deadline.saturating_duration_since(Instant::now());
-            if reports(out) > before || left.is_zero() {
+            // Acquire: what the waker's thread did before waking is seen.
+            let woken = self.woken.swap(false, std::sync::atomic::Ordering::Acquire);
+            if reports(out) > before || left.is_zero() || woken {
                 return reports(out) - before;
             }
             let r = (0..self.rails.len())
