@@ -95,7 +95,7 @@ if ucx_wheel_home="$(./scripts/ucx-wheel-env.sh)"; then
         --test engine --test fencing --test incarnation --test errors --test contract_api \
         --test ucx_two_process --test engine_two_process --test drills --test reader_kill \
         --test lend_words --test deaf_engine --test demo --test ucx_version --test lend_capability --test remote_write \
-        --test receive_capability --test rails \
+        --test receive_capability --test rails --test rails_cli \
         -- --test-threads="$THREADS" \
         --skip push_partitioned
     step target/ucx122/cargo/debug/kvpoll --version

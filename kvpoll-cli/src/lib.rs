@@ -19,6 +19,9 @@ pub enum RunError {
     /// The engine refused a call.
     #[error(transparent)]
     Engine(#[from] kvpoll::Error),
+    /// The rails refused a call.
+    #[error(transparent)]
+    Rails(#[from] kvpoll::rails::RailsError),
     /// The run could not go on.
     #[error("{0}")]
     Stuck(&'static str),

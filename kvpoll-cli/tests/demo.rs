@@ -115,6 +115,42 @@ fn demo_with_rank_processes_over_tcp_survives_a_rank_killed_in_each_mode_ucx_all
 }
 
 #[test]
+fn demo_over_two_rails_runs_pull_mode_with_every_fault_and_a_kill_and_loses_nothing() {
+    let args = [
+        "demo",
+        "--rail",
+        "lo",
+        "--rail",
+        "lo",
+        "--tls",
+        "tcp",
+        "--requests",
+        "300",
+        "--lease-ms",
+        "400",
+        "--raw-requests",
+        "0",
+        "--json",
+    ];
+    let (code, json) = kvpoll(&args);
+    assert_eq!(code, Some(0), "{json}");
+    // Rails carry pull mode only: one mode ran.
+    assert_eq!(values(&json, "finished").len(), 1, "{json}");
+    assert!(json.contains("\"mode\":\"pull\""), "{json}");
+    assert_eq!(sum(&json, "corrupted_blocks"), 0, "{json}");
+    assert_eq!(sum(&json, "leaked_blocks"), 0, "{json}");
+    assert!(sum(&json, "finished") > 0, "{json}");
+    assert_eq!(sum(&json, "kills"), 1, "{json}");
+    for fault in ["transfer_errors", "release_failures", "stalls"] {
+        assert!(sum(&json, fault) >= 1, "{fault} did not fire: {json}");
+    }
+    // Both rails carried parts of reads.
+    let parts = values(&json, "parts_finished");
+    assert_eq!(parts.len(), 2, "one entry per rail: {json}");
+    assert!(parts.iter().all(|&p| p > 0), "{json}");
+}
+
+#[test]
 fn demo_runs_over_shared_memory_by_default_and_reports_a_positive_raw_ucx_baseline() {
     let (code, json) = kvpoll(&[
         "demo",

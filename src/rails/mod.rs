@@ -69,6 +69,23 @@ const MAX_RAIL_METADATA: usize = 1 << 20;
 /// Byte ranges of a striped block start on this boundary.
 const STRIPE_ALIGN: u64 = 64;
 
+/// Whether `metadata` is a rails frame ([`Rails::local_metadata`]) rather
+/// than one engine's.
+pub fn is_frame(metadata: &[u8]) -> bool {
+    metadata.starts_with(&MAGIC)
+}
+
+/// Rail 0's engine metadata in a rails frame, checked as
+/// [`Rails::add_peer`] checks the frame: what one engine adds to reach a
+/// peer of several rails through its rail 0. Fit for an engine that only
+/// lends to that peer (a reader of several rails reads a lender of one
+/// engine through its rail 0); an engine that reads through it would
+/// leave each of the peer's lends out on its other rails for
+/// [`RailsBuilder::sibling_grace`] after every read.
+pub fn rail_0_metadata(frame: &[u8]) -> Result<&[u8], RailsError> {
+    Ok(split_frame(frame)?[0])
+}
+
 /// Why the rails refused something. Nothing changed.
 #[derive(Debug, Error)]
 pub enum RailsError {
@@ -609,7 +626,7 @@ impl Rails {
     /// rail, linked to rail 0). Refused, changing nothing, when a rails
     /// frame is malformed or no rail takes the peer.
     pub fn add_peer(&mut self, metadata: &[u8]) -> Result<PeerId, RailsError> {
-        let theirs = if metadata.starts_with(&MAGIC) {
+        let theirs = if is_frame(metadata) {
             split_frame(metadata)?
         } else {
             vec![metadata]

@@ -189,6 +189,15 @@ pub struct DemoArgs {
     /// that the other side's worker must apply.
     #[arg(long, value_name = "LIST", default_value = "posix,sysv,cma")]
     pub tls: String,
+    /// Move blocks over this network device (`UCX_NET_DEVICES`: `eth1`,
+    /// `mlx5_0:1`), one engine with its own poller per device; given once
+    /// per rail, up to 16. Reads of 4 MiB or more are striped across the
+    /// rails, smaller ones go whole to the least loaded, and a rail that
+    /// fails is left out until it works again. Rails carry pull mode only
+    /// (reads and lends): with rails, every rank has them and only pull
+    /// mode runs. Without it: one engine, UCX chooses the devices.
+    #[arg(long = "rail", value_name = "DEVICE", value_parser = rail_device)]
+    pub rails: Vec<String>,
     /// Before each mode, time this many transfers of the same shape done
     /// by a plain UCX worker loop (no kvpoll engine) against the live
     /// prefill ranks, one at a time and then at the demo's window on both
@@ -275,6 +284,14 @@ pub struct ServeArgs {
     /// oldest is dropped for a new one).
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_connections: u32,
+    /// Move blocks over this network device (`UCX_NET_DEVICES`: `eth1`,
+    /// `mlx5_0:1`), one engine with its own poller per device; given once
+    /// per rail, up to 16. Reads of 4 MiB or more are striped across the
+    /// rails, smaller ones go whole to the least loaded, and a rail that
+    /// fails is left out until it works again. Rails carry pull mode only
+    /// (reads and lends). Without it: one engine, UCX chooses the devices.
+    #[arg(long = "rail", value_name = "DEVICE", value_parser = rail_device)]
+    pub rails: Vec<String>,
     /// Also stop (exit 0) when standard input closes: how a parent process
     /// (the demo, a test) stops its ranks, and stops them if it dies.
     #[arg(long)]
@@ -316,6 +333,15 @@ pub struct ConnectArgs {
     /// UCX transports (UCX_TLS); they must match the prefill ranks'.
     #[arg(long, value_name = "LIST", default_value = "tcp")]
     pub tls: String,
+    /// Move blocks over this network device (`UCX_NET_DEVICES`: `eth1`,
+    /// `mlx5_0:1`), one engine with its own poller per device; given once
+    /// per rail, up to 16. Reads of 4 MiB or more are striped across the
+    /// rails, smaller ones go whole to the least loaded, and a rail that
+    /// fails is left out until it works again. Rails carry pull mode only
+    /// (reads and lends); the prefill ranks may have other rails or none. Without it: one engine, UCX chooses the devices.
+    #[arg(long = "rail", value_name = "DEVICE", value_parser = rail_device)]
+    pub rails: Vec<String>,
+
     /// Sizes and counts (as for `demo`; they must match the prefill
     /// ranks').
     #[command(flatten)]
@@ -610,6 +636,21 @@ mod tests {
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+}
+
+/// A rail's network device as `UCX_NET_DEVICES` names one: 1 to 64
+/// letters, digits and `_-.:`.
+fn rail_device(s: &str) -> Result<String, String> {
+    let ok = (1..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.:".contains(&b));
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a network device name (1 to 64 letters, digits and _-.:)"
+        ))
     }
 }
 

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use crate::faults::*;
 use hdrhistogram::Histogram;
 use kvpoll::{BlockId, ContextOptions, Engine, Outcomes, PeerId, RequestId, Transfer};
+
+use super::side::Side;
 use kvpoll_cli::RunError;
 
 use kvpoll::Cause;
@@ -94,6 +96,8 @@ pub struct DecodeConfig {
     pub rings: Option<std::sync::Arc<AtomicU64>>,
     /// The deployment's key: the engine and the control links are keyed.
     pub auth: Option<kvpoll::auth::AuthKey>,
+    /// Network devices, one engine (rail) each; empty: one engine.
+    pub rails: Vec<String>,
 }
 
 /// Injected faults that fired on a decode rank.
@@ -189,6 +193,26 @@ pub struct DecodeReport {
     /// Times this rank replaced its engine because its UCX worker went
     /// deaf (a prefill rank died inside a shared-memory send to it).
     pub engines_rebuilt: u32,
+    /// Per rail (`--rail`), what it carried; empty on one engine.
+    pub rails: Vec<RailReport>,
+}
+
+/// What one rail carried for a decode rank (summed over its engines).
+#[derive(Debug, Default, Clone)]
+pub struct RailReport {
+    /// Its network device.
+    pub device: String,
+    /// Bytes its poller moved.
+    pub bytes: u64,
+    /// Transfer operations its poller completed.
+    pub operations: u64,
+    /// Parts of reads it carried that ended well, and that failed.
+    pub parts_finished: u64,
+    pub parts_failed: u64,
+    /// Times one of its links was left out after a failure of the link.
+    pub links_down: u64,
+    /// Lost peers added again to it.
+    pub relinks: u64,
 }
 
 struct Link {
@@ -304,7 +328,7 @@ struct Decoder<'a> {
     cfg: &'a DecodeConfig,
     /// Requests reported, however they ended (for the demo's progress).
     progress: &'a AtomicU64,
-    engine: Engine,
+    engine: Side,
     pool: Pool,
     links: [Link; 2],
     reqs: HashMap<u64, Req>,
@@ -468,33 +492,45 @@ pub fn run(
     Ok(d.report)
 }
 
-/// A decode rank's engine with its layers registered.
-fn start_engine(cfg: &DecodeConfig) -> Result<Engine, RunError> {
-    let mut engine = Engine::builder()
+/// A decode rank's engine (one per rail, with rails) with its layers
+/// registered.
+fn start_engine(cfg: &DecodeConfig) -> Result<Side, RunError> {
+    let builder = Engine::builder()
         .block_size(cfg.block_size)
         .ucx(ContextOptions::with_transports(&cfg.tls))
         .read_deadline(cfg.deadline)
         .confirm_reads(cfg.fence)
         .fence_push_leases(cfg.fence)
         .faults(cfg.faults)
-        .auth_key(cfg.auth.clone())
-        .build()?;
-    for _ in 0..cfg.layers {
-        engine.register(u64::from(cfg.blocks))?;
-    }
-    Ok(engine)
+        .auth_key(cfg.auth.clone());
+    Side::start(builder, &cfg.rails, cfg.layers, cfg.blocks)
 }
 
 impl Decoder<'_> {
     /// Adds the engine's poller time and failure counters to the report
     /// (once per engine: at its replacement and at the end).
     fn count_engine(&mut self) {
-        let s = self.engine.poller_stats();
+        let (busy, idle) = self.engine.busy_idle();
         let m = self.engine.metrics();
         self.report.faults.transfer_errors += m.handle_failures.transfer;
         self.report.faults.release_failures += m.release_failures;
-        self.report.busy_ns += s.busy_ns;
-        self.report.idle_ns += s.idle_ns;
+        self.report.busy_ns += busy;
+        self.report.idle_ns += idle;
+        for (i, r) in self.engine.rail_stats().into_iter().enumerate() {
+            if self.report.rails.len() <= i {
+                self.report.rails.push(RailReport {
+                    device: r.device.clone().unwrap_or_default(),
+                    ..RailReport::default()
+                });
+            }
+            let to = &mut self.report.rails[i];
+            to.bytes += r.poller.bytes_moved;
+            to.operations += r.poller.ops_completed;
+            to.parts_finished += r.parts_finished;
+            to.parts_failed += r.parts_failed;
+            to.links_down += r.links_down;
+            to.relinks += r.relinks;
+        }
     }
 
     /// Replaces a deaf engine (its UCX worker hears nothing more: a prefill
@@ -588,7 +624,7 @@ impl Decoder<'_> {
             let tried = link::handshake(addr, ours, self.cfg.auth.as_ref()).and_then(|o| {
                 let peer = self
                     .engine
-                    .add_peer(&o.meta)
+                    .add_lender(&o.meta)
                     .map_err(|e| LinkError::Refused(format!("its metadata: {e}")))?;
                 Ok((o.stream, o.session, peer))
             });
@@ -704,10 +740,20 @@ impl Decoder<'_> {
                 let writers: Vec<PeerId> = self.links.iter().filter_map(|l| l.peer).collect();
                 let lent = if writers.len() == self.links.len() {
                     self.engine
-                        .receive_from(RequestId(id), &req.blocks, &writers, self.cfg.lease)
+                        .one("push")
+                        .map_err(|e| e.to_string())
+                        .and_then(|e| {
+                            e.receive_from(RequestId(id), &req.blocks, &writers, self.cfg.lease)
+                                .map_err(|e| e.to_string())
+                        })
                 } else {
                     self.engine
-                        .receive(RequestId(id), &req.blocks, 2, self.cfg.lease)
+                        .one("push")
+                        .map_err(|e| e.to_string())
+                        .and_then(|e| {
+                            e.receive(RequestId(id), &req.blocks, 2, self.cfg.lease)
+                                .map_err(|e| e.to_string())
+                        })
                 };
                 let Ok(lend) = lent else {
                     self.pool.release(&req.blocks);

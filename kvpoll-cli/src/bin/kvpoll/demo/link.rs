@@ -39,7 +39,7 @@ pub fn spawn_reader(
     tag: usize,
     tx: Sender<Incoming>,
     idle: Option<Duration>,
-    wake: Option<kvpoll::EngineWaker>,
+    wake: Option<super::side::Waker>,
 ) -> std::io::Result<()> {
     let reader = stream.try_clone()?;
     reader.set_read_timeout(Some(TICK))?;

@@ -22,6 +22,7 @@ mod pool;
 mod prefill;
 mod proto;
 mod raw;
+mod side;
 mod soak;
 
 use std::io::{BufRead, BufReader, IsTerminal};
@@ -84,6 +85,9 @@ struct Settings {
     /// prefill rank processes; from the environment they inherit it).
     auth: Option<kvpoll::auth::AuthKey>,
     auth_key_file: Option<std::path::PathBuf>,
+    /// Network devices, one engine (rail) each, for every rank (`--rail`);
+    /// empty: one engine.
+    rails: Vec<String>,
 }
 
 impl Settings {
@@ -113,6 +117,7 @@ impl Settings {
         s.raw_requests = a.raw_requests;
         s.auth = a.auth.key()?;
         s.auth_key_file = a.auth.auth_key_file.clone();
+        s.rails = rails_given(&a.rails)?;
         Ok(s)
     }
 
@@ -147,6 +152,7 @@ impl Settings {
             raw_requests: 0,
             auth: None,
             auth_key_file: None,
+            rails: Vec::new(),
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -215,6 +221,7 @@ fn decode_config(s: &Settings, mode: Mode, policy: Policy) -> DecodeConfig {
         doze: None,
         rings: None,
         auth: s.auth.clone(),
+        rails: s.rails.clone(),
     }
 }
 
@@ -233,6 +240,7 @@ fn serve_config(s: &Settings, rank: u32) -> ServeConfig {
         // The demo stalls its ranks on purpose.
         testing: s.faults,
         auth: s.auth.clone(),
+        rails: s.rails.clone(),
         faults: Faults {
             handle_error_every: if s.faults {
                 s.handle_error_every * 2
@@ -284,6 +292,7 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
             ])
             // The coordinator stalls ranks: fault injection must be allowed.
             .args(s.faults.then_some("--testing"))
+            .args(s.rails.iter().flat_map(|d| ["--rail", d.as_str()]))
             .args(
                 s.auth_key_file
                     .iter()
@@ -500,12 +509,17 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     }
     if !s.json {
         println!(
-            "kvpoll demo: prefill TP={PREFILL_RANKS} ({}), decode TP={DECODE_RANKS} (2 handles a request), {} requests per decode rank and mode, {} layers x {} KiB blocks over {}, faults {}, policy {}, leases {}",
+            "kvpoll demo: prefill TP={PREFILL_RANKS} ({}), decode TP={DECODE_RANKS} (2 handles a request), {} requests per decode rank and mode, {} layers x {} KiB blocks over {}{}, faults {}, policy {}, leases {}",
             if s.processes { "processes" } else { "threads" },
             s.requests,
             s.layers,
             s.block_size / 1024,
             s.tls,
+            if s.rails.is_empty() {
+                String::new()
+            } else {
+                format!(" on rails {} (pull mode only)", s.rails.join(", "))
+            },
             if s.faults { "on" } else { "off" },
             match s.policy { Policy::Safe => "safe", Policy::Eager => "EAGER (unsafe, for comparison)" },
             if s.no_fence { "TIMERS (--no-fence: unsafe, for comparison)" } else { "fenced" }
@@ -527,7 +541,13 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     let mut counted_before = std::collections::HashMap::new();
     loop {
         cycle += 1;
-        for mode in [Mode::Pull, Mode::Push] {
+        // Rails carry reads and lends: pull mode only.
+        let modes: &[Mode] = if s.rails.is_empty() {
+            &[Mode::Pull, Mode::Push]
+        } else {
+            &[Mode::Pull]
+        };
+        for &mode in modes {
             let r = run_mode(&s, mode, &registry, &mut ranks, &rings, &mut counted_before)?;
             if !s.json {
                 if soak_until.is_some() {
@@ -1050,6 +1070,17 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
         t.bytes as f64 / r.seconds / 1e9
     );
     println!("  {:<34} {:>11.1}%", "pollers busy", busy_pct(r));
+    for (i, x) in rails(r).iter().enumerate() {
+        println!(
+            "  rail {i} ({}): {:.3} GB, {} parts finished, {} failed, left out {} times, relinked {}",
+            x.device,
+            x.bytes as f64 / 1e9,
+            x.parts_finished,
+            x.parts_failed,
+            x.links_down,
+            x.relinks
+        );
+    }
     if let Some(why) = gave_up(r) {
         println!("  stopped early: {why}");
     }
@@ -1059,6 +1090,30 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
     if s.no_fence {
         println!("  NO FENCE: leases were timers, reads unconfirmed (unsafe)");
     }
+}
+
+/// What each rail carried, summed over the decode ranks (rail `i` of
+/// each); empty without rails.
+fn rails(r: &ModeReport) -> Vec<decode::RailReport> {
+    let mut out: Vec<decode::RailReport> = Vec::new();
+    for d in &r.decode {
+        for (i, x) in d.rails.iter().enumerate() {
+            if out.len() <= i {
+                out.push(decode::RailReport {
+                    device: x.device.clone(),
+                    ..decode::RailReport::default()
+                });
+            }
+            let to = &mut out[i];
+            to.bytes += x.bytes;
+            to.operations += x.operations;
+            to.parts_finished += x.parts_finished;
+            to.parts_failed += x.parts_failed;
+            to.links_down += x.links_down;
+            to.relinks += x.relinks;
+        }
+    }
+    out
 }
 
 /// Injected faults that fired on the decode and prefill ranks.
@@ -1132,7 +1187,7 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 raw.error.as_deref().map_or("null".to_owned(), json_str),
             );
             format!(
-                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"first_failure\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"decode_engines_rebuilt\":{},\"gave_up\":{}}}",
+                "{{\"mode\":\"{}\",\"seconds\":{:.3},\"requests\":{},\"transferred\":{},\"finished\":{},\"failed\":{},\"failed_peer_lost\":{},\"failed_peer_stalled\":{},\"failed_deadline\":{},\"failed_lease_lost\":{},\"failed_other\":{},\"failed_bad_answer\":{},\"failed_no_answer\":{},\"first_bad_answer\":{},\"first_failure\":{},\"expired\":{},\"refused\":{},\"refused_lease_too_short\":{},\"corrupted_blocks\":{},\"leaked_blocks\":{},\"latency_p50_us\":{},\"latency_p99_us\":{},{},\"requests_per_s\":{:.1},\"gb_per_s\":{:.4},\"poller_busy_pct\":{:.2},\"transfer_errors\":{},\"setup_failures\":{},\"release_failures\":{},\"stalls\":{},\"pauses\":{},\"decode_stalls\":{},\"kills\":{},\"decode_engines_rebuilt\":{},\"rails\":[{}],\"gave_up\":{}}}",
                 if *mode == Mode::Pull { "pull" } else { "push" },
                 r.seconds,
                 t.requests,
@@ -1173,6 +1228,21 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                 decode_stalls(r),
                 r.kills,
                 engines_rebuilt(r),
+                rails(r)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| format!(
+                        "{{\"rail\":{i},\"device\":{},\"bytes\":{},\"operations\":{},\"parts_finished\":{},\"parts_failed\":{},\"links_down\":{},\"relinks\":{}}}",
+                        json_str(&x.device),
+                        x.bytes,
+                        x.operations,
+                        x.parts_finished,
+                        x.parts_failed,
+                        x.links_down,
+                        x.relinks
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(","),
                 gave_up(r).map_or("null".to_owned(), json_str),
             )
         })
@@ -1190,6 +1260,18 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
         s.faults,
         modes.join(",")
     )
+}
+
+/// The `--rail` devices given, at most [`kvpoll::rails::MAX_RAILS`].
+fn rails_given(rails: &[String]) -> Result<Vec<String>, CliError> {
+    if rails.len() > kvpoll::rails::MAX_RAILS {
+        return Err(CliError::Usage(format!(
+            "{} --rail given: at most {} rails",
+            rails.len(),
+            kvpoll::rails::MAX_RAILS
+        )));
+    }
+    Ok(rails.to_vec())
 }
 
 /// `kvpoll serve`: one prefill rank, listening for decode ranks.
@@ -1214,6 +1296,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         },
         testing: args.testing,
         auth: args.auth.key()?,
+        rails: rails_given(&args.rails)?,
     };
     check_sizes(u64::from(args.layers), args.blocks, args.block_size, 1)?;
     let listener = TcpListener::bind(listen)
@@ -1257,6 +1340,12 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     let addrs = args.to.clone();
     let mode = args.mode;
     let mut s = Settings::workload(&args.workload, &args.tls)?;
+    s.rails = rails_given(&args.rails)?;
+    if !s.rails.is_empty() && mode == Mode::Push {
+        return Err(CliError::Usage(
+            "--rail carries pull mode only (reads and lends): push runs on one engine".into(),
+        ));
+    }
     s.give_up_after = Duration::from_secs(args.give_up_after);
     s.auth = args.auth.key()?;
     check_sizes(s.layers as u64, s.blocks, s.block_size, 1)?;

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use crate::faults::*;
 use kvpoll::metrics::MetricsSnapshot;
 use kvpoll::{BlockId, ContextOptions, Engine, Outcomes, PeerId, RequestId, Transfer};
+
+use super::side::Side;
 use kvpoll_cli::RunError;
 
 use super::door::{self, ToEngine};
@@ -37,6 +39,8 @@ pub struct ServeConfig {
     pub metrics: Option<Arc<Mutex<MetricsSnapshot>>>,
     /// The deployment's key: the engine and the control port are keyed.
     pub auth: Option<kvpoll::auth::AuthKey>,
+    /// Network devices, one engine (rail) each; empty: one engine.
+    pub rails: Vec<String>,
 }
 
 /// How often a serving rank refreshes its published metrics.
@@ -208,18 +212,18 @@ fn log_outcomes(rank: u32, out: &Outcomes) {
 /// again.
 const MESSAGES_PER_TURN: usize = 8;
 
-/// A rank's engine with its layers registered, and its metadata.
-fn start_engine(cfg: &ServeConfig) -> Result<(Engine, Vec<u8>), RunError> {
-    let mut engine = Engine::builder()
+/// A rank's engine (one per rail, with rails) with its layers registered,
+/// and its metadata.
+fn start_engine(cfg: &ServeConfig) -> Result<(Side, Vec<u8>), RunError> {
+    let builder = Engine::builder()
         .block_size(cfg.block_size)
         .ucx(ContextOptions::with_transports(&cfg.tls))
         .faults(cfg.faults)
-        .auth_key(cfg.auth.clone())
-        .build()?;
-    for _ in 0..cfg.layers {
-        engine.register(u64::from(cfg.blocks))?;
-    }
-    let meta = engine.local_metadata()?;
+        .auth_key(cfg.auth.clone());
+    let engine = Side::start(builder, &cfg.rails, cfg.layers, cfg.blocks)?;
+    let meta = engine
+        .local_metadata()
+        .map_err(|_| RunError::Stuck("the engine cannot say its metadata"))?;
     Ok((engine, meta))
 }
 
@@ -231,13 +235,13 @@ fn start_engine(cfg: &ServeConfig) -> Result<(Engine, Vec<u8>), RunError> {
 /// of its lends fails, as from a lender gone), then their blocks go back
 /// to the pool and each push still waiting is answered not done.
 fn rebuild(
-    old: Engine,
+    old: Side,
     cfg: &ServeConfig,
     door: &door::EngineSide,
     pool: &mut Pool,
     peers: &mut HashMap<usize, PeerId>,
     held: &mut HashMap<u64, Held>,
-) -> Result<Engine, RunError> {
+) -> Result<Side, RunError> {
     tracing::warn!(
         rank = cfg.rank,
         lent = held.len(),
@@ -272,21 +276,21 @@ fn rebuild(
 const STATS_EVERY: Duration = Duration::from_millis(50);
 
 /// What STATS answers: the pool and the engine's counters.
-fn stats(engine: &Engine, pool: &Pool) -> door::Stats {
-    let s = engine.poller_stats();
+fn stats(engine: &Side, pool: &Pool) -> door::Stats {
+    let (busy, idle) = engine.busy_idle();
     let m = engine.metrics();
     door::Stats {
         total: u64::from(pool.total()),
         free: u64::from(pool.free()),
-        busy: s.busy_ns,
-        idle: s.idle_ns,
+        busy,
+        idle,
         transfer_errors: m.handle_failures.transfer,
         release_failures: m.release_failures,
     }
 }
 
 /// The engine's counters with this rank's tally of outcomes and latencies.
-fn publish(engine: &Engine, tally: &MetricsSnapshot, to: &Mutex<MetricsSnapshot>) {
+fn publish(engine: &Side, tally: &MetricsSnapshot, to: &Mutex<MetricsSnapshot>) {
     let mut snap = engine.metrics();
     snap.requests = tally.requests;
     snap.handle_failures = tally.handle_failures;
@@ -297,7 +301,7 @@ fn publish(engine: &Engine, tally: &MetricsSnapshot, to: &Mutex<MetricsSnapshot>
 
 /// What the engine thread holds while it handles one message.
 struct Rank<'a> {
-    engine: &'a mut Engine,
+    engine: &'a mut Side,
     cfg: &'a ServeConfig,
     pool: &'a mut Pool,
     peers: &'a mut HashMap<usize, PeerId>,
@@ -320,7 +324,7 @@ impl Rank<'_> {
             alloc,
         } = self;
         match m {
-            Msg::Meta(bytes) => match engine.add_peer(&bytes) {
+            Msg::Meta(bytes) => match engine.add_reader(&bytes) {
                 Ok(peer) => {
                     // The same metadata again is the same peer; another
                     // engine on this connection replaces the old one.
@@ -388,7 +392,10 @@ impl Rank<'_> {
                     remote: &remote,
                     lend: kvpoll::Incarnation(lend),
                 };
-                match engine.write(RequestId(req), &[t], 1, cfg.lease) {
+                let written = engine
+                    .one("push mode")
+                    .and_then(|e| Ok(e.write(RequestId(req), &[t], 1, cfg.lease)?));
+                match written {
                     Ok(()) => {
                         held.insert(
                             req,
@@ -418,7 +425,7 @@ impl Rank<'_> {
 }
 
 /// Fills the blocks of request `req` with its pattern, in every layer.
-fn fill(engine: &Engine, cfg: &ServeConfig, req: u64, blocks: &[BlockId], buf: &mut [u8]) {
+fn fill(engine: &Side, cfg: &ServeConfig, req: u64, blocks: &[BlockId], buf: &mut [u8]) {
     for layer in 0..cfg.layers {
         for (i, &b) in blocks.iter().enumerate() {
             kvpoll_cli::pattern::fill(seed(req, layer, cfg.rank), i as u64, buf);
