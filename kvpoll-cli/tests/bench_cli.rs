@@ -227,27 +227,51 @@ fn bench_compare_with_a_peer_that_dies_mid_round_fails_the_group_and_exits_1() {
 }
 
 /// `bench rails` over two veth pairs (root only: elsewhere it must say it
-/// cannot make them and exit 1): every row has both rail counts' figures.
+/// cannot make them and exit 1): every row has both rail counts' figures,
+/// and Mooncake's where its Python is found; without one, unless told to
+/// leave Mooncake out, the run fails saying how to get it.
 #[test]
-fn bench_rails_measures_one_rail_and_two_and_the_streams_or_says_why_it_cannot() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpoll"))
-        .args([
-            "bench",
-            "rails",
-            "--rounds",
-            "1",
-            "--seconds",
-            "0.5",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+fn bench_rails_measures_one_rail_and_two_the_streams_and_mooncake_or_says_why_it_cannot() {
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvpoll"))
+            .args([
+                "bench",
+                "rails",
+                "--rounds",
+                "1",
+                "--seconds",
+                "0.5",
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    // Where `bench rails` looks for Mooncake's Python by default.
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvpoll"));
+    let venv = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|t| t.join("bench-peers/venv/bin/python"));
+    let python =
+        std::env::var_os("KVPOLL_BENCH_PYTHON").is_some() || venv.is_some_and(|v| v.is_file());
+    let out = bench(if python {
+        &[]
+    } else {
+        &["--peers-python", "none"]
+    });
     // SAFETY: no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         assert!(!out.status.success(), "{out:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("needs root"), "{err}");
         return;
+    }
+    if !python {
+        let without = bench(&[]);
+        let err = String::from_utf8_lossy(&without.stderr);
+        assert_eq!(without.status.code(), Some(1), "{err}");
+        assert!(err.contains("make bench-peers"), "{err}");
     }
     assert!(out.status.success(), "{out:?}");
     let json = String::from_utf8(out.stdout).unwrap();
@@ -256,7 +280,21 @@ fn bench_rails_measures_one_rail_and_two_and_the_streams_or_says_why_it_cannot()
             .split(&format!("\"shape\":\"{shape}\""))
             .nth(1)
             .unwrap_or_else(|| panic!("no {shape} row: {json}"));
-        for field in ["one_rail_gbps", "two_rails_gbps", "ratio"] {
+        let mooncake = python && shape != "tcp streams, one per pair";
+        let fields: &[&str] = if mooncake {
+            &[
+                "one_rail_gbps",
+                "two_rails_gbps",
+                "ratio",
+                "mooncake_gbps",
+                "two_rails_vs_mooncake",
+            ]
+        } else {
+            &["one_rail_gbps", "two_rails_gbps", "ratio"]
+        };
+        let row = row.split("\"shape\"").next().unwrap();
+        assert_eq!(row.contains("mooncake"), mooncake, "{shape}: {json}");
+        for field in fields {
             let at = row.find(&format!("\"{field}\":")).unwrap() + field.len() + 3;
             let end = row[at..].find([',', '}']).unwrap();
             let v: f64 = row[at..at + end].parse().unwrap();

@@ -677,6 +677,12 @@ pub struct RailsBenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// The Python that imports Mooncake, measured over the same pairs
+    /// [default: the venv `make bench-peers` makes, target/bench-peers/venv,
+    /// next to this binary's directory; $KVPOLL_BENCH_PYTHON]. `none`: do
+    /// not measure it. Without one, the run fails.
+    #[arg(long, value_name = "PATH")]
+    pub peers_python: Option<PathBuf>,
 }
 
 /// What a `kvpoll rails-peer` process does.

@@ -46,7 +46,7 @@ pub struct Comparison {
 
 /// The Python of the peer systems: the one given, `$KVPOLL_BENCH_PYTHON`,
 /// or the venv `make bench-peers` makes beside this binary's directory.
-fn peers_python(given: Option<&Path>) -> Option<PathBuf> {
+pub(crate) fn peers_python(given: Option<&Path>) -> Option<PathBuf> {
     match given {
         Some(p) if p == Path::new("none") => return None,
         Some(p) => return Some(p.to_owned()),
@@ -74,13 +74,13 @@ fn parse_alt_ucx(alt: Option<&str>) -> Result<Vec<(String, String)>, CliError> {
 }
 
 /// A temporary directory holding the peer driver, removed on drop.
-struct Driver {
+pub(crate) struct Driver {
     dir: PathBuf,
-    script: PathBuf,
+    pub(crate) script: PathBuf,
 }
 
 impl Driver {
-    fn write() -> Result<Self, CliError> {
+    pub(crate) fn write() -> Result<Self, CliError> {
         let dir = std::env::temp_dir().join(format!("kvpoll-compare-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| CliError::Failed(format!("temp dir: {e}")))?;
         let script = dir.join("peer_bench.py");

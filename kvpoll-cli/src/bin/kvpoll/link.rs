@@ -35,6 +35,11 @@ pub fn device(i: usize) -> String {
     format!("kvpoll{i}")
 }
 
+/// Pair `i`'s address on the near side.
+pub fn near_address(i: usize) -> String {
+    format!("10.77.{i}.1")
+}
+
 /// Pair `i`'s address on the far side.
 pub fn far_address(i: usize) -> String {
     format!("10.77.{i}.2")

@@ -9,8 +9,15 @@
 //! keeps reads in flight for the round's seconds and says the bytes read,
 //! the time and its CPU. Every read is checked for the lender's pattern on
 //! its first and last block; a read that fails fails the run.
+//!
+//! Mooncake Transfer Engine runs the same shapes over the same pairs in
+//! the same rounds (`peer_bench.py`, its initiator in the near namespace,
+//! its target in the far one; every 8th request checked). Its tcp
+//! transport reaches a segment at the one address the segment gives, so
+//! given both pairs it moves over one: its row is what it makes of them.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -355,28 +362,106 @@ fn round(link: &VethLink, roles: (&str, &str), args: &[String]) -> Result<Figure
     })
 }
 
+/// Mooncake's requests in a round: a warm-up of `WARM` requests times the
+/// rate, then enough for the round's seconds.
+const WARM: u32 = 8;
+
+/// One round of Mooncake over pair 0, reading `shape`'s request (`blocks`
+/// of `block_size`, `in_flight` at once) for about `seconds`.
+fn mooncake_round(
+    link: &VethLink,
+    python: &Path,
+    script: &Path,
+    shape: (u64, u32, u32),
+    seconds: f64,
+) -> Result<Figures, CliError> {
+    let (block_size, blocks, in_flight) = shape;
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &link.near])
+        .arg(python)
+        .arg(script)
+        .args(["--system", "mooncake", "--op", "read"])
+        .args(["--block-size", &block_size.to_string()])
+        .args(["--blocks-per-request", &blocks.to_string()])
+        .args(["--in-flight", &in_flight.to_string()])
+        .args(["--peer-blocks", &blocks.to_string()])
+        .args(["--check-every", "8"])
+        .args(["--target-netns", &link.far])
+        .args(["--host", &link::far_address(0)])
+        .args(["--client-host", &link::near_address(0)])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| failed(format!("Mooncake's driver ({}): {e}", python.display())))?;
+    let mut input = child.stdin.take().ok_or_else(|| failed("no stdin"))?;
+    let mut out = BufReader::new(child.stdout.take().ok_or_else(|| failed("no stdout"))?);
+    let ready = line_of(&mut out, "READY");
+    let mut run = |n: u32| -> Result<[f64; 5], CliError> {
+        writeln!(input, "RUN {n}").map_err(failed)?;
+        input.flush().map_err(failed)?;
+        let r: Vec<f64> = line_of(&mut out, "RESULT")?
+            .split(' ')
+            .map(|v| v.parse::<f64>().map_err(failed))
+            .collect::<Result<_, _>>()?;
+        <[f64; 5]>::try_from(r).map_err(|_| failed("Mooncake's driver: a short RESULT"))
+    };
+    let figures = ready.and_then(|_| {
+        let warm = run(WARM * in_flight)?;
+        let rate = warm[0] / warm[1].max(1e-9);
+        let n = ((rate * seconds).ceil() as u32).max(in_flight);
+        let [done, secs, cpu_ns, checked, bad] = run(n)?;
+        if bad > 0.0 || checked == 0.0 {
+            return Err(failed(format!(
+                "Mooncake: {bad} of {checked} requests checked held other bytes"
+            )));
+        }
+        let bytes = done * blocks as f64 * block_size as f64;
+        Ok(Figures {
+            gbps: bytes / secs / 1e9,
+            cpu_ms_per_gb: cpu_ns / 1e6 / (bytes / 1e9),
+        })
+    });
+    // End of its input ends the driver (and its target).
+    drop(input);
+    let status = child.wait().map_err(failed)?;
+    let figures = figures?;
+    if !status.success() {
+        return Err(failed(format!("Mooncake's driver ended {status}")));
+    }
+    Ok(figures)
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-/// `a.rounds` rounds of one rail, then two, interleaved: each rail
-/// count's figures, round by round.
+/// Each configuration's figures, round by round: one rail, two rails,
+/// and Mooncake where it runs.
+type Rounds = [Vec<Figures>; 3];
+
+/// `a.rounds` rounds of one rail, then two, then `mooncake` (where given),
+/// interleaved.
 fn interleaved(
     link: &VethLink,
     roles: (&str, &str),
     a: &RailsBenchArgs,
     shape: &[String],
-) -> Result<[Vec<Figures>; 2], CliError> {
-    let mut figs: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
+    mooncake: Option<&dyn Fn() -> Result<Figures, CliError>>,
+) -> Result<Rounds, CliError> {
+    let mut figs: Rounds = Default::default();
     for _ in 0..a.rounds {
-        for (k, f) in figs.iter_mut().enumerate() {
+        for (k, f) in figs.iter_mut().take(2).enumerate() {
             let mut args = vec![
                 format!("--rails={}", k + 1),
                 format!("--seconds={}", a.seconds),
             ];
             args.extend_from_slice(shape);
             f.push(round(link, roles, &args)?);
+        }
+        if let Some(m) = mooncake {
+            figs[2].push(m()?);
         }
     }
     Ok(figs)
@@ -385,67 +470,97 @@ fn interleaved(
 /// `kvpoll bench rails`.
 pub fn run_bench(a: &RailsBenchArgs) -> Result<(), CliError> {
     let link = VethLink::create_pairs(2).map_err(|e| failed(format!("the rails bench: {e}")))?;
+    // Mooncake is measured unless told not to (`--peers-python none`); a
+    // Python without it fails the run rather than leave its rows out.
+    let asked_none = a.peers_python.as_deref() == Some(Path::new("none"));
+    let python = crate::compare::peers_python(a.peers_python.as_deref());
+    if python.is_none() && !asked_none {
+        return Err(failed(
+            "the rails bench measures Mooncake beside kvpoll: no Python with it (make \
+             bench-peers, or --peers-python PATH; --peers-python none leaves it out)",
+        ));
+    }
+    let driver = match python {
+        Some(_) => Some(crate::compare::Driver::write()?),
+        None => None,
+    };
     // (name, block size, blocks per read, reads in flight): one request
     // holds at most 512 blocks by default.
     let shapes: [(&str, u64, u32, u32); 2] = [
         ("64 MiB read", 128 << 10, 512, 2),
         ("8 MiB request", 64 << 10, 128, 4),
     ];
-    // Per shape, per rail count: each round's figures.
-    let mut rows: Vec<(String, [Vec<Figures>; 2])> = Vec::new();
+    // Per shape, per configuration: each round's figures.
+    let mut rows: Vec<(String, Rounds)> = Vec::new();
     for (name, block_size, blocks, in_flight) in shapes {
         let shape = [
             format!("--block-size={block_size}"),
             format!("--blocks-per-read={blocks}"),
             format!("--in-flight={in_flight}"),
         ];
-        let figs = interleaved(&link, ("lender", "reader"), a, &shape)?;
+        let mooncake = python.as_deref().zip(driver.as_ref()).map(|(py, d)| {
+            let link = &link;
+            let script = d.script.clone();
+            move || {
+                mooncake_round(
+                    link,
+                    py,
+                    &script,
+                    (block_size, blocks, in_flight),
+                    a.seconds,
+                )
+            }
+        });
+        let m = mooncake
+            .as_ref()
+            .map(|f| f as &dyn Fn() -> Result<Figures, CliError>);
+        let figs = interleaved(&link, ("lender", "reader"), a, &shape, m)?;
         rows.push((name.to_owned(), figs));
     }
-    let streams = interleaved(&link, ("stream-source", "stream-sink"), a, &[])?;
+    let streams = interleaved(&link, ("stream-source", "stream-sink"), a, &[], None)?;
     rows.push(("tcp streams, one per pair".to_owned(), streams));
     report(&rows, a.json);
     Ok(())
 }
 
-fn report(rows: &[(String, [Vec<Figures>; 2])], json: bool) {
-    let summary: Vec<_> = rows
-        .iter()
-        .map(|(name, figs)| {
-            let stat = |f: &Vec<Figures>, g: fn(&Figures) -> f64| {
-                let mut v: Vec<f64> = f.iter().map(g).collect();
-                let m = median(&mut v);
-                (m, v[0], v[v.len() - 1])
-            };
-            let one = stat(&figs[0], |f| f.gbps);
-            let two = stat(&figs[1], |f| f.gbps);
-            let ratios: Vec<f64> = figs[0]
-                .iter()
-                .zip(&figs[1])
-                .map(|(a, b)| b.gbps / a.gbps)
-                .collect();
-            let mut r = ratios.clone();
-            let ratio = median(&mut r);
-            let cpu1 = stat(&figs[0], |f| f.cpu_ms_per_gb).0;
-            let cpu2 = stat(&figs[1], |f| f.cpu_ms_per_gb).0;
-            (
-                name.clone(),
-                one,
-                two,
-                ratio,
-                r[0],
-                r[r.len() - 1],
-                cpu1,
-                cpu2,
-            )
-        })
-        .collect();
+/// A configuration's median and range of `g` over its rounds.
+fn stat(f: &[Figures], g: fn(&Figures) -> f64) -> (f64, f64, f64) {
+    let mut v: Vec<f64> = f.iter().map(g).collect();
+    let m = median(&mut v);
+    (m, v[0], v[v.len() - 1])
+}
+
+/// The median and range of configuration `b`'s throughput over `a`'s,
+/// round by round (rounds ran back to back).
+fn ratio(a: &[Figures], b: &[Figures]) -> (f64, f64, f64) {
+    let mut r: Vec<f64> = a.iter().zip(b).map(|(a, b)| b.gbps / a.gbps).collect();
+    let m = median(&mut r);
+    (m, r[0], r[r.len() - 1])
+}
+
+fn report(rows: &[(String, Rounds)], json: bool) {
     if json {
-        let items: Vec<String> = summary
+        let items: Vec<String> = rows
             .iter()
-            .map(|(name, one, two, ratio, lo, hi, c1, c2)| {
+            .map(|(name, figs)| {
+                let (one, two) = (stat(&figs[0], |f| f.gbps), stat(&figs[1], |f| f.gbps));
+                let (r, lo, hi) = ratio(&figs[0], &figs[1]);
+                let (c1, c2) = (
+                    stat(&figs[0], |f| f.cpu_ms_per_gb).0,
+                    stat(&figs[1], |f| f.cpu_ms_per_gb).0,
+                );
+                let mooncake = if figs[2].is_empty() {
+                    String::new()
+                } else {
+                    let (m, mlo, mhi) = ratio(&figs[2], &figs[1]);
+                    format!(
+                        ",\"mooncake_gbps\":{:.4},\"mooncake_cpu_ms_per_gb\":{:.1},\"two_rails_vs_mooncake\":{m:.3},\"two_rails_vs_mooncake_min\":{mlo:.3},\"two_rails_vs_mooncake_max\":{mhi:.3}",
+                        stat(&figs[2], |f| f.gbps).0,
+                        stat(&figs[2], |f| f.cpu_ms_per_gb).0
+                    )
+                };
                 format!(
-                    "{{\"shape\":\"{name}\",\"link\":\"veth\",\"one_rail_gbps\":{:.4},\"two_rails_gbps\":{:.4},\"ratio\":{ratio:.3},\"ratio_min\":{lo:.3},\"ratio_max\":{hi:.3},\"one_rail_cpu_ms_per_gb\":{c1:.1},\"two_rails_cpu_ms_per_gb\":{c2:.1}}}",
+                    "{{\"shape\":\"{name}\",\"link\":\"veth\",\"one_rail_gbps\":{:.4},\"two_rails_gbps\":{:.4},\"ratio\":{r:.3},\"ratio_min\":{lo:.3},\"ratio_max\":{hi:.3},\"one_rail_cpu_ms_per_gb\":{c1:.1},\"two_rails_cpu_ms_per_gb\":{c2:.1}{mooncake}}}",
                     one.0, two.0
                 )
             })
@@ -454,16 +569,46 @@ fn report(rows: &[(String, [Vec<Figures>; 2])], json: bool) {
         return;
     }
     println!(
-        "{:<28} {:>16} {:>16} {:>18} {:>18}",
-        "veth pairs (tcp)", "1 rail GB/s", "2 rails GB/s", "2 / 1 (range)", "CPU ms/GB 1 / 2"
+        "{:<26} {:>20} {:>20} {:>17} {:>20} {:>17} {:>20}",
+        "veth pairs (tcp)",
+        "1 rail GB/s",
+        "2 rails GB/s",
+        "2 / 1",
+        "Mooncake GB/s",
+        "2 rails / Mooncake",
+        "CPU ms/GB 1 / 2 / M"
     );
-    for (name, one, two, ratio, lo, hi, c1, c2) in summary {
+    let range = |x: (f64, f64, f64), p: usize| format!("{:.p$} ({:.p$}-{:.p$})", x.0, x.1, x.2);
+    for (name, figs) in rows {
+        let cpu = |i: usize| {
+            if figs[i].is_empty() {
+                "-".to_owned()
+            } else {
+                format!("{:.0}", stat(&figs[i], |f| f.cpu_ms_per_gb).0)
+            }
+        };
+        let (m, mr) = if figs[2].is_empty() {
+            ("-".to_owned(), "-".to_owned())
+        } else {
+            (
+                range(stat(&figs[2], |f| f.gbps), 3),
+                range(ratio(&figs[2], &figs[1]), 2),
+            )
+        };
         println!(
-            "{name:<28} {:>16} {:>16} {:>18} {:>18}",
-            format!("{:.3} ({:.3}-{:.3})", one.0, one.1, one.2),
-            format!("{:.3} ({:.3}-{:.3})", two.0, two.1, two.2),
-            format!("{ratio:.2} ({lo:.2}-{hi:.2})"),
-            format!("{c1:.0} / {c2:.0}")
+            "{name:<26} {:>20} {:>20} {:>17} {m:>20} {mr:>17} {:>20}",
+            range(stat(&figs[0], |f| f.gbps), 3),
+            range(stat(&figs[1], |f| f.gbps), 3),
+            range(ratio(&figs[0], &figs[1]), 2),
+            format!("{} / {} / {}", cpu(0), cpu(1), cpu(2))
+        );
+    }
+    if rows.iter().all(|(_, f)| f[2].is_empty()) {
+        println!("Mooncake not measured (--peers-python none)");
+    } else {
+        println!(
+            "Mooncake: its tcp transport reaches a segment at the one address the segment \
+             gives, so of the two pairs it moves over one."
         );
     }
 }
