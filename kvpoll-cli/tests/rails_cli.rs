@@ -215,3 +215,62 @@ fn rails_with_push_mode_or_past_sixteen_or_a_bad_device_name_exit_2_saying_why()
         assert!(err.contains(says), "{args:?} does not say {says:?}: {err}");
     }
 }
+
+#[test]
+fn a_core_map_gives_each_rank_its_rails_pinned_where_the_map_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = dir.path().join("rails.toml");
+    std::fs::write(
+        &map,
+        "[engine]\ncores = [0]\n\n[[poller]]\ncore = 1\nworkers = [\"lo\"]\nidle = \"adaptive\"\n",
+    )
+    .unwrap();
+    let map = map.to_str().unwrap();
+    let (a, b) = (
+        Serve::start(&["--rank", "0", "--core-map", map]),
+        Serve::start(&["--rank", "1", "--core-map", map]),
+    );
+    let flags = [
+        "--requests",
+        "30",
+        "--give-up-after",
+        "10",
+        "--core-map",
+        map,
+    ];
+    let out = connect(&a, &b, &flags);
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{json}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(field(&json, "finished"), 30, "{json}");
+    assert_eq!(field(&json, "corrupted_blocks"), 0, "{json}");
+    let rails = rails(&json);
+    assert_eq!(rails.len(), 1, "one rail a poller of the map: {json}");
+    assert!(rails[0].contains("\"device\":\"lo\""), "{json}");
+    assert_eq!(
+        field(&rails[0], "core"),
+        1,
+        "pinned where the map says: {json}"
+    );
+    assert_eq!(field(&rails[0], "parts_finished"), 30, "{json}");
+}
+
+#[test]
+fn a_core_map_that_cannot_be_read_or_one_given_with_rails_exits_2_saying_why() {
+    let cases: [(&[&str], &str); 2] = [
+        (
+            &["serve", "--core-map", "/nonexistent/rails.toml"],
+            "--core-map",
+        ),
+        (&["serve", "--core-map", "auto", "--rail", "lo"], "--rail"),
+    ];
+    for (args, says) in cases {
+        let out = kvpoll().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?} does not say {says:?}: {err}");
+    }
+}

@@ -292,6 +292,13 @@ pub struct ServeArgs {
     /// (reads and lends). Without it: one engine, UCX chooses the devices.
     #[arg(long = "rail", value_name = "DEVICE", value_parser = rail_device)]
     pub rails: Vec<String>,
+    /// Rails from a core map (a TOML path, or `auto`: one poller per RDMA
+    /// NIC on a CPU of the NIC's NUMA node; `kvpoll topo` shows and checks
+    /// maps): one engine per `[[poller]]`, its poller pinned to the map's
+    /// core with its idle policy, bound to its `workers` devices (`all`:
+    /// UCX chooses). Instead of --rail.
+    #[arg(long, value_name = "MAP", conflicts_with = "rails")]
+    pub core_map: Option<String>,
     /// Also stop (exit 0) when standard input closes: how a parent process
     /// (the demo, a test) stops its ranks, and stops them if it dies.
     #[arg(long)]
@@ -341,6 +348,13 @@ pub struct ConnectArgs {
     /// (reads and lends); the prefill ranks may have other rails or none. Without it: one engine, UCX chooses the devices.
     #[arg(long = "rail", value_name = "DEVICE", value_parser = rail_device)]
     pub rails: Vec<String>,
+    /// Rails from a core map (a TOML path, or `auto`: one poller per RDMA
+    /// NIC on a CPU of the NIC's NUMA node; `kvpoll topo` shows and checks
+    /// maps): one engine per `[[poller]]`, its poller pinned to the map's
+    /// core with its idle policy, bound to its `workers` devices (`all`:
+    /// UCX chooses). Instead of --rail.
+    #[arg(long, value_name = "MAP", conflicts_with = "rails")]
+    pub core_map: Option<String>,
 
     /// Sizes and counts (as for `demo`; they must match the prefill
     /// ranks').

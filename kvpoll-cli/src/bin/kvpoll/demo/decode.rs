@@ -96,8 +96,8 @@ pub struct DecodeConfig {
     pub rings: Option<std::sync::Arc<AtomicU64>>,
     /// The deployment's key: the engine and the control links are keyed.
     pub auth: Option<kvpoll::auth::AuthKey>,
-    /// Network devices, one engine (rail) each; empty: one engine.
-    pub rails: Vec<String>,
+    /// Its rails, if any.
+    pub rails: super::side::RailsSpec,
 }
 
 /// Injected faults that fired on a decode rank.
@@ -202,6 +202,8 @@ pub struct DecodeReport {
 pub struct RailReport {
     /// Its network device.
     pub device: String,
+    /// The CPU its poller is pinned to, if it is.
+    pub core: Option<usize>,
     /// Bytes its poller moved.
     pub bytes: u64,
     /// Transfer operations its poller completed.
@@ -520,6 +522,7 @@ impl Decoder<'_> {
             if self.report.rails.len() <= i {
                 self.report.rails.push(RailReport {
                     device: r.device.clone().unwrap_or_default(),
+                    core: r.core,
                     ..RailReport::default()
                 });
             }

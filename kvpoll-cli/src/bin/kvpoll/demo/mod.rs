@@ -85,9 +85,10 @@ struct Settings {
     /// prefill rank processes; from the environment they inherit it).
     auth: Option<kvpoll::auth::AuthKey>,
     auth_key_file: Option<std::path::PathBuf>,
-    /// Network devices, one engine (rail) each, for every rank (`--rail`);
-    /// empty: one engine.
-    rails: Vec<String>,
+    /// Every rank's rails (`--rail`, `--core-map`), if any.
+    rails: side::RailsSpec,
+    /// The `--rail` devices as given, for the prefill rank processes.
+    rail_args: Vec<String>,
 }
 
 impl Settings {
@@ -117,7 +118,8 @@ impl Settings {
         s.raw_requests = a.raw_requests;
         s.auth = a.auth.key()?;
         s.auth_key_file = a.auth.auth_key_file.clone();
-        s.rails = rails_given(&a.rails)?;
+        s.rails = rails_given(&a.rails, None)?;
+        s.rail_args = a.rails.clone();
         Ok(s)
     }
 
@@ -152,7 +154,8 @@ impl Settings {
             raw_requests: 0,
             auth: None,
             auth_key_file: None,
-            rails: Vec::new(),
+            rails: side::RailsSpec::None,
+            rail_args: Vec::new(),
         };
         if u64::from(s.blocks) < 2 * u64::from(s.per_handle) * s.window as u64 {
             return Err(CliError::Usage(format!(
@@ -292,7 +295,7 @@ fn start_rank(s: &Settings, rank: u32) -> Result<(Rank, String), CliError> {
             ])
             // The coordinator stalls ranks: fault injection must be allowed.
             .args(s.faults.then_some("--testing"))
-            .args(s.rails.iter().flat_map(|d| ["--rail", d.as_str()]))
+            .args(s.rail_args.iter().flat_map(|d| ["--rail", d.as_str()]))
             .args(
                 s.auth_key_file
                     .iter()
@@ -515,10 +518,10 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
             s.layers,
             s.block_size / 1024,
             s.tls,
-            if s.rails.is_empty() {
+            if s.rails.is_none() {
                 String::new()
             } else {
-                format!(" on rails {} (pull mode only)", s.rails.join(", "))
+                format!(" on rails {} (pull mode only)", s.rails.describe())
             },
             if s.faults { "on" } else { "off" },
             match s.policy { Policy::Safe => "safe", Policy::Eager => "EAGER (unsafe, for comparison)" },
@@ -542,7 +545,7 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     loop {
         cycle += 1;
         // Rails carry reads and lends: pull mode only.
-        let modes: &[Mode] = if s.rails.is_empty() {
+        let modes: &[Mode] = if s.rails.is_none() {
             &[Mode::Pull, Mode::Push]
         } else {
             &[Mode::Pull]
@@ -1101,6 +1104,7 @@ fn rails(r: &ModeReport) -> Vec<decode::RailReport> {
             if out.len() <= i {
                 out.push(decode::RailReport {
                     device: x.device.clone(),
+                    core: x.core,
                     ..decode::RailReport::default()
                 });
             }
@@ -1232,8 +1236,9 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
                     .iter()
                     .enumerate()
                     .map(|(i, x)| format!(
-                        "{{\"rail\":{i},\"device\":{},\"bytes\":{},\"operations\":{},\"parts_finished\":{},\"parts_failed\":{},\"links_down\":{},\"relinks\":{}}}",
+                        "{{\"rail\":{i},\"device\":{},\"core\":{},\"bytes\":{},\"operations\":{},\"parts_finished\":{},\"parts_failed\":{},\"links_down\":{},\"relinks\":{}}}",
                         json_str(&x.device),
+                        x.core.map_or("null".to_owned(), |c| c.to_string()),
                         x.bytes,
                         x.operations,
                         x.parts_finished,
@@ -1262,8 +1267,24 @@ fn json(s: &Settings, reports: &[(Mode, ModeReport)]) -> String {
     )
 }
 
-/// The `--rail` devices given, at most [`kvpoll::rails::MAX_RAILS`].
-fn rails_given(rails: &[String]) -> Result<Vec<String>, CliError> {
+/// The rails asked for: the `--rail` devices (at most
+/// [`kvpoll::rails::MAX_RAILS`]), or a core map's pollers (`--core-map`, a
+/// TOML path or `auto`, checked against this machine), or none.
+fn rails_given(rails: &[String], core_map: Option<&str>) -> Result<side::RailsSpec, CliError> {
+    if let Some(path) = core_map {
+        let topology = kvpoll::placement::Topology::detect()
+            .map_err(|e| CliError::Failed(format!("--core-map {path}: {e}")))?;
+        let map = kvpoll::CoreMap::load(path, &topology)
+            .map_err(|e| CliError::Usage(format!("--core-map {path}: {e}")))?;
+        if map.pollers().len() > kvpoll::rails::MAX_RAILS {
+            return Err(CliError::Usage(format!(
+                "--core-map {path}: {} pollers, at most {} rails",
+                map.pollers().len(),
+                kvpoll::rails::MAX_RAILS
+            )));
+        }
+        return Ok(side::RailsSpec::Map(map));
+    }
     if rails.len() > kvpoll::rails::MAX_RAILS {
         return Err(CliError::Usage(format!(
             "{} --rail given: at most {} rails",
@@ -1271,7 +1292,11 @@ fn rails_given(rails: &[String]) -> Result<Vec<String>, CliError> {
             kvpoll::rails::MAX_RAILS
         )));
     }
-    Ok(rails.to_vec())
+    Ok(if rails.is_empty() {
+        side::RailsSpec::None
+    } else {
+        side::RailsSpec::Devices(rails.to_vec())
+    })
 }
 
 /// `kvpoll serve`: one prefill rank, listening for decode ranks.
@@ -1296,7 +1321,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         },
         testing: args.testing,
         auth: args.auth.key()?,
-        rails: rails_given(&args.rails)?,
+        rails: rails_given(&args.rails, args.core_map.as_deref())?,
     };
     check_sizes(u64::from(args.layers), args.blocks, args.block_size, 1)?;
     let listener = TcpListener::bind(listen)
@@ -1340,10 +1365,11 @@ pub fn connect(args: &ConnectArgs) -> Result<(), CliError> {
     let addrs = args.to.clone();
     let mode = args.mode;
     let mut s = Settings::workload(&args.workload, &args.tls)?;
-    s.rails = rails_given(&args.rails)?;
-    if !s.rails.is_empty() && mode == Mode::Push {
+    s.rails = rails_given(&args.rails, args.core_map.as_deref())?;
+    if !s.rails.is_none() && mode == Mode::Push {
         return Err(CliError::Usage(
-            "--rail carries pull mode only (reads and lends): push runs on one engine".into(),
+            "rails (--rail, --core-map) carry pull mode only (reads and lends): push runs on one engine"
+                .into(),
         ));
     }
     s.give_up_after = Duration::from_secs(args.give_up_after);

@@ -39,8 +39,8 @@ pub struct ServeConfig {
     pub metrics: Option<Arc<Mutex<MetricsSnapshot>>>,
     /// The deployment's key: the engine and the control port are keyed.
     pub auth: Option<kvpoll::auth::AuthKey>,
-    /// Network devices, one engine (rail) each; empty: one engine.
-    pub rails: Vec<String>,
+    /// Its rails, if any.
+    pub rails: super::side::RailsSpec,
 }
 
 /// How often a serving rank refreshes its published metrics.

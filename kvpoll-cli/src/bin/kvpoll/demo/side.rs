@@ -43,6 +43,39 @@ pub enum SideError {
     RailsPeer,
 }
 
+/// Which rails a rank runs, if any.
+#[derive(Debug, Clone, Default)]
+pub enum RailsSpec {
+    /// One engine; UCX chooses its devices.
+    #[default]
+    None,
+    /// One rail per network device (`--rail`).
+    Devices(Vec<String>),
+    /// One rail per `[[poller]]` of a core map (`--core-map`): pinned to
+    /// its core, with its idle policy, bound to its `workers` devices.
+    Map(kvpoll::CoreMap),
+}
+
+impl RailsSpec {
+    pub fn is_none(&self) -> bool {
+        matches!(self, RailsSpec::None)
+    }
+
+    /// The rails' devices, for a summary.
+    pub fn describe(&self) -> String {
+        match self {
+            RailsSpec::None => String::new(),
+            RailsSpec::Devices(d) => d.join(", "),
+            RailsSpec::Map(m) => m
+                .pollers()
+                .iter()
+                .map(|p| format!("{} on CPU {}", p.workers.join("+"), p.core))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+}
+
 /// Wakes the engine thread out of [`Side::wait`], from any thread.
 #[derive(Clone, Debug)]
 pub enum Waker {
@@ -61,24 +94,26 @@ impl Waker {
 
 impl Side {
     /// An engine from `builder` with `layers` regions of `blocks` blocks;
-    /// with `rails` (network devices), one such engine per device.
+    /// with rails, one such engine per rail.
     pub fn start(
         builder: EngineBuilder,
-        rails: &[String],
+        rails: &RailsSpec,
         layers: usize,
         blocks: u32,
     ) -> Result<Side, RunError> {
-        if rails.is_empty() {
-            let mut engine = builder.build()?;
-            for _ in 0..layers {
-                engine.register(u64::from(blocks))?;
+        let b = match rails {
+            RailsSpec::None => {
+                let mut engine = builder.build()?;
+                for _ in 0..layers {
+                    engine.register(u64::from(blocks))?;
+                }
+                return Ok(Side::One(engine));
             }
-            return Ok(Side::One(engine));
-        }
-        let mut b = Rails::builder();
-        for device in rails {
-            b = b.rail(Some(device), builder.clone());
-        }
+            RailsSpec::Devices(devices) => devices
+                .iter()
+                .fold(Rails::builder(), |b, d| b.rail(Some(d), builder.clone())),
+            RailsSpec::Map(map) => kvpoll::rails::RailsBuilder::from_core_map(map, builder),
+        };
         let mut r = b.build()?;
         for _ in 0..layers {
             r.register(u64::from(blocks))?;
