@@ -40,8 +40,12 @@
 //!   not take, deadline, stalled or lost peer) is left out of new reads for [`RailsBuilder::relink_after`]
 //!   while another link to that peer is not (a peer whose every link is
 //!   left out is read through them all); a lost peer is added again to
-//!   that rail then, from the metadata it gave. A read is not retried on another rail: its lender's lend on that
-//!   rail may already be finished by this read's own note there.
+//!   that rail then, from the metadata it gave. A failed part is not
+//!   retried on another rail. For a striped handle it could not be: its
+//!   lender's lend there ended on this read's own note (its part there
+//!   finished). For whole handles it would be safe (the lend on the other
+//!   rail is untouched and confirms like any read) but is not built
+//!   (docs/design.md §3).
 //!
 //! Only reads and lends go over rails; writes and receives are one engine's
 //! ([`Engine`]).
