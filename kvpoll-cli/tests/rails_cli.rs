@@ -151,62 +151,13 @@ fn a_decode_of_two_rails_reads_prefill_ranks_of_one_engine_through_its_rail_0() 
 
 #[test]
 fn rails_with_push_mode_or_past_sixteen_or_a_bad_device_name_exit_2_saying_why() {
+    let to = ["connect", "--to", "127.0.0.1:1,127.0.0.1:2"];
+    let seventeen: Vec<&str> = [to.as_slice(), &["--rail", "a"].repeat(17)].concat();
+    let push = [to.as_slice(), &["--rail", "lo", "--mode", "push"]].concat();
     let cases: [(&[&str], &str); 3] = [
-        (
-            &[
-                "connect",
-                "--to",
-                "127.0.0.1:1,127.0.0.1:2",
-                "--rail",
-                "lo",
-                "--mode",
-                "push",
-            ],
-            "push",
-        ),
+        (&push, "push"),
         (&["serve", "--rail", "lo,eth0"], "network device"),
-        (
-            &[
-                "connect",
-                "--to",
-                "127.0.0.1:1,127.0.0.1:2",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-                "--rail",
-                "a",
-            ],
-            "at most 16",
-        ),
+        (&seventeen, "at most 16"),
     ];
     for (args, says) in cases {
         let out = kvpoll().args(args).output().unwrap();

@@ -217,6 +217,28 @@ pub struct RailReport {
     pub relinks: u64,
 }
 
+impl RailReport {
+    /// Adds `from`'s rail `i` to `to`'s rail `i`, rail by rail.
+    pub fn add_all(to: &mut Vec<RailReport>, from: &[RailReport]) {
+        for (i, x) in from.iter().enumerate() {
+            if to.len() <= i {
+                to.push(RailReport {
+                    device: x.device.clone(),
+                    core: x.core,
+                    ..RailReport::default()
+                });
+            }
+            let t = &mut to[i];
+            t.bytes += x.bytes;
+            t.operations += x.operations;
+            t.parts_finished += x.parts_finished;
+            t.parts_failed += x.parts_failed;
+            t.links_down += x.links_down;
+            t.relinks += x.relinks;
+        }
+    }
+}
+
 struct Link {
     stream: Option<TcpStream>,
     /// The open connection's framing.
@@ -518,22 +540,22 @@ impl Decoder<'_> {
         self.report.faults.release_failures += m.release_failures;
         self.report.busy_ns += busy;
         self.report.idle_ns += idle;
-        for (i, r) in self.engine.rail_stats().into_iter().enumerate() {
-            if self.report.rails.len() <= i {
-                self.report.rails.push(RailReport {
-                    device: r.device.clone().unwrap_or_default(),
-                    core: r.core,
-                    ..RailReport::default()
-                });
-            }
-            let to = &mut self.report.rails[i];
-            to.bytes += r.poller.bytes_moved;
-            to.operations += r.poller.ops_completed;
-            to.parts_finished += r.parts_finished;
-            to.parts_failed += r.parts_failed;
-            to.links_down += r.links_down;
-            to.relinks += r.relinks;
-        }
+        let rails: Vec<RailReport> = self
+            .engine
+            .rail_stats()
+            .into_iter()
+            .map(|r| RailReport {
+                device: r.device.unwrap_or_default(),
+                core: r.core,
+                bytes: r.poller.bytes_moved,
+                operations: r.poller.ops_completed,
+                parts_finished: r.parts_finished,
+                parts_failed: r.parts_failed,
+                links_down: r.links_down,
+                relinks: r.relinks,
+            })
+            .collect();
+        RailReport::add_all(&mut self.report.rails, &rails);
     }
 
     /// Replaces a deaf engine (its UCX worker hears nothing more: a prefill

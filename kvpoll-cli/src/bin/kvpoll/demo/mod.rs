@@ -1098,24 +1098,9 @@ fn print_table(mode: Mode, r: &ModeReport, s: &Settings) {
 /// What each rail carried, summed over the decode ranks (rail `i` of
 /// each); empty without rails.
 fn rails(r: &ModeReport) -> Vec<decode::RailReport> {
-    let mut out: Vec<decode::RailReport> = Vec::new();
+    let mut out = Vec::new();
     for d in &r.decode {
-        for (i, x) in d.rails.iter().enumerate() {
-            if out.len() <= i {
-                out.push(decode::RailReport {
-                    device: x.device.clone(),
-                    core: x.core,
-                    ..decode::RailReport::default()
-                });
-            }
-            let to = &mut out[i];
-            to.bytes += x.bytes;
-            to.operations += x.operations;
-            to.parts_finished += x.parts_finished;
-            to.parts_failed += x.parts_failed;
-            to.links_down += x.links_down;
-            to.relinks += x.relinks;
-        }
+        decode::RailReport::add_all(&mut out, &d.rails);
     }
     out
 }
