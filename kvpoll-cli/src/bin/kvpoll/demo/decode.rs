@@ -193,7 +193,8 @@ pub struct DecodeReport {
     /// Times this rank replaced its engine because its UCX worker went
     /// deaf (a prefill rank died inside a shared-memory send to it).
     pub engines_rebuilt: u32,
-    /// Per rail (`--rail`), what it carried; empty on one engine.
+    /// Per rail (`--rail`, `--core-map`), what it carried; empty on one
+    /// engine.
     pub rails: Vec<RailReport>,
 }
 
