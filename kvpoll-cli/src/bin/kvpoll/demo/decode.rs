@@ -764,24 +764,17 @@ impl Decoder<'_> {
                 // Name the writers when both are known: the lease is then a
                 // fence (the blocks wait for each writer's word or loss).
                 let writers: Vec<PeerId> = self.links.iter().filter_map(|l| l.peer).collect();
-                let lent = if writers.len() == self.links.len() {
-                    self.engine
-                        .one("push")
-                        .map_err(|e| e.to_string())
-                        .and_then(|e| {
-                            e.receive_from(RequestId(id), &req.blocks, &writers, self.cfg.lease)
-                                .map_err(|e| e.to_string())
-                        })
-                } else {
-                    self.engine
-                        .one("push")
-                        .map_err(|e| e.to_string())
-                        .and_then(|e| {
-                            e.receive(RequestId(id), &req.blocks, 2, self.cfg.lease)
-                                .map_err(|e| e.to_string())
-                        })
-                };
-                let Ok(lend) = lent else {
+                // Rails carry no receives (connect refuses push with them).
+                let lent = self.engine.one("push").ok().and_then(|e| {
+                    if writers.len() == self.links.len() {
+                        e.receive_from(RequestId(id), &req.blocks, &writers, self.cfg.lease)
+                            .ok()
+                    } else {
+                        e.receive(RequestId(id), &req.blocks, 2, self.cfg.lease)
+                            .ok()
+                    }
+                });
+                let Some(lend) = lent else {
                     self.pool.release(&req.blocks);
                     self.report.refused += 1;
                     return true;
