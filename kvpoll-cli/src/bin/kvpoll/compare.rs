@@ -228,6 +228,10 @@ fn run_over(
         .wait()
         .map_err(|e| format!("waiting for the group: {e}"))?;
     let err = err.and_then(|t| t.join().ok()).unwrap_or_default();
+    if std::env::var_os("KVPOLL_BENCH_THREADS").is_some() {
+        // The group's rounds, by thread, as the groups run here print them.
+        eprint!("{err}");
+    }
     let figures = GroupFigures::from_lines(g.clone(), &out);
     match figures {
         Some(f) if status.success() || !f.systems.is_empty() || !f.failed.is_empty() => Ok(f),
