@@ -229,7 +229,8 @@ fn run_over(
         .map_err(|e| format!("waiting for the group: {e}"))?;
     let err = err.and_then(|t| t.join().ok()).unwrap_or_default();
     if std::env::var_os("KVPOLL_BENCH_THREADS").is_some() {
-        // The group's rounds, by thread, as the groups run here print them.
+        // Its standard error as it was (the rounds' split by thread among
+        // it), as the groups run in this process print theirs.
         eprint!("{err}");
     }
     let figures = GroupFigures::from_lines(g.clone(), &out);
